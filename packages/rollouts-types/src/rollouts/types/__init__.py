@@ -1,0 +1,42 @@
+"""rollouts-types: the shared vocabulary of the rollouts packages (standard library only)."""
+
+from rollouts.types._freeze import freeze, thaw
+from rollouts.types.configs import (
+    AlgorithmConfig,
+    CheckpointConfig,
+    OptimizerConfig,
+    RLConfig,
+    RolloutConfig,
+    SamplingParams,
+    SFTConfig,
+    from_dict,
+)
+from rollouts.types.protocols import FilterFn, GenerateFn, InferenceEngine, MetricsLogger, RewardFn, Tokenizer
+from rollouts.types.samples import Prompt, RolloutBatch, Sample, Status
+from rollouts.types.state import TrainingState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "FilterFn",
+    "GenerateFn",
+    "InferenceEngine",
+    "MetricsLogger",
+    "OptimizerConfig",
+    "Prompt",
+    "RLConfig",
+    "RewardFn",
+    "RolloutBatch",
+    "RolloutConfig",
+    "SFTConfig",
+    "Sample",
+    "SamplingParams",
+    "Status",
+    "Tokenizer",
+    "TrainingState",
+    "freeze",
+    "from_dict",
+    "thaw",
+]

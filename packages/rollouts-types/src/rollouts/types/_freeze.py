@@ -1,0 +1,65 @@
+"""Deep freezing of JSON-like values, so a frozen dataclass cannot be changed through its fields.
+
+dict -> types.MappingProxyType over a private copy, list/tuple -> tuple, recursively. `thaw` is the
+inverse (for JSON and for callers that want plain containers back).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+def freeze(value: Any) -> Any:
+    """Return an immutable deep copy of a JSON-like value (mappings, sequences, scalars)."""
+    if isinstance(value, Mapping):
+        return MappingProxyType({k: freeze(v) for k, v in value.items()})
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    return value
+
+
+def thaw(value: Any) -> Any:
+    """Return a plain-container deep copy (dict, list) of a frozen value."""
+    if isinstance(value, Mapping):
+        return {k: thaw(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [thaw(v) for v in value]
+    return value
+
+
+def empty_mapping() -> Mapping[str, Any]:
+    """The shared immutable empty mapping used as a field default."""
+    return _EMPTY
+
+
+def check_finite(owner: str, field: str, value: float) -> None:
+    """Raise ValueError naming the field when value is NaN or infinite."""
+    if not math.isfinite(value):
+        raise ValueError(f"{owner}.{field} must be finite, got {value!r}")
+
+
+def as_int_tuple(owner: str, field: str, values: Sequence[int]) -> tuple[int, ...]:
+    """Coerce a sequence to a tuple of non-negative ints, naming the first bad element."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{owner}.{field} must be a sequence of ints, got {type(values).__name__}")
+    out = tuple(values)
+    for i, v in enumerate(out):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{owner}.{field}[{i}] must be a non-negative int, got {v!r}")
+    return out
+
+
+def as_float_tuple(owner: str, field: str, values: Sequence[float]) -> tuple[float, ...]:
+    """Coerce a sequence to a tuple of finite floats, naming the first bad element."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise TypeError(f"{owner}.{field} must be a sequence of floats, got {type(values).__name__}")
+    out = tuple(float(v) for v in values)
+    for i, v in enumerate(out):
+        if not math.isfinite(v):
+            raise ValueError(f"{owner}.{field}[{i}] must be finite, got {v!r}")
+    return out

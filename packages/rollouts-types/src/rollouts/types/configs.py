@@ -1,0 +1,298 @@
+"""Frozen, validated configs. Build them in code, or from a (TOML) mapping with `from_dict`.
+
+Every config type-checks its fields against their annotations and range-checks its values in
+`__post_init__`; errors name the field, the value and the rule. `dataclasses.asdict(config)`
+followed by `from_dict(type(config), ...)` gives back an equal config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rollouts.types._fields import check_fields, from_dict, require
+
+LossAggregation = Literal[
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
+AdvantageEstimator = Literal["grpo", "rloo", "reinforce_pp", "gae"]
+AdvantageScale = Literal["group", "batch", "none"]
+PolicyLoss = Literal["ppo_clip", "gspo", "cispo", "pg"]
+KLKind = Literal["k1", "abs", "k2", "k3", "low_var_kl"]
+KLPlacement = Literal["none", "loss", "reward"]
+ISLevel = Literal["token", "sequence"]
+ISMode = Literal["truncate", "mask"]
+Schedule = Literal["constant", "linear", "cosine"]
+TrainOn = Literal["assistant", "last_assistant", "all"]
+
+__all__ = [
+    "AdvantageEstimator",
+    "AdvantageScale",
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "ISLevel",
+    "ISMode",
+    "KLKind",
+    "KLPlacement",
+    "LossAggregation",
+    "OptimizerConfig",
+    "PolicyLoss",
+    "RLConfig",
+    "RolloutConfig",
+    "SFTConfig",
+    "SamplingParams",
+    "Schedule",
+    "TrainOn",
+    "from_dict",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW and its learning-rate schedule, gradient clipping and the non-finite guard."""
+
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    """Applied to matrices only; norms and biases never decay."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this (None: no clipping)."""
+    warmup_steps: int = 0
+    schedule: Schedule = "cosine"
+    """Shape of the learning rate after warm-up, over the run's total steps."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of `lr` (cosine and linear)."""
+    max_consecutive_skips: int = 3
+    """Raise after this many optimizer steps in a row were skipped for non-finite values."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        n = "OptimizerConfig"
+        require(self.lr > 0, f"{n}.lr", self.lr, "be > 0")
+        for i, b in enumerate(self.betas):
+            require(0.0 <= b < 1.0, f"{n}.betas[{i}]", b, "be in [0, 1)")
+        require(self.eps > 0, f"{n}.eps", self.eps, "be > 0")
+        require(self.weight_decay >= 0, f"{n}.weight_decay", self.weight_decay, "be >= 0")
+        if self.max_grad_norm is not None:
+            require(self.max_grad_norm > 0, f"{n}.max_grad_norm", self.max_grad_norm, "be > 0 or None")
+        require(self.warmup_steps >= 0, f"{n}.warmup_steps", self.warmup_steps, "be >= 0")
+        require(0.0 <= self.min_lr_ratio <= 1.0, f"{n}.min_lr_ratio", self.min_lr_ratio, "be in [0, 1]")
+        require(self.max_consecutive_skips >= 1, f"{n}.max_consecutive_skips", self.max_consecutive_skips, "be >= 1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointConfig:
+    """When to checkpoint and how many checkpoints to keep."""
+
+    every_steps: int = 0
+    """Save every this many optimizer steps (0: only at the end of the run)."""
+    keep_last: int = 2
+    """Keep the newest this many complete checkpoints; older ones are deleted."""
+    save_optimizer: bool = True
+    """Save optimizer and scheduler state (needed for exact resume)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        require(self.every_steps >= 0, "CheckpointConfig.every_steps", self.every_steps, "be >= 0")
+        require(self.keep_last >= 1, "CheckpointConfig.keep_last", self.keep_last, "be >= 1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """How an inference engine samples one request's responses."""
+
+    n: int = 1
+    """Responses per prompt."""
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1: no top-k truncation."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation of a response stops after any of these tokens (the engine's EOS is added by it)."""
+    seed: int | None = None
+    logprobs: bool = True
+    """Return the log-prob of each sampled token."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        n = "SamplingParams"
+        require(self.n >= 1, f"{n}.n", self.n, "be >= 1")
+        require(self.max_new_tokens >= 1, f"{n}.max_new_tokens", self.max_new_tokens, "be >= 1")
+        require(self.temperature >= 0.0, f"{n}.temperature", self.temperature, "be >= 0 (0 is greedy)")
+        require(0.0 < self.top_p <= 1.0, f"{n}.top_p", self.top_p, "be in (0, 1]")
+        require(self.top_k == -1 or self.top_k >= 1, f"{n}.top_k", self.top_k, "be -1 or >= 1")
+        for i, t in enumerate(self.stop_token_ids):
+            require(t >= 0, f"{n}.stop_token_ids[{i}]", t, "be >= 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RolloutConfig:
+    """How a step's samples are generated: sizes, sampling, concurrency and bounds."""
+
+    batch_size: int = 8
+    """Prompts (groups) per training step."""
+    samples_per_prompt: int = 4
+    """Responses per prompt (the GRPO group size)."""
+    over_sampling_factor: float = 1.0
+    """Ask for this many times `batch_size` groups at once (>1 with dynamic sampling)."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards all agree (DAPO) and keep generating until the batch is full."""
+    max_generation_rounds: int = 4
+    """Bound on rounds of (over-)sampling for one step before giving up on filling it."""
+    max_concurrency: int = 32
+    """Generate requests in flight at once."""
+    request_timeout_s: float = 120.0
+    """Bound on one generate request (one group)."""
+    max_retries: int = 2
+    """Retries of a failed or timed-out generate request before the group counts as failed."""
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    """Sampling parameters; `sampling.n` is overridden by `samples_per_prompt`."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        n = "RolloutConfig"
+        require(self.batch_size >= 1, f"{n}.batch_size", self.batch_size, "be >= 1")
+        require(self.samples_per_prompt >= 1, f"{n}.samples_per_prompt", self.samples_per_prompt, "be >= 1")
+        require(self.over_sampling_factor >= 1.0, f"{n}.over_sampling_factor", self.over_sampling_factor, "be >= 1.0")
+        require(self.max_generation_rounds >= 1, f"{n}.max_generation_rounds", self.max_generation_rounds, "be >= 1")
+        require(self.max_concurrency >= 1, f"{n}.max_concurrency", self.max_concurrency, "be >= 1")
+        require(self.request_timeout_s > 0, f"{n}.request_timeout_s", self.request_timeout_s, "be > 0")
+        require(self.max_retries >= 0, f"{n}.max_retries", self.max_retries, "be >= 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AlgorithmConfig:
+    """The RL algorithm: advantages, policy loss, clipping, KL, entropy and importance weights.
+
+    GRPO is the default; Dr.GRPO, DAPO, GSPO, CISPO, RLOO, REINFORCE++ and PPO are settings of
+    these fields (rollouts-loops has named presets).
+    """
+
+    advantage_estimator: AdvantageEstimator = "grpo"
+    advantage_scale: AdvantageScale = "group"
+    """GRPO: divide by the group std ("group"), the batch std ("batch") or not ("none": Dr.GRPO)."""
+    policy_loss: PolicyLoss = "ppo_clip"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    """Upper clip range; DAPO's clip-higher uses 0.28."""
+    dual_clip_c: float | None = None
+    """Dual-clip constant (> 1), applied where the advantage is negative."""
+    loss_aggregation: LossAggregation = "token-mean"
+    norm_constant: float | None = None
+    """Divisor for seq-mean-token-sum-norm (None: the padded sequence length)."""
+    kl_kind: KLKind = "low_var_kl"
+    kl_coef: float = 0.0
+    kl_placement: KLPlacement = "none"
+    """Where the KL to the reference policy goes: in the loss, in the reward, or nowhere."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus (the loss subtracts entropy_coef * entropy)."""
+    is_cap: float | None = None
+    """Cap on importance weights between trainer and engine log-probs (None: no correction)."""
+    is_level: ISLevel = "token"
+    is_mode: ISMode = "truncate"
+    gamma: float = 1.0
+    """GAE discount (PPO with a critic)."""
+    lam: float = 1.0
+    """GAE lambda."""
+    overlong_buffer_length: int = 0
+    """DAPO soft overlong punishment: penalize responses within this many tokens of the limit (0: off)."""
+    overlong_penalty_factor: float = 1.0
+    num_updates_per_batch: int = 1
+    """Optimizer steps taken on one batch of rollouts (PPO epochs); >1 makes the ratio move."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        n = "AlgorithmConfig"
+        require(0.0 <= self.eps_low < 1.0, f"{n}.eps_low", self.eps_low, "be in [0, 1)")
+        require(self.eps_high >= 0.0, f"{n}.eps_high", self.eps_high, "be >= 0")
+        if self.dual_clip_c is not None:
+            require(self.dual_clip_c > 1.0, f"{n}.dual_clip_c", self.dual_clip_c, "be > 1 or None")
+        if self.norm_constant is not None:
+            require(self.norm_constant > 0, f"{n}.norm_constant", self.norm_constant, "be > 0 or None")
+        require(self.kl_coef >= 0.0, f"{n}.kl_coef", self.kl_coef, "be >= 0")
+        require(
+            self.kl_coef == 0.0 or self.kl_placement != "none",
+            f"{n}.kl_placement",
+            self.kl_placement,
+            f"be 'loss' or 'reward' when kl_coef ({self.kl_coef}) > 0, or the KL term is silently ignored",
+        )
+        require(self.entropy_coef >= 0.0, f"{n}.entropy_coef", self.entropy_coef, "be >= 0")
+        if self.is_cap is not None:
+            require(self.is_cap >= 1.0, f"{n}.is_cap", self.is_cap, "be >= 1 or None")
+        require(0.0 <= self.gamma <= 1.0, f"{n}.gamma", self.gamma, "be in [0, 1]")
+        require(0.0 <= self.lam <= 1.0, f"{n}.lam", self.lam, "be in [0, 1]")
+        require(self.overlong_buffer_length >= 0, f"{n}.overlong_buffer_length", self.overlong_buffer_length, "be >= 0")
+        require(self.overlong_penalty_factor >= 0, f"{n}.overlong_penalty_factor", self.overlong_penalty_factor, "be >= 0")
+        require(self.num_updates_per_batch >= 1, f"{n}.num_updates_per_batch", self.num_updates_per_batch, "be >= 1")
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether reference-policy log-probs must be computed."""
+        return self.kl_coef > 0.0 and self.kl_placement != "none"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SFTConfig:
+    """Supervised fine-tuning on conversations (loss on assistant turns)."""
+
+    num_steps: int = 100
+    batch_size: int = 16
+    """Samples per optimizer step."""
+    max_length: int = 2048
+    """Tokens per sample; longer ones are truncated (and reported as truncated)."""
+    max_tokens_per_micro_batch: int = 8192
+    """Token budget of one packed micro-batch (gradient accumulation splits the step)."""
+    loss_aggregation: LossAggregation = "token-mean"
+    train_on: TrainOn = "assistant"
+    """Which turns the loss covers."""
+    seed: int = 0
+    log_every: int = 1
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        n = "SFTConfig"
+        require(self.num_steps >= 1, f"{n}.num_steps", self.num_steps, "be >= 1")
+        require(self.batch_size >= 1, f"{n}.batch_size", self.batch_size, "be >= 1")
+        require(self.max_length >= 2, f"{n}.max_length", self.max_length, "be >= 2")
+        require(
+            self.max_tokens_per_micro_batch >= self.max_length,
+            f"{n}.max_tokens_per_micro_batch",
+            self.max_tokens_per_micro_batch,
+            f"be >= max_length ({self.max_length}) so every sample fits a micro-batch",
+        )
+        require(self.seed >= 0, f"{n}.seed", self.seed, "be >= 0")
+        require(self.log_every >= 1, f"{n}.log_every", self.log_every, "be >= 1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RLConfig:
+    """Reinforcement learning: rollouts, algorithm, optimizer, sync and checkpointing."""
+
+    num_steps: int = 100
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    max_tokens_per_micro_batch: int = 8192
+    sync_every_steps: int = 1
+    """Export weights and sync the engines every this many optimizer steps."""
+    overlap: bool = False
+    """Generate step n+1 while step n trains (off-policy by at most `max_staleness` versions)."""
+    max_staleness: int = 1
+    """With overlap: how many weight versions a sample may lag the trained policy."""
+    seed: int = 0
+    log_every: int = 1
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        n = "RLConfig"
+        require(self.num_steps >= 1, f"{n}.num_steps", self.num_steps, "be >= 1")
+        require(self.max_tokens_per_micro_batch >= 1, f"{n}.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, "be >= 1")
+        require(self.sync_every_steps >= 1, f"{n}.sync_every_steps", self.sync_every_steps, "be >= 1")
+        require(self.max_staleness >= 1, f"{n}.max_staleness", self.max_staleness, "be >= 1")
+        require(self.seed >= 0, f"{n}.seed", self.seed, "be >= 0")
+        require(self.log_every >= 1, f"{n}.log_every", self.log_every, "be >= 1")

@@ -1,0 +1,214 @@
+"""Samples and batches: the currency every stage of the pipeline passes on.
+
+Legend: T tokens in a sample (prompt + response), R response tokens (T - num_prompt_tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollouts.types._freeze import (
+    as_float_tuple,
+    as_int_tuple,
+    check_finite,
+    empty_mapping,
+    freeze,
+    thaw,
+)
+
+
+class Status(enum.StrEnum):
+    """Where a sample is in its life: generated fully, cut short, or lost."""
+
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"  # hit max tokens (or max_length in SFT)
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+Prompt = str | tuple[Mapping[str, Any], ...]
+"""A prompt: plain text, or chat messages ({"role": ..., "content": ...} mappings)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sample:
+    """One prompt/response pair and everything training needs from it."""
+
+    prompt: Prompt = ""
+    """Text, or a tuple of chat messages (frozen mappings)."""
+    response: str = ""
+    """Decoded response text (what a reward function reads)."""
+    tokens: tuple[int, ...] = ()
+    """[T] prompt token ids followed by response token ids."""
+    num_prompt_tokens: int = 0
+    """How many of `tokens` are the prompt; the response is tokens[num_prompt_tokens:]."""
+    loss_mask: tuple[float, ...] = ()
+    """[T] 1.0 on trained tokens, 0.0 on prompt and tool/user turns."""
+    reward: float | None = None
+    """Scalar reward, set by a reward function."""
+    advantage: float | None = None
+    """Scalar advantage, set from the rewards of the sample's group."""
+    group_index: int | None = None
+    """Which prompt group the sample belongs to (GRPO compares samples within a group)."""
+    index: int | None = None
+    """Position of the sample in its step (stable id for logging and carry-over)."""
+    rollout_logprobs: tuple[float, ...] | None = None
+    """[R] log p of each response token under the engine that sampled it (0.0 on tool tokens)."""
+    weight_version: int | None = None
+    """Version of the policy weights that generated the response."""
+    metadata: Mapping[str, Any] = field(default_factory=empty_mapping)
+    """Free-form JSON-like data (frozen): answers, tool traces, filter reasons."""
+    status: Status = Status.PENDING
+
+    def __post_init__(self) -> None:
+        name = "Sample"
+        prompt = self.prompt
+        if not isinstance(prompt, str):
+            if isinstance(prompt, Mapping) or not isinstance(prompt, Sequence):
+                raise TypeError(f"{name}.prompt must be a str or a sequence of messages, got {type(prompt).__name__}")
+            for i, message in enumerate(prompt):
+                if not isinstance(message, Mapping):
+                    raise TypeError(f"{name}.prompt[{i}] must be a message mapping, got {type(message).__name__}")
+            object.__setattr__(self, "prompt", freeze(prompt))
+        if not isinstance(self.response, str):
+            raise TypeError(f"{name}.response must be a str, got {type(self.response).__name__}")
+        tokens = as_int_tuple(name, "tokens", self.tokens)
+        mask = as_float_tuple(name, "loss_mask", self.loss_mask)
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "loss_mask", mask)
+        if len(mask) != len(tokens):
+            raise ValueError(
+                f"{name}.loss_mask has {len(mask)} entries but tokens has {len(tokens)}: "
+                "the mask needs one weight per token"
+            )
+        for i, m in enumerate(mask):
+            if m < 0.0:
+                raise ValueError(f"{name}.loss_mask[{i}] must be >= 0, got {m}")
+        if not 0 <= self.num_prompt_tokens <= len(tokens):
+            raise ValueError(
+                f"{name}.num_prompt_tokens ({self.num_prompt_tokens}) must be in [0, len(tokens)={len(tokens)}]"
+            )
+        if self.rollout_logprobs is not None:
+            logprobs = as_float_tuple(name, "rollout_logprobs", self.rollout_logprobs)
+            if len(logprobs) != self.response_length:
+                raise ValueError(
+                    f"{name}.rollout_logprobs has {len(logprobs)} entries but the response has "
+                    f"{self.response_length} tokens: one log-prob per response token"
+                )
+            object.__setattr__(self, "rollout_logprobs", logprobs)
+        for fname in ("reward", "advantage"):
+            value = getattr(self, fname)
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise TypeError(f"{name}.{fname} must be a float or None, got {type(value).__name__}")
+                check_finite(name, fname, float(value))
+                object.__setattr__(self, fname, float(value))
+        for fname in ("group_index", "index", "weight_version"):
+            value = getattr(self, fname)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name}.{fname} must be a non-negative int or None, got {value!r}")
+        if not isinstance(self.metadata, Mapping):
+            raise TypeError(f"{name}.metadata must be a mapping, got {type(self.metadata).__name__}")
+        object.__setattr__(self, "metadata", freeze(self.metadata))
+        object.__setattr__(self, "status", Status(self.status))
+
+    @property
+    def response_length(self) -> int:
+        """Number of tokens after the prompt (R)."""
+        return len(self.tokens) - self.num_prompt_tokens
+
+    @property
+    def prompt_tokens(self) -> tuple[int, ...]:
+        """[P] the prompt's token ids."""
+        return self.tokens[: self.num_prompt_tokens]
+
+    @property
+    def response_tokens(self) -> tuple[int, ...]:
+        """[R] the response's token ids."""
+        return self.tokens[self.num_prompt_tokens :]
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Number of tokens with a non-zero loss weight."""
+        return sum(1 for m in self.loss_mask if m > 0.0)
+
+    def with_reward(self, reward: float) -> Sample:
+        """A copy with `reward` set."""
+        return dataclasses.replace(self, reward=reward)
+
+    def with_advantage(self, advantage: float) -> Sample:
+        """A copy with `advantage` set."""
+        return dataclasses.replace(self, advantage=advantage)
+
+    def with_metadata(self, **updates: Any) -> Sample:
+        """A copy whose metadata has `updates` merged in."""
+        return dataclasses.replace(self, metadata={**self.metadata, **updates})
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (plain lists and dicts); `Sample.from_dict` inverts it."""
+        out = {f.name: thaw(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        out["status"] = self.status.value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Sample:
+        """Build a Sample from `to_dict` output; unknown keys are an error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"Sample.from_dict: unknown keys {unknown}; allowed: {sorted(known)}")
+        return cls(**data)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RolloutBatch:
+    """The samples of one training step plus what happened while collecting them."""
+
+    samples: tuple[Sample, ...]
+    """The kept samples, grouped: samples of one group share `group_index`."""
+    epoch: int = 0
+    """Epoch of the prompt buffer when the step's prompts were drawn."""
+    step: int = 0
+    """Training step the batch is for."""
+    num_filtered: int = 0
+    """Samples dropped by a filter (their reasons are in `filter_reasons`)."""
+    num_failed: int = 0
+    """Samples whose generation failed after all retries."""
+    num_carried_over: int = 0
+    """Finished samples beyond this step's need, kept for the next step."""
+    filter_reasons: Mapping[str, int] = field(default_factory=empty_mapping)
+    """Filter name -> number of samples it dropped."""
+    metadata: Mapping[str, Any] = field(default_factory=empty_mapping)
+    """Batch statistics (reward mean, response lengths, truncation rate, ...)."""
+
+    def __post_init__(self) -> None:
+        name = "RolloutBatch"
+        if isinstance(self.samples, (str, bytes)) or not isinstance(self.samples, Sequence):
+            raise TypeError(f"{name}.samples must be a sequence of Sample, got {type(self.samples).__name__}")
+        samples = tuple(self.samples)
+        for i, s in enumerate(samples):
+            if not isinstance(s, Sample):
+                raise TypeError(f"{name}.samples[{i}] must be a Sample, got {type(s).__name__}")
+        object.__setattr__(self, "samples", samples)
+        for fname in ("epoch", "step", "num_filtered", "num_failed", "num_carried_over"):
+            value = getattr(self, fname)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}.{fname} must be a non-negative int, got {value!r}")
+        object.__setattr__(self, "filter_reasons", freeze(self.filter_reasons))
+        object.__setattr__(self, "metadata", freeze(self.metadata))
+
+    @property
+    def num_kept(self) -> int:
+        """Number of samples in the batch."""
+        return len(self.samples)
+
+    @property
+    def rewards(self) -> tuple[float, ...]:
+        """Rewards of the samples (NaN where a sample has none)."""
+        return tuple(math.nan if s.reward is None else s.reward for s in self.samples)
