@@ -1,5 +1,6 @@
 """rollouts-types: the shared vocabulary of the rollouts packages (standard library only)."""
 
+from rollouts.types._fields import check_fields, require
 from rollouts.types._freeze import freeze, thaw
 from rollouts.types.configs import (
     AlgorithmConfig,
@@ -36,7 +37,9 @@ __all__ = [
     "Status",
     "Tokenizer",
     "TrainingState",
+    "check_fields",
     "freeze",
     "from_dict",
+    "require",
     "thaw",
 ]
