@@ -1,0 +1,71 @@
+"""Named presets of AlgorithmConfig (and the rollout settings an algorithm implies).
+
+Each preset follows its paper's defaults where they are settings of our configs; departures:
+- grpo: no KL term by default (kl_coef 0); set kl_coef with kl_placement="loss" for the paper's
+  k3 penalty, at the cost of a reference forward pass per step.
+- ppo: there is no critic in rollouts-backends, so advantages are REINFORCE++-style (batch-
+  normalized returns) rather than GAE over a learned value; the clipped surrogate, KL in the loss
+  and truncated importance weights (engine vs trainer log-probs) are PPO's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from rollouts.types import AlgorithmConfig
+
+ALGORITHMS: Mapping[str, AlgorithmConfig] = MappingProxyType(
+    {
+        "grpo": AlgorithmConfig(
+            advantage_estimator="grpo", advantage_scale="group", policy_loss="ppo_clip",
+            loss_aggregation="seq-mean-token-mean",
+        ),
+        "drgrpo": AlgorithmConfig(
+            advantage_estimator="grpo", advantage_scale="none", policy_loss="ppo_clip",
+            loss_aggregation="seq-mean-token-sum-norm",
+        ),
+        "dapo": AlgorithmConfig(
+            advantage_estimator="grpo", advantage_scale="group", policy_loss="ppo_clip",
+            eps_low=0.2, eps_high=0.28, loss_aggregation="token-mean",
+            overlong_buffer_length=64, overlong_penalty_factor=1.0,
+        ),
+        "gspo": AlgorithmConfig(
+            advantage_estimator="grpo", policy_loss="gspo", eps_low=3e-4, eps_high=4e-4,
+            loss_aggregation="seq-mean-token-mean",
+        ),
+        "cispo": AlgorithmConfig(
+            advantage_estimator="grpo", policy_loss="cispo", eps_low=0.99, eps_high=0.28,
+            loss_aggregation="token-mean",
+        ),
+        "rloo": AlgorithmConfig(advantage_estimator="rloo", policy_loss="ppo_clip", loss_aggregation="token-mean"),
+        "reinforce_pp": AlgorithmConfig(
+            advantage_estimator="reinforce_pp", policy_loss="ppo_clip", loss_aggregation="token-mean",
+            kl_kind="k1", kl_coef=0.01, kl_placement="reward",
+        ),
+        "ppo": AlgorithmConfig(
+            advantage_estimator="reinforce_pp", policy_loss="ppo_clip", loss_aggregation="token-mean",
+            kl_kind="low_var_kl", kl_coef=0.001, kl_placement="loss", is_cap=2.0, dual_clip_c=3.0,
+        ),
+    }
+)
+
+ROLLOUT_IMPLIED: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {"dapo": MappingProxyType({"dynamic_sampling": True, "over_sampling_factor": 1.5})}
+)
+"""Rollout settings an algorithm implies (DAPO's dynamic sampling), applied under user settings."""
+
+
+def algorithm_preset(name: str) -> AlgorithmConfig:
+    """The AlgorithmConfig of a named preset; raises naming the allowed names."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm preset {name!r}; allowed: {sorted(ALGORITHMS)}")
+    return ALGORITHMS[name]
+
+
+def preset_dicts(name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(algorithm fields, rollout fields) of a preset as plain dicts, to merge user settings over."""
+    algorithm = dataclasses.asdict(algorithm_preset(name))
+    return algorithm, dict(ROLLOUT_IMPLIED.get(name, {}))

@@ -1,0 +1,223 @@
+"""Run configs for the `rollouts` command: TOML files mapped onto frozen configs, strictly.
+
+A run file has the training config under [sft] or [rl] (rollouts-types' SFTConfig / RLConfig)
+plus the run's own sections: [model], [data], [engine], [run]. Unknown keys, wrong types and
+out-of-range values are errors naming the file, the key and the rule, raised before any work.
+`--set key.path=value` overrides (the value is parsed as TOML, falling back to a bare string).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from rollouts.loops.algorithms import ALGORITHMS, preset_dicts
+from rollouts.types import RLConfig, SFTConfig, check_fields, from_dict, require
+
+EngineKind = Literal["inprocess", "vllm", "sglang"]
+
+
+class ConfigError(ValueError):
+    """A run config is invalid; the message names the file and the key."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSpec:
+    """Where the model comes from and how it is placed."""
+
+    path: str = ""
+    """HF-format model directory (config.json + safetensors); empty only for the demo."""
+    tokenizer_path: str = ""
+    """Tokenizer directory (default: `path`)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataSpec:
+    """Training and evaluation data files (JSONL or JSON)."""
+
+    train_path: str = ""
+    eval_path: str = ""
+    prompt_key: str = "prompt"
+    """Field holding the prompt text (RL) ; SFT reads `messages`."""
+    answer_key: str = "answer"
+    """Field holding the reference answer the reward compares against."""
+    num_eval: int = 200
+    """Evaluate on at most this many eval records."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        require(self.num_eval >= 0, "DataSpec.num_eval", self.num_eval, "be >= 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSpec:
+    """Which inference engine generates rollouts."""
+
+    kind: EngineKind = "inprocess"
+    urls: tuple[str, ...] = ()
+    """Server base URLs for vllm / sglang (several spread the load)."""
+    api_key_env: str = ""
+    """Name of the environment variable holding the API key (never the key itself)."""
+    timeout_s: float = 120.0
+    max_retries: int = 3
+    sync_timeout_s: float = 600.0
+    """Bound on one weight sync to all engines."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        require(self.timeout_s > 0, "EngineSpec.timeout_s", self.timeout_s, "be > 0")
+        require(self.max_retries >= 0, "EngineSpec.max_retries", self.max_retries, "be >= 0")
+        require(self.sync_timeout_s > 0, "EngineSpec.sync_timeout_s", self.sync_timeout_s, "be > 0")
+        if self.kind == "inprocess":
+            require(not self.urls, "EngineSpec.urls", self.urls, "be empty for kind='inprocess'")
+        else:
+            require(len(self.urls) >= 1, "EngineSpec.urls", self.urls, f"name at least one server for kind={self.kind!r}")
+            for i, url in enumerate(self.urls):
+                require(url.startswith(("http://", "https://")), f"EngineSpec.urls[{i}]", url, "start with http:// or https://")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSpec:
+    """Where a run writes and whether it resumes."""
+
+    out_dir: str = "runs/run"
+    resume: bool = True
+    """Continue from the newest complete checkpoint in out_dir/checkpoints, if any."""
+    reward: Literal["math_answer", "exact_match"] = "math_answer"
+    """Reward function for RL (rollouts-losses)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SFTRun:
+    """`rollouts sft`: a model, conversations, and an SFTConfig."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    run: RunSpec = field(default_factory=RunSpec)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RLRun:
+    """`rollouts rl`: a model, prompts, engines, and an RLConfig (optionally from a preset)."""
+
+    model: ModelSpec = field(default_factory=ModelSpec)
+    data: DataSpec = field(default_factory=DataSpec)
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    run: RunSpec = field(default_factory=RunSpec)
+    preset: str = ""
+    """Name of an algorithm preset (grpo, drgrpo, dapo, gspo, cispo, rloo, reinforce_pp, ppo)."""
+    rl: RLConfig = field(default_factory=RLConfig)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        require(not self.preset or self.preset in ALGORITHMS, "RLRun.preset", self.preset, f"be one of {sorted(ALGORITHMS)}")
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A deep copy of `data` with each 'a.b.c=value' override set (tables created as needed)."""
+    out = json.loads(json.dumps(data))
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected key.path=value")
+        *parents, leaf = key.strip().split(".")
+        node = out
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {part!r} is a value, not a table")
+            node = child
+        node[leaf] = _parse_value(text.strip())
+    return out
+
+
+def _with_preset(data: dict[str, Any]) -> dict[str, Any]:
+    """Merge a named algorithm preset under the user's [rl.algorithm] and [rl.rollout] settings."""
+    name = data.get("preset", "")
+    if not isinstance(name, str) or name not in ALGORITHMS:
+        return data  # RLRun's own validation names the bad preset
+    algorithm, rollout = preset_dicts(name)
+    rl = dict(data.get("rl", {}))
+    rl["algorithm"] = {**algorithm, **rl.get("algorithm", {})}
+    rl["rollout"] = {**rollout, **rl.get("rollout", {})}
+    return {**data, "rl": rl}
+
+
+def build_run(cls: type, data: Mapping[str, Any], *, source: str = "<config>") -> Any:
+    """Build SFTRun / RLRun from a mapping; errors are ConfigError naming `source` and the key."""
+    if cls is RLRun:
+        data = _with_preset(dict(data))
+    try:
+        return from_dict(cls, data)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{source}: {e}") from e
+
+
+def load_run(cls: type, path: str | Path | None, overrides: Sequence[str] = ()) -> Any:
+    """Read a TOML run file (or nothing) plus --set overrides into a validated SFTRun / RLRun."""
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError as e:
+            raise ConfigError(f"{source}: no such config file") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{source}: not valid TOML: {e}") from e
+    if overrides:
+        source += " with --set " + " ".join(overrides)
+        data = apply_overrides(data, overrides)
+    return build_run(cls, data, source=source)
+
+
+def to_toml(config: Any) -> str:
+    """Render a (nested) config as TOML, for the resolved config written into a run directory."""
+    return _toml_tables(dataclasses.asdict(config), prefix="")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def _toml_tables(data: Mapping[str, Any], *, prefix: str) -> str:
+    scalars = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, Mapping) and v is not None]
+    skipped = [f"# {k} = (none)" for k, v in data.items() if v is None]
+    lines = ([f"[{prefix}]"] if prefix and (scalars or skipped) else []) + scalars + skipped
+    out = "\n".join(lines) + ("\n\n" if lines else "")
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            out += _toml_tables(value, prefix=f"{prefix}.{key}" if prefix else key)
+    return out
