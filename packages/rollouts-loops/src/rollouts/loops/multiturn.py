@@ -1,0 +1,99 @@
+"""Multi-turn rollouts with tools, token-in / token-out.
+
+The engine continues from the exact token ids of the conversation so far: earlier turns are never
+re-tokenized (re-tokenizing decoded text can split differently and silently shift the log-probs
+the trainer compares against). Tool output is appended as tokens with loss weight 0 and log-prob
+0; only the engine's own tokens are trained on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from rollouts.types import InferenceEngine, Sample, SamplingParams, Status, Tokenizer
+
+ToolParser = Callable[[str], Any | None]
+"""Reads one assistant turn's text; returns a tool call to execute, or None when there is none."""
+ToolExecutor = Callable[[Any], "str | Awaitable[str]"]
+"""Runs a tool call; returns the text to show the model (sync or async)."""
+StopCondition = Callable[[Sample, int], bool]
+"""(the trajectory so far, turns taken) -> whether to stop early."""
+
+
+async def _call(fn: Callable[..., Any], *args: Any) -> Any:
+    result = fn(*args)
+    if isinstance(result, Awaitable):
+        return await result
+    return result
+
+
+async def run_tool_rollout(
+    engine: InferenceEngine,
+    tokenizer: Tokenizer,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    *,
+    tool_parser: ToolParser,
+    tool_executor: ToolExecutor,
+    format_tool_output: Callable[[str], str] = lambda text: text,
+    stop_condition: StopCondition | None = None,
+    max_turns: int = 4,
+    max_total_tokens: int = 4096,
+) -> Sample:
+    """One trajectory alternating engine turns and tool calls; returns a single Sample.
+
+    The Sample's tokens are prompt + every turn; loss_mask is 1 on engine tokens and 0 on the
+    prompt and tool output; rollout_logprobs covers every response token (0.0 on tool tokens).
+    Bounds: at most `max_turns` engine turns and `max_total_tokens` tokens in all.
+    """
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    if len(prompt_ids) >= max_total_tokens:
+        raise ValueError(f"prompt ({len(prompt_ids)} tokens) leaves no room under max_total_tokens={max_total_tokens}")
+    params = dataclasses.replace(params, n=1)
+    tokens, mask, logprobs = list(prompt_ids), [0.0] * len(prompt_ids), []
+    num_prompt = len(prompt_ids)
+    status, turns, tool_calls = Status.COMPLETED, 0, 0
+    trajectory = Sample(tokens=tokens, num_prompt_tokens=num_prompt, loss_mask=mask)
+    while turns < max_turns:
+        room = max_total_tokens - len(tokens)
+        if room <= 0:
+            status = Status.TRUNCATED
+            break
+        turn_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
+        (turn,) = await engine.generate([tokens], turn_params)
+        turns += 1
+        new = turn.response_tokens
+        tokens += new
+        mask += [1.0] * len(new)
+        logprobs += list(turn.rollout_logprobs) if turn.rollout_logprobs is not None else [0.0] * len(new)
+        status = turn.status
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        trajectory = Sample(tokens=tokens, num_prompt_tokens=num_prompt, loss_mask=mask, rollout_logprobs=logprobs)
+        if status is not Status.COMPLETED or (stop_condition is not None and stop_condition(trajectory, turns)):
+            break
+        call = tool_parser(text)
+        if call is None:
+            break
+        output = await _call(tool_executor, call)
+        tool_ids = tokenizer.encode(format_tool_output(str(output)), add_special_tokens=False)
+        tool_calls += 1
+        if len(tokens) + len(tool_ids) >= max_total_tokens:
+            status = Status.TRUNCATED
+            break
+        tokens += tool_ids
+        mask += [0.0] * len(tool_ids)
+        logprobs += [0.0] * len(tool_ids)
+    response_text = tokenizer.decode(tokens[num_prompt:], skip_special_tokens=True)
+    return Sample(
+        tokens=tokens,
+        num_prompt_tokens=num_prompt,
+        loss_mask=mask,
+        rollout_logprobs=logprobs,
+        response=response_text,
+        status=status,
+        weight_version=turn.weight_version if turns else None,
+        metadata={"turns": turns, "tool_calls": tool_calls},
+    )
