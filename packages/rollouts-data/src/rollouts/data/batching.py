@@ -1,0 +1,290 @@
+"""Samples -> micro-batches of numpy arrays: padding, best-fit-decreasing packing, step planning.
+
+Legend: B rows, T tokens per row, S sequences in a micro-batch, N samples in a step.
+
+A micro-batch is a plain `dict[str, np.ndarray]` (the contract rollouts-backends consumes):
+input_ids/position_ids/segment_ids/attention_mask int64 [B, T], loss_mask float32 [B, T],
+sample_indices int64 [S], cu_seqlens int32 [S+1] (packed layout only), and, when the samples carry
+them, advantages and rollout_logprobs float32 [B, T]. Every per-token array is aligned with
+input_ids: entry t concerns token t, so position 0 of every sequence has loss weight 0 (there is
+no prediction for it), even if a Sample's own mask says otherwise.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from rollouts.types import Sample
+
+__all__ = [
+    "MicroBatch",
+    "StepPlan",
+    "best_fit_decreasing",
+    "pack_samples",
+    "pad_batch",
+    "plan_micro_batches",
+    "sample_arrays",
+    "unpack",
+    "unpack_values",
+]
+
+MicroBatch = dict[str, np.ndarray]
+"""One micro-batch: key -> numpy array, as described in the module docstring."""
+
+_TOKEN_KEYS_INT = ("input_ids", "position_ids", "segment_ids", "attention_mask")
+_TOKEN_KEYS_FLOAT = ("loss_mask", "advantages", "rollout_logprobs")
+
+
+def _optional_fields(samples: Sequence[Sample]) -> tuple[str, ...]:
+    """Which optional per-token arrays the batch carries; all samples must agree."""
+    out = []
+    for name, attr in (("advantages", "advantage"), ("rollout_logprobs", "rollout_logprobs")):
+        present = [getattr(s, attr) is not None for s in samples]
+        if any(present) and not all(present):
+            missing = present.index(False)
+            raise ValueError(
+                f"samples[{missing}].{attr} is None while other samples have one: a batch carries "
+                f"{name} for every sample or for none (a missing value would silently train as 0)"
+            )
+        if present and all(present):
+            out.append(name)
+    return tuple(out)
+
+
+def sample_arrays(sample: Sample, *, fields: Sequence[str] = ()) -> dict[str, np.ndarray]:
+    """[T] token-aligned arrays of one sample: input_ids, loss_mask (0 at t=0), plus `fields`."""
+    t = len(sample.tokens)
+    if t == 0:
+        raise ValueError("a sample with no tokens cannot be batched")
+    loss_mask = np.asarray(sample.loss_mask, dtype=np.float32)
+    loss_mask[0] = 0.0  # position 0 has no prediction
+    out = {"input_ids": np.asarray(sample.tokens, dtype=np.int64), "loss_mask": loss_mask}
+    if "advantages" in fields:
+        out["advantages"] = np.full(t, sample.advantage, dtype=np.float32)
+    if "rollout_logprobs" in fields:
+        logprobs = np.zeros(t, dtype=np.float32)
+        logprobs[sample.num_prompt_tokens :] = sample.rollout_logprobs
+        out["rollout_logprobs"] = logprobs
+    return out
+
+
+def _check_samples(samples: Sequence[Sample]) -> None:
+    if len(samples) == 0:
+        raise ValueError("samples is empty: a micro-batch needs at least one sample")
+    for i, s in enumerate(samples):
+        if not isinstance(s, Sample):
+            raise TypeError(f"samples[{i}] must be a Sample, got {type(s).__name__}")
+        if not s.tokens:
+            raise ValueError(f"samples[{i}] has no tokens and cannot be batched")
+
+
+def pad_batch(
+    samples: Sequence[Sample], *, pad_id: int, sample_indices: Sequence[int] | None = None
+) -> MicroBatch:
+    """Right-padded [B, T] arrays, one row per sample (T = longest sample)."""
+    _check_samples(samples)
+    fields = _optional_fields(samples)
+    b, t = len(samples), max(len(s.tokens) for s in samples)
+    out: MicroBatch = {
+        "input_ids": np.full((b, t), pad_id, dtype=np.int64),
+        "position_ids": np.zeros((b, t), dtype=np.int64),
+        "segment_ids": np.full((b, t), -1, dtype=np.int64),
+        "attention_mask": np.zeros((b, t), dtype=np.int64),
+    }
+    for name in ("loss_mask", *fields):
+        out[name] = np.zeros((b, t), dtype=np.float32)
+    for row, s in enumerate(samples):
+        n = len(s.tokens)
+        for name, values in sample_arrays(s, fields=fields).items():
+            out[name][row, :n] = values
+        out["position_ids"][row, :n] = np.arange(n)
+        out["segment_ids"][row, :n] = row
+        out["attention_mask"][row, :n] = 1
+    indices = range(b) if sample_indices is None else sample_indices
+    out["sample_indices"] = np.asarray(list(indices), dtype=np.int64)
+    assert out["sample_indices"].shape == (b,), "one sample index per row"
+    return out
+
+
+def _pack_one(samples: Sequence[Sample], indices: Sequence[int], fields: Sequence[str], *, pad_id: int, length: int) -> MicroBatch:
+    """One packed [1, length] row holding `samples` back to back (tail padded)."""
+    out: MicroBatch = {
+        "input_ids": np.full((1, length), pad_id, dtype=np.int64),
+        "position_ids": np.zeros((1, length), dtype=np.int64),
+        "segment_ids": np.full((1, length), -1, dtype=np.int64),
+        "attention_mask": np.zeros((1, length), dtype=np.int64),
+    }
+    for name in ("loss_mask", *fields):
+        out[name] = np.zeros((1, length), dtype=np.float32)
+    cu = [0]
+    for seg, s in enumerate(samples):
+        a, n = cu[-1], len(s.tokens)
+        for name, values in sample_arrays(s, fields=fields).items():
+            out[name][0, a : a + n] = values
+        out["position_ids"][0, a : a + n] = np.arange(n)
+        out["segment_ids"][0, a : a + n] = seg
+        out["attention_mask"][0, a : a + n] = 1
+        cu.append(a + n)
+    out["cu_seqlens"] = np.asarray(cu, dtype=np.int32)
+    out["sample_indices"] = np.asarray(list(indices), dtype=np.int64)
+    return out
+
+
+def best_fit_decreasing(lengths: Sequence[int], *, capacity: int) -> list[list[int]]:
+    """Bins of item indices, each with total length <= capacity; longest items placed first.
+
+    Each item goes to the fullest bin it still fits in (ties: the earliest bin), else a new bin.
+    """
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    for i, n in enumerate(lengths):
+        if n > capacity:
+            raise ValueError(f"item {i} has length {n} > capacity {capacity}: it fits no bin")
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # sorted (remaining capacity, bin id)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[i]
+        j = bisect.bisect_left(free, (n, -1))
+        if j < len(free):
+            remaining, b = free.pop(j)
+        else:
+            remaining, b = capacity, len(bins)
+            bins.append([])
+        bins[b].append(i)
+        bisect.insort(free, (remaining - n, b))
+    return bins
+
+
+def pack_samples(
+    samples: Sequence[Sample], *, max_tokens: int, pad_id: int = 0, pad_to_multiple_of: int = 1
+) -> list[MicroBatch]:
+    """Packed micro-batches ([1, T], T <= max_tokens) filled by best-fit-decreasing.
+
+    Each row is its sequences back to back, padded at the tail to a multiple of
+    `pad_to_multiple_of` (never beyond max_tokens); position_ids restart at 0 per sequence and
+    cu_seqlens marks the boundaries.
+    """
+    _check_samples(samples)
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
+    fields = _optional_fields(samples)
+    lengths = [len(s.tokens) for s in samples]
+    for i, n in enumerate(lengths):
+        if n > max_tokens:
+            raise ValueError(
+                f"samples[{i}] has {n} tokens > max_tokens {max_tokens}: it fits no micro-batch; "
+                "truncate it or raise the token budget"
+            )
+    out = []
+    for bin_indices in best_fit_decreasing(lengths, capacity=max_tokens):
+        used = sum(lengths[i] for i in bin_indices)
+        length = min(-(-used // pad_to_multiple_of) * pad_to_multiple_of, max_tokens)
+        out.append(_pack_one([samples[i] for i in bin_indices], bin_indices, fields, pad_id=pad_id, length=length))
+    return out
+
+
+def _sequence_slices(micro_batch: Mapping[str, np.ndarray]) -> list[tuple[int, int, int, int]]:
+    """(sample index, row, start, end) of every sequence in a micro-batch."""
+    indices = micro_batch["sample_indices"].tolist()
+    if "cu_seqlens" in micro_batch:
+        cu = micro_batch["cu_seqlens"].tolist()
+        return [(idx, 0, cu[s], cu[s + 1]) for s, idx in enumerate(indices)]
+    lengths = micro_batch["attention_mask"].sum(axis=1).tolist()
+    return [(idx, row, 0, int(lengths[row])) for row, idx in enumerate(indices)]
+
+
+def unpack(micro_batches: Sequence[Mapping[str, np.ndarray]]) -> dict[int, dict[str, np.ndarray]]:
+    """Sample index -> its [T_i] per-token arrays, from packed or padded micro-batches."""
+    out: dict[int, dict[str, np.ndarray]] = {}
+    for mb in micro_batches:
+        keys = [k for k, v in mb.items() if v.ndim == 2]
+        for idx, row, a, b in _sequence_slices(mb):
+            if idx in out:
+                raise ValueError(f"sample index {idx} appears in more than one sequence")
+            arrays = {k: mb[k][row, a:b].copy() for k in keys}
+            arrays.pop("segment_ids", None)
+            arrays.pop("attention_mask", None)
+            out[idx] = arrays
+    return out
+
+
+def unpack_values(
+    micro_batches: Sequence[Mapping[str, np.ndarray]], values: Sequence[np.ndarray]
+) -> dict[int, np.ndarray]:
+    """Sample index -> [T_i] slice of a per-token result (e.g. trainer log-probs), one [B, T] array per micro-batch."""
+    out: dict[int, np.ndarray] = {}
+    for mb, v in zip(micro_batches, values, strict=True):
+        if v.shape != mb["input_ids"].shape:
+            raise ValueError(f"values shape {v.shape} must match its micro-batch's input_ids {mb['input_ids'].shape}")
+        for idx, row, a, b in _sequence_slices(mb):
+            out[idx] = np.asarray(v[row, a:b]).copy()
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepPlan:
+    """A step's micro-batches plus the whole-step denominators the loss needs."""
+
+    micro_batches: tuple[MicroBatch, ...] = field(repr=False)
+    """The micro-batches, each a dict of numpy arrays (see module docstring)."""
+    num_loss_tokens: int
+    """Tokens with loss_mask > 0 over the whole step (global token-mean denominator)."""
+    num_sequences: int
+    """Sequences in the whole step (global sequence-mean denominator)."""
+    num_tokens: int
+    """Real (non-padding) tokens over the whole step."""
+    num_padding_tokens: int
+    """Padding tokens over all micro-batches (capacity wasted)."""
+
+
+def _padded_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive runs of length-sorted samples whose padded size rows * longest <= max_tokens."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def plan_micro_batches(
+    samples: Sequence[Sample],
+    *,
+    max_tokens: int,
+    layout: Literal["packed", "padded"] = "packed",
+    pad_id: int = 0,
+) -> StepPlan:
+    """Split a step's samples into micro-batches of at most `max_tokens` (B * T) tokens each.
+
+    sample_indices in every micro-batch index into `samples`; the counts cover the whole step, so
+    losses normalized by them and summed over micro-batches equal the loss of one big batch.
+    """
+    _check_samples(samples)
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+    lengths = [len(s.tokens) for s in samples]
+    if layout == "packed":
+        micro_batches = pack_samples(samples, max_tokens=max_tokens, pad_id=pad_id)
+    elif layout == "padded":
+        for i, n in enumerate(lengths):
+            if n > max_tokens:
+                raise ValueError(f"samples[{i}] has {n} tokens > max_tokens {max_tokens}: it fits no micro-batch")
+        micro_batches = [
+            pad_batch([samples[i] for i in g], pad_id=pad_id, sample_indices=g) for g in _padded_groups(lengths, max_tokens)
+        ]
+    else:
+        raise ValueError(f"layout must be 'packed' or 'padded', got {layout!r}")
+    num_tokens = sum(lengths)
+    return StepPlan(
+        micro_batches=tuple(micro_batches),
+        num_loss_tokens=int(sum(int((mb["loss_mask"] > 0).sum()) for mb in micro_batches)),
+        num_sequences=len(samples),
+        num_tokens=num_tokens,
+        num_padding_tokens=sum(mb["input_ids"].size for mb in micro_batches) - num_tokens,
+    )

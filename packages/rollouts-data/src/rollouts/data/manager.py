@@ -1,0 +1,198 @@
+"""AsyncRolloutManager: a step's groups generated concurrently on trio, with every bound explicit.
+
+One generate request is one group (GenerateFn: prompt, n -> n Samples). Per step the manager:
+1. takes kept groups left over from earlier steps (the carry-over cache) first;
+2. runs rounds: draws ceil(missing * over_sampling_factor) prompts (aborted prompts first),
+   runs them at most `max_concurrency` at a time, each attempt bounded by `request_timeout_s`
+   and retried up to `max_retries` times; then scores and filters the finished groups;
+3. with dynamic sampling (DAPO), repeats rounds until the batch is full or
+   `max_generation_rounds` is reached; without it, runs one round.
+Kept groups beyond the step's need go to the carry-over cache instead of being thrown away.
+
+Accounting, per step, in groups (RolloutBatch.metadata):
+  groups_requested == groups_kept_new + groups_carried_over + groups_filtered + groups_failed + groups_aborted
+Aborted requests (in flight when `abort()` was called) put their prompt back in a queue that the
+next step serves first, so no prompt is lost.
+
+Sync generate functions run in worker threads; on timeout or abort the thread is abandoned (its
+result discarded), since Python cannot cancel a running thread.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import trio
+
+from rollouts.types import FilterFn, GenerateFn, RewardFn, RolloutBatch, RolloutConfig, Sample, thaw
+
+from rollouts.data.buffer import DataBuffer
+from rollouts.data.filters import check_reward_nonzero_std
+from rollouts.data.rollout import apply_sample_transforms, assign_groups, convert_to_batch, validate_group
+
+__all__ = ["AsyncRolloutManager"]
+
+_MAX_ERRORS_REPORTED = 8  # keep batch metadata small when many requests fail the same way
+
+
+class AsyncRolloutManager:
+    """Generates the groups of one training step at a time; holds the carry-over cache between steps."""
+
+    def __init__(
+        self,
+        buffer: DataBuffer,
+        config: RolloutConfig,
+        generate_fn: GenerateFn,
+        *,
+        reward_fn: RewardFn | None = None,
+        filter_fn: FilterFn | None = None,
+    ) -> None:
+        if not callable(generate_fn):
+            raise TypeError(f"generate_fn must be callable, got {type(generate_fn).__name__}")
+        self._buffer = buffer
+        self._config = config
+        self._generate_fn = generate_fn
+        self._reward_fn = reward_fn
+        if filter_fn is None and config.dynamic_sampling:
+            filter_fn = check_reward_nonzero_std()
+        self._filter_fn = filter_fn
+        self._carry: list[tuple[Sample, ...]] = []
+        self._pending_prompts: list[Any] = []
+        self._scope: trio.CancelScope | None = None
+        self._aborted = False
+        self._thread_limiter = trio.CapacityLimiter(config.max_concurrency)
+
+    @property
+    def num_carried_over_groups(self) -> int:
+        """Kept groups waiting in the carry-over cache for the next step."""
+        return len(self._carry)
+
+    @property
+    def num_pending_prompts(self) -> int:
+        """Prompts of aborted requests, served first by the next step."""
+        return len(self._pending_prompts)
+
+    def abort(self) -> None:
+        """Stop the step in progress now: in-flight requests are cancelled, finished groups kept."""
+        self._aborted = True
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def _draw_prompts(self, num: int) -> list[Any]:
+        from_pending, self._pending_prompts = self._pending_prompts[:num], self._pending_prompts[num:]
+        rest = num - len(from_pending)
+        return from_pending + (list(self._buffer.get_prompts(rest)) if rest else [])
+
+    async def _call(self, prompt: Any, n: int) -> Any:
+        fn = self._generate_fn
+        if inspect.iscoroutinefunction(fn):
+            result = await fn(prompt, n)
+        else:
+            result = await trio.to_thread.run_sync(fn, prompt, n, abandon_on_cancel=True, limiter=self._thread_limiter)
+            if inspect.isawaitable(result):
+                result = await result
+        return validate_group(result, n, prompt=prompt)
+
+    async def _request(
+        self, rid: int, prompt: Any, limiter: trio.CapacityLimiter, results: dict[int, tuple[Sample, ...] | str], counts: dict[str, int]
+    ) -> None:
+        cfg = self._config
+        errors = []
+        async with limiter:
+            for attempt in range(cfg.max_retries + 1):
+                try:
+                    with trio.fail_after(cfg.request_timeout_s):
+                        results[rid] = await self._call(prompt, cfg.samples_per_prompt)
+                    counts["retries"] += attempt
+                    return
+                except trio.TooSlowError:
+                    errors.append(f"timed out after {cfg.request_timeout_s} s")
+                except Exception as e:  # a failed request is retried, then counted; never lost
+                    errors.append(f"{type(e).__name__}: {e}")
+        counts["retries"] += cfg.max_retries
+        results[rid] = f"prompt {prompt!r:.80} failed {len(errors)} times; last: {errors[-1]}"
+
+    async def generate_batch(self, *, step: int) -> RolloutBatch:
+        """Generate, score and filter one step's groups; returns them as a RolloutBatch."""
+        cfg, n = self._config, self._config.samples_per_prompt
+        need = cfg.batch_size
+        epoch = self._buffer.epoch_id
+        kept, self._carry = self._carry[:need], self._carry[need:]
+        counts = {k: 0 for k in ("requested", "kept_new", "carried_over", "filtered", "failed", "aborted", "retries")}
+        counts["from_carry_over"] = len(kept)
+        filtered: list[tuple[str, tuple[Sample, ...]]] = []
+        errors: list[str] = []
+        rounds_allowed = cfg.max_generation_rounds if cfg.dynamic_sampling else 1
+        num_rounds = 0
+        self._aborted = False
+        while len(kept) < need and num_rounds < rounds_allowed and not self._aborted:
+            num_rounds += 1
+            prompts = self._draw_prompts(math.ceil((need - len(kept)) * cfg.over_sampling_factor))
+            counts["requested"] += len(prompts)
+            results: dict[int, tuple[Sample, ...] | str] = {}
+            limiter = trio.CapacityLimiter(cfg.max_concurrency)
+            with trio.CancelScope() as scope:
+                self._scope = scope
+                if self._aborted:
+                    scope.cancel()
+                async with trio.open_nursery() as nursery:
+                    for rid, prompt in enumerate(prompts):
+                        nursery.start_soon(self._request, rid, prompt, limiter, results, counts)
+            self._scope = None
+            groups = []
+            for rid, prompt in enumerate(prompts):
+                result = results.get(rid)
+                if result is None:
+                    self._pending_prompts.append(prompt)
+                    counts["aborted"] += 1
+                elif isinstance(result, str):
+                    counts["failed"] += 1
+                    if len(errors) < _MAX_ERRORS_REPORTED:
+                        errors.append(result)
+                else:
+                    groups.append(result)
+            out = apply_sample_transforms(groups, reward_fn=self._reward_fn, filter_fn=self._filter_fn)
+            filtered.extend(out.filtered)
+            counts["filtered"] += len(out.filtered)
+            room = need - len(kept)
+            kept.extend(out.kept[:room])
+            self._carry.extend(out.kept[room:])
+            counts["kept_new"] += min(room, len(out.kept))
+            counts["carried_over"] += max(0, len(out.kept) - room)
+        samples = [s for g in assign_groups(kept) for s in g]
+        filter_reasons: dict[str, int] = {}
+        for reason, g in filtered:
+            filter_reasons[reason] = filter_reasons.get(reason, 0) + len(g)
+        metadata: dict[str, Any] = {f"groups_{k}": v for k, v in counts.items()}
+        metadata |= {"num_rounds": num_rounds, "aborted": self._aborted, "errors": errors}
+        return convert_to_batch(
+            samples,
+            epoch=epoch,
+            step=step,
+            num_filtered=sum(len(g) for _, g in filtered),
+            num_failed=counts["failed"] * n,
+            num_carried_over=sum(len(g) for g in self._carry),
+            filter_reasons=filter_reasons,
+            metadata=metadata,
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-ready state: the carry-over cache and the prompts of aborted requests."""
+        return {
+            "carry_over": [[s.to_dict() for s in g] for g in self._carry],
+            "pending_prompts": [thaw(p) for p in self._pending_prompts],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what `state_dict` saved."""
+        if set(state) != {"carry_over", "pending_prompts"}:
+            raise ValueError(f"manager state keys must be ['carry_over', 'pending_prompts'], got {sorted(state)}")
+        carry = [tuple(Sample.from_dict(d) for d in g) for g in state["carry_over"]]
+        for i, g in enumerate(carry):
+            if len(g) != self._config.samples_per_prompt:
+                raise ValueError(f"carry_over[{i}] has {len(g)} samples, expected samples_per_prompt={self._config.samples_per_prompt}")
+        self._carry = carry
+        self._pending_prompts = list(state["pending_prompts"])
