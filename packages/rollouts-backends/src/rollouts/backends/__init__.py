@@ -1,0 +1,55 @@
+"""rollouts-backends: training as functions, crash-safe checkpoints, FSDP2, in-process sampling."""
+
+from rollouts.backends.checkpoint import (
+    export_weights,
+    latest_checkpoint,
+    load_checkpoint,
+    load_model_weights,
+    read_weights,
+    save_checkpoint,
+)
+from rollouts.backends.components import (
+    TrainingComponents,
+    build_components,
+    build_optimizer,
+    build_scheduler,
+    load_hf_model,
+    lr_multiplier,
+)
+from rollouts.backends.sampler import InProcessEngine, generate, sample_next_tokens
+from rollouts.backends.train import (
+    NonFiniteError,
+    attention_mask_4d,
+    compute_logprobs,
+    forward_backward,
+    micro_batch_to_torch,
+    optim_step,
+    token_logprobs_of_model,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "InProcessEngine",
+    "NonFiniteError",
+    "TrainingComponents",
+    "attention_mask_4d",
+    "build_components",
+    "build_optimizer",
+    "build_scheduler",
+    "compute_logprobs",
+    "export_weights",
+    "forward_backward",
+    "generate",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_hf_model",
+    "load_model_weights",
+    "lr_multiplier",
+    "micro_batch_to_torch",
+    "optim_step",
+    "read_weights",
+    "sample_next_tokens",
+    "save_checkpoint",
+    "token_logprobs_of_model",
+]

@@ -1,0 +1,412 @@
+"""Crash-safe checkpoints, exact resume, and weight export in HF safetensors format.
+
+A checkpoint is a directory `root/step_<n>/`:
+  config.json, model.safetensors   HF format, loadable by transformers / vLLM / SGLang as they are
+  optimizer.safetensors            AdamW moments and step counts, keyed "<parameter name>::<key>"
+  state.json                       TrainingState, `extra`, scheduler and optimizer hyper-parameters,
+                                   RNG states (torch, numpy, python) and the size + CRC-32 of every file
+It is written under `root/.tmp-step_<n>-<pid>`, every file fsynced, then renamed: a crash at any
+instant leaves either the previous checkpoints or a complete new one. `latest_checkpoint` trusts
+a directory only if every file matches what state.json recorded.
+
+Under FSDP2 the full (unsharded) weights and optimizer state are gathered to rank 0, which writes;
+loading reads the full tensors on every rank and keeps each rank's shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors.torch
+import torch
+from rollouts.types import TrainingState
+
+from rollouts.backends.components import TrainingComponents
+
+__all__ = [
+    "export_weights",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_model_weights",
+    "read_weights",
+    "save_checkpoint",
+]
+
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_PREFIX = ".tmp-"
+_TRASH_PREFIX = ".trash-"
+_KEY_SEP = "::"
+_DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+"""HF's default shard size: one file per 5 GiB keeps any single write and load bounded."""
+_CRC_BLOCK_BYTES = 64 * 1024**2
+"""Read size when verifying a file's CRC-32 (bounded memory for multi-GiB weights)."""
+
+
+# ---------------------------------------------------------------- file helpers
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_bytes(path: Path, data: bytes | memoryview) -> dict[str, int]:
+    """Write, fsync and return {"bytes", "crc32"} of `data` (CRC-32 catches torn and truncated writes)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": len(data), "crc32": zlib.crc32(data)}
+
+
+def _write_json(path: Path, obj: Any) -> dict[str, int]:
+    return _write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+
+def _write_config(path: Path, model: torch.nn.Module) -> dict[str, int]:
+    return _write_bytes(path, model.config.to_json_string(use_diff=False).encode())
+
+
+def _write_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> dict[str, int]:
+    data = safetensors.torch.save(dict(tensors), metadata=dict(metadata))
+    return _write_bytes(path, data)
+
+
+def _file_matches(path: Path, record: Mapping[str, int]) -> bool:
+    try:
+        if path.stat().st_size != record["bytes"]:
+            return False
+        crc = 0
+        with open(path, "rb") as f:
+            while block := f.read(_CRC_BLOCK_BYTES):
+                crc = zlib.crc32(block, crc)
+        return crc == record["crc32"]
+    except (OSError, KeyError, TypeError):
+        return False
+
+
+def _remove_tree(path: Path, root: Path) -> None:
+    """Delete a directory so that no half-deleted copy ever keeps its old name."""
+    trash = root / f"{_TRASH_PREFIX}{path.name}-{os.getpid()}"
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Atomically give the complete directory `tmp` the name `final` (replacing an old one)."""
+    _fsync_dir(tmp)
+    if final.exists():
+        _remove_tree(final, final.parent)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+
+
+# ---------------------------------------------------------------- state dicts
+
+
+def _is_distributed(model: torch.nn.Module) -> bool:
+    return any(hasattr(p, "device_mesh") for p in model.parameters())
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """HF-named full weights on CPU; a tensor tied to an earlier one (lm_head = embeddings) is left out."""
+    if _is_distributed(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = model.state_dict()
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int]] = set()
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.detach().to("cpu").contiguous()
+    return out
+
+
+def _optimizer_state(components: TrainingComponents) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+    """Full optimizer state as flat tensors '<param name>::<key>' and JSON param groups."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_optimizer_state_dict(components.model, components.optimizer, options=options)
+    tensors = {}
+    for name, entries in state.get("state", {}).items():
+        for key, value in entries.items():
+            tensors[f"{name}{_KEY_SEP}{key}"] = torch.as_tensor(value).detach().to("cpu").contiguous()
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in state.get("param_groups", [])]
+    return tensors, groups
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    out: dict[str, Any] = {
+        "torch": torch.get_rng_state().tolist(),
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def _restore_rng(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+
+
+def _scheduler_state(scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
+    # The lambdas are rebuilt from the OptimizerConfig; only the counters are state.
+    return {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+
+
+# ---------------------------------------------------------------- public API
+
+
+def save_checkpoint(
+    components: TrainingComponents,
+    state: TrainingState,
+    root: str | Path,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    keep_last: int = 2,
+    save_optimizer: bool = True,
+    tokenizer: Any = None,
+) -> Path:
+    """Write `root/step_<state.step>/` atomically and keep the newest `keep_last`; returns its path.
+
+    `extra` is any JSON-ready mapping (e.g. DataBuffer state) given back by `load_checkpoint`.
+    Under FSDP2 every rank must call it (the gather is collective); rank 0 writes.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}: it would delete the checkpoint just written")
+    extra_json = json.loads(json.dumps(dict(extra or {})))  # fail early (TypeError) on non-JSON extra
+    root = Path(root)
+    final = root / f"step_{state.step}"
+    weights = _model_tensors(components.model)
+    optim_tensors, optim_groups = _optimizer_state(components) if save_optimizer else ({}, [])
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.iterdir():
+            if stale.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
+                shutil.rmtree(stale, ignore_errors=True)
+        tmp = root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
+        tmp.mkdir()
+        files = {
+            "config.json": _write_config(tmp / "config.json", components.model),
+            "model.safetensors": _write_tensors(tmp / "model.safetensors", weights, {"format": "pt"}),
+        }
+        if save_optimizer:
+            files["optimizer.safetensors"] = _write_tensors(tmp / "optimizer.safetensors", optim_tensors, {})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        record = {
+            "format_version": FORMAT_VERSION,
+            "training_state": state.to_dict(),
+            "extra": extra_json,
+            "files": files,
+            "optimizer_param_groups": optim_groups,
+            "scheduler": _scheduler_state(components.scheduler),
+            "rng": _rng_state(),
+        }
+        # state.json is written last: its presence with matching records marks a complete set.
+        _write_json(tmp / "state.json", record)
+        _publish(tmp, final)
+        for old in _step_dirs(root)[:-keep_last]:
+            _remove_tree(old, root)
+    _barrier()
+    return final
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    """step_<n> directories under root, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("format_version") != FORMAT_VERSION:
+        return None
+    return record
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under `root` (every file matches state.json), or None."""
+    for path in reversed(_step_dirs(Path(root))):
+        record = _read_record(path)
+        if record is None:
+            continue
+        files = record.get("files", {})
+        if "model.safetensors" in files and all(_file_matches(path / n, r) for n, r in files.items()):
+            return path
+    return None
+
+
+def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF safetensors directory (one file or an index of shards), on CPU."""
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        names = ["model.safetensors"]
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        out.update(safetensors.torch.load_file(str(directory / name)))
+    return out
+
+
+def load_model_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy HF-named full weights into `model` (sharded or not); tied weights may be absent."""
+    if _is_distributed(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True, strict=False))
+        return
+    result = model.load_state_dict(tensors, strict=False)
+    own = model.state_dict()
+    storages = {(t.untyped_storage().data_ptr(), t.storage_offset()) for n, t in own.items() if n in tensors}
+    untied_missing = [
+        n for n in result.missing_keys if (own[n].untyped_storage().data_ptr(), own[n].storage_offset()) not in storages
+    ]
+    if untied_missing or result.unexpected_keys:
+        raise ValueError(
+            f"checkpoint weights do not fit the model: missing {untied_missing[:5]}, unexpected {result.unexpected_keys[:5]}"
+        )
+
+
+def load_checkpoint(
+    components: TrainingComponents,
+    path: str | Path,
+    *,
+    load_optimizer: bool = True,
+    restore_rng: bool = True,
+) -> tuple[TrainingState, dict[str, Any]]:
+    """Restore weights, optimizer, scheduler and RNG from a checkpoint; returns (TrainingState, extra)."""
+    path = Path(path)
+    record = _read_record(path)
+    if record is None:
+        raise ValueError(f"{str(path)!r} is not a checkpoint: state.json missing, unreadable or of another format")
+    load_model_weights(components.model, read_weights(path))
+    if load_optimizer:
+        if "optimizer.safetensors" not in record["files"]:
+            raise ValueError(f"checkpoint {str(path)!r} holds no optimizer state (saved with save_optimizer=False)")
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        flat = safetensors.torch.load_file(str(path / "optimizer.safetensors"))
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for key, tensor in flat.items():
+            name, entry = key.rsplit(_KEY_SEP, 1)
+            state.setdefault(name, {})[entry] = tensor
+        groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else dict(g) for g in record["optimizer_param_groups"]]
+        set_optimizer_state_dict(
+            components.model,
+            components.optimizer,
+            {"state": state, "param_groups": groups},
+            options=StateDictOptions(full_state_dict=True),
+        )
+        components.scheduler.load_state_dict({**record["scheduler"], "lr_lambdas": [None] * len(components.optimizer.param_groups)})
+    if restore_rng:
+        _restore_rng(record["rng"])
+    return TrainingState.from_dict(record["training_state"]), dict(record["extra"])
+
+
+def export_weights(
+    components: TrainingComponents,
+    directory: str | Path,
+    *,
+    max_shard_bytes: int = _DEFAULT_MAX_SHARD_BYTES,
+) -> tuple[Path, dict[str, Any]]:
+    """Write HF safetensors weights (sharded above `max_shard_bytes`) + config.json + manifest.json.
+
+    Returns (directory, manifest) with manifest = {"tensors": {name: {shape, dtype, file}},
+    "files": {file: {bytes, crc32}}, "total_bytes", "checksum"}. The directory is replaced
+    atomically. Under FSDP2 every rank calls it; rank 0 writes and gets the manifest, others {}.
+    """
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    directory = Path(directory)
+    weights = _model_tensors(components.model)
+    if _rank() != 0:
+        _barrier()
+        return directory, {}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in weights.items():
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += size
+    if len(shards) == 1:
+        file_names = ["model.safetensors"]
+    else:
+        file_names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.parent / f"{_TMP_PREFIX}{directory.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    files = {}
+    tensors_meta = {}
+    for file_name, shard in zip(file_names, shards, strict=True):
+        files[file_name] = _write_tensors(tmp / file_name, shard, {"format": "pt"})
+        for name, tensor in shard.items():
+            tensors_meta[name] = {
+                "shape": list(tensor.shape),
+                "dtype": str(tensor.dtype).removeprefix("torch."),
+                "file": file_name,
+            }
+    total_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    if len(shards) > 1:
+        weight_map = {name: meta["file"] for name, meta in tensors_meta.items()}
+        _write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": total_bytes}, "weight_map": weight_map})
+    _write_config(tmp / "config.json", components.model)
+    checksum = 0
+    for file_name in file_names:
+        checksum = zlib.crc32(files[file_name]["crc32"].to_bytes(4, "little"), checksum)
+    manifest = {"tensors": tensors_meta, "files": files, "total_bytes": total_bytes, "checksum": checksum}
+    _write_json(tmp / "manifest.json", manifest)
+    _publish(tmp, directory)
+    _barrier()
+    return directory, manifest

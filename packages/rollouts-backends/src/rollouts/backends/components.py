@@ -1,0 +1,119 @@
+"""TrainingComponents and the factories that build them: model, AdamW, learning-rate schedule.
+
+The bundle holds torch objects that change in place (weights, optimizer moments, scheduler
+counter); everything that counts progress lives in the immutable `TrainingState` instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+import torch
+from rollouts.types import OptimizerConfig
+
+__all__ = [
+    "TrainingComponents",
+    "build_components",
+    "build_optimizer",
+    "build_scheduler",
+    "load_hf_model",
+    "lr_multiplier",
+]
+
+_NO_DECAY_NAME_PARTS = ("norm", "bias")
+"""Parameters whose name contains one of these never decay (AdamW convention for LLMs)."""
+
+
+@dataclass(slots=True, kw_only=True)
+class TrainingComponents:
+    """The torch objects of a run; functions in this package update them in place."""
+
+    model: torch.nn.Module
+    """A causal LM (transformers `PreTrainedModel`, possibly sharded with FSDP2)."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    device: torch.device
+
+
+def load_hf_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+) -> torch.nn.Module:
+    """Load a local HF-format causal LM directory (config.json + safetensors); never downloads."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model path {str(path)!r} has no config.json: expected a local HF-format model directory")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+    )
+    return model.to(torch.device(device))
+
+
+def _decays(name: str, param: torch.Tensor) -> bool:
+    return param.ndim >= 2 and not any(part in name.lower() for part in _NO_DECAY_NAME_PARTS)
+
+
+def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (never on norms, biases or other vectors)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError("model has no trainable parameters: nothing for the optimizer to update")
+    decay = [p for n, p in named if _decays(n, p)]
+    no_decay = [p for n, p in named if not _decays(n, p)]
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    groups = [g for g in groups if g["params"]]
+    # foreach=False keeps the update order fixed so that exact-resume comparisons are bitwise.
+    return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, foreach=False)
+
+
+def lr_multiplier(step: int, *, config: OptimizerConfig, num_training_steps: int) -> float:
+    """Learning rate at optimizer step `step` as a fraction of `config.lr` (warm-up, then schedule)."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.schedule == "constant":
+        return 1.0
+    decay_steps = max(1, num_training_steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / decay_steps)
+    floor = config.min_lr_ratio
+    if config.schedule == "linear":
+        return 1.0 - (1.0 - floor) * progress
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, config: OptimizerConfig, *, num_training_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Warm-up then cosine, linear or constant learning rate over `num_training_steps` steps."""
+    if num_training_steps < 1:
+        raise ValueError(f"num_training_steps must be >= 1, got {num_training_steps}")
+    fn = functools.partial(lr_multiplier, config=config, num_training_steps=num_training_steps)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+def build_components(
+    model_path: str | Path | torch.nn.Module,
+    config: OptimizerConfig,
+    *,
+    num_training_steps: int,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+) -> TrainingComponents:
+    """Model (loaded from a local path, or given), AdamW and schedule, bundled."""
+    if isinstance(model_path, torch.nn.Module):
+        model = model_path.to(torch.device(device))
+    else:
+        model = load_hf_model(model_path, dtype=dtype, device=device, attn_implementation=attn_implementation)
+    optimizer = build_optimizer(model, config)
+    scheduler = build_scheduler(optimizer, config, num_training_steps=num_training_steps)
+    return TrainingComponents(model=model, optimizer=optimizer, scheduler=scheduler, device=torch.device(device))

@@ -1,0 +1,60 @@
+"""FSDP2 sharding with torch's `fully_shard`, for training on more than one device.
+
+Launch one process per device with torchrun (see the package README); every rank builds the
+same model, calls `shard_model`, and then uses forward_backward / optim_step / save_checkpoint
+unchanged. Gradients are summed across ranks (not averaged): forward_backward's num_tokens and
+num_sequences are the totals over all ranks, so the loss normalization stays global.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+__all__ = ["shard_model", "transformer_blocks"]
+
+
+def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated decoder layers (classes named in HF's `_no_split_modules`)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(
+            f"{type(model).__name__} names no decoder-layer classes in _no_split_modules ({sorted(names)}): "
+            "cannot choose the units to shard"
+        )
+    return blocks
+
+
+def shard_model(
+    model: torch.nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    mixed_precision: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool = True,
+    activation_checkpointing: bool = False,
+) -> torch.nn.Module:
+    """Shard each decoder layer and then the root with `fully_shard`; returns the (same) model.
+
+    Call before building the optimizer (its parameters become DTensor shards). `mesh` defaults
+    to all ranks of the default process group.
+    """
+    if not torch.distributed.is_initialized():
+        raise ValueError("shard_model needs torch.distributed initialized (launch with torchrun, init_process_group)")
+    if activation_checkpointing:
+        # Recompute each layer in backward; non-reentrant so it composes with FSDP's hooks.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs: dict = {"reshard_after_forward": reshard_after_forward}
+    if mesh is not None:
+        kwargs["mesh"] = mesh
+    if mixed_precision is not None:
+        kwargs["mp_policy"] = mixed_precision
+    for block in transformer_blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    # Sum, not average, over ranks: the loss functions already divide by global token counts.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    return model

@@ -1,0 +1,278 @@
+"""In-process sampling with a KV cache, and the InferenceEngine adapter around it.
+
+Legend: P prompts, R = P * n rows being sampled, L padded prompt length, V vocabulary.
+
+Each distinct prompt is prefilled once and its KV cache repeated n times; prompts are
+left-padded so every row's next token sits in the last column; rows that finish are dropped
+from the batch (and the cache) so the remaining ones run at full speed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from rollouts.types import Sample, SamplingParams, Status
+
+from rollouts.backends.checkpoint import load_model_weights, read_weights
+
+__all__ = ["InProcessEngine", "generate", "sample_next_tokens"]
+
+_PAD_TOKEN_ID = 0
+"""Filler for left padding; masked out, so any valid id works."""
+
+
+def sample_next_tokens(
+    logits_R_V: torch.Tensor,
+    *,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[R] sampled tokens and [R] their log-probs under the sampling distribution (after temperature/top-k/top-p).
+
+    Greedy (temperature 0) reports the log-prob under the unscaled model distribution instead of 0.
+    """
+    logits = logits_R_V.float()
+    if temperature == 0.0:
+        tokens = logits.argmax(dim=-1)
+        return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens ranked above it already hold top_p of the mass; the
+        # first token always stays, so the distribution is never empty.
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, -math.inf)
+    logprobs_R_V = torch.log_softmax(logits, dim=-1)
+    tokens = torch.multinomial(logprobs_R_V.exp(), 1, generator=generator).squeeze(-1)
+    return tokens, logprobs_R_V.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _check_prompts(prompt_token_ids: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
+    prompts = [list(p) for p in prompt_token_ids]
+    if not prompts:
+        raise ValueError("generate needs at least one prompt")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty: sampling needs at least one token to condition on")
+        bad = [t for t in p if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    return prompts
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    prompt_token_ids: Sequence[Sequence[int]],
+    *,
+    n: int = 1,
+    max_new_tokens: int = 256,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    stop_token_ids: Sequence[int] = (),
+    seed: int | None = None,
+    weight_version: int | None = None,
+) -> list[Sample]:
+    """Sample n responses per prompt (prompt-major order) with a KV cache; deterministic for a seed.
+
+    Each Sample has tokens = prompt + response, loss_mask 1.0 on the response, rollout_logprobs of
+    the sampled tokens, and status COMPLETED (ended by a stop token, which is kept) or TRUNCATED.
+    """
+    from transformers import DynamicCache
+
+    SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                   stop_token_ids=tuple(stop_token_ids))  # validates the options, naming the bad one
+    config = model.config
+    prompts = _check_prompts(prompt_token_ids, config.vocab_size)
+    max_len = max(len(p) for p in prompts)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and max_len + max_new_tokens > limit:
+        raise ValueError(
+            f"longest prompt ({max_len}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"max_position_embeddings ({limit})"
+        )
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
+
+    num_prompts = len(prompts)
+    input_ids = torch.full((num_prompts, max_len), _PAD_TOKEN_ID, dtype=torch.long)
+    mask = torch.zeros((num_prompts, max_len), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        input_ids[i, max_len - len(p):] = torch.tensor(p)
+        mask[i, max_len - len(p):] = 1
+    input_ids, mask = input_ids.to(device), mask.to(device)
+    position = (mask.cumsum(dim=-1) - 1).clamp(min=0)
+
+    was_training = model.training
+    model.eval()
+    try:
+        cache = DynamicCache(config=config)
+        padded = bool((mask == 0).any())
+        out = model(
+            input_ids=input_ids,
+            attention_mask=mask if padded else None,
+            position_ids=position,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        # Prefill once per prompt, then give each of the n rows its own copy of the cache.
+        logits_R_V = out.logits[:, -1].repeat_interleave(n, dim=0)
+        cache.batch_repeat_interleave(n)
+        mask = mask.repeat_interleave(n, dim=0)
+        next_position = position[:, -1].repeat_interleave(n, dim=0) + 1
+        num_rows = num_prompts * n
+        active = torch.arange(num_rows, device=device)
+        tokens_R: list[list[int]] = [[] for _ in range(num_rows)]
+        logprobs_R: list[list[float]] = [[] for _ in range(num_rows)]
+        completed = [False] * num_rows
+        for step in range(max_new_tokens):
+            tokens, logprobs = sample_next_tokens(
+                logits_R_V, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator
+            )
+            is_stop = torch.isin(tokens, stop) if stop.numel() else torch.zeros_like(tokens, dtype=torch.bool)
+            for row, token, logprob, stopped in zip(
+                active.tolist(), tokens.tolist(), logprobs.tolist(), is_stop.tolist(), strict=True
+            ):
+                tokens_R[row].append(token)
+                logprobs_R[row].append(logprob)
+                completed[row] = stopped
+            if step == max_new_tokens - 1:
+                break
+            keep = ~is_stop
+            if not bool(keep.any()):
+                break
+            if not bool(keep.all()):
+                kept = keep.nonzero().squeeze(-1)
+                cache.batch_select_indices(kept)
+                active, tokens, mask, next_position = active[kept], tokens[kept], mask[kept], next_position[kept]
+                padded = True  # rows now differ in length only through their masks
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            out = model(
+                input_ids=tokens[:, None],
+                attention_mask=mask if padded else None,
+                position_ids=next_position[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits_R_V = out.logits[:, -1]
+            next_position = next_position + 1
+    finally:
+        model.train(was_training)
+
+    samples = []
+    for row in range(num_rows):
+        prompt = prompts[row // n]
+        response = tokens_R[row]
+        samples.append(
+            Sample(
+                tokens=tuple(prompt + response),
+                num_prompt_tokens=len(prompt),
+                loss_mask=(0.0,) * len(prompt) + (1.0,) * len(response),
+                rollout_logprobs=tuple(logprobs_R[row]),
+                weight_version=weight_version,
+                status=Status.COMPLETED if completed[row] else Status.TRUNCATED,
+                index=row,
+                group_index=row // n,
+            )
+        )
+    return samples
+
+
+class InProcessEngine:
+    """The in-process sampler behind rollouts-types' InferenceEngine protocol.
+
+    With `shares_training_model` the engine samples from the very module being trained, so a
+    weight update is a no-op that records the version; otherwise updates load HF safetensors
+    from the checkpoint directory into the engine's own model. Generation runs synchronously in
+    the calling thread (it blocks the event loop for the call's duration).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        shares_training_model: bool = True,
+        eos_token_ids: Sequence[int] = (),
+        tokenizer: object | None = None,
+        name: str = "in-process",
+        weight_version: int | None = 0,
+    ) -> None:
+        self._model = model
+        self._shares = shares_training_model
+        self._eos = tuple(eos_token_ids) or _config_eos(model)
+        self._tokenizer = tokenizer
+        self._name = name
+        self._weight_version = weight_version
+
+    @property
+    def name(self) -> str:
+        """Id for logs."""
+        return self._name
+
+    async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
+        """`params.n` Samples per prompt, prompt-major, with this engine's weight version."""
+        samples = generate(
+            self._model,
+            prompts,
+            n=params.n,
+            max_new_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            stop_token_ids=tuple(params.stop_token_ids) + self._eos,
+            seed=params.seed,
+            weight_version=self._weight_version,
+        )
+        if not params.logprobs:
+            samples = [_replace(s, rollout_logprobs=None) for s in samples]
+        if self._tokenizer is not None:
+            decode = self._tokenizer.decode  # type: ignore[attr-defined]
+            samples = [_replace(s, response=decode(list(s.response_tokens), skip_special_tokens=True)) for s in samples]
+        return samples
+
+    async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
+        """Record `weight_version`; load weights from `path` unless the model is the training one."""
+        if self._weight_version is not None and weight_version < self._weight_version:
+            raise ValueError(f"weight_version may only grow: {weight_version} < current {self._weight_version}")
+        if not self._shares:
+            if not Path(path).is_dir():
+                raise ValueError(f"weight path {path!r} is not a directory of HF safetensors weights")
+            load_model_weights(self._model, read_weights(path))
+        self._weight_version = weight_version
+
+    async def weight_version(self) -> int | None:
+        """The version of the weights sampled from now."""
+        return self._weight_version
+
+    async def health(self) -> bool:
+        """Always ready: the model lives in this process."""
+        return True
+
+
+def _config_eos(model: torch.nn.Module) -> tuple[int, ...]:
+    eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def _replace(sample: Sample, **changes: object) -> Sample:
+    return dataclasses.replace(sample, **changes)

@@ -1,0 +1,296 @@
+"""Training as functions: forward_backward accumulates gradients, optim_step applies them.
+
+Legend: B sequences (rows), T tokens, H hidden size, V vocabulary, S sequences in a micro-batch.
+
+Micro-batches are the numpy dicts of the cross-package contract (rollouts-data builds them):
+input_ids, position_ids, segment_ids, attention_mask [B, T] int64 and loss_mask [B, T] float32,
+in padded (B rows) or packed (B == 1, sequences concatenated) layout, plus optional per-token
+float arrays (advantages, old/ref/rollout logprobs). Attention is restricted to each sequence by
+an explicit block-diagonal causal mask built from `segment_ids`, so packing never lets one
+sequence see another, whatever the transformers version does with restarting position_ids.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from rollouts.losses import fused_token_logprobs
+from rollouts.types import OptimizerConfig, TrainingState
+
+from rollouts.backends.components import TrainingComponents
+
+__all__ = [
+    "NonFiniteError",
+    "attention_mask_4d",
+    "compute_logprobs",
+    "forward_backward",
+    "micro_batch_to_torch",
+    "optim_step",
+    "token_logprobs_of_model",
+]
+
+_REQUIRED_INT_KEYS = ("input_ids", "position_ids", "segment_ids", "attention_mask")
+_REQUIRED_FLOAT_KEYS = ("loss_mask",)
+_ONE_DIM_KEYS = ("cu_seqlens", "sample_indices")
+_MAX_NAMED_PARAMETERS = 5
+"""How many offending parameter names a non-finite error lists (the rest are counted)."""
+
+
+class NonFiniteError(FloatingPointError):
+    """Raised when too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
+def micro_batch_to_torch(micro_batch: Mapping[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """Check a contract micro-batch (numpy, [B, T] per token) and move it to `device` as tensors."""
+    for key in (*_REQUIRED_INT_KEYS, *_REQUIRED_FLOAT_KEYS):
+        if key not in micro_batch:
+            raise ValueError(f"micro-batch lacks required key {key!r}; it has {sorted(micro_batch)}")
+    shape = np.shape(micro_batch["input_ids"])
+    if len(shape) != 2 or shape[1] < 2:
+        raise ValueError(f"micro-batch input_ids must be [B, T] with T >= 2, got shape {shape}")
+    out: dict[str, torch.Tensor] = {}
+    for key, value in micro_batch.items():
+        array = np.asarray(value)
+        if key in _ONE_DIM_KEYS:
+            out[key] = torch.as_tensor(array, device=device)
+            continue
+        if array.shape != shape:
+            raise ValueError(f"micro-batch {key!r} has shape {array.shape} but input_ids has {shape}: per-token arrays align")
+        if key in _REQUIRED_INT_KEYS:
+            if not np.issubdtype(array.dtype, np.integer):
+                raise TypeError(f"micro-batch {key!r} must be an integer array, got {array.dtype}")
+            out[key] = torch.as_tensor(array, dtype=torch.long, device=device)
+        elif np.issubdtype(array.dtype, np.floating):
+            out[key] = torch.as_tensor(array, dtype=torch.float32, device=device)
+        else:
+            out[key] = torch.as_tensor(array, device=device)
+    return out
+
+
+def attention_mask_4d(segment_ids_B_T: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[B, 1, T, T] causal mask within each segment (bool, or additive `dtype`); padding sees itself only."""
+    T = segment_ids_B_T.shape[1]
+    seg_q = segment_ids_B_T[:, :, None]
+    seg_k = segment_ids_B_T[:, None, :]
+    causal = torch.ones(T, T, dtype=torch.bool, device=segment_ids_B_T.device).tril()
+    allowed = (seg_q == seg_k) & (seg_k >= 0) & causal
+    # A padding query with no visible key would softmax over nothing (NaN that leaks into grads
+    # through 0 * NaN); letting every token see itself keeps padding rows finite and inert.
+    allowed |= torch.eye(T, dtype=torch.bool, device=segment_ids_B_T.device)
+    allowed = allowed[:, None]
+    if dtype is None:
+        return allowed
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+def _model_inputs(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    impl = getattr(model.config, "_attn_implementation", "sdpa")
+    if impl.startswith("flash") or impl.startswith("kernels"):
+        # Flash kernels take no dense mask: transformers derives per-sequence boundaries from
+        # position_ids restarting at 0 when attention_mask is None (packed layout only).
+        if bool((batch["attention_mask"] == 0).any()):
+            raise ValueError(f"attn_implementation {impl!r} needs the packed layout without padding")
+        mask = None
+    elif impl == "sdpa":
+        mask = attention_mask_4d(batch["segment_ids"])
+    else:
+        mask = attention_mask_4d(batch["segment_ids"], dtype=next(model.parameters()).dtype)
+    return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "attention_mask": mask}
+
+
+def _final_hidden(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """[B, T, H] last hidden state (after the final norm), through the full model's forward."""
+    captured: list[torch.Tensor] = []
+
+    def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+    # The full forward runs (so FSDP's root hooks gather and reduce every parameter) but the
+    # output projection sees zero positions: logits are computed later, chunk by chunk.
+    handle = model.base_model.register_forward_hook(hook)
+    try:
+        no_positions = torch.empty(0, dtype=torch.long, device=batch["input_ids"].device)
+        model(**_model_inputs(model, batch), use_cache=False, logits_to_keep=no_positions)
+    finally:
+        handle.remove()
+    assert len(captured) == 1, "the base model ran once"
+    return captured[0]
+
+
+def token_logprobs_of_model(
+    model: torch.nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, T] log p(token t | tokens < t) (0 at sequence starts and padding), and entropy if asked."""
+    hidden_B_T_H = _final_hidden(model, batch)
+    weight_V_H = model.get_output_embeddings().weight
+    labels_B_T = batch["input_ids"][:, 1:]
+    result = fused_token_logprobs(
+        hidden_B_T_H[:, :-1], weight_V_H, labels_B_T, temperature=temperature, return_entropy=with_entropy
+    )
+    logprobs, entropy = result if with_entropy else (result, None)
+    # Token t is predicted from position t-1 of the same sequence: no prediction at a sequence
+    # start (position 0, which in packed rows follows another sequence's last token) or padding.
+    predicted_B_T = (batch["position_ids"][:, 1:] > 0) & (batch["attention_mask"][:, 1:] > 0)
+    zeros = logprobs.new_zeros(logprobs.shape[0], 1)
+    logprobs_B_T = torch.cat([zeros, torch.where(predicted_B_T, logprobs, 0.0)], dim=1)
+    if entropy is None:
+        return logprobs_B_T, None
+    return logprobs_B_T, torch.cat([zeros, torch.where(predicted_B_T, entropy, 0.0)], dim=1)
+
+
+LossFn = Callable[..., tuple[torch.Tensor, Mapping[str, float]]]
+
+
+def forward_backward(
+    components: TrainingComponents,
+    micro_batches: Sequence[Mapping[str, np.ndarray]],
+    loss_fn: LossFn,
+    *,
+    num_tokens: int,
+    num_sequences: int,
+    temperature: float = 1.0,
+) -> dict[str, float]:
+    """Forward and backward over a step's micro-batches; gradients accumulate in the model.
+
+    `num_tokens` / `num_sequences` are the loss-token and sequence counts of the WHOLE step (all
+    micro-batches, all ranks), so the summed micro-batch gradients equal one big batch's.
+    Metrics: `loss` is the step's loss (sum over micro-batches); the loss function's metrics are
+    averaged over micro-batches weighted by their loss tokens.
+    """
+    if not micro_batches:
+        raise ValueError("forward_backward needs at least one micro-batch")
+    if num_tokens < 0 or num_sequences < 1:
+        raise ValueError(f"num_tokens ({num_tokens}) must be >= 0 and num_sequences ({num_sequences}) >= 1")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    model = components.model
+    model.train()
+    with_entropy = bool(getattr(loss_fn, "needs_entropy", False))
+    loss_total = 0.0
+    weighted: dict[str, float] = {}
+    weight_total = 0.0
+    num_real = 0
+    num_loss = 0
+    for micro_batch in micro_batches:
+        batch = micro_batch_to_torch(micro_batch, components.device)
+        logprobs_B_T, entropy_B_T = token_logprobs_of_model(
+            model, batch, temperature=temperature, with_entropy=with_entropy
+        )
+        kwargs: dict[str, Any] = {"num_tokens": num_tokens, "num_sequences": num_sequences}
+        if with_entropy:
+            kwargs["entropy_B_T"] = entropy_B_T
+        loss, metrics = loss_fn(logprobs_B_T, batch, **kwargs)
+        loss.backward()
+        loss_total += float(loss.detach())
+        mb_loss_tokens = int((batch["loss_mask"] > 0).sum())
+        weight = float(max(mb_loss_tokens, 1))
+        for key, value in metrics.items():
+            weighted[key] = weighted.get(key, 0.0) + weight * float(value)
+        weight_total += weight
+        num_real += int(batch["attention_mask"].sum())
+        num_loss += mb_loss_tokens
+    out = {key: value / weight_total for key, value in weighted.items()}
+    out.update(
+        loss=loss_total,
+        num_micro_batches=float(len(micro_batches)),
+        num_real_tokens=float(num_real),
+        num_loss_tokens=float(num_loss),
+    )
+    return out
+
+
+@torch.no_grad()
+def compute_logprobs(
+    components: TrainingComponents,
+    micro_batches: Sequence[Mapping[str, np.ndarray]],
+    *,
+    temperature: float = 1.0,
+) -> list[np.ndarray]:
+    """Token-aligned log-probs [B, T] float32 per micro-batch, without gradients (old/ref policy)."""
+    model = components.model
+    was_training = model.training
+    model.eval()
+    try:
+        out = []
+        for micro_batch in micro_batches:
+            batch = micro_batch_to_torch(micro_batch, components.device)
+            logprobs_B_T, _ = token_logprobs_of_model(model, batch, temperature=temperature)
+            out.append(logprobs_B_T.float().cpu().numpy())
+        return out
+    finally:
+        model.train(was_training)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a possibly distributed one (DTensor: gathered)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _non_finite_parameters(model: torch.nn.Module) -> list[str]:
+    """Names of parameters whose (local) gradient holds a NaN or infinity."""
+    bad = []
+    for name, param in model.named_parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        if not bool(torch.isfinite(local).all()):
+            bad.append(name)
+    return bad
+
+
+def optim_step(
+    components: TrainingComponents,
+    state: TrainingState,
+    config: OptimizerConfig,
+    *,
+    num_tokens: int = 0,
+    num_samples: int = 0,
+    loss: float | None = None,
+) -> tuple[TrainingState, dict[str, float]]:
+    """Clip, step the optimizer and scheduler, zero grads; skip (and count) a non-finite step.
+
+    `num_tokens` / `num_samples` are the step's loss tokens and samples (added to the state);
+    `loss`, when given, is checked too. Raises NonFiniteError once `config.max_consecutive_skips`
+    steps in a row were skipped.
+    """
+    model, optimizer = components.model, components.optimizer
+    params = [p for p in model.parameters() if p.requires_grad and p.grad is not None]
+    max_norm = math.inf if config.max_grad_norm is None else config.max_grad_norm
+    grad_norm = float(_full(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))) if params else 0.0
+    lr = float(optimizer.param_groups[0]["lr"])
+    loss_finite = loss is None or math.isfinite(loss)
+    if math.isfinite(grad_norm) and loss_finite:
+        optimizer.step()
+        components.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        new_state = state.after_step(num_tokens=num_tokens, num_samples=num_samples)
+        return new_state, {"grad_norm": grad_norm, "lr": lr, "skipped": 0.0, "step": float(new_state.step)}
+    bad = _non_finite_parameters(model)
+    optimizer.zero_grad(set_to_none=True)
+    new_state = state.after_skip()
+    if new_state.consecutive_skipped_steps >= config.max_consecutive_skips:
+        what = []
+        if not loss_finite:
+            what.append(f"loss {loss}")
+        if bad:
+            listed = ", ".join(bad[:_MAX_NAMED_PARAMETERS])
+            more = f" and {len(bad) - _MAX_NAMED_PARAMETERS} more" if len(bad) > _MAX_NAMED_PARAMETERS else ""
+            what.append(f"gradient of {len(bad)} parameter(s): {listed}{more}")
+        elif not math.isfinite(grad_norm):
+            what.append(f"gradient norm {grad_norm} (on another rank's shard)")
+        raise NonFiniteError(
+            f"{new_state.consecutive_skipped_steps} consecutive optimizer steps skipped "
+            f"(max_consecutive_skips={config.max_consecutive_skips}) at step {state.step}: "
+            f"non-finite {'; '.join(what)}. The weights were not updated by these steps."
+        )
+    return new_state, {"grad_norm": grad_norm, "lr": lr, "skipped": 1.0, "step": float(new_state.step)}
