@@ -1,0 +1,250 @@
+"""AsyncRolloutManager with fake generate functions that are slow, fail or hang for chosen prompts."""
+
+import time
+from functools import partial
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from rollouts.data import AsyncRolloutManager, DataBuffer, check_reward_nonzero_std
+from rollouts.types import RolloutConfig, Sample, Status
+
+
+def make_group(prompt, n, *, rewards=None):
+    """n completed samples for `prompt`; metadata["r"] holds the reward a reward_fn will read."""
+    rewards = rewards if rewards is not None else [float(i) for i in range(n)]
+    return [
+        Sample(
+            prompt=str(prompt),
+            response=f"r{i}",
+            tokens=[1, 2, 3 + i],
+            num_prompt_tokens=2,
+            loss_mask=[0, 0, 1],
+            rollout_logprobs=[-0.5],
+            status=Status.COMPLETED,
+            metadata={"prompt_id": prompt, "r": rewards[i]},
+        )
+        for i in range(n)
+    ]
+
+
+def reward_from_metadata(sample):
+    return sample.metadata["r"]
+
+
+def balanced(md):
+    return md["groups_requested"] == (
+        md["groups_kept_new"] + md["groups_carried_over"] + md["groups_filtered"] + md["groups_failed"] + md["groups_aborted"]
+    )
+
+
+def cfg(**kw):
+    base = {"batch_size": 6, "samples_per_prompt": 2, "max_concurrency": 3, "request_timeout_s": 5.0, "max_retries": 1}
+    return RolloutConfig(**{**base, **kw})
+
+
+def test_basic_step_groups_indices_and_accounting():
+    async def gen(prompt, n):
+        await trio.sleep(0.01)
+        return make_group(prompt, n)
+
+    manager = AsyncRolloutManager(DataBuffer(list(range(20)), seed=0), cfg(), gen, reward_fn=reward_from_metadata)
+    batch = trio.run(partial(manager.generate_batch, step=3))
+    assert batch.num_kept == 12 and batch.step == 3 and batch.num_failed == 0
+    assert [s.group_index for s in batch.samples] == [g for g in range(6) for _ in range(2)]
+    assert [s.index for s in batch.samples] == list(range(12))
+    assert batch.rewards == (0.0, 1.0) * 6
+    assert balanced(batch.metadata) and batch.metadata["groups_requested"] == 6
+
+
+def test_concurrency_limit_holds_and_sync_functions_work():
+    in_flight, peak = 0, 0
+
+    async def gen(prompt, n):
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await trio.sleep(0.01)
+        in_flight -= 1
+        return make_group(prompt, n)
+
+    manager = AsyncRolloutManager(DataBuffer(list(range(30))), cfg(batch_size=20, max_concurrency=4), gen)
+    trio.run(partial(manager.generate_batch, step=0), clock=trio.testing.MockClock(autojump_threshold=0))
+    assert peak == 4
+
+    def sync_gen(prompt, n):
+        time.sleep(0.001)
+        return make_group(prompt, n)
+
+    manager = AsyncRolloutManager(DataBuffer(list(range(30))), cfg(), sync_gen)
+    assert trio.run(partial(manager.generate_batch, step=0)).num_kept == 12
+
+
+def test_retries_then_failures_are_counted():
+    calls: dict[int, int] = {}
+
+    async def gen(prompt, n):
+        calls[prompt] = calls.get(prompt, 0) + 1
+        if prompt == 0 or (prompt == 1 and calls[prompt] == 1):
+            raise RuntimeError(f"engine error for {prompt}")
+        return make_group(prompt, n)
+
+    manager = AsyncRolloutManager(DataBuffer(list(range(6)), shuffle=False), cfg(max_retries=2), gen)
+    batch = trio.run(partial(manager.generate_batch, step=0))
+    assert calls[0] == 3 and calls[1] == 2  # bounded retries: 1 + max_retries attempts at most
+    assert batch.num_failed == 2 and batch.num_kept == 10
+    assert batch.metadata["groups_failed"] == 1 and balanced(batch.metadata)
+    assert "engine error for 0" in batch.metadata["errors"][0]
+    assert batch.metadata["groups_retries"] == 3
+
+
+def test_hanging_and_malformed_requests_time_out_and_fail():
+    async def gen(prompt, n):
+        if prompt == 2:
+            await trio.sleep_forever()
+        if prompt == 3:
+            return make_group(prompt, n - 1)  # wrong group size
+        return make_group(prompt, n)
+
+    manager = AsyncRolloutManager(DataBuffer(list(range(6)), shuffle=False), cfg(request_timeout_s=30.0, max_retries=1), gen)
+    clock = trio.testing.MockClock(autojump_threshold=0)
+
+    async def run():
+        start = trio.current_time()
+        batch = await manager.generate_batch(step=0)
+        return batch, trio.current_time() - start
+
+    batch, elapsed = trio.run(run, clock=clock)
+    assert batch.metadata["groups_failed"] == 2 and batch.num_kept == 8 and balanced(batch.metadata)
+    assert elapsed == pytest.approx(60.0)  # two bounded attempts of 30 s for the hanging request
+    assert any("timed out" in e for e in batch.metadata["errors"])
+    assert any("expected 2" in e for e in batch.metadata["errors"])
+
+
+def test_dynamic_sampling_filters_refills_and_carries_over():
+    async def gen(prompt, n):
+        await trio.sleep(0.01)
+        rewards = [1.0] * n if prompt % 3 == 0 else [float(i) for i in range(n)]  # every third group: zero std
+        return make_group(prompt, n, rewards=rewards)
+
+    config = cfg(batch_size=4, dynamic_sampling=True, over_sampling_factor=2.0, max_generation_rounds=3, max_concurrency=8)
+    manager = AsyncRolloutManager(DataBuffer(list(range(100)), shuffle=False), config, gen, reward_fn=reward_from_metadata)
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    first = trio.run(partial(manager.generate_batch, step=0), clock=clock)
+    md = first.metadata
+    assert first.num_kept == 8 and balanced(md)
+    assert md["groups_requested"] == 8 and md["groups_filtered"] == 3  # prompts 0, 3, 6
+    assert first.filter_reasons == {"reward_std_zero": 6}
+    assert md["groups_carried_over"] == 1 and manager.num_carried_over_groups == 1
+    assert all(np.std([s.reward for s in first.samples if s.group_index == g]) > 0 for g in range(4))
+    second = trio.run(partial(manager.generate_batch, step=1), clock=clock)
+    assert second.metadata["groups_from_carry_over"] == 1 and second.num_kept == 8
+    assert second.samples[0].metadata["prompt_id"] == 7  # the carried group comes first
+
+
+def test_max_rounds_bounds_a_batch_that_cannot_fill():
+    async def gen(prompt, n):
+        return make_group(prompt, n, rewards=[0.0] * n)
+
+    config = cfg(batch_size=3, dynamic_sampling=True, max_generation_rounds=2)
+    manager = AsyncRolloutManager(DataBuffer(list(range(50))), config, gen, reward_fn=reward_from_metadata)
+    batch = trio.run(partial(manager.generate_batch, step=0))
+    assert batch.num_kept == 0 and batch.metadata["num_rounds"] == 2
+    assert batch.metadata["groups_requested"] == 6 == batch.metadata["groups_filtered"]
+    assert batch.num_filtered == 12 and balanced(batch.metadata)
+
+
+def test_abort_returns_promptly_keeping_finished_work():
+    async def gen(prompt, n):
+        if prompt % 2:
+            await trio.sleep_forever()
+        await trio.sleep(0.001)
+        return make_group(prompt, n)
+
+    manager = AsyncRolloutManager(DataBuffer(list(range(8)), shuffle=False), cfg(batch_size=8, max_concurrency=8), gen)
+
+    async def run():
+        result = {}
+
+        async def step():
+            result["batch"] = await manager.generate_batch(step=0)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(step)
+            await trio.sleep(1.0)
+            start = trio.current_time()
+            manager.abort()
+        return result["batch"], trio.current_time() - start
+
+    batch, elapsed = trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert elapsed < 0.01
+    md = batch.metadata
+    assert md["aborted"] and batch.num_kept == 8 and md["groups_aborted"] == 4 and balanced(md)
+    assert {s.metadata["prompt_id"] for s in batch.samples} == {0, 2, 4, 6}
+    assert manager.num_pending_prompts == 4
+
+    served = []
+
+    async def record(prompt, n):
+        served.append(prompt)
+        return make_group(prompt, n)
+
+    manager._generate_fn = record
+    trio.run(partial(manager.generate_batch, step=1))
+    assert sorted(served[:4]) == [1, 3, 5, 7]  # aborted prompts are served first, not lost
+
+
+def test_abort_with_sync_hanging_function_returns():
+    import threading
+
+    release = threading.Event()
+
+    def gen(prompt, n):
+        if prompt == 0:
+            release.wait(timeout=10.0)  # bounded so the abandoned thread always ends
+        return make_group(prompt, n)
+
+    manager = AsyncRolloutManager(DataBuffer([0, 1, 2], shuffle=False), cfg(batch_size=3), gen)
+
+    async def run():
+        async with trio.open_nursery() as nursery:
+            out = {}
+
+            async def step():
+                out["b"] = await manager.generate_batch(step=0)
+
+            nursery.start_soon(step)
+            await trio.sleep(0.2)
+            manager.abort()
+        return out["b"]
+
+    t0 = time.perf_counter()
+    batch = trio.run(run)
+    assert time.perf_counter() - t0 < 5.0
+    release.set()
+    assert batch.num_kept == 4 and batch.metadata["groups_aborted"] == 1
+
+
+def test_state_dict_round_trip():
+    async def gen(prompt, n):
+        return make_group(prompt, n)
+
+    config = cfg(batch_size=2, over_sampling_factor=2.0)
+    manager = AsyncRolloutManager(DataBuffer(list(range(10)), shuffle=False), config, gen)
+    trio.run(partial(manager.generate_batch, step=0))
+    state = manager.state_dict()
+    assert len(state["carry_over"]) == 2
+    other = AsyncRolloutManager(DataBuffer(list(range(10)), shuffle=False), config, gen)
+    other.load_state_dict(state)
+    a = trio.run(partial(manager.generate_batch, step=1))
+    b = trio.run(partial(other.generate_batch, step=1))
+    assert a.samples == b.samples
+
+
+def test_default_filter_with_dynamic_sampling_is_zero_std():
+    cfg_dyn = cfg(dynamic_sampling=True)
+    manager = AsyncRolloutManager(DataBuffer([1]), cfg_dyn, lambda p, n: make_group(p, n))
+    group = [s.with_reward(1.0) for s in make_group(0, 2)]
+    assert manager._filter_fn(group) == check_reward_nonzero_std()(group) == "reward_std_zero"
