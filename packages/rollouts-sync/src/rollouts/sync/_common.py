@@ -1,0 +1,91 @@
+"""What both engine clients share: prompt validation, Sample assembly, version parsing.
+
+Legend: P prompts, N samples per prompt, R response tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from rollouts.types import Sample, SamplingParams, Status
+
+
+def check_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
+    """[P][T_p] prompt token ids as plain int lists; raises on empty or non-int input."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a sequence of token-id sequences, got {type(prompts).__name__}")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: nothing to generate")
+    out: list[list[int]] = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise TypeError(f"prompts[{i}] must be a sequence of token ids, got {type(prompt).__name__}")
+        if len(prompt) == 0:
+            raise ValueError(f"prompts[{i}] is empty: an engine needs at least one prompt token")
+        ids = []
+        for j, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"prompts[{i}][{j}] must be a token id (int >= 0), got {t!r}")
+            ids.append(int(t))
+        out.append(ids)
+    return out
+
+
+def check_params(params: SamplingParams) -> SamplingParams:
+    """The params, after checking the type (a dict here would silently ignore every option)."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a rollouts.types.SamplingParams, got {type(params).__name__}")
+    return params
+
+
+def make_sample(
+    *,
+    prompt_ids: Sequence[int],
+    response_ids: Sequence[int],
+    logprobs_R: Sequence[float] | None,
+    truncated: bool,
+    weight_version: int | None,
+    engine: str,
+) -> Sample:
+    """One Sample: tokens = prompt + response, loss mask 0 on the prompt and 1 on the response."""
+    if logprobs_R is not None:
+        if len(logprobs_R) != len(response_ids):
+            raise RuntimeError(
+                f"{engine}: engine returned {len(logprobs_R)} logprobs for {len(response_ids)} response tokens"
+            )
+        for lp in logprobs_R:
+            if not math.isfinite(lp):
+                raise RuntimeError(f"{engine}: engine returned a non-finite logprob {lp!r}")
+    num_prompt = len(prompt_ids)
+    return Sample(
+        tokens=(*prompt_ids, *response_ids),
+        num_prompt_tokens=num_prompt,
+        loss_mask=(0.0,) * num_prompt + (1.0,) * len(response_ids),
+        rollout_logprobs=None if logprobs_R is None else tuple(float(x) for x in logprobs_R),
+        weight_version=weight_version,
+        status=Status.TRUNCATED if truncated else Status.COMPLETED,
+    )
+
+
+def parse_weight_version(value: object) -> int | None:
+    """The engine's version string as an int; None where it never got one ("default", null)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise RuntimeError(f"engine reported weight version {value!r}, expected an int-like string")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.isdigit():
+            return int(text)
+        return None  # vLLM starts at "default", SGLang at "default": not a version we set
+    raise RuntimeError(f"engine reported weight version {value!r} of type {type(value).__name__}")
+
+
+def check_weight_version(weight_version: int) -> int:
+    """The version after checking it is a non-negative int (engines store it as a string)."""
+    if isinstance(weight_version, bool) or not isinstance(weight_version, int) or weight_version < 0:
+        raise ValueError(f"weight_version must be an int >= 0, got {weight_version!r}")
+    return weight_version

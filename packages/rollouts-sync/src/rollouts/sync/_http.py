@@ -1,0 +1,147 @@
+"""HTTP plumbing shared by the engine clients: bounded retries, errors that say what happened.
+
+Retries cover what a restart or a brief overload looks like (connection refused or dropped,
+timeouts, 5xx); a 4xx is the caller's mistake and is raised at once.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import trio
+
+_RESPONSE_TEXT_MAX_CHARS = 500  # keep error messages readable when a server returns a whole HTML page
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RetryPolicy:
+    """How many times and how patiently one HTTP call is retried."""
+
+    max_retries: int = 3
+    """Retries after the first attempt (0: try once)."""
+    backoff_base_s: float = 0.5
+    """Wait before the first retry; doubles on each further retry."""
+    backoff_max_s: float = 8.0
+    """Cap on one wait between attempts."""
+    jitter_fraction: float = 0.5
+    """Each wait is scaled by a uniform factor in [1 - jitter, 1] so clients do not retry in lockstep."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or self.max_retries < 0:
+            raise ValueError(f"RetryPolicy.max_retries must be an int >= 0, got {self.max_retries!r}")
+        if not self.backoff_base_s >= 0.0:
+            raise ValueError(f"RetryPolicy.backoff_base_s must be >= 0, got {self.backoff_base_s!r}")
+        if not self.backoff_max_s >= self.backoff_base_s:
+            raise ValueError(
+                f"RetryPolicy.backoff_max_s ({self.backoff_max_s!r}) must be >= backoff_base_s ({self.backoff_base_s!r})"
+            )
+        if not 0.0 <= self.jitter_fraction <= 1.0:
+            raise ValueError(f"RetryPolicy.jitter_fraction must be in [0, 1], got {self.jitter_fraction!r}")
+
+
+def backoff_s(policy: RetryPolicy, retry_index: int, rng: random.Random) -> float:
+    """Seconds to wait before retry number `retry_index` (0-based): capped exponential with jitter."""
+    base_s = min(policy.backoff_max_s, policy.backoff_base_s * (2.0**retry_index))
+    return base_s * (1.0 - policy.jitter_fraction * rng.random())
+
+
+class EngineError(RuntimeError):
+    """An engine call failed for good; names the engine, the URL and what came back."""
+
+    def __init__(self, message: str, *, engine: str, url: str, status: int | None = None, text: str = "") -> None:
+        super().__init__(message)
+        self.engine = engine
+        self.url = url
+        self.status = status
+        """HTTP status of the last attempt (None: no response, e.g. connection refused or timeout)."""
+        self.text = text
+        """Start of the last response body, or the transport error."""
+
+
+def is_retryable_status(status: int) -> bool:
+    """5xx (server trouble, restarts) are retried; 4xx (a bad request) are not."""
+    return status >= 500
+
+
+def _shorten(text: str) -> str:
+    return text if len(text) <= _RESPONSE_TEXT_MAX_CHARS else text[:_RESPONSE_TEXT_MAX_CHARS] + "...[truncated]"
+
+
+async def request_with_retries(
+    client: httpx.AsyncClient,
+    method: str,
+    path: str,
+    *,
+    engine: str,
+    timeout_s: float,
+    retry: RetryPolicy,
+    json: Any = None,
+    params: Mapping[str, Any] | None = None,
+    rng: random.Random | None = None,
+) -> httpx.Response:
+    """One HTTP call with bounded retries; returns the 2xx response or raises EngineError.
+
+    Each attempt is bounded by `timeout_s` (connect, read, write and pool alike); the whole call
+    by (max_retries + 1) * timeout_s plus the backoff waits.
+    """
+    rng = rng if rng is not None else random.Random()
+    url = str(client.base_url.join(path))
+    last_status: int | None = None
+    last_text = ""
+    num_attempts = retry.max_retries + 1
+    for attempt in range(num_attempts):
+        if attempt > 0:
+            await trio.sleep(backoff_s(retry, attempt - 1, rng))
+        try:
+            with trio.fail_after(timeout_s):
+                response = await client.request(method, path, json=json, params=params, timeout=timeout_s)
+        except (httpx.TransportError, trio.TooSlowError) as exc:
+            last_status = None
+            kind = "timed out" if isinstance(exc, (httpx.TimeoutException, trio.TooSlowError)) else "transport error"
+            last_text = f"{kind} after {timeout_s} s: {type(exc).__name__}: {exc}".rstrip(": ")
+            continue
+        if response.is_success:
+            return response
+        last_status = response.status_code
+        last_text = _shorten(response.text)
+        if not is_retryable_status(response.status_code):
+            raise EngineError(
+                f"{engine}: {method} {url} -> HTTP {last_status} (not retried: client error): {last_text}",
+                engine=engine,
+                url=url,
+                status=last_status,
+                text=last_text,
+            )
+    status_part = f"HTTP {last_status}" if last_status is not None else "no response"
+    raise EngineError(
+        f"{engine}: {method} {url} failed after {num_attempts} attempt(s): {status_part}: {last_text}",
+        engine=engine,
+        url=url,
+        status=last_status,
+        text=last_text,
+    )
+
+
+def make_client(base_url: str, *, api_key: str | None, timeout_s: float, max_connections: int) -> httpx.AsyncClient:
+    """An AsyncClient for one engine; the API key only ever travels in the Authorization header."""
+    if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+        raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
+    parsed = httpx.URL(base_url)
+    if parsed.userinfo or parsed.query:
+        raise ValueError("base_url must not carry credentials or a query string: pass api_key= instead")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError("api_key must be a non-empty str or None")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.AsyncClient(
+        base_url=base_url.rstrip("/"),
+        headers=headers,
+        timeout=timeout_s,
+        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        trust_env=False,  # a proxy from the environment must not see engine traffic or the key
+    )

@@ -1,0 +1,380 @@
+"""A fake engine server speaking vLLM's and SGLang's HTTP shapes, with faults a test can inject.
+
+Runs in the caller's trio run (a minimal HTTP/1.1 server on trio, one request per connection),
+so tests and benchmarks need no engine. The "model" is deterministic: next-token logits are a
+pseudo-random function of (loaded weights, context), so a weight change changes the tokens and a
+test can compute the expected greedy continuation with `FakeEngineState.greedy`.
+
+Recorded shapes: vLLM 0.32 (entrypoints/openai/completion/protocol.py, rl/online/api_router.py,
+serve/dev/{rpc,cache}/api_router.py) and SGLang (srt/entrypoints/http_server.py, io_struct.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import zlib
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import numpy as np
+import trio
+from safetensors.numpy import load as load_safetensors_bytes
+from safetensors.numpy import load_file
+
+_MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more is not a request we sent
+_MAX_BODY_BYTES = 512 * 1024 * 1024  # bound on a weight-carrying body
+_PAUSE_WAIT_S = 60.0  # a generate request waits at most this long for /resume
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 500: "Internal Server Error",
+            503: "Service Unavailable"}
+
+
+@dataclass(slots=True, kw_only=True)
+class Fault:
+    """Misbehave on requests whose path starts with `path` (every path if empty), `times` times."""
+
+    kind: str
+    """"status": answer `status` with `text`; "delay": sleep `delay_s` first; "drop": close without answering."""
+    path: str = ""
+    times: int = 1
+    status: int = 500
+    text: str = "injected failure"
+    delay_s: float = 0.0
+
+
+@dataclass(slots=True, kw_only=True)
+class FakeEngineState:
+    """Everything the fake server knows; tests read and change it between requests."""
+
+    vocab_size: int = 32
+    eos_token_id: int | None = None
+    api_key: str | None = None
+    """When set, requests without `Authorization: Bearer <api_key>` get 401."""
+    reload_delay_s: float = 0.0
+    """Seconds a weight reload takes (benchmarks use it as a stand-in for the real load)."""
+    model_name: str = "fake-model"
+    weights: dict[str, np.ndarray] = field(default_factory=dict)
+    weight_version: str = "default"
+    paused: bool = False
+    faults: list[Fault] = field(default_factory=list)
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    """(method, request target) of every request, in arrival order."""
+    auth_headers: list[str | None] = field(default_factory=list)
+    num_cache_resets: int = 0
+    num_in_flight: int = 0
+    resumed: trio.Event | None = None
+
+    @property
+    def weights_seed(self) -> int:
+        """A checksum of the loaded weights (0 before any load)."""
+        crc = 0
+        for name in sorted(self.weights):
+            crc = zlib.crc32(name.encode(), crc)
+            crc = zlib.crc32(np.ascontiguousarray(self.weights[name]).tobytes(), crc)
+        return crc
+
+    def logprobs_V(self, context: list[int]) -> np.ndarray:
+        """[V] next-token log-probs after `context` under the loaded weights."""
+        rng = np.random.default_rng([self.weights_seed, len(context), context[-1] if context else 0])
+        logits = rng.standard_normal(self.vocab_size) * 3.0
+        return logits - (logits.max() + math.log(np.exp(logits - logits.max()).sum()))
+
+    def greedy(self, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+        """Greedy response ids and their log-probs (the reference a test compares against)."""
+        context, ids, lps = list(prompt), [], []
+        for _ in range(max_new_tokens):
+            lp = self.logprobs_V(context)
+            t = int(lp.argmax())
+            ids.append(t)
+            lps.append(float(lp[t]))
+            context.append(t)
+            if t == self.eos_token_id:
+                break
+        return ids, lps
+
+    def sample(self, prompt: list[int], *, max_new_tokens: int, temperature: float, stop: set[int],
+               rng: np.random.Generator) -> tuple[list[int], list[float], str]:
+        """(response ids, their log-probs, finish reason "stop" or "length")."""
+        context, ids, lps = list(prompt), [], []
+        for _ in range(max_new_tokens):
+            lp = self.logprobs_V(context)
+            if temperature == 0.0:
+                t = int(lp.argmax())
+            else:
+                p = np.exp(lp / temperature)
+                t = int(rng.choice(self.vocab_size, p=p / p.sum()))
+            ids.append(t)
+            lps.append(float(lp[t]))
+            context.append(t)
+            if t in stop or t == self.eos_token_id:
+                return ids, lps, "stop"
+        return ids, lps, "length"
+
+    def load_dir(self, path: str) -> None:
+        """Load every *.safetensors file of checkpoint dir `path` (raises if there is none)."""
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {path}")
+        weights: dict[str, np.ndarray] = {}
+        for f in files:
+            weights.update(load_file(os.path.join(path, f)))
+        self.weights = weights
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(text)
+        self.status = status
+        self.text = text
+
+
+@dataclass(slots=True, kw_only=True)
+class FakeEngineServer:
+    """A running fake server: its URL, its state, and a way to take it down for good."""
+
+    url: str
+    state: FakeEngineState
+    _scope: trio.CancelScope
+
+    def stop(self) -> None:
+        """Close the listening socket: from now on connections are refused (an engine that never comes back)."""
+        self._scope.cancel()
+
+
+def _json(status: int, obj: Any) -> tuple[int, bytes]:
+    return status, json.dumps(obj).encode()
+
+
+async def _pop_fault(state: FakeEngineState, path: str) -> Fault | None:
+    for fault in state.faults:
+        if fault.times > 0 and path.startswith(fault.path):
+            fault.times -= 1
+            return fault
+    return None
+
+
+async def _wait_unpaused(state: FakeEngineState) -> None:
+    with trio.fail_after(_PAUSE_WAIT_S):
+        while state.paused:
+            assert state.resumed is not None
+            await state.resumed.wait()
+
+
+async def _generate_vllm(state: FakeEngineState, body: dict[str, Any]) -> tuple[int, bytes]:
+    prompts = body.get("prompt")
+    if not prompts or not isinstance(prompts[0], list):
+        raise _HTTPError(400, "prompt must be a list of token-id lists")
+    if body.get("model") != state.model_name:
+        raise _HTTPError(404, f"The model `{body.get('model')}` does not exist.")
+    n = int(body.get("n", 1))
+    want_lp = body.get("logprobs") is not None
+    as_ids = bool(body.get("return_tokens_as_token_ids"))
+    rng = np.random.default_rng(body.get("seed"))
+    choices = []
+    for prompt in prompts:
+        for _ in range(n):
+            ids, lps, finish = state.sample(prompt, max_new_tokens=int(body.get("max_tokens", 16)),
+                                            temperature=float(body.get("temperature", 1.0)),
+                                            stop=set(body.get("stop_token_ids") or []), rng=rng)
+            logprobs = None
+            if want_lp:
+                tokens = [f"token_id:{t}" if as_ids else "" for t in ids]  # vLLM sends "" for byte tokens
+                logprobs = {"text_offset": list(range(len(ids))), "token_logprobs": lps, "tokens": tokens,
+                            "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, lps, strict=True)]}
+            choices.append({"index": len(choices), "text": "", "logprobs": logprobs, "finish_reason": finish,
+                            "stop_reason": ids[-1] if finish == "stop" else None,
+                            "token_ids": ids if body.get("return_token_ids") else None,
+                            "prompt_logprobs": None, "prompt_token_ids": None})
+    usage = {"prompt_tokens": sum(len(p) for p in prompts) * n,
+             "completion_tokens": sum(len(c["logprobs"]["tokens"]) if c["logprobs"] else 0 for c in choices)}
+    return _json(200, {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": state.model_name,
+                       "choices": choices, "usage": usage})
+
+
+async def _generate_sglang(state: FakeEngineState, body: dict[str, Any]) -> tuple[int, bytes]:
+    inputs = body.get("input_ids")
+    if not inputs:
+        raise _HTTPError(400, "input_ids is required")
+    batched = isinstance(inputs[0], list)
+    inputs = inputs if batched else [inputs]
+    sp = body.get("sampling_params") or {}
+    rng = np.random.default_rng(sp.get("sampling_seed"))
+    outs = []
+    for prompt in inputs:
+        ids, lps, finish = state.sample(prompt, max_new_tokens=int(sp.get("max_new_tokens", 128)),
+                                        temperature=float(sp.get("temperature", 1.0)),
+                                        stop=set(sp.get("stop_token_ids") or []), rng=rng)
+        finish_reason = {"type": "length", "length": len(ids)} if finish == "length" else {"type": "stop", "matched": ids[-1]}
+        meta: dict[str, Any] = {"id": "fake", "finish_reason": finish_reason, "prompt_tokens": len(prompt),
+                                "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": state.weight_version}
+        if body.get("return_logprob"):
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
+        outs.append({"text": "", "output_ids": ids, "meta_info": meta})
+    return _json(200, outs if batched else outs[0])
+
+
+async def _collective_rpc(state: FakeEngineState, body: dict[str, Any]) -> tuple[int, bytes]:
+    method, kwargs = body.get("method"), body.get("kwargs") or {}
+    if method is None:
+        raise _HTTPError(400, "Missing 'method' in request body")
+    if method == "reload_weights":
+        await trio.sleep(state.reload_delay_s)
+        try:
+            state.load_dir(kwargs["weights_path"])
+        except (OSError, KeyError) as exc:
+            raise _HTTPError(500, f"reload_weights failed: {type(exc).__name__}: {exc}") from exc
+        return 200, b""  # vLLM answers an empty 200 when every worker returned None
+    if method == "rollouts_load_weights":
+        await trio.sleep(state.reload_delay_s)
+        incoming = load_safetensors_bytes(base64.b64decode(kwargs["data_b64"]))
+        unknown = sorted(set(incoming) - set(state.weights)) if state.weights else []
+        if unknown:
+            raise _HTTPError(500, f"tensors not in the model's checkpoint: {unknown}")
+        state.weights = {**state.weights, **incoming}
+        return _json(200, {"results": [{"num_tensors": len(incoming), "applied": kwargs.get("apply") == "1"}]})
+    raise _HTTPError(500, f"AttributeError: worker has no method {method!r}")
+
+
+async def _dispatch(state: FakeEngineState, method: str, target: str, body: bytes) -> tuple[int, bytes]:
+    path = urlsplit(target).path
+    query = parse_qs(urlsplit(target).query)
+    data = json.loads(body) if body else {}
+    route = (method, path)
+    if route in (("GET", "/health"), ("GET", "/health_generate")):
+        return 200, b""
+    if route == ("GET", "/v1/models"):
+        return _json(200, {"object": "list", "data": [{"id": state.model_name, "object": "model"}]})
+    if route in (("POST", "/v1/completions"), ("POST", "/generate")):
+        await _wait_unpaused(state)
+        state.num_in_flight += 1
+        try:
+            return await (_generate_vllm if path == "/v1/completions" else _generate_sglang)(state, data)
+        finally:
+            state.num_in_flight -= 1
+    if route in (("POST", "/pause"), ("POST", "/pause_generation")):
+        mode = query.get("mode", ["abort"])[0]
+        if mode not in ("abort", "wait", "keep"):
+            raise _HTTPError(400, f"Input should be 'abort', 'wait' or 'keep': {mode!r}")
+        state.paused = True
+        state.resumed = trio.Event()
+        with trio.fail_after(_PAUSE_WAIT_S):
+            while state.num_in_flight > 0:
+                await trio.sleep(0.01)
+        if path == "/pause":
+            return _json(200, {"status": "paused"})
+        return _json(200, {"message": "Generation paused successfully.", "status": "ok"})
+    if route in (("POST", "/resume"), ("POST", "/continue_generation")):
+        state.paused = False
+        if state.resumed is not None:
+            state.resumed.set()
+        if path == "/resume":
+            return _json(200, {"status": "resumed"})
+        return _json(200, {"message": "Generation continued successfully.", "status": "ok"})
+    if route == ("GET", "/is_paused"):
+        return _json(200, {"is_paused": state.paused})
+    if route == ("POST", "/collective_rpc"):
+        return await _collective_rpc(state, data)
+    if route in (("POST", "/reset_prefix_cache"), ("POST", "/flush_cache"), ("GET", "/flush_cache")):
+        state.num_cache_resets += 1
+        if path == "/reset_prefix_cache":
+            return _json(200, {"success": True})
+        return 200, b"Cache flushed.\n"
+    if route == ("POST", "/update_weight_version"):
+        if "new_version" not in data:
+            raise _HTTPError(400, "new_version: Field required")
+        state.weight_version = str(data["new_version"])
+        return _json(200, {"success": True, "new_version": state.weight_version})
+    if route in (("GET", "/weight_info"), ("GET", "/get_weight_version")):
+        return _json(200, {"weight_version": state.weight_version})
+    if route == ("POST", "/update_weights_from_disk"):
+        await trio.sleep(state.reload_delay_s)
+        try:
+            state.load_dir(data["model_path"])
+        except (OSError, KeyError) as exc:
+            return _json(400, {"success": False, "message": f"Failed to update weights: {exc}", "num_paused_requests": 0})
+        message = "Succeeded to update model weights."
+        if data.get("weight_version") is not None:
+            state.weight_version = str(data["weight_version"])
+            message += f" Weight version updated to {data['weight_version']}."
+        return _json(200, {"success": True, "message": message, "num_paused_requests": 0})
+    raise _HTTPError(404, f"Not Found: {method} {path}")
+
+
+async def _read_request(stream: trio.SocketStream) -> tuple[str, str, dict[str, str], bytes] | None:
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = await stream.receive_some(65536)
+        if not chunk or len(buf) > _MAX_HEAD_BYTES:
+            return None
+        buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    method, target, _ = lines[0].split(" ", 2)
+    headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
+    length = int(headers.get("content-length", "0"))
+    if length > _MAX_BODY_BYTES:
+        return None
+    while len(body) < length:
+        chunk = await stream.receive_some(min(1 << 20, length - len(body)))
+        if not chunk:
+            return None
+        body += chunk
+    return method, target, headers, body
+
+
+async def _handle(state: FakeEngineState, stream: trio.SocketStream) -> None:
+    try:
+        request = await _read_request(stream)
+        if request is None:
+            return
+        method, target, headers, body = request
+        state.calls.append((method, target))
+        state.auth_headers.append(headers.get("authorization"))
+        fault = await _pop_fault(state, urlsplit(target).path)
+        if fault is not None and fault.kind == "drop":
+            return
+        if fault is not None and fault.kind == "delay":
+            await trio.sleep(fault.delay_s)
+        if fault is not None and fault.kind == "status":
+            status, payload = _json(fault.status, {"error": fault.text})
+        elif state.api_key is not None and headers.get("authorization") != f"Bearer {state.api_key}":
+            status, payload = _json(401, {"error": "Unauthorized"})
+        else:
+            try:
+                status, payload = await _dispatch(state, method, target, body)
+            except _HTTPError as exc:
+                status, payload = _json(exc.status, {"error": exc.text})
+        head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n")
+        await stream.send_all(head.encode("latin-1") + payload)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+    finally:
+        await stream.aclose()
+
+
+@asynccontextmanager
+async def serve_fake_engine(state: FakeEngineState | None = None, *, host: str = "127.0.0.1") -> AsyncIterator[FakeEngineServer]:
+    """Run a fake engine on a free loopback port for the body of the `async with`."""
+    state = state if state is not None else FakeEngineState()
+    async with trio.open_nursery() as nursery:
+        scope = trio.CancelScope()
+
+        async def serve(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+            with scope:
+                await trio.serve_tcp(partial(_handle, state), 0, host=host, handler_nursery=None,
+                                     task_status=task_status)
+
+        listeners = await nursery.start(serve)
+        port = listeners[0].socket.getsockname()[1]
+        try:
+            yield FakeEngineServer(url=f"http://{host}:{port}", state=state, _scope=scope)
+        finally:
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,187 @@
+"""Client for an SGLang server's native API: /generate with input_ids, weight reload from disk, health.
+
+Shapes follow sglang/srt/entrypoints/http_server.py:
+- POST /generate {"input_ids": [[...], ...], "sampling_params": {...}, "return_logprob": true}
+  -> a list (one entry per input) of {"text", "output_ids", "meta_info": {"output_token_logprobs":
+  [[logprob, token_id, text|null], ...], "finish_reason": {"type": "length"|"stop"|"abort", ...},
+  "weight_version": str, ...}}
+- POST /update_weights_from_disk {"model_path", "weight_version": str, "abort_all_requests"}
+  -> {"success", "message", "num_paused_requests"} (400 with success=false on failure)
+- POST /flush_cache, POST /pause_generation, POST /continue_generation, GET /health_generate,
+  GET /get_weight_version -> {"weight_version": str}
+Each prompt is sent N times (prompt-major) with n=1, so the response order is the Sample order.
+
+Legend: P prompts, N samples per prompt, R response tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+import trio
+
+from rollouts.sync._common import check_params, check_prompts, check_weight_version, make_sample, parse_weight_version
+from rollouts.sync._http import EngineError, RetryPolicy, make_client, request_with_retries
+from rollouts.types import Sample, SamplingParams
+
+_RESUME_TIMEOUT_S = 10.0  # continue_generation runs even after a failed update; it must not hang the caller
+
+
+class SGLangEngine:
+    """One SGLang server reached over HTTP; implements rollouts.types.InferenceEngine."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 120.0,
+        max_retries: int = 3,
+        max_connections: int = 64,
+        retry: RetryPolicy | None = None,
+        seed: int | None = None,
+    ) -> None:
+        self._base_url = base_url.rstrip("/")
+        self._client = make_client(base_url, api_key=api_key, timeout_s=timeout_s, max_connections=max_connections)
+        self.timeout_s = timeout_s
+        self.retry = retry if retry is not None else RetryPolicy(max_retries=max_retries)
+        self._rng = random.Random(seed)
+        self._weight_version: int | None = None
+
+    def __repr__(self) -> str:  # the API key lives only inside the client's headers
+        return f"SGLangEngine({self._base_url!r}, timeout_s={self.timeout_s}, max_retries={self.retry.max_retries})"
+
+    @property
+    def name(self) -> str:
+        """The server URL (used in logs and errors)."""
+        return self._base_url
+
+    @property
+    def base_url(self) -> str:
+        return self._base_url
+
+    async def aclose(self) -> None:
+        """Close the HTTP connections."""
+        await self._client.aclose()
+
+    async def __aenter__(self) -> SGLangEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _call(
+        self, method: str, path: str, *, json: Any = None, timeout_s: float | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> httpx.Response:
+        return await request_with_retries(
+            self._client, method, path, engine=self.name, json=json,
+            timeout_s=timeout_s if timeout_s is not None else self.timeout_s,
+            retry=retry if retry is not None else self.retry, rng=self._rng,
+        )
+
+    @staticmethod
+    def generate_request(prompts_P: list[list[int]], params: SamplingParams) -> dict[str, Any]:
+        """The /generate body: each prompt repeated N times, prompt-major (pure; exposed for tests)."""
+        sampling: dict[str, Any] = {
+            "max_new_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "stop_token_ids": list(params.stop_token_ids),
+            "skip_special_tokens": False,
+            "n": 1,
+        }
+        if params.seed is not None:
+            sampling["sampling_seed"] = params.seed
+        return {
+            "input_ids": [p for p in prompts_P for _ in range(params.n)],
+            "sampling_params": sampling,
+            "return_logprob": params.logprobs,
+            "logprob_start_len": -1,  # response logprobs only, no prompt logprobs
+        }
+
+    async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
+        """[P * N] Samples in prompt-major order (all N of prompt 0, then prompt 1, ...)."""
+        prompts_P = check_prompts(prompts)
+        params = check_params(params)
+        data = (await self._call("POST", "/generate", json=self.generate_request(prompts_P, params))).json()
+        return parse_generate_response(data, prompts_P, params, engine=self.name, fallback_version=self._weight_version)
+
+    async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
+        """Reload weights from checkpoint dir `path` (as the server sees it) and record `weight_version`."""
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"path must be a non-empty str, got {path!r}")
+        version = check_weight_version(weight_version)
+        await self._call("POST", "/pause_generation")
+        try:
+            body = {"model_path": path, "weight_version": str(version), "abort_all_requests": False}
+            data = (await self._call("POST", "/update_weights_from_disk", json=body)).json()
+            if not data.get("success", False):
+                raise EngineError(f"{self.name}: update_weights_from_disk failed: {data.get('message')}",
+                                  engine=self.name, url=f"{self.name}/update_weights_from_disk", status=200,
+                                  text=str(data.get("message")))
+            await self._call("POST", "/flush_cache")
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(_RESUME_TIMEOUT_S):
+                try:
+                    await self._call("POST", "/continue_generation", timeout_s=_RESUME_TIMEOUT_S,
+                                     retry=RetryPolicy(max_retries=0))
+                except EngineError:
+                    pass  # the update's own error (or the next health check) says what is wrong
+        got = await self.weight_version()
+        if got != version:
+            raise EngineError(f"{self.name}: weight version reads {got!r} after setting {version}",
+                              engine=self.name, url=f"{self.name}/get_weight_version", status=200, text=str(got))
+
+    async def weight_version(self) -> int | None:
+        """The version the server reports at /get_weight_version (None before the first update)."""
+        data = (await self._call("GET", "/get_weight_version")).json()
+        self._weight_version = parse_weight_version(data.get("weight_version"))
+        return self._weight_version
+
+    async def health(self) -> bool:
+        """Whether GET /health_generate (generates one token) answers 200 within timeout_s."""
+        try:
+            await self._call("GET", "/health_generate", retry=RetryPolicy(max_retries=0))
+        except EngineError:
+            return False
+        return True
+
+
+def parse_generate_response(
+    data: Any, prompts_P: list[list[int]], params: SamplingParams, *, engine: str, fallback_version: int | None
+) -> list[Sample]:
+    """[P * N] Samples from a /generate response (a list for batched input_ids)."""
+    outputs = data if isinstance(data, list) else [data]
+    expected = len(prompts_P) * params.n
+    if len(outputs) != expected:
+        raise EngineError(f"{engine}: /generate returned {len(outputs)} outputs, expected {expected}",
+                          engine=engine, url=f"{engine}/generate", status=200, text=str(data)[:500])
+    samples = []
+    for i, out in enumerate(outputs):
+        meta: Mapping[str, Any] = out.get("meta_info") or {}
+        finish = meta.get("finish_reason") or {}
+        if finish.get("type") == "abort":
+            raise EngineError(f"{engine}: generation aborted: {finish.get('message')}", engine=engine,
+                              url=f"{engine}/generate", status=200, text=str(finish))
+        logprob_entries = meta.get("output_token_logprobs")
+        if params.logprobs:
+            if logprob_entries is None:
+                raise EngineError(f"{engine}: return_logprob was set but meta_info has no output_token_logprobs",
+                                  engine=engine, url=f"{engine}/generate", status=200, text=str(meta)[:500])
+            response_ids = [int(entry[1]) for entry in logprob_entries]
+            logprobs_R: list[float] | None = [float(entry[0]) for entry in logprob_entries]
+        else:
+            response_ids = [int(t) for t in out["output_ids"]]
+            logprobs_R = None
+        version = parse_weight_version(meta.get("weight_version"))
+        samples.append(make_sample(
+            prompt_ids=prompts_P[i // params.n], response_ids=response_ids, logprobs_R=logprobs_R,
+            truncated=finish.get("type") == "length",
+            weight_version=version if version is not None else fallback_version, engine=engine,
+        ))
+    return samples

@@ -1,0 +1,289 @@
+"""Client for a vLLM OpenAI-compatible server: generate from token ids, reload weights, report health.
+
+Weight updates use vLLM's development endpoints (server started with VLLM_SERVER_DEV_MODE=1):
+POST /pause?mode=wait, POST /collective_rpc {"method": "reload_weights"}, POST /reset_prefix_cache,
+POST /update_weight_version {"new_version"}, POST /resume, GET /weight_info. vLLM keeps the
+weight version as a string; this client writes str(int) and reads it back as an int.
+
+Legend: P prompts, N samples per prompt, R response tokens.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+import numpy as np
+import trio
+from safetensors.numpy import save as safetensors_save
+
+from rollouts.sync._common import check_params, check_prompts, check_weight_version, make_sample, parse_weight_version
+from rollouts.sync._http import EngineError, RetryPolicy, make_client, request_with_retries
+from rollouts.types import Sample, SamplingParams
+
+WORKER_EXTENSION_CLS = "rollouts.sync.worker_extension.SafetensorsWeightLoader"
+"""Pass to vLLM as --worker-extension-cls so update_weights_from_tensors works without a shared disk."""
+
+_TOKEN_ID_PREFIX = "token_id:"  # vLLM's spelling of tokens when return_tokens_as_token_ids is set
+_RESUME_TIMEOUT_S = 10.0  # resume runs even after a failed update; it must not hang the caller
+_DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024  # one /collective_rpc body stays well below HTTP server limits
+
+
+class VLLMEngine:
+    """One vLLM server reached over HTTP; implements rollouts.types.InferenceEngine."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 120.0,
+        max_retries: int = 3,
+        model: str | None = None,
+        max_connections: int = 64,
+        pause_mode: str = "wait",
+        retry: RetryPolicy | None = None,
+        seed: int | None = None,
+    ) -> None:
+        if pause_mode not in ("wait", "abort", "keep"):
+            raise ValueError(f"pause_mode must be 'wait', 'abort' or 'keep', got {pause_mode!r}")
+        self._base_url = base_url.rstrip("/")
+        self._client = make_client(base_url, api_key=api_key, timeout_s=timeout_s, max_connections=max_connections)
+        self.timeout_s = timeout_s
+        self.retry = retry if retry is not None else RetryPolicy(max_retries=max_retries)
+        self.pause_mode = pause_mode
+        self._model = model
+        self._rng = random.Random(seed)
+        self._weight_version: int | None = None
+
+    def __repr__(self) -> str:  # the API key lives only inside the client's headers
+        return f"VLLMEngine({self._base_url!r}, timeout_s={self.timeout_s}, max_retries={self.retry.max_retries})"
+
+    @property
+    def name(self) -> str:
+        """The server URL (used in logs and errors)."""
+        return self._base_url
+
+    @property
+    def base_url(self) -> str:
+        return self._base_url
+
+    async def aclose(self) -> None:
+        """Close the HTTP connections."""
+        await self._client.aclose()
+
+    async def __aenter__(self) -> VLLMEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _call(
+        self, method: str, path: str, *, json: Any = None, params: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None, retry: RetryPolicy | None = None,
+    ) -> httpx.Response:
+        return await request_with_retries(
+            self._client, method, path, engine=self.name, json=json, params=params,
+            timeout_s=timeout_s if timeout_s is not None else self.timeout_s,
+            retry=retry if retry is not None else self.retry, rng=self._rng,
+        )
+
+    async def model_name(self) -> str:
+        """The served model name (asked once from /v1/models, then remembered)."""
+        if self._model is None:
+            data = (await self._call("GET", "/v1/models")).json()
+            models = data.get("data") or []
+            if not models:
+                raise EngineError(f"{self.name}: /v1/models lists no model", engine=self.name, url=self.name)
+            self._model = str(models[0]["id"])
+        return self._model
+
+    def completion_request(self, prompts_P: list[list[int]], params: SamplingParams, model: str) -> dict[str, Any]:
+        """The /v1/completions body for token-id prompts (pure; exposed for tests)."""
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": prompts_P,
+            "n": params.n,
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "top_k": params.top_k,
+            "stop_token_ids": list(params.stop_token_ids),
+            # logprobs=0: the sampled token's log-prob only, no top-k alternatives
+            "logprobs": 0 if params.logprobs else None,
+            # without it byte-level tokens come back as "" and cannot be mapped to ids
+            "return_tokens_as_token_ids": True,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        if params.seed is not None:
+            body["seed"] = params.seed
+        return body
+
+    async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
+        """[P * N] Samples in prompt-major order (all N of prompt 0, then prompt 1, ...)."""
+        prompts_P = check_prompts(prompts)
+        params = check_params(params)
+        body = self.completion_request(prompts_P, params, await self.model_name())
+        version = self._weight_version
+        data = (await self._call("POST", "/v1/completions", json=body)).json()
+        return parse_completion_response(data, prompts_P, params, weight_version=version, engine=self.name)
+
+    async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
+        """Reload weights from checkpoint dir `path` (as the server sees it) and record `weight_version`."""
+        if not isinstance(path, str) or not path:
+            raise ValueError(f"path must be a non-empty str, got {path!r}")
+        version = check_weight_version(weight_version)
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": path}}
+        await self._paused_update([rpc], version)
+
+    async def update_weights_from_tensors(
+        self, tensors: Mapping[str, np.ndarray], weight_version: int, *, chunk_bytes: int = _DEFAULT_CHUNK_BYTES
+    ) -> None:
+        """Send `tensors` (HF checkpoint names; a subset updates only those) in the request body.
+
+        Needs the server started with --worker-extension-cls WORKER_EXTENSION_CLS; no shared disk.
+        """
+        version = check_weight_version(weight_version)
+        rpcs = tensor_rpc_bodies(tensors, chunk_bytes=chunk_bytes)
+        await self._paused_update(rpcs, version)
+
+    async def _paused_update(self, rpcs: list[dict[str, Any]], version: int) -> None:
+        # Pause so no request straddles two weight versions; resume even when the update fails,
+        # so a failed sync leaves the engine serving (old weights) rather than stuck paused.
+        await self._call("POST", "/pause", params={"mode": self.pause_mode})
+        try:
+            for rpc in rpcs:
+                data = self._json_or_empty(await self._call("POST", "/collective_rpc", json=rpc))
+                _raise_on_rpc_error(data, engine=self.name, url=f"{self.name}/collective_rpc")
+            await self.reset_prefix_cache()
+            await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(_RESUME_TIMEOUT_S):
+                try:
+                    await self._call("POST", "/resume", timeout_s=_RESUME_TIMEOUT_S, retry=RetryPolicy(max_retries=0))
+                except EngineError:
+                    pass  # the update's own error (or the next health check) says what is wrong
+        got = await self.weight_version()
+        if got != version:
+            raise EngineError(
+                f"{self.name}: weight version reads {got!r} after setting {version}",
+                engine=self.name, url=f"{self.name}/weight_info", status=200, text=str(got),
+            )
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop cached prefixes: without this they keep serving KV computed with the old weights."""
+        data = self._json_or_empty(await self._call("POST", "/reset_prefix_cache"))
+        if data.get("success") is False:
+            raise EngineError(
+                f"{self.name}: /reset_prefix_cache answered success=false (blocks still held by running requests)",
+                engine=self.name, url=f"{self.name}/reset_prefix_cache", status=200, text=str(data),
+            )
+
+    async def weight_version(self) -> int | None:
+        """The version the server reports at /weight_info (None before the first update)."""
+        data = (await self._call("GET", "/weight_info")).json()
+        self._weight_version = parse_weight_version(data.get("weight_version"))
+        return self._weight_version
+
+    async def health(self) -> bool:
+        """Whether GET /health answers 200 within timeout_s (one attempt, no retries)."""
+        try:
+            await self._call("GET", "/health", retry=RetryPolicy(max_retries=0))
+        except EngineError:
+            return False
+        return True
+
+    @staticmethod
+    def _json_or_empty(response: httpx.Response) -> dict[str, Any]:
+        if not response.content:
+            return {}
+        data = response.json()
+        return data if isinstance(data, dict) else {"results": data}
+
+
+def _raise_on_rpc_error(data: Mapping[str, Any], *, engine: str, url: str) -> None:
+    for result in data.get("results") or []:
+        if isinstance(result, dict) and result.get("error"):
+            raise EngineError(f"{engine}: collective_rpc failed: {result['error']}", engine=engine, url=url,
+                              status=200, text=str(result["error"]))
+
+
+def tensor_rpc_bodies(tensors: Mapping[str, np.ndarray], *, chunk_bytes: int) -> list[dict[str, Any]]:
+    """/collective_rpc bodies carrying `tensors` as base64 safetensors, at most ~chunk_bytes each.
+
+    All but the last body only stage their tensors; the last one applies everything staged.
+    """
+    if not isinstance(tensors, Mapping) or not tensors:
+        raise ValueError("tensors must be a non-empty mapping of name -> numpy array")
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+    chunks: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, array in tensors.items():
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"tensors[{name!r}] must be a numpy array, got {type(array).__name__}")
+        if chunks[-1] and size + array.nbytes > chunk_bytes:
+            chunks.append({})
+            size = 0
+        chunks[-1][name] = np.ascontiguousarray(array)
+        size += array.nbytes
+    bodies = []
+    for i, chunk in enumerate(chunks):
+        payload = base64.b64encode(safetensors_save(chunk)).decode("ascii")
+        apply = "1" if i == len(chunks) - 1 else "0"
+        bodies.append({"method": "rollouts_load_weights", "kwargs": {"data_b64": payload, "apply": apply}})
+    return bodies
+
+
+def parse_completion_response(
+    data: Mapping[str, Any], prompts_P: list[list[int]], params: SamplingParams, *, weight_version: int | None,
+    engine: str,
+) -> list[Sample]:
+    """[P * N] Samples from a /v1/completions response, ordered by choice index (prompt-major)."""
+    choices = sorted(data.get("choices") or [], key=lambda c: c["index"])
+    expected = len(prompts_P) * params.n
+    if len(choices) != expected:
+        raise EngineError(
+            f"{engine}: /v1/completions returned {len(choices)} choices, expected {len(prompts_P)} prompts x n={params.n}",
+            engine=engine, url=f"{engine}/v1/completions", status=200, text=str(data)[:500],
+        )
+    samples = []
+    for i, choice in enumerate(choices):
+        prompt = prompts_P[i // params.n]
+        response_ids, logprobs_R = _choice_tokens(choice, want_logprobs=params.logprobs, engine=engine)
+        samples.append(make_sample(
+            prompt_ids=prompt, response_ids=response_ids, logprobs_R=logprobs_R,
+            truncated=choice.get("finish_reason") == "length", weight_version=weight_version, engine=engine,
+        ))
+    return samples
+
+
+def _choice_tokens(choice: Mapping[str, Any], *, want_logprobs: bool, engine: str) -> tuple[list[int], list[float] | None]:
+    logprobs = choice.get("logprobs")
+    ids = choice.get("token_ids")
+    if logprobs is not None and logprobs.get("tokens") is not None:
+        from_logprobs = [_token_id(t, engine=engine) for t in logprobs["tokens"]]
+        if ids is not None and list(ids) != from_logprobs:
+            raise EngineError(f"{engine}: token_ids and logprobs.tokens disagree", engine=engine,
+                              url=f"{engine}/v1/completions", status=200, text=str(choice)[:500])
+        ids = from_logprobs
+    if ids is None:
+        raise EngineError(f"{engine}: a choice carries neither token_ids nor logprobs.tokens", engine=engine,
+                          url=f"{engine}/v1/completions", status=200, text=str(choice)[:500])
+    if not want_logprobs:
+        return [int(t) for t in ids], None
+    if logprobs is None:
+        raise EngineError(f"{engine}: logprobs were asked for but the choice has none", engine=engine,
+                          url=f"{engine}/v1/completions", status=200, text=str(choice)[:500])
+    return [int(t) for t in ids], [float(x) for x in logprobs["token_logprobs"]]
+
+
+def _token_id(token: str, *, engine: str) -> int:
+    if not token.startswith(_TOKEN_ID_PREFIX):
+        raise EngineError(f"{engine}: token {token!r} is not in 'token_id:N' form (return_tokens_as_token_ids ignored?)",
+                          engine=engine, url=f"{engine}/v1/completions", status=200, text=token)
+    return int(token[len(_TOKEN_ID_PREFIX):])

@@ -1,0 +1,112 @@
+"""Push a checkpoint to many engines at once (trio nursery), each bounded in time.
+
+Every engine gets the same deadline; one slow or dead engine neither blocks the others nor
+hangs the caller. Retries (exponential backoff with jitter on connection errors and 5xx,
+none on 4xx) live in each engine's HTTP calls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import trio
+
+from rollouts.sync._http import EngineError
+from rollouts.types import InferenceEngine
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineFailure:
+    """Why one engine did not take the new weights."""
+
+    engine: str
+    """The engine's name (its URL)."""
+    url: str
+    """The URL of the call that failed last."""
+    status: int | None
+    """HTTP status of that call (None: no response, timeout, or an error outside HTTP)."""
+    text: str
+    """Response text or error message."""
+
+    def describe(self) -> str:
+        status = f"HTTP {self.status}" if self.status is not None else "no response"
+        return f"{self.engine} ({self.url}): {status}: {self.text}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncResult:
+    """What a successful sync did."""
+
+    weight_version: int
+    updated: tuple[str, ...]
+    """Names of the engines that now serve `weight_version`, in input order."""
+    seconds_by_engine: tuple[float, ...]
+    """[E] wall seconds each engine's update took (same order as `updated`)."""
+
+
+class WeightSyncError(RuntimeError):
+    """Some engines failed to update; `failures` says why, `updated` which engines did."""
+
+    def __init__(self, weight_version: int, failures: Sequence[EngineFailure], updated: Sequence[str]) -> None:
+        self.weight_version = weight_version
+        self.failures = tuple(failures)
+        self.updated = tuple(updated)
+        lines = [f"weight sync to version {weight_version} failed on {len(self.failures)} engine(s):"]
+        lines += [f"  - {f.describe()}" for f in self.failures]
+        lines.append(f"updated ({len(self.updated)}): {', '.join(self.updated) if self.updated else 'none'}")
+        super().__init__("\n".join(lines))
+
+
+async def sync_weights_to_engines(
+    engines: Sequence[InferenceEngine],
+    checkpoint_dir: str,
+    weight_version: int,
+    *,
+    timeout_s: float,
+) -> SyncResult:
+    """Load `checkpoint_dir` into every engine concurrently; each engine gets at most `timeout_s`.
+
+    Raises WeightSyncError naming every failed engine (URL, status, response text) and the
+    engines that did update, so the caller can decide whether to go on with a partial pool.
+    """
+    if not engines:
+        raise ValueError("engines is empty: nothing to sync")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    names = [e.name for e in engines]
+    if len(set(names)) != len(names):
+        raise ValueError(f"engine names must be unique (they identify engines in errors), got {names}")
+    outcomes: list[EngineFailure | float | None] = [None] * len(engines)
+
+    async def one(i: int, engine: InferenceEngine) -> None:
+        start_s = time.perf_counter()
+        try:
+            with trio.fail_after(timeout_s):
+                await engine.update_weights_from_disk(checkpoint_dir, weight_version)
+                got = await engine.weight_version()
+            if got != weight_version:
+                outcomes[i] = EngineFailure(engine=engine.name, url=engine.name, status=None,
+                                            text=f"reports weight version {got!r} after the update, expected {weight_version}")
+                return
+            outcomes[i] = time.perf_counter() - start_s
+        except trio.TooSlowError:
+            outcomes[i] = EngineFailure(engine=engine.name, url=engine.name, status=None,
+                                        text=f"did not finish within timeout_s={timeout_s}")
+        except EngineError as exc:
+            outcomes[i] = EngineFailure(engine=engine.name, url=exc.url, status=exc.status, text=str(exc))
+        except Exception as exc:  # noqa: BLE001 - one engine's bug must not hide the others' results
+            outcomes[i] = EngineFailure(engine=engine.name, url=engine.name, status=None,
+                                        text=f"{type(exc).__name__}: {exc}")
+
+    async with trio.open_nursery() as nursery:
+        for i, engine in enumerate(engines):
+            nursery.start_soon(one, i, engine)
+
+    failures = [o for o in outcomes if isinstance(o, EngineFailure)]
+    updated = [n for n, o in zip(names, outcomes, strict=True) if isinstance(o, float)]
+    if failures:
+        raise WeightSyncError(weight_version, failures, updated)
+    seconds = tuple(o for o in outcomes if isinstance(o, float))
+    return SyncResult(weight_version=weight_version, updated=tuple(updated), seconds_by_engine=seconds)

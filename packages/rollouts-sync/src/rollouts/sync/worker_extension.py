@@ -1,0 +1,74 @@
+"""vLLM worker extension: load weights sent as safetensors bytes in a /collective_rpc body.
+
+Start the server with `--worker-extension-cls rollouts.sync.worker_extension.SafetensorsWeightLoader`
+(this module runs inside vLLM's worker process, where torch exists; it imports torch lazily so the
+rest of rollouts.sync stays torch-free).
+
+Partial updates: a request may name only some checkpoint tensors. vLLM reloads a layer as a whole
+(on CPU it repacks linear weights and drops the originals, and a fused qkv_proj is built from
+q/k/v together), so the extension keeps the full checkpoint-format weights in host memory:
+loaded once from the model directory the server last loaded, updated by each request, and fed
+whole to vLLM's in-place `reload_weights`. Cost: one extra copy of the weights in host memory.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from typing import Any
+
+_SAFETENSORS_SUFFIX = ".safetensors"
+
+
+def _files_signature(model_dir: str) -> tuple[tuple[str, int, int], ...]:
+    """(name, size, mtime_ns) of each safetensors file: changes when the directory is rewritten."""
+    out = []
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(_SAFETENSORS_SUFFIX):
+            st = os.stat(os.path.join(model_dir, name))
+            out.append((name, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+class SafetensorsWeightLoader:
+    """Mixed into vLLM's Worker class; its methods are called through POST /collective_rpc."""
+
+    def _rollouts_base_weights(self) -> dict[str, Any]:
+        from safetensors.torch import load_file
+
+        model_dir = str(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
+        signature = (model_dir, _files_signature(model_dir))
+        cache = getattr(self, "_rollouts_weights", None)
+        if cache is None or getattr(self, "_rollouts_signature", None) != signature:
+            cache = {}
+            for name, _, _ in signature[1]:
+                cache.update(load_file(os.path.join(model_dir, name), device="cpu"))
+            self._rollouts_weights = cache
+            self._rollouts_signature = signature
+        return cache
+
+    def rollouts_load_weights(self, data_b64: str, apply: str = "1") -> dict[str, Any]:
+        """Stage the tensors in `data_b64` (base64 safetensors); with apply="1" reload the model with them.
+
+        Returns {"num_tensors": tensors in this request, "applied": bool}. Unknown tensor names
+        are an error (named), so a typo cannot silently leave a weight stale.
+        """
+        import torch
+        from safetensors.torch import load as load_bytes
+
+        weights = self._rollouts_base_weights()
+        incoming = load_bytes(base64.b64decode(data_b64))
+        unknown = sorted(set(incoming) - set(weights))
+        if unknown:
+            raise ValueError(f"tensors not in the model's checkpoint: {unknown[:10]} ({len(unknown)} in all)")
+        for name, tensor in incoming.items():
+            if tuple(tensor.shape) != tuple(weights[name].shape):
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, the checkpoint has {tuple(weights[name].shape)}"
+                )
+            weights[name] = tensor
+        applied = apply == "1"
+        if applied:
+            with torch.no_grad():
+                self.reload_weights(weights_iterator=iter(list(weights.items())))  # type: ignore[attr-defined]
+        return {"num_tensors": len(incoming), "applied": applied}

