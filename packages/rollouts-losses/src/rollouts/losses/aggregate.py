@@ -1,0 +1,139 @@
+"""Reduce a per-token loss to a scalar, on padded or packed rows, with step-wide denominators.
+
+Legend: B rows, T tokens per row, S sequences (bins; on packed rows S = B * T, most of them empty).
+
+Modes follow verl's `agg_loss`:
+  token-mean               sum(loss * mask) / sum(mask)
+  token-sum                sum(loss * mask)
+  seq-mean-token-sum       sum over sequences of sum(loss * mask) / number of sequences
+  seq-mean-token-mean      sum over sequences of [sum(loss * mask) / sum(mask)] / number of sequences
+  seq-mean-token-sum-norm  sum(loss * mask) / norm_constant (Dr.GRPO; default: the padded length T)
+Departures from verl: a sequence (or a batch) without loss tokens contributes 0 instead of NaN;
+rows may be packed (`segment_ids_B_T`: several sequences in one row, -1 on padding); and the
+denominators can be given for the whole step (`num_tokens`, `num_sequences`) so that summing the
+losses of a step's micro-batches equals the loss of the step as one batch. With packed rows and
+no `norm_constant`, seq-mean-token-sum-norm divides by the longest sequence in the rows (the T the
+sequences would have padded to).
+"""
+
+from __future__ import annotations
+
+from typing import get_args
+
+import torch
+from rollouts.types.configs import LossAggregation
+from torch import Tensor
+
+__all__ = ["AGGREGATION_MODES", "Aggregation", "aggregate"]
+
+Aggregation = LossAggregation
+AGGREGATION_MODES: tuple[str, ...] = get_args(Aggregation)
+
+
+def check_mode(mode: str) -> None:
+    """Raise unless mode is one of AGGREGATION_MODES."""
+    if mode not in AGGREGATION_MODES:
+        raise ValueError(f"mode must be one of {AGGREGATION_MODES}, got {mode!r}")
+
+
+def check_same_shape(**tensors: Tensor | None) -> None:
+    """Raise unless every given tensor is [B, T] with one shared shape."""
+    shapes = {name: tuple(t.shape) for name, t in tensors.items() if t is not None}
+    first = next(iter(shapes.values()))
+    if len(first) != 2 or any(s != first for s in shapes.values()):
+        raise ValueError(f"per-token tensors must all be [B, T] with one shape, got {shapes}")
+
+
+def safe_divide(numerator: Tensor, denominator: Tensor | float) -> Tensor:
+    """numerator / denominator, or 0 where the denominator is 0 (an empty set of tokens contributes nothing)."""
+    denominator = torch.as_tensor(denominator, dtype=numerator.dtype, device=numerator.device)
+    nonzero = denominator != 0
+    return torch.where(nonzero, numerator / torch.where(nonzero, denominator, 1.0), 0.0)
+
+
+def sequence_sums(x_B_T: Tensor, segment_ids_B_T: Tensor | None) -> Tensor:
+    """[B, T] -> [S] per-sequence sums (S = B without segment ids, else B * T bins indexed by segment id)."""
+    if segment_ids_B_T is None:
+        return x_B_T.sum(dim=-1)
+    seg_N = segment_ids_B_T.reshape(-1)
+    valid_N = seg_N >= 0
+    values_N = torch.where(valid_N, x_B_T.reshape(-1), 0.0)
+    return torch.zeros(seg_N.numel(), dtype=x_B_T.dtype, device=x_B_T.device).index_add(
+        0, seg_N.clamp(min=0), values_N
+    )
+
+
+def to_tokens(x_S: Tensor, segment_ids_B_T: Tensor | None, shape: torch.Size) -> Tensor:
+    """[S] per-sequence values -> [B, T] on the tokens of each sequence (0 on padding of packed rows)."""
+    if segment_ids_B_T is None:
+        return x_S[:, None].expand(shape)
+    gathered = x_S[segment_ids_B_T.clamp(min=0)]
+    return torch.where(segment_ids_B_T >= 0, gathered, 0.0)
+
+
+def sequence_present(mask_B_T: Tensor, segment_ids_B_T: Tensor | None) -> Tensor:
+    """[S] bool: which sequence bins hold a sequence (every row without segment ids)."""
+    if segment_ids_B_T is None:
+        return torch.ones(mask_B_T.shape[0], dtype=torch.bool, device=mask_B_T.device)
+    return sequence_sums(torch.ones_like(mask_B_T, dtype=torch.float32), segment_ids_B_T) > 0
+
+
+def _default_norm(mask_B_T: Tensor, segment_ids_B_T: Tensor | None) -> Tensor | float:
+    """The padded length T, or on packed rows the longest sequence's length."""
+    if segment_ids_B_T is None:
+        return float(mask_B_T.shape[-1])
+    return sequence_sums(torch.ones_like(mask_B_T, dtype=torch.float32), segment_ids_B_T).max()
+
+
+def _check_count(name: str, value: int | None) -> None:
+    """Raise unless value is None or a non-negative int."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"{name} must be a non-negative int (a count for the whole step) or None, got {value!r}")
+
+
+def aggregate(
+    loss_B_T: Tensor,
+    mask_B_T: Tensor,
+    mode: Aggregation = "token-mean",
+    *,
+    norm_constant: float | None = None,
+    segment_ids_B_T: Tensor | None = None,
+    num_tokens: int | None = None,
+    num_sequences: int | None = None,
+) -> Tensor:
+    """[B, T] loss, [B, T] mask -> scalar loss reduced by mode (see the module docstring).
+
+    num_tokens / num_sequences: the step-wide denominators (count of loss tokens, of sequences);
+    None uses this batch's own (sum of the mask, sequences present).
+    """
+    check_mode(mode)
+    check_same_shape(loss_B_T=loss_B_T, mask_B_T=mask_B_T, segment_ids_B_T=segment_ids_B_T)
+    _check_count("num_tokens", num_tokens)
+    _check_count("num_sequences", num_sequences)
+    if norm_constant is not None and not norm_constant > 0:
+        raise ValueError(f"norm_constant must be > 0 or None, got {norm_constant!r}")
+    mask_B_T = mask_B_T.to(loss_B_T.dtype)
+    # where(), not a product alone: inf or NaN on masked-out tokens must not leak into the sum
+    weighted_B_T = torch.where(mask_B_T != 0, loss_B_T * mask_B_T, 0.0)
+    if mode == "token-sum":
+        return weighted_B_T.sum()
+    if mode == "token-mean":
+        denominator = mask_B_T.sum() if num_tokens is None else num_tokens
+        return safe_divide(weighted_B_T.sum(), denominator)
+    if mode == "seq-mean-token-sum-norm":
+        norm = _default_norm(mask_B_T, segment_ids_B_T) if norm_constant is None else norm_constant
+        return safe_divide(weighted_B_T.sum(), norm)
+    per_seq_S = sequence_sums(weighted_B_T, segment_ids_B_T)
+    if mode == "seq-mean-token-mean":
+        per_seq_S = safe_divide(per_seq_S, sequence_sums(mask_B_T, segment_ids_B_T))
+    if num_sequences is None:
+        denominator = sequence_present(mask_B_T, segment_ids_B_T).sum().to(loss_B_T.dtype)
+    else:
+        denominator = num_sequences
+    return safe_divide(per_seq_S.sum(), denominator)
+
+
+def masked_mean(x_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
+    """Mean of x over tokens where mask > 0 (0 when there are none); for metrics."""
+    selected = mask_B_T > 0
+    return safe_divide(torch.where(selected, x_B_T, 0.0).sum(), selected.sum().to(x_B_T.dtype))

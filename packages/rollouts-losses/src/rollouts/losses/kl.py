@@ -1,0 +1,92 @@
+"""KL penalties to a reference policy and importance weights for the rollout-vs-trainer mismatch.
+
+Legend: B rows, T tokens per row, S sequences. Per-token tensors are [B, T] and token-aligned.
+
+KL estimators (Schulman's k1/k2/k3) of KL(pi || pi_ref) from samples of pi:
+  k1 = log pi - log pi_ref;  abs = |k1|;  k2 = 0.5 k1^2;
+  k3 = low_var_kl = exp(d) - d - 1 with d = log pi_ref - log pi (clamped as verl does).
+Whether the penalty goes into the loss or into the reward is the loop's choice.
+
+Importance weights correct for the inference engine sampling from a slightly different policy
+than the trainer computes (different kernels, precision, or a stale weight version):
+w = pi_trainer_old / pi_engine per token, or its product over a sequence, capped at `cap`
+(truncated IS) or zeroed above it (masked IS).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from rollouts.types.configs import ISLevel, ISMode, KLKind
+from torch import Tensor
+
+from rollouts.losses.aggregate import check_same_shape, masked_mean, sequence_sums, to_tokens
+from rollouts.losses.policy import metrics_to_floats
+
+__all__ = ["KL_KINDS", "importance_weights", "kl_penalty"]
+
+KL_KINDS: tuple[str, ...] = ("k1", "abs", "k2", "k3", "low_var_kl")
+MAX_KL_LOG_RATIO = 20.0
+"""Clamp on log(pi_ref / pi) before exp() in k3, so an unlikely token cannot overflow the estimate."""
+MAX_K3 = 10.0
+"""Clamp on the k3 estimate itself (verl's low_var_kl): one outlier token cannot dominate the penalty."""
+MAX_IS_LOG_WEIGHT = 20.0
+"""Clamp on the log importance weight before exp(): the cap applies after, so nothing overflows first."""
+
+
+def kl_penalty(logprobs_B_T: Tensor, ref_logprobs_B_T: Tensor, *, kind: KLKind) -> Tensor:
+    """[B, T] log-probs under the policy and the reference -> [B, T] per-token KL estimate of the given kind."""
+    check_same_shape(logprobs_B_T=logprobs_B_T, ref_logprobs_B_T=ref_logprobs_B_T)
+    diff_B_T = logprobs_B_T - ref_logprobs_B_T.detach()
+    if kind == "k1":
+        return diff_B_T
+    if kind == "abs":
+        return diff_B_T.abs()
+    if kind == "k2":
+        return 0.5 * diff_B_T.square()
+    if kind in ("k3", "low_var_kl"):
+        d_B_T = torch.clamp(-diff_B_T, -MAX_KL_LOG_RATIO, MAX_KL_LOG_RATIO)
+        return torch.clamp(torch.exp(d_B_T) - d_B_T - 1.0, -MAX_K3, MAX_K3)
+    raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")
+
+
+def importance_weights(
+    old_logprobs_B_T: Tensor,
+    rollout_logprobs_B_T: Tensor,
+    mask_B_T: Tensor,
+    *,
+    cap: float,
+    level: ISLevel = "token",
+    mode: ISMode = "truncate",
+    segment_ids_B_T: Tensor | None = None,
+) -> tuple[Tensor, dict[str, float]]:
+    """[B, T] trainer and engine log-probs -> ([B, T] detached weights, 0 off the mask; metrics).
+
+    level "token": w_t = exp(old_t - rollout_t); "sequence": the product of a sequence's token
+    ratios on every token of it. mode "truncate": min(w, cap); "mask": w where w <= cap, else 0.
+    """
+    check_same_shape(
+        old_logprobs_B_T=old_logprobs_B_T, rollout_logprobs_B_T=rollout_logprobs_B_T, mask_B_T=mask_B_T,
+        segment_ids_B_T=segment_ids_B_T,
+    )
+    if not (isinstance(cap, (int, float)) and cap >= 1.0):
+        raise ValueError(f"cap must be >= 1 (a weight of 1 means no correction), got {cap!r}")
+    levels: tuple[Literal["token", "sequence"], ...] = ("token", "sequence")
+    if level not in levels:
+        raise ValueError(f"level must be one of {levels}, got {level!r}")
+    if mode not in ("truncate", "mask"):
+        raise ValueError(f"mode must be 'truncate' or 'mask', got {mode!r}")
+    selected_B_T = mask_B_T > 0
+    log_w_B_T = torch.where(selected_B_T, (old_logprobs_B_T - rollout_logprobs_B_T).detach(), 0.0)
+    if level == "sequence":
+        log_w_B_T = to_tokens(sequence_sums(log_w_B_T, segment_ids_B_T), segment_ids_B_T, log_w_B_T.shape)
+    raw_B_T = torch.exp(torch.clamp(log_w_B_T, -MAX_IS_LOG_WEIGHT, MAX_IS_LOG_WEIGHT))
+    over_cap_B_T = raw_B_T > cap
+    weights_B_T = torch.clamp(raw_B_T, max=cap) if mode == "truncate" else torch.where(over_cap_B_T, 0.0, raw_B_T)
+    weights_B_T = torch.where(selected_B_T, weights_B_T, 0.0)
+    return weights_B_T, metrics_to_floats(
+        is_weight_mean=masked_mean(weights_B_T, mask_B_T),
+        is_raw_weight_mean=masked_mean(raw_B_T, mask_B_T),
+        is_capped_frac=masked_mean(over_cap_B_T.float(), mask_B_T),
+    )

@@ -1,0 +1,280 @@
+"""Per-token log-probabilities and entropy without a second B x T x V tensor.
+
+Legend: B sequences, T tokens, V vocabulary, H hidden, N = B * T flattened tokens, C tokens per chunk.
+
+The vocabulary axis dominates RL memory (V = 151936 for Qwen2), so every function here walks the
+tokens in chunks of C and keeps at most a couple of C x V buffers alive. `fused_token_logprobs`
+goes further and never holds the logits at all: its backward recomputes each chunk's logits from
+the hidden states (one extra matmul) instead of storing them. All arithmetic on the vocabulary
+axis is float32 (float64 for float64 inputs) whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["fused_token_logprobs", "token_entropy", "token_logprobs"]
+
+DEFAULT_CHUNK_SIZE = 1024
+"""Tokens per chunk for `token_logprobs` / `token_entropy`: a C x V float32 temporary (0.6 GB at V=151936)."""
+DEFAULT_FUSED_CHUNK_SIZE = 256
+"""Tokens per chunk for `fused_token_logprobs`: one C x V float32 buffer (0.16 GB at V=151936)."""
+
+
+def _check_labels(labels_N: Tensor, vocab_size: int) -> None:
+    """Raise unless every label is a valid vocabulary index (an invalid one would read past the logits)."""
+    if labels_N.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels must be an int64 or int32 tensor, got {labels_N.dtype}")
+    if labels_N.numel() == 0:
+        return
+    low, high = int(labels_N.min()), int(labels_N.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(
+            f"labels must lie in [0, {vocab_size}) (the vocabulary), got values in [{low}, {high}]: "
+            "mask positions out with the loss mask instead of negative labels"
+        )
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    """Raise unless chunk_size is a positive int."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
+
+
+def _chunks(num_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
+    """[(start, end)] covering range(num_tokens) in pieces of chunk_size."""
+    return [(s, min(s + chunk_size, num_tokens)) for s in range(0, num_tokens, chunk_size)]
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log p(label) from logits; backward writes softmax - onehot chunk by chunk into the gradient."""
+
+    @staticmethod
+    def forward(ctx, logits_N_V: Tensor, labels_N: Tensor, chunk_size: int) -> Tensor:  # type: ignore[override]
+        """[N, V] logits, [N] labels -> [N] float32 log-probs."""
+        n, dtype = logits_N_V.shape[0], _compute_dtype(logits_N_V)
+        lse_N = torch.empty(n, dtype=dtype, device=logits_N_V.device)
+        out_N = torch.empty(n, dtype=dtype, device=logits_N_V.device)
+        for s, e in _chunks(n, chunk_size):
+            chunk_C_V = logits_N_V[s:e].to(dtype)
+            torch.logsumexp(chunk_C_V, dim=-1, out=lse_N[s:e])
+            picked_C = chunk_C_V.gather(1, labels_N[s:e, None]).squeeze(1)
+            out_N[s:e] = picked_C - lse_N[s:e]
+        ctx.save_for_backward(logits_N_V, labels_N, lse_N)
+        ctx.chunk_size = chunk_size
+        return out_N
+
+    @staticmethod
+    def backward(ctx, grad_N: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        """d logprob / d logits = onehot(label) - softmax, scaled by the incoming gradient."""
+        logits_N_V, labels_N, lse_N = ctx.saved_tensors
+        grad_N_V = torch.empty_like(logits_N_V)
+        in_place = logits_N_V.dtype == lse_N.dtype
+        for s, e in _chunks(logits_N_V.shape[0], ctx.chunk_size):
+            g_C1 = grad_N[s:e, None].to(lse_N.dtype)
+            if in_place:
+                chunk_C_V = torch.sub(logits_N_V[s:e], lse_N[s:e, None], out=grad_N_V[s:e])
+            else:
+                chunk_C_V = logits_N_V[s:e].to(lse_N.dtype).sub_(lse_N[s:e, None])
+            chunk_C_V.exp_().mul_(-g_C1).scatter_add_(1, labels_N[s:e, None], g_C1)
+            if not in_place:
+                grad_N_V[s:e] = chunk_C_V
+        return grad_N_V, None, None
+
+
+def token_logprobs(logits_B_T_V: Tensor, labels_B_T: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
+    """[B, T, V] logits, [B, T] labels -> [B, T] float32 log p(label), chunked, exact gradients."""
+    _check_chunk_size(chunk_size)
+    if logits_B_T_V.dim() != 3 or labels_B_T.shape != logits_B_T_V.shape[:2]:
+        raise ValueError(
+            f"logits must be [B, T, V] and labels [B, T], got {tuple(logits_B_T_V.shape)} and {tuple(labels_B_T.shape)}"
+        )
+    b, t, v = logits_B_T_V.shape
+    _check_labels(labels_B_T, v)
+    out_N = _TokenLogprobs.apply(logits_B_T_V.reshape(b * t, v), labels_B_T.reshape(b * t).long(), chunk_size)
+    return out_N.view(b, t)
+
+
+class _TokenEntropy(torch.autograd.Function):
+    """Entropy of softmax(logits) per token; backward recomputes the softmax chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, logits_N_V: Tensor, chunk_size: int) -> Tensor:  # type: ignore[override]
+        """[N, V] logits -> [N] float32 entropy."""
+        n, dtype = logits_N_V.shape[0], _compute_dtype(logits_N_V)
+        lse_N = torch.empty(n, dtype=dtype, device=logits_N_V.device)
+        entropy_N = torch.empty(n, dtype=dtype, device=logits_N_V.device)
+        for s, e in _chunks(n, chunk_size):
+            shifted_C_V = logits_N_V[s:e].to(dtype)
+            max_C1 = shifted_C_V.amax(dim=-1, keepdim=True)
+            shifted_C_V = shifted_C_V - max_C1
+            exp_C_V = shifted_C_V.exp()
+            sum_C = exp_C_V.sum(dim=-1)
+            weighted_C = shifted_C_V.mul_(exp_C_V).sum(dim=-1)
+            # H = -sum p log p with log p = x - log(sum e^x), x = logits - max
+            entropy_N[s:e] = sum_C.log() - weighted_C / sum_C
+            lse_N[s:e] = max_C1.squeeze(1) + sum_C.log()
+        ctx.save_for_backward(logits_N_V, lse_N, entropy_N)
+        ctx.chunk_size = chunk_size
+        return entropy_N
+
+    @staticmethod
+    def backward(ctx, grad_N: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        """d H / d logit_j = -p_j (log p_j + H), scaled by the incoming gradient."""
+        logits_N_V, lse_N, entropy_N = ctx.saved_tensors
+        grad_N_V = torch.empty_like(logits_N_V)
+        for s, e in _chunks(logits_N_V.shape[0], ctx.chunk_size):
+            logp_C_V = logits_N_V[s:e].to(lse_N.dtype) - lse_N[s:e, None]
+            p_C_V = logp_C_V.exp()
+            logp_C_V.add_(entropy_N[s:e, None]).mul_(p_C_V).mul_(-grad_N[s:e, None].to(lse_N.dtype))
+            grad_N_V[s:e] = logp_C_V
+        return grad_N_V, None
+
+
+def token_entropy(logits_B_T_V: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
+    """[B, T, V] logits -> [B, T] float32 entropy of softmax(logits), chunked, with gradients."""
+    _check_chunk_size(chunk_size)
+    if logits_B_T_V.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got {tuple(logits_B_T_V.shape)}")
+    b, t, v = logits_B_T_V.shape
+    return _TokenEntropy.apply(logits_B_T_V.reshape(b * t, v), chunk_size).view(b, t)
+
+
+def _compute_dtype(*tensors: Tensor) -> torch.dtype:
+    """float32, or float64 when an input is float64: the dtype of all vocabulary-axis arithmetic."""
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _chunk_logits(hidden_C_H: Tensor, weight_V_H: Tensor, buffer_C_V: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """[C, H] @ [V, H].T -> [C, V] logits in dtype, written into buffer_C_V when one is given."""
+    if buffer_C_V is not None:
+        return torch.mm(hidden_C_H, weight_V_H.t(), out=buffer_C_V[: hidden_C_H.shape[0]])
+    return torch.mm(hidden_C_H, weight_V_H.t()).to(dtype)
+
+
+class _FusedTokenLogprobs(torch.autograd.Function):
+    """log p(label) (and entropy) from hidden states and the output projection, chunk by chunk.
+
+    Saves only the [N] log-sum-exp (and entropy); backward recomputes each chunk's logits, turns
+    them in place into the logit gradient G, and spends one matmul each on G @ W and G.T @ h.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, hidden_N_H: Tensor, weight_V_H: Tensor, labels_N: Tensor, chunk_size: int, temperature: float,
+        with_entropy: bool,
+    ) -> tuple[Tensor, Tensor]:
+        """[N, H] hidden, [V, H] weight, [N] labels -> ([N] log-probs, [N] entropy or empty)."""
+        ctx.set_materialize_grads(False)
+        n, device = hidden_N_H.shape[0], hidden_N_H.device
+        scaled_N_H = hidden_N_H / temperature if temperature != 1.0 else hidden_N_H
+        dtype = _compute_dtype(hidden_N_H, weight_V_H)
+        fp32 = scaled_N_H.dtype == dtype and weight_V_H.dtype == dtype
+        c = min(chunk_size, max(n, 1))
+        buf_C_V = torch.empty(c, weight_V_H.shape[0], dtype=dtype, device=device) if fp32 else None
+        aux_C_V = torch.empty_like(buf_C_V) if fp32 and with_entropy else None
+        lse_N = torch.empty(n, dtype=dtype, device=device)
+        logprobs_N = torch.empty(n, dtype=dtype, device=device)
+        entropy_N = torch.empty(n if with_entropy else 0, dtype=dtype, device=device)
+        for s, e in _chunks(n, chunk_size):
+            x_C_V = _chunk_logits(scaled_N_H[s:e], weight_V_H, buf_C_V, dtype)
+            max_C1 = x_C_V.amax(dim=-1, keepdim=True)
+            picked_C = x_C_V.gather(1, labels_N[s:e, None]).squeeze(1)
+            x_C_V.sub_(max_C1)
+            if with_entropy:
+                exp_C_V = torch.exp(x_C_V, out=aux_C_V[: e - s]) if aux_C_V is not None else x_C_V.exp()
+                sum_C = exp_C_V.sum(dim=-1)
+                weighted_C = x_C_V.mul_(exp_C_V).sum(dim=-1)
+                entropy_N[s:e] = sum_C.log() - weighted_C / sum_C
+            else:
+                sum_C = x_C_V.exp_().sum(dim=-1)
+            lse_N[s:e] = max_C1.squeeze(1) + sum_C.log()
+            logprobs_N[s:e] = picked_C - lse_N[s:e]
+        ctx.save_for_backward(hidden_N_H, weight_V_H, labels_N, lse_N, entropy_N)
+        ctx.chunk_size, ctx.temperature, ctx.with_entropy = chunk_size, temperature, with_entropy
+        return logprobs_N, entropy_N
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx, grad_logprobs_N: Tensor | None, grad_entropy_N: Tensor | None
+    ) -> tuple[Tensor | None, Tensor | None, None, None, None, None]:
+        """Recompute logits per chunk; G = g (onehot - p) - g_H p (log p + H); dh = G W / temp; dW = G.T h / temp."""
+        hidden_N_H, weight_V_H, labels_N, lse_N, entropy_N = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        use_entropy = ctx.with_entropy and grad_entropy_N is not None
+        if (grad_logprobs_N is None and not use_entropy) or not (need_h or need_w):
+            return None, None, None, None, None, None
+        n, device, temperature = hidden_N_H.shape[0], hidden_N_H.device, ctx.temperature
+        scaled_N_H = hidden_N_H / temperature if temperature != 1.0 else hidden_N_H
+        dtype = _compute_dtype(hidden_N_H, weight_V_H)
+        fp32 = scaled_N_H.dtype == dtype and weight_V_H.dtype == dtype
+        c = min(ctx.chunk_size, max(n, 1))
+        buf_C_V = torch.empty(c, weight_V_H.shape[0], dtype=dtype, device=device) if fp32 else None
+        aux_C_V = torch.empty_like(buf_C_V) if fp32 and use_entropy else None
+        grad_h_N_H = torch.empty(n, hidden_N_H.shape[1], dtype=dtype, device=device) if need_h else None
+        grad_w_V_H = torch.zeros(weight_V_H.shape, dtype=dtype, device=device) if need_w else None
+        g_N = grad_logprobs_N.to(dtype) if grad_logprobs_N is not None else torch.zeros(n, dtype=dtype, device=device)
+        for s, e in _chunks(n, ctx.chunk_size):
+            h_C_H = scaled_N_H[s:e]
+            g_C1 = g_N[s:e, None]
+            x_C_V = _chunk_logits(h_C_H, weight_V_H, buf_C_V, dtype).sub_(lse_N[s:e, None])  # log p
+            if use_entropy:
+                p_C_V = torch.exp(x_C_V, out=aux_C_V[: e - s]) if aux_C_V is not None else x_C_V.exp()
+                g_h_C1 = grad_entropy_N[s:e, None].to(dtype)
+                # G = -p * (g + g_H (log p + H)), plus g on the label
+                x_C_V.add_(entropy_N[s:e, None]).mul_(g_h_C1).add_(g_C1).mul_(p_C_V).neg_()
+            else:
+                x_C_V.exp_().mul_(-g_C1)
+            x_C_V.scatter_add_(1, labels_N[s:e, None], g_C1)
+            if grad_h_N_H is not None:
+                grad_h_N_H[s:e] = torch.mm(x_C_V, weight_V_H.to(dtype))
+            if grad_w_V_H is not None:
+                grad_w_V_H.addmm_(x_C_V.t(), h_C_H.to(dtype))
+        if grad_h_N_H is not None:
+            if temperature != 1.0:
+                grad_h_N_H.div_(temperature)
+            grad_h_N_H = grad_h_N_H.to(hidden_N_H.dtype)
+        if grad_w_V_H is not None:
+            grad_w_V_H = grad_w_V_H.to(weight_V_H.dtype)
+        return grad_h_N_H, grad_w_V_H, None, None, None, None
+
+
+def fused_token_logprobs(
+    hidden_B_T_H: Tensor,
+    lm_head_weight_V_H: Tensor,
+    labels_B_T: Tensor,
+    *,
+    chunk_size: int = DEFAULT_FUSED_CHUNK_SIZE,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """[B, T, H] hidden, [V, H] output projection, [B, T] labels -> [B, T] log p(label) of softmax(h W.T / temperature).
+
+    With return_entropy, returns ([B, T] log-probs, [B, T] entropy), both differentiable. The
+    B x T x V logits are never materialized, in forward or backward.
+    """
+    _check_chunk_size(chunk_size)
+    if hidden_B_T_H.dim() != 3 or lm_head_weight_V_H.dim() != 2 or labels_B_T.shape != hidden_B_T_H.shape[:2]:
+        raise ValueError(
+            f"hidden must be [B, T, H], lm_head_weight [V, H] and labels [B, T], got {tuple(hidden_B_T_H.shape)}, "
+            f"{tuple(lm_head_weight_V_H.shape)} and {tuple(labels_B_T.shape)}"
+        )
+    if hidden_B_T_H.shape[2] != lm_head_weight_V_H.shape[1]:
+        raise ValueError(
+            f"hidden size {hidden_B_T_H.shape[2]} does not match lm_head_weight [V, H] = {tuple(lm_head_weight_V_H.shape)}"
+        )
+    if not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"temperature must be > 0 (it divides the logits), got {temperature!r}")
+    b, t, h = hidden_B_T_H.shape
+    _check_labels(labels_B_T, lm_head_weight_V_H.shape[0])
+    logprobs_N, entropy_N = _FusedTokenLogprobs.apply(
+        hidden_B_T_H.reshape(b * t, h), lm_head_weight_V_H, labels_B_T.reshape(b * t).long(), chunk_size,
+        float(temperature), return_entropy,
+    )
+    if return_entropy:
+        return logprobs_N.view(b, t), entropy_N.view(b, t)
+    return logprobs_N.view(b, t)

@@ -1,0 +1,147 @@
+"""Log-probs and entropy against log_softmax + gather, values and gradients."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rollouts.losses import fused_token_logprobs, token_entropy, token_logprobs
+
+
+def _naive(logits_B_T_V, labels_B_T):
+    logp = torch.log_softmax(logits_B_T_V, dim=-1)
+    return logp.gather(-1, labels_B_T[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def _inputs(seed, b=2, t=7, v=13, h=5, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, t, h, generator=g, dtype=dtype)
+    weight = torch.randn(v, h, generator=g, dtype=dtype)
+    labels = torch.randint(0, v, (b, t), generator=g)
+    return hidden, weight, labels
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 64])
+def test_token_logprobs_matches_log_softmax_gather(chunk_size):
+    hidden, weight, labels = _inputs(0)
+    logits = (hidden @ weight.T).requires_grad_()
+    g = torch.randn(labels.shape, dtype=logits.dtype)
+    ours = token_logprobs(logits, labels, chunk_size=chunk_size)
+    (grad_ours,) = torch.autograd.grad((ours * g).sum(), logits)
+    ref, _ = _naive(logits, labels)
+    (grad_ref,) = torch.autograd.grad((ref * g).sum(), logits)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(grad_ours, grad_ref)
+
+
+def test_token_logprobs_float32_and_bfloat16_inputs():
+    hidden, weight, labels = _inputs(1, dtype=torch.float32)
+    logits = hidden @ weight.T
+    ref, _ = _naive(logits, labels)
+    torch.testing.assert_close(token_logprobs(logits, labels, chunk_size=4), ref)
+    low = logits.bfloat16().requires_grad_()
+    out = token_logprobs(low, labels, chunk_size=4)
+    assert out.dtype == torch.float32
+    out.sum().backward()
+    assert low.grad is not None and low.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(out, _naive(low.float(), labels)[0])
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 64])
+def test_token_entropy_matches_naive(chunk_size):
+    hidden, weight, labels = _inputs(2)
+    logits = (hidden @ weight.T).requires_grad_()
+    g = torch.randn(labels.shape, dtype=logits.dtype)
+    ours = token_entropy(logits, chunk_size=chunk_size)
+    (grad_ours,) = torch.autograd.grad((ours * g).sum(), logits)
+    _, ref = _naive(logits, labels)
+    (grad_ref,) = torch.autograd.grad((ref * g).sum(), logits)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(grad_ours, grad_ref)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("chunk_size", [1, 5, 100])
+def test_fused_matches_naive_with_entropy(temperature, chunk_size):
+    hidden, weight, labels = _inputs(3)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    g_lp, g_ent = torch.randn(labels.shape, dtype=hidden.dtype), torch.randn(labels.shape, dtype=hidden.dtype)
+    lp, ent = fused_token_logprobs(
+        hidden, weight, labels, chunk_size=chunk_size, temperature=temperature, return_entropy=True
+    )
+    ours = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), [hidden, weight])
+    ref_lp, ref_ent = _naive(hidden @ weight.T / temperature, labels)
+    ref = torch.autograd.grad((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum(), [hidden, weight])
+    torch.testing.assert_close(lp, ref_lp)
+    torch.testing.assert_close(ent, ref_ent)
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_fused_float32_grads_and_only_one_output_used():
+    hidden, weight, labels = _inputs(4, dtype=torch.float32)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    _, ent = fused_token_logprobs(hidden, weight, labels, chunk_size=3, return_entropy=True)
+    ours = torch.autograd.grad(ent.sum(), [hidden, weight])
+    ref = torch.autograd.grad(_naive(hidden @ weight.T, labels)[1].sum(), [hidden, weight])
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    lp = fused_token_logprobs(hidden, weight, labels, chunk_size=3)
+    ours = torch.autograd.grad(lp.sum(), [hidden, weight])
+    ref = torch.autograd.grad(_naive(hidden @ weight.T, labels)[0].sum(), [hidden, weight])
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_frozen_weight_gets_no_grad():
+    hidden, weight, labels = _inputs(5, dtype=torch.float32)
+    hidden.requires_grad_()
+    fused_token_logprobs(hidden, weight, labels).sum().backward()
+    assert hidden.grad is not None and weight.grad is None
+
+
+def test_bad_inputs_raise():
+    hidden, weight, labels = _inputs(6)
+    with pytest.raises(ValueError, match="labels must lie in"):
+        fused_token_logprobs(hidden, weight, labels - 1)
+    with pytest.raises(ValueError, match="labels must lie in"):
+        token_logprobs(hidden @ weight.T, labels + 13)
+    with pytest.raises(ValueError, match="chunk_size"):
+        token_logprobs(hidden @ weight.T, labels, chunk_size=0)
+    with pytest.raises(ValueError, match="temperature"):
+        fused_token_logprobs(hidden, weight, labels, temperature=0.0)
+    with pytest.raises(ValueError, match="hidden size"):
+        fused_token_logprobs(hidden, weight[:, :3], labels)
+
+
+_floats = st.floats(-30.0, 30.0, allow_nan=False, width=32)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), shift=_floats, chunk_size=st.integers(1, 20))
+def test_logprobs_are_shift_invariant(seed, shift, chunk_size):
+    hidden, weight, labels = _inputs(seed, dtype=torch.float32)
+    logits = hidden @ weight.T
+    base = token_logprobs(logits, labels, chunk_size=chunk_size)
+    shifted = token_logprobs(logits + shift, labels, chunk_size=chunk_size)
+    torch.testing.assert_close(shifted, base, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        token_entropy(logits + shift, chunk_size=chunk_size), token_entropy(logits, chunk_size=chunk_size),
+        rtol=1e-4, atol=1e-4,
+    )
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), chunk_a=st.integers(1, 20), chunk_b=st.integers(1, 20), t=st.integers(1, 9))
+def test_fused_equals_token_logprobs_for_any_chunk_size(seed, chunk_a, chunk_b, t):
+    hidden, weight, labels = _inputs(seed, t=t)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    fused = fused_token_logprobs(hidden, weight, labels, chunk_size=chunk_a)
+    grads_fused = torch.autograd.grad(fused.sum(), [hidden, weight])
+    plain = token_logprobs(hidden @ weight.T, labels, chunk_size=chunk_b)
+    grads_plain = torch.autograd.grad(plain.sum(), [hidden, weight])
+    torch.testing.assert_close(fused, plain)
+    for a, b in zip(grads_fused, grads_plain, strict=True):
+        torch.testing.assert_close(a, b)

@@ -1,0 +1,189 @@
+"""Policy losses against naive formulations, plus their properties."""
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+from rollouts.losses import cispo_loss, gspo_loss, pg_loss, ppo_clip_loss, sft_loss, value_loss
+
+from losses_layouts import packed, padded, random_seqs
+
+
+def _batch(seed, b=3, t=6):
+    g = torch.Generator().manual_seed(seed)
+    logp = (-torch.rand(b, t, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    old = logp.detach() + 0.4 * torch.randn(b, t, generator=g, dtype=torch.float64)
+    adv = torch.randn(b, 1, generator=g, dtype=torch.float64).expand(b, t).clone()
+    mask = (torch.rand(b, t, generator=g) > 0.3).double()
+    mask[:, 0] = 0.0
+    mask[0, 1] = 1.0
+    return logp, old, adv, mask
+
+
+def _ppo_naive(logp, old, adv, mask, eps_low, eps_high, c):
+    ratio = torch.exp(logp - old)
+    l1, l2 = -adv * ratio, -adv * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    loss = torch.max(l1, l2)
+    if c is not None:
+        loss = torch.where(adv < 0, torch.min(loss, -adv * c), loss)
+    return (loss * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize(("eps_low", "eps_high", "c"), [(0.2, 0.2, None), (0.2, 0.28, None), (0.1, 0.28, 1.5)])
+def test_ppo_matches_naive(eps_low, eps_high, c):
+    logp, old, adv, mask = _batch(0)
+    ours, metrics = ppo_clip_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=eps_high, dual_clip_c=c)
+    ref = _ppo_naive(logp, old, adv, mask, eps_low, eps_high, c)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(ref, logp)[0])
+    ratio = torch.exp(logp - old).detach()
+    sel = mask > 0
+    assert metrics["clip_frac_high"] == pytest.approx((((ratio > 1 + eps_high) & (adv > 0))[sel]).double().mean().item())
+    assert metrics["clip_frac_low"] == pytest.approx((((ratio < 1 - eps_low) & (adv < 0))[sel]).double().mean().item())
+    assert metrics["ratio_max"] == pytest.approx(ratio[sel].max().item())
+    assert metrics["approx_kl"] == pytest.approx((old - logp)[sel].mean().item())
+    assert all(isinstance(v, float) for v in metrics.values())
+    assert ("dual_clip_frac" in metrics) == (c is not None)
+
+
+def test_ppo_is_weights_scale_each_token():
+    logp, old, adv, mask = _batch(1)
+    w = torch.rand(logp.shape, dtype=torch.float64)
+    ours, _ = ppo_clip_loss(logp, old, adv, mask, is_weights=w, mode="token-sum")
+    ratio = torch.exp(logp - old)
+    ref = (torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)) * w * mask).sum()
+    torch.testing.assert_close(ours, ref)
+
+
+def test_ppo_log_ratio_is_clamped():
+    logp = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    old = torch.tensor([[0.0, -1000.0]])
+    loss, metrics = ppo_clip_loss(logp, old, -torch.ones(1, 2), torch.ones(1, 2))
+    assert torch.isfinite(loss) and metrics["ratio_max"] == pytest.approx(float(torch.exp(torch.tensor(20.0))))
+
+
+def _gspo_naive(logp, old, adv, mask, eps_low, eps_high):
+    """GSPO on padded rows, one sequence per row, seq-mean-token-mean."""
+    sel = (mask > 0).double()
+    seq_log = ((logp - old) * sel).sum(-1) / sel.sum(-1)
+    s = torch.exp(seq_log.detach()[:, None] + logp - logp.detach())
+    loss = torch.max(-adv * s, -adv * torch.clamp(s, 1 - eps_low, 1 + eps_high))
+    return ((loss * mask).sum(-1) / mask.sum(-1)).mean()
+
+
+def test_gspo_matches_naive_and_packs():
+    logp, old, adv, mask = _batch(2)
+    ours, _ = gspo_loss(logp, old, adv, mask, eps_low=0.05, eps_high=0.1)
+    ref = _gspo_naive(logp, old, adv, mask, 0.05, 0.1)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(ref, logp)[0])
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), lengths=st.lists(st.integers(2, 7), min_size=1, max_size=4), pad=st.integers(0, 2))
+def test_gspo_packed_equals_padded(seed, lengths, pad):
+    seqs = random_seqs(seed, lengths)
+    results = []
+    for layout in (padded(seqs), packed(seqs, pad=pad)):
+        logp = layout["logprobs"].clone().requires_grad_()
+        loss, _ = gspo_loss(
+            logp, layout["old_logprobs"], layout["advantages"], layout["loss_mask"], eps_low=0.05, eps_high=0.1,
+            segment_ids_B_T=layout["segment_ids"],
+        )
+        (grad,) = torch.autograd.grad(loss, logp)
+        seg = layout["segment_ids"]
+        results.append((loss, grad[seg >= 0]))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    torch.testing.assert_close(results[0][1], results[1][1])
+
+
+def test_cispo_and_pg_match_naive():
+    logp, old, adv, mask = _batch(3)
+    ours, _ = cispo_loss(logp, old, adv, mask, eps_low=0.1, eps_high=0.3)
+    w = torch.exp(logp - old).detach().clamp(0.9, 1.3)
+    ref = (-w * adv * logp * mask).sum() / mask.sum()
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(ref, logp)[0])
+    ours, _ = pg_loss(logp, adv, mask, mode="seq-mean-token-sum")
+    torch.testing.assert_close(ours, (-adv * logp * mask).sum(-1).mean())
+
+
+def test_sft_and_value_loss_match_naive():
+    logp, _, _, mask = _batch(4)
+    loss, metrics = sft_loss(logp, mask)
+    torch.testing.assert_close(loss, -(logp * mask).sum() / mask.sum())
+    assert metrics["num_loss_tokens"] == mask.sum().item()
+    g = torch.Generator().manual_seed(5)
+    v = torch.randn(mask.shape, generator=g, dtype=torch.float64, requires_grad=True)
+    old_v, ret = torch.randn(mask.shape, generator=g, dtype=torch.float64), torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    ours, _ = value_loss(v, old_v, ret, mask, clip_range=0.2)
+    clipped = old_v + (v - old_v).clamp(-0.2, 0.2)
+    ref = 0.5 * (torch.max((v - ret) ** 2, (clipped - ret) ** 2) * mask).sum() / mask.sum()
+    torch.testing.assert_close(ours, ref)
+    ours, _ = value_loss(v, old_v, ret, mask, clip_range=None)
+    torch.testing.assert_close(ours, 0.5 * (((v - ret) ** 2) * mask).sum() / mask.sum())
+
+
+def _all_losses(logp, old, adv, mask, mode="token-mean"):
+    yield ppo_clip_loss(logp, old, adv, mask, dual_clip_c=3.0, mode=mode)[0]
+    yield gspo_loss(logp, old, adv, mask, mode=mode)[0]
+    yield cispo_loss(logp, old, adv, mask, mode=mode)[0]
+    yield pg_loss(logp, adv, mask, mode=mode)[0]
+
+
+_logp = st.floats(-20.0, 0.0, allow_nan=False, width=32)
+
+
+@settings(max_examples=30, deadline=None)
+@given(values=st.lists(_logp, min_size=6, max_size=6), mask_bits=st.lists(st.booleans(), min_size=6, max_size=6))
+def test_ratio_one_and_zero_advantage_give_zero_loss_and_grad(values, mask_bits):
+    logp = torch.tensor(values).reshape(2, 3).requires_grad_()
+    mask = torch.tensor(mask_bits, dtype=torch.float32).reshape(2, 3)
+    for loss in _all_losses(logp, logp.detach(), torch.zeros(2, 3), mask):
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert loss.item() == 0.0
+        assert torch.equal(grad, torch.zeros(2, 3))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    logp=_logp, old=_logp, adv=st.floats(-5.0, 5.0, allow_nan=False, width=32),
+    eps_low=st.floats(0.0, 0.5), eps_high=st.floats(0.0, 0.5),
+)
+def test_clipping_never_exceeds_unclipped_objective(logp, old, adv, eps_low, eps_high):
+    assume(abs(logp - old) < 20.0)
+    lp, o, a, m = (torch.tensor([[x]], dtype=torch.float64) for x in (logp, old, adv, 1.0))
+    loss, _ = ppo_clip_loss(lp, o, a, m, eps_low=eps_low, eps_high=eps_high)
+    unclipped = (-a * torch.exp(lp - o)).item()
+    # the loss is minus the objective: the clipped objective is a pessimistic (lower) bound
+    assert loss.item() >= unclipped - 1e-9 * max(1.0, abs(unclipped))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    values=st.lists(st.floats(-50.0, 0.0, allow_nan=False, width=32), min_size=12, max_size=12),
+    adv=st.floats(-10.0, 10.0, allow_nan=False, width=32),
+    masked_row=st.integers(0, 1),
+)
+def test_losses_finite_with_fully_masked_rows(values, adv, masked_row):
+    t = torch.tensor(values).reshape(2, 6)
+    logp, old = t[:, :3].clone().requires_grad_(), t[:, 3:]
+    mask = torch.ones(2, 3)
+    mask[masked_row] = 0.0
+    advantages = torch.full((2, 3), adv)
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        for loss in _all_losses(logp, old, advantages, mask, mode):
+            (grad,) = torch.autograd.grad(loss, logp)
+            assert torch.isfinite(loss) and torch.isfinite(grad).all(), mode
+    for loss in _all_losses(logp, old, advantages, torch.zeros(2, 3)):
+        assert loss.item() == 0.0
+
+
+def test_bad_options_raise():
+    logp, old, adv, mask = _batch(6)
+    with pytest.raises(ValueError, match="dual_clip_c"):
+        ppo_clip_loss(logp, old, adv, mask, dual_clip_c=1.0)
+    with pytest.raises(ValueError, match="eps_low"):
+        ppo_clip_loss(logp, old, adv, mask, eps_low=1.0)
+    with pytest.raises(ValueError, match="one shape"):
+        pg_loss(logp, adv[:, :2], mask)
