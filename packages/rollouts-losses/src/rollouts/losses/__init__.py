@@ -1,29 +1,63 @@
 """rollouts-losses: the pure torch math of post-training (log-probs, losses, advantages, KL, rewards)."""
 
+from rollouts.losses.advantages import (
+    broadcast_to_tokens,
+    gae_advantages,
+    group_advantages,
+    masked_whiten,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
 from rollouts.losses.aggregate import AGGREGATION_MODES, Aggregation, aggregate
 from rollouts.losses.kl import KL_KINDS, importance_weights, kl_penalty
 from rollouts.losses.logprobs import fused_token_logprobs, token_entropy, token_logprobs
 from rollouts.losses.loss_fn import LossFn, PolicyLossFn, SFTLossFn, loss_fn_from_config, sft_loss_fn
 from rollouts.losses.policy import cispo_loss, gspo_loss, pg_loss, ppo_clip_loss, sft_loss, value_loss
+from rollouts.losses.rewards import (
+    clip_rewards,
+    combine_rewards,
+    extract_answer,
+    format_reward,
+    math_answer_reward,
+    normalize_rewards,
+    overlong_penalty,
+    overlong_reward,
+    score_math_answer,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AGGREGATION_MODES",
-    "KL_KINDS",
     "Aggregation",
+    "KL_KINDS",
     "LossFn",
     "PolicyLossFn",
     "SFTLossFn",
     "aggregate",
+    "broadcast_to_tokens",
     "cispo_loss",
+    "clip_rewards",
+    "combine_rewards",
+    "extract_answer",
+    "format_reward",
     "fused_token_logprobs",
+    "gae_advantages",
+    "group_advantages",
     "gspo_loss",
     "importance_weights",
     "kl_penalty",
     "loss_fn_from_config",
+    "masked_whiten",
+    "math_answer_reward",
+    "normalize_rewards",
+    "overlong_penalty",
+    "overlong_reward",
     "pg_loss",
     "ppo_clip_loss",
+    "reinforce_pp_advantages",
+    "rloo_advantages",
+    "score_math_answer",
     "sft_loss",
     "sft_loss_fn",
     "token_entropy",

@@ -1,0 +1,189 @@
+"""Advantage estimators: GRPO (and Dr.GRPO), RLOO, REINFORCE++, GAE, and their token broadcast.
+
+Legend: B samples (one sequence each, padded rows), T tokens. Per-sample inputs are [B];
+per-token ones [B, T], token-aligned, with the loss mask selecting the trained tokens.
+
+Conventions follow verl: a GRPO group of one sample has mean 0 and std 1 (its advantage is its
+reward), an RLOO group of one keeps its reward, and stds are unbiased. Departures: REINFORCE++
+returns and GAE skip tokens outside the mask (tool or user turns inside a response) instead of
+resetting at them, so one sample's reward reaches all its trained tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from rollouts.types.configs import AdvantageScale
+from torch import Tensor
+
+from rollouts.losses.aggregate import check_same_shape
+
+__all__ = [
+    "broadcast_to_tokens",
+    "gae_advantages",
+    "group_advantages",
+    "masked_whiten",
+    "reinforce_pp_advantages",
+    "rloo_advantages",
+]
+
+DEFAULT_EPS = 1e-6
+"""Added to a standard deviation before dividing: a group whose rewards all agree gets advantage 0, not NaN."""
+
+
+def _check_rewards(rewards_B: Tensor, group_ids_B: Tensor) -> None:
+    """Raise unless rewards and group ids are matching 1-D tensors and rewards are finite."""
+    if rewards_B.dim() != 1 or group_ids_B.shape != rewards_B.shape:
+        raise ValueError(
+            f"rewards and group_ids must be [B] with one shape, got {tuple(rewards_B.shape)} and {tuple(group_ids_B.shape)}"
+        )
+    if not torch.isfinite(rewards_B).all():
+        raise ValueError(f"rewards must be finite, got {rewards_B.tolist()}")
+
+
+def _group_stats(rewards_B: Tensor, group_ids_B: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """[B] rewards, [B] group ids -> [B] group size, group sum and group unbiased std of each sample's group."""
+    _, inverse_B = torch.unique(group_ids_B, return_inverse=True)
+    num_groups = int(inverse_B.max()) + 1 if inverse_B.numel() else 0
+    zeros_G = torch.zeros(num_groups, dtype=rewards_B.dtype, device=rewards_B.device)
+    count_G = zeros_G.index_add(0, inverse_B, torch.ones_like(rewards_B))
+    sum_G = zeros_G.index_add(0, inverse_B, rewards_B)
+    centered_B = rewards_B - (sum_G / count_G)[inverse_B]
+    sq_G = zeros_G.index_add(0, inverse_B, centered_B.square())
+    std_G = torch.sqrt(sq_G / (count_G - 1).clamp(min=1))
+    return count_G[inverse_B], sum_G[inverse_B], std_G[inverse_B]
+
+
+def group_advantages(
+    rewards_B: Tensor, group_ids_B: Tensor, *, scale: AdvantageScale = "group", eps: float = DEFAULT_EPS
+) -> Tensor:
+    """[B] rewards, [B] group ids -> [B] GRPO advantages (r - group mean) / (std + eps).
+
+    scale "group": the group's std; "batch": the std of all rewards in the batch; "none": no
+    division (Dr.GRPO). A group of one has mean 0 and std 1.
+    """
+    _check_rewards(rewards_B, group_ids_B)
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
+    count_B, sum_B, std_B = _group_stats(rewards_B, group_ids_B)
+    single_B = count_B == 1
+    mean_B = torch.where(single_B, 0.0, sum_B / count_B)
+    centered_B = rewards_B - mean_B
+    if scale == "none":
+        return centered_B
+    if scale == "group":
+        return centered_B / (torch.where(single_B, 1.0, std_B) + eps)
+    batch_std = rewards_B.std() if rewards_B.numel() > 1 else torch.ones((), dtype=rewards_B.dtype)
+    return centered_B / (batch_std + eps)
+
+
+def rloo_advantages(rewards_B: Tensor, group_ids_B: Tensor) -> Tensor:
+    """[B] rewards, [B] group ids -> [B] RLOO advantages r_i - mean of the other rewards in the group."""
+    _check_rewards(rewards_B, group_ids_B)
+    count_B, sum_B, _ = _group_stats(rewards_B, group_ids_B)
+    others_mean_B = (sum_B - rewards_B) / (count_B - 1).clamp(min=1)
+    return torch.where(count_B > 1, rewards_B - others_mean_B, rewards_B)
+
+
+def masked_whiten(x_B_T: Tensor, mask_B_T: Tensor, *, eps: float = DEFAULT_EPS) -> Tensor:
+    """[B, T] -> (x - mean) / (std + eps) over tokens with mask > 0 (unbiased std), 0 elsewhere."""
+    check_same_shape(x_B_T=x_B_T, mask_B_T=mask_B_T)
+    selected = mask_B_T > 0
+    n = selected.sum()
+    if n == 0:
+        return torch.zeros_like(x_B_T)
+    mean = torch.where(selected, x_B_T, 0.0).sum() / n
+    var = torch.where(selected, (x_B_T - mean).square(), 0.0).sum() / (n - 1).clamp(min=1)
+    return torch.where(selected, (x_B_T - mean) / (var.sqrt() + eps), 0.0)
+
+
+def _discounted_returns(rewards_B_T: Tensor, mask_B_T: Tensor, gamma: float) -> Tensor:
+    """[B, T] per-token rewards -> [B, T] sum of gamma^k r over later masked tokens; 0 off the mask."""
+    selected = mask_B_T > 0
+    returns_B_T = torch.zeros_like(rewards_B_T)
+    running_B = torch.zeros_like(rewards_B_T[:, 0])
+    for t in reversed(range(rewards_B_T.shape[1])):
+        candidate_B = rewards_B_T[:, t] + gamma * running_B
+        running_B = torch.where(selected[:, t], candidate_B, running_B)
+        returns_B_T[:, t] = torch.where(selected[:, t], candidate_B, 0.0)
+    return returns_B_T
+
+
+def _check_discount(gamma: float, lam: float = 1.0) -> None:
+    """Raise unless gamma and lam are in [0, 1]."""
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"gamma ({gamma!r}) and lam ({lam!r}) must be in [0, 1]")
+
+
+def reinforce_pp_advantages(
+    rewards_B: Tensor,
+    mask_B_T: Tensor,
+    *,
+    group_ids_B: Tensor | None = None,
+    kl_B_T: Tensor | None = None,
+    kl_coef: float = 0.0,
+    gamma: float = 1.0,
+    eps: float = DEFAULT_EPS,
+) -> Tensor:
+    """[B] rewards, [B, T] mask -> [B, T] REINFORCE++ advantages: discounted returns, whitened over the batch.
+
+    The reward sits on each sample's last trained token; kl_coef * kl_B_T is subtracted on every
+    trained token (KL in the reward). With group_ids_B the group mean is subtracted first
+    (REINFORCE++-baseline).
+    """
+    if rewards_B.dim() != 1 or mask_B_T.dim() != 2 or mask_B_T.shape[0] != rewards_B.shape[0]:
+        raise ValueError(f"rewards must be [B] and mask [B, T], got {tuple(rewards_B.shape)} and {tuple(mask_B_T.shape)}")
+    _check_discount(gamma)
+    if group_ids_B is not None:
+        count_B, sum_B, _ = _group_stats(rewards_B, group_ids_B)
+        rewards_B = rewards_B - sum_B / count_B
+    selected = mask_B_T > 0
+    positions_T = torch.arange(mask_B_T.shape[1], device=mask_B_T.device)
+    last_B = torch.where(selected, positions_T, -1).amax(dim=1)
+    token_rewards_B_T = torch.where(positions_T == last_B[:, None], rewards_B[:, None], 0.0).to(rewards_B.dtype)
+    if kl_B_T is not None:
+        check_same_shape(kl_B_T=kl_B_T, mask_B_T=mask_B_T)
+        token_rewards_B_T = token_rewards_B_T - kl_coef * torch.where(selected, kl_B_T.detach(), 0.0)
+    return masked_whiten(_discounted_returns(token_rewards_B_T, mask_B_T, gamma), mask_B_T, eps=eps)
+
+
+def gae_advantages(
+    rewards_B_T: Tensor,
+    values_B_T: Tensor,
+    mask_B_T: Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    whiten: bool = True,
+    eps: float = DEFAULT_EPS,
+) -> tuple[Tensor, Tensor]:
+    """[B, T] token rewards, values, mask -> ([B, T] GAE advantages, [B, T] returns = advantages + values).
+
+    delta_t = r_t + gamma V_next - V_t; A_t = delta_t + gamma lam A_next, over trained tokens
+    only (0 elsewhere). Returns are computed before whitening; whiten normalizes the advantages.
+    """
+    check_same_shape(rewards_B_T=rewards_B_T, values_B_T=values_B_T, mask_B_T=mask_B_T)
+    _check_discount(gamma, lam)
+    selected = mask_B_T > 0
+    rewards_B_T, values_B_T = rewards_B_T.detach(), values_B_T.detach()
+    advantages_B_T = torch.zeros_like(rewards_B_T)
+    next_value_B = torch.zeros_like(rewards_B_T[:, 0])
+    next_adv_B = torch.zeros_like(next_value_B)
+    for t in reversed(range(rewards_B_T.shape[1])):
+        delta_B = rewards_B_T[:, t] + gamma * next_value_B - values_B_T[:, t]
+        adv_B = delta_B + gamma * lam * next_adv_B
+        advantages_B_T[:, t] = torch.where(selected[:, t], adv_B, 0.0)
+        next_value_B = torch.where(selected[:, t], values_B_T[:, t], next_value_B)
+        next_adv_B = torch.where(selected[:, t], adv_B, next_adv_B)
+    returns_B_T = torch.where(selected, advantages_B_T + values_B_T, 0.0)
+    if whiten:
+        advantages_B_T = masked_whiten(advantages_B_T, mask_B_T, eps=eps)
+    return advantages_B_T, returns_B_T
+
+
+def broadcast_to_tokens(advantages_B: Tensor, mask_B_T: Tensor) -> Tensor:
+    """[B] per-sample advantages, [B, T] mask -> [B, T] the sample's advantage on its trained tokens, 0 elsewhere."""
+    if advantages_B.dim() != 1 or mask_B_T.dim() != 2 or mask_B_T.shape[0] != advantages_B.shape[0]:
+        raise ValueError(
+            f"advantages must be [B] and mask [B, T], got {tuple(advantages_B.shape)} and {tuple(mask_B_T.shape)}"
+        )
+    return torch.where(mask_B_T > 0, advantages_B[:, None], 0.0).to(advantages_B.dtype)

@@ -1,0 +1,130 @@
+"""Advantage estimators against naive loops, plus group properties."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rollouts.losses import (
+    broadcast_to_tokens,
+    gae_advantages,
+    group_advantages,
+    masked_whiten,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
+
+_reward = st.floats(-10.0, 10.0, allow_nan=False, width=32)
+
+
+def _naive_grpo(rewards, groups, eps=1e-6, scale=True):
+    out = []
+    for r, g in zip(rewards, groups, strict=True):
+        members = torch.tensor([x for x, h in zip(rewards, groups, strict=True) if h == g], dtype=torch.float64)
+        mean, std = (members.mean(), members.std()) if len(members) > 1 else (0.0, 1.0)
+        out.append((r - mean) / (std + eps) if scale else r - mean)
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def test_group_advantages_match_naive():
+    rewards = [1.0, 0.0, 0.0, 1.0, 0.5, 2.0, 3.0]
+    groups = [0, 0, 0, 0, 7, 3, 3]
+    r, g = torch.tensor(rewards, dtype=torch.float64), torch.tensor(groups)
+    torch.testing.assert_close(group_advantages(r, g), _naive_grpo(rewards, groups))
+    torch.testing.assert_close(group_advantages(r, g, scale="none"), _naive_grpo(rewards, groups, scale=False))
+    centered = _naive_grpo(rewards, groups, scale=False)
+    torch.testing.assert_close(group_advantages(r, g, scale="batch"), centered / (r.std() + 1e-6))
+    assert group_advantages(r, g)[4].item() == pytest.approx(0.5 / (1 + 1e-6))  # a group of one: mean 0, std 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rewards=st.lists(_reward, min_size=2, max_size=12),
+    num_groups=st.integers(1, 4),
+    seed=st.integers(0, 1000),
+    scale=st.sampled_from(["group", "batch", "none"]),
+)
+def test_group_advantages_sum_to_zero_and_are_permutation_equivariant(rewards, num_groups, seed, scale):
+    r = torch.tensor(rewards, dtype=torch.float64)
+    g = torch.arange(len(rewards)) % num_groups
+    adv = group_advantages(r, g, scale=scale)
+    for k in range(num_groups):
+        if (g == k).sum() > 1:
+            assert abs(adv[g == k].sum().item()) < 1e-6 * max(1.0, r.abs().max().item() * len(rewards))
+    perm = torch.randperm(len(rewards), generator=torch.Generator().manual_seed(seed))
+    torch.testing.assert_close(group_advantages(r[perm], g[perm], scale=scale), adv[perm])
+    assert torch.isfinite(adv).all()
+
+
+def test_group_advantages_constant_group_is_zero_and_bad_input_raises():
+    adv = group_advantages(torch.ones(4), torch.zeros(4, dtype=torch.int64))
+    assert torch.equal(adv, torch.zeros(4))
+    with pytest.raises(ValueError, match="finite"):
+        group_advantages(torch.tensor([1.0, float("nan")]), torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="scale"):
+        group_advantages(torch.ones(2), torch.zeros(2, dtype=torch.int64), scale="std")
+
+
+@settings(max_examples=30, deadline=None)
+@given(rewards=st.lists(_reward, min_size=1, max_size=10), num_groups=st.integers(1, 3))
+def test_rloo_matches_leave_one_out(rewards, num_groups):
+    r = torch.tensor(rewards, dtype=torch.float64)
+    g = torch.arange(len(rewards)) % num_groups
+    adv = rloo_advantages(r, g)
+    for i in range(len(rewards)):
+        others = r[(g == g[i]) & (torch.arange(len(rewards)) != i)]
+        expected = r[i] - others.mean() if len(others) else r[i]
+        assert adv[i].item() == pytest.approx(expected.item(), abs=1e-9)
+
+
+def _naive_gae(rewards, values, gamma, lam):
+    b, t = rewards.shape
+    adv = torch.zeros_like(rewards)
+    for i in range(b):
+        last = 0.0
+        for j in reversed(range(t)):
+            nv = values[i, j + 1] if j + 1 < t else 0.0
+            delta = rewards[i, j] + gamma * nv - values[i, j]
+            last = delta + gamma * lam * last
+            adv[i, j] = last
+    return adv, adv + values
+
+
+def test_gae_matches_naive_on_full_masks_and_skips_masked_tokens():
+    g = torch.Generator().manual_seed(0)
+    rewards, values = torch.randn(3, 6, generator=g, dtype=torch.float64), torch.randn(3, 6, generator=g, dtype=torch.float64)
+    mask = torch.ones(3, 6)
+    adv, ret = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8, whiten=False)
+    ref_adv, ref_ret = _naive_gae(rewards, values, 0.9, 0.8)
+    torch.testing.assert_close(adv, ref_adv)
+    torch.testing.assert_close(ret, ref_ret)
+    # a masked-out middle token (a tool turn) is skipped: same as removing it
+    mask[:, 2] = 0.0
+    adv, _ = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8, whiten=False)
+    keep = [0, 1, 3, 4, 5]
+    ref_adv, _ = _naive_gae(rewards[:, keep], values[:, keep], 0.9, 0.8)
+    torch.testing.assert_close(adv[:, keep], ref_adv)
+    assert torch.equal(adv[:, 2], torch.zeros(3, dtype=torch.float64))
+    white, _ = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8)
+    assert abs(white[mask > 0].mean().item()) < 1e-9
+
+
+def test_reinforce_pp_places_reward_on_last_token_and_whitens():
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.float64)
+    rewards = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    adv = reinforce_pp_advantages(rewards, mask, gamma=1.0)
+    returns = torch.tensor([[0, 1, 1, 0], [0, -1, -1, -1]], dtype=torch.float64)
+    torch.testing.assert_close(adv, masked_whiten(returns, mask))
+    kl = torch.full((2, 4), 0.5, dtype=torch.float64)
+    adv_kl = reinforce_pp_advantages(rewards, mask, kl_B_T=kl, kl_coef=0.2, gamma=1.0)
+    returns_kl = returns - 0.1 * torch.tensor([[0, 2, 1, 0], [0, 3, 2, 1]], dtype=torch.float64)
+    torch.testing.assert_close(adv_kl, masked_whiten(returns_kl, mask))
+    baseline = reinforce_pp_advantages(rewards, mask, group_ids_B=torch.tensor([0, 0]))
+    torch.testing.assert_close(baseline, adv)  # centering a whole-batch group does not change whitened returns
+
+
+def test_broadcast_to_tokens():
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 0.0, 0.5]])
+    out = broadcast_to_tokens(torch.tensor([2.0, -1.0]), mask)
+    assert torch.equal(out, torch.tensor([[0.0, 2.0, 2.0], [0.0, 0.0, -1.0]]))
+    with pytest.raises(ValueError):
+        broadcast_to_tokens(torch.ones(3), mask)
