@@ -39,7 +39,10 @@ def long_tailed_lengths(seed: int) -> list[int]:
 
 
 def samples_of(lengths: list[int]) -> list[Sample]:
-    return [Sample(tokens=[1] * n, num_prompt_tokens=n // 2, loss_mask=[0.0] * (n // 2) + [1.0] * (n - n // 2)) for n in lengths]
+    return [
+        Sample(tokens=[1] * n, num_prompt_tokens=n // 2, loss_mask=[0.0] * (n // 2) + [1.0] * (n - n // 2))
+        for n in lengths
+    ]
 
 
 def padded_arrival_order(lengths: list[int]) -> tuple[int, int]:
@@ -63,7 +66,12 @@ def next_fit_bins(lengths: list[int]) -> int:
 
 def bench_packing() -> None:
     """Two waste figures per layout: padding inside the tensors, and budget left unused (micro-batches x budget)."""
-    names = ("padded, arrival order", "padded, planner (sorted)", "packed, next-fit arrival order", "packed, best-fit-decreasing (ours)")
+    names = (
+        "padded, arrival order",
+        "padded, planner (sorted)",
+        "packed, next-fit arrival order",
+        "packed, best-fit-decreasing (ours)",
+    )
     pad_frac: dict[str, list[float]] = {k: [] for k in names}
     budget_frac: dict[str, list[float]] = {k: [] for k in names}
     plan_s, bfd_s = [], []
@@ -90,16 +98,21 @@ def bench_packing() -> None:
         pad_frac[names[3]].append(packed.num_padding_tokens / (packed.num_padding_tokens + real))
         budget_frac[names[3]].append(1 - real / (len(bins) * MAX_TOKENS))
     lengths = long_tailed_lengths(0)
-    print(f"== packing: {NUM_SAMPLES} samples, lengths {MIN_LEN}..{MAX_LEN} log-normal "
-          f"(median {int(np.median(lengths))}, mean {int(np.mean(lengths))}, p99 {int(np.percentile(lengths, 99))}), "
-          f"budget {MAX_TOKENS} tokens/micro-batch, median of {REPEATS} draws")
+    print(
+        f"== packing: {NUM_SAMPLES} samples, lengths {MIN_LEN}..{MAX_LEN} log-normal "
+        f"(median {int(np.median(lengths))}, mean {int(np.mean(lengths))}, p99 {int(np.percentile(lengths, 99))}), "
+        f"budget {MAX_TOKENS} tokens/micro-batch, median of {REPEATS} draws"
+    )
     print(f"{'layout':38s} {'pad / tensor slots':>19s} {'unused budget':>14s}")
     for name in names:
-        print(f"{name:38s} {100 * statistics.median(pad_frac[name]):18.2f}% {100 * statistics.median(budget_frac[name]):13.2f}%")
+        pad, unused = statistics.median(pad_frac[name]), statistics.median(budget_frac[name])
+        print(f"{name:38s} {100 * pad:18.2f}% {100 * unused:13.2f}%")
     worst = max(statistics.median(pad_frac[names[3]]), statistics.median(budget_frac[names[3]]))
     print(f"target packed < 5% (either measure): {'met' if worst < 0.05 else 'NOT met'}")
-    print(f"best_fit_decreasing time: {1e3 * statistics.median(bfd_s):.2f} ms; "
-          f"plan_micro_batches(packed) incl. array building: {1e3 * statistics.median(plan_s):.1f} ms")
+    print(
+        f"best_fit_decreasing time: {1e3 * statistics.median(bfd_s):.2f} ms; "
+        f"plan_micro_batches(packed) incl. array building: {1e3 * statistics.median(plan_s):.1f} ms"
+    )
 
 
 SLEEP_S = 0.05
@@ -108,7 +121,9 @@ CONCURRENCY = 64
 
 
 def _sample(prompt: int) -> list[Sample]:
-    return [Sample(prompt=str(prompt), tokens=[1, 2, 3], num_prompt_tokens=2, loss_mask=[0, 0, 1], status=Status.COMPLETED)]
+    return [
+        Sample(prompt=str(prompt), tokens=[1, 2, 3], num_prompt_tokens=2, loss_mask=[0, 0, 1], status=Status.COMPLETED)
+    ]
 
 
 async def async_gen(prompt: int, n: int) -> list[Sample]:
@@ -147,7 +162,9 @@ def _time_trio(fn) -> float:
 
 def bench_manager() -> None:
     ideal = NUM_REQUESTS / CONCURRENCY * SLEEP_S
-    config = RolloutConfig(batch_size=NUM_REQUESTS, samples_per_prompt=1, max_concurrency=CONCURRENCY, request_timeout_s=10.0)
+    config = RolloutConfig(
+        batch_size=NUM_REQUESTS, samples_per_prompt=1, max_concurrency=CONCURRENCY, request_timeout_s=10.0
+    )
 
     def manager_run(gen):
         manager = AsyncRolloutManager(DataBuffer(list(range(1000))), config, gen)
@@ -158,8 +175,10 @@ def bench_manager() -> None:
 
         return run
 
-    print(f"\n== AsyncRolloutManager: {NUM_REQUESTS} requests x 1 sample, concurrency {CONCURRENCY}, "
-          f"generate sleeps {1e3 * SLEEP_S:.0f} ms; ideal {1e3 * ideal:.0f} ms; median of {REPEATS}")
+    print(
+        f"\n== AsyncRolloutManager: {NUM_REQUESTS} requests x 1 sample, concurrency {CONCURRENCY}, "
+        f"generate sleeps {1e3 * SLEEP_S:.0f} ms; ideal {1e3 * ideal:.0f} ms; median of {REPEATS}"
+    )
     print(f"{'runner':42s} {'wall ms':>9s} {'x ideal':>8s}")
     for name, fn in (
         ("bare nursery + limiter, async (baseline)", bare_nursery),

@@ -7,7 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollouts.data import best_fit_decreasing, pack_samples, pad_batch, plan_micro_batches, sample_arrays, unpack, unpack_values
+from rollouts.data import (
+    best_fit_decreasing,
+    pack_samples,
+    pad_batch,
+    plan_micro_batches,
+    sample_arrays,
+    unpack,
+    unpack_values,
+)
 from rollouts.types import Sample
 
 _F32 = st.floats(-4.0, 4.0, allow_nan=False, width=32)
@@ -54,7 +62,9 @@ def _check_contract(mb):
 
 
 def test_pad_batch_layout_and_rl_fields():
-    a = Sample(tokens=[5, 6, 7, 8], num_prompt_tokens=2, loss_mask=[0, 0, 1, 1], advantage=0.5, rollout_logprobs=[-0.1, -0.2])
+    a = Sample(
+        tokens=[5, 6, 7, 8], num_prompt_tokens=2, loss_mask=[0, 0, 1, 1], advantage=0.5, rollout_logprobs=[-0.1, -0.2]
+    )
     b = Sample(tokens=[9, 10], num_prompt_tokens=1, loss_mask=[0, 1], advantage=-1.0, rollout_logprobs=[-0.3])
     mb = pad_batch([a, b], pad_id=0)
     _check_contract(mb)
@@ -105,7 +115,9 @@ def test_pack_then_unpack_is_identity_and_fits_budget(ss, extra, multiple):
 
 
 def test_unpack_values_routes_results_to_samples():
-    ss = [Sample(tokens=list(range(1, n + 1)), num_prompt_tokens=1, loss_mask=[0] + [1] * (n - 1)) for n in (3, 5, 2, 4)]
+    ss = [
+        Sample(tokens=list(range(1, n + 1)), num_prompt_tokens=1, loss_mask=[0] + [1] * (n - 1)) for n in (3, 5, 2, 4)
+    ]
     mbs = pack_samples(ss, max_tokens=7)
     values = [mb["input_ids"].astype(np.float32) * 10 for mb in mbs]  # stand-in for per-token log-probs
     out = unpack_values(mbs, values)
@@ -166,11 +178,14 @@ def test_plan_counts_give_big_batch_loss(ss, budget_extra, layout):
     assert plan.num_tokens == sum(len(s.tokens) for s in ss)
     assert all(mb["input_ids"].size <= max_tokens for mb in plan.micro_batches)
     assert plan.num_padding_tokens == sum(mb["input_ids"].size for mb in plan.micro_batches) - plan.num_tokens
+
     # token-mean of a per-token quantity: summed micro-batch parts == one big batch
     def per_token(mb):
         return mb["advantages"] * mb["input_ids"].astype(np.float32) / 1000.0
 
-    accumulated = sum(float((per_token(mb) * mb["loss_mask"]).sum()) / max(plan.num_loss_tokens, 1) for mb in plan.micro_batches)
+    accumulated = sum(
+        float((per_token(mb) * mb["loss_mask"]).sum()) / max(plan.num_loss_tokens, 1) for mb in plan.micro_batches
+    )
     big = pad_batch(ss, pad_id=0)
     reference = float((per_token(big) * big["loss_mask"]).sum()) / max(int((big["loss_mask"] > 0).sum()), 1)
     assert accumulated == pytest.approx(reference, rel=1e-5, abs=1e-6)

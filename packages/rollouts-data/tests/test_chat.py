@@ -53,7 +53,9 @@ def test_last_assistant_and_all_modes(chatml_tokenizer):
     full = tokenize_conversation(CONV, tok, max_length=512, train_on="all")
     assert full.loss_mask[0] == 0.0 and all(m == 1.0 for m in full.loss_mask[1:])
     # last_assistant drops messages after the final assistant turn
-    extra = tokenize_conversation([*CONV, {"role": "user", "content": "thanks"}], tok, max_length=512, train_on="last_assistant")
+    extra = tokenize_conversation(
+        [*CONV, {"role": "user", "content": "thanks"}], tok, max_length=512, train_on="last_assistant"
+    )
     assert extra.tokens == last.tokens
 
 
@@ -84,7 +86,9 @@ def test_property_mask_is_assistant_tokens_only(chatml_tokenizer, conv):
     assert len(s.tokens) == len(s.loss_mask)
     # the unmasked tokens are exactly the template's text minus the trained pieces
     text = tok.apply_chat_template(conv, tokenize=False)
-    unmasked = tok.decode([t for t, m in zip(s.tokens, s.loss_mask, strict=True) if m == 0.0], skip_special_tokens=False)
+    unmasked = tok.decode(
+        [t for t, m in zip(s.tokens, s.loss_mask, strict=True) if m == 0.0], skip_special_tokens=False
+    )
     rest = text
     for c in assistant:
         rest = rest.replace(f"<|im_start|>assistant\n{c}{END}", "<|im_start|>assistant\n", 1)

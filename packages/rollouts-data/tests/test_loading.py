@@ -13,7 +13,9 @@ def _write(path, text):
 
 
 def test_jsonl_prompts_and_blank_lines(tmp_path):
-    p = _write(tmp_path / "p.jsonl", '{"prompt": "2+2?", "answer": "4"}\n\n{"prompt": [{"role": "user", "content": "hi"}]}\n')
+    p = _write(
+        tmp_path / "p.jsonl", '{"prompt": "2+2?", "answer": "4"}\n\n{"prompt": [{"role": "user", "content": "hi"}]}\n'
+    )
     records = load_prompts(p)
     assert [r["prompt"] for r in records][0] == "2+2?" and len(records) == 2
 
@@ -39,7 +41,10 @@ def test_missing_field_names_line_and_field(tmp_path):
 
 def test_bad_message_names_nested_field(tmp_path):
     rec = {"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}
-    p = _write(tmp_path / "c.jsonl", json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n" + json.dumps(rec) + "\n")
+    p = _write(
+        tmp_path / "c.jsonl",
+        json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n" + json.dumps(rec) + "\n",
+    )
     with pytest.raises(ValueError, match=r"c\.jsonl:2: field 'messages\[1\]\.role'"):
         load_conversations(p)
     p2 = _write(tmp_path / "c.json", json.dumps([{"messages": [{"role": "user", "content": 3}]}]))

@@ -36,7 +36,11 @@ def reward_from_metadata(sample):
 
 def balanced(md):
     return md["groups_requested"] == (
-        md["groups_kept_new"] + md["groups_carried_over"] + md["groups_filtered"] + md["groups_failed"] + md["groups_aborted"]
+        md["groups_kept_new"]
+        + md["groups_carried_over"]
+        + md["groups_filtered"]
+        + md["groups_failed"]
+        + md["groups_aborted"]
     )
 
 
@@ -108,7 +112,9 @@ def test_hanging_and_malformed_requests_time_out_and_fail():
             return make_group(prompt, n - 1)  # wrong group size
         return make_group(prompt, n)
 
-    manager = AsyncRolloutManager(DataBuffer(list(range(6)), shuffle=False), cfg(request_timeout_s=30.0, max_retries=1), gen)
+    manager = AsyncRolloutManager(
+        DataBuffer(list(range(6)), shuffle=False), cfg(request_timeout_s=30.0, max_retries=1), gen
+    )
     clock = trio.testing.MockClock(autojump_threshold=0)
 
     async def run():
@@ -129,8 +135,12 @@ def test_dynamic_sampling_filters_refills_and_carries_over():
         rewards = [1.0] * n if prompt % 3 == 0 else [float(i) for i in range(n)]  # every third group: zero std
         return make_group(prompt, n, rewards=rewards)
 
-    config = cfg(batch_size=4, dynamic_sampling=True, over_sampling_factor=2.0, max_generation_rounds=3, max_concurrency=8)
-    manager = AsyncRolloutManager(DataBuffer(list(range(100)), shuffle=False), config, gen, reward_fn=reward_from_metadata)
+    config = cfg(
+        batch_size=4, dynamic_sampling=True, over_sampling_factor=2.0, max_generation_rounds=3, max_concurrency=8
+    )
+    manager = AsyncRolloutManager(
+        DataBuffer(list(range(100)), shuffle=False), config, gen, reward_fn=reward_from_metadata
+    )
     clock = trio.testing.MockClock(autojump_threshold=0)
     first = trio.run(partial(manager.generate_batch, step=0), clock=clock)
     md = first.metadata

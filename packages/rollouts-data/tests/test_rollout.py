@@ -22,7 +22,9 @@ from rollouts.types import RolloutConfig, Sample, Status
 
 
 def _s(reward=None, response=(5,), status=Status.COMPLETED):
-    return Sample(tokens=[1, *response], num_prompt_tokens=1, loss_mask=[0] + [1] * len(response), reward=reward, status=status)
+    return Sample(
+        tokens=[1, *response], num_prompt_tokens=1, loss_mask=[0] + [1] * len(response), reward=reward, status=status
+    )
 
 
 def test_assign_and_group_round_trip():
@@ -37,7 +39,9 @@ def test_assign_and_group_round_trip():
 
 def test_apply_sample_transforms_scores_then_filters():
     groups = assign_groups([[_s(response=(5,)), _s(response=(6,))], [_s(response=(5,)), _s(response=(5,))]])
-    out = apply_sample_transforms(groups, reward_fn=lambda s: float(s.tokens[-1] == 6), filter_fn=check_reward_nonzero_std())
+    out = apply_sample_transforms(
+        groups, reward_fn=lambda s: float(s.tokens[-1] == 6), filter_fn=check_reward_nonzero_std()
+    )
     assert len(out.kept) == 1 and [s.reward for s in out.kept[0]] == [0.0, 1.0]
     assert out.filter_reasons == {"reward_std_zero": 2} and out.num_filtered == 2
     with pytest.raises(ValueError, match="finite"):
@@ -66,8 +70,10 @@ def test_filters_and_combinator():
 
 
 def test_batch_metadata_matches_numpy():
-    samples = [_s(r, response=tuple(range(5, 5 + k)), status=st) for r, k, st in
-               [(0.0, 1, Status.COMPLETED), (1.0, 3, Status.TRUNCATED), (0.5, 2, Status.COMPLETED)]]
+    samples = [
+        _s(r, response=tuple(range(5, 5 + k)), status=st)
+        for r, k, st in [(0.0, 1, Status.COMPLETED), (1.0, 3, Status.TRUNCATED), (0.5, 2, Status.COMPLETED)]
+    ]
     md = batch_metadata(samples)
     assert md["reward_mean"] == pytest.approx(np.mean([0, 1, 0.5]))
     assert md["reward_std"] == pytest.approx(np.std([0, 1, 0.5]))
@@ -80,11 +86,17 @@ def test_generate_rollout_batches_is_a_lazy_generator():
 
     def gen(prompt, n):
         calls.append(prompt)
-        return [Sample(tokens=[1, 2 + i], num_prompt_tokens=1, loss_mask=[0, 1], status=Status.COMPLETED) for i in range(n)]
+        return [
+            Sample(tokens=[1, 2 + i], num_prompt_tokens=1, loss_mask=[0, 1], status=Status.COMPLETED) for i in range(n)
+        ]
 
     buf = DataBuffer(list(range(5)), seed=1)
     batches = generate_rollout_batches(
-        buf, RolloutConfig(batch_size=3, samples_per_prompt=2), gen, reward_fn=lambda s: float(s.tokens[-1]), start_step=7
+        buf,
+        RolloutConfig(batch_size=3, samples_per_prompt=2),
+        gen,
+        reward_fn=lambda s: float(s.tokens[-1]),
+        start_step=7,
     )
     assert calls == []
     first, second = itertools.islice(batches, 2)

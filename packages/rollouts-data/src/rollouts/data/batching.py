@@ -83,9 +83,7 @@ def _check_samples(samples: Sequence[Sample]) -> None:
             raise ValueError(f"samples[{i}] has no tokens and cannot be batched")
 
 
-def pad_batch(
-    samples: Sequence[Sample], *, pad_id: int, sample_indices: Sequence[int] | None = None
-) -> MicroBatch:
+def pad_batch(samples: Sequence[Sample], *, pad_id: int, sample_indices: Sequence[int] | None = None) -> MicroBatch:
     """Right-padded [B, T] arrays, one row per sample (T = longest sample)."""
     _check_samples(samples)
     fields = _optional_fields(samples)
@@ -111,7 +109,9 @@ def pad_batch(
     return out
 
 
-def _pack_one(samples: Sequence[Sample], indices: Sequence[int], fields: Sequence[str], *, pad_id: int, length: int) -> MicroBatch:
+def _pack_one(
+    samples: Sequence[Sample], indices: Sequence[int], fields: Sequence[str], *, pad_id: int, length: int
+) -> MicroBatch:
     """One packed [1, length] row holding `samples` back to back (tail padded)."""
     out: MicroBatch = {
         "input_ids": np.full((1, length), pad_id, dtype=np.int64),
@@ -276,7 +276,8 @@ def plan_micro_batches(
             if n > max_tokens:
                 raise ValueError(f"samples[{i}] has {n} tokens > max_tokens {max_tokens}: it fits no micro-batch")
         micro_batches = [
-            pad_batch([samples[i] for i in g], pad_id=pad_id, sample_indices=g) for g in _padded_groups(lengths, max_tokens)
+            pad_batch([samples[i] for i in g], pad_id=pad_id, sample_indices=g)
+            for g in _padded_groups(lengths, max_tokens)
         ]
     else:
         raise ValueError(f"layout must be 'packed' or 'padded', got {layout!r}")

@@ -58,7 +58,9 @@ def _is_whitespace(tokenizer: Tokenizer, token_id: int) -> bool:
 
 def _check_prefix(full: list[int], prefix: list[int], what: str) -> None:
     if full[: len(prefix)] != prefix:
-        at = next((i for i, (a, b) in enumerate(zip(full, prefix, strict=False)) if a != b), min(len(full), len(prefix)))
+        at = next(
+            (i for i, (a, b) in enumerate(zip(full, prefix, strict=False)) if a != b), min(len(full), len(prefix))
+        )
         raise ValueError(
             f"chat template breaks the prefix property: the rendering of {what} differs from the "
             f"full conversation's rendering at token {at} (prefix has {len(prefix)} tokens, full has "
@@ -125,7 +127,9 @@ def tokenize_conversation(
     elif train_on == "last_assistant":
         # Only the final turn is trained and it is rendered last, as at generation time: the one
         # property needed is that the prompt (with the generation prompt) is a prefix of `full`.
-        start_ids = render_ids(tokenizer, messages[: assistant[0]], add_generation_prompt=True, template_kwargs=template_kwargs)
+        start_ids = render_ids(
+            tokenizer, messages[: assistant[0]], add_generation_prompt=True, template_kwargs=template_kwargs
+        )
         _check_prefix(full, start_ids, f"messages[:{assistant[0]}] with the generation prompt")
         end = len(full)
         while end > len(start_ids) and _is_whitespace(tokenizer, full[end - 1]):
@@ -144,7 +148,10 @@ def tokenize_conversation(
         num_prompt_tokens=first,
         loss_mask=mask,
         status=Status.TRUNCATED if num_truncated else Status.COMPLETED,
-        metadata={"num_truncated_tokens": num_truncated, "num_trained_turns": 0 if train_on == "all" else len(assistant)},
+        metadata={
+            "num_truncated_tokens": num_truncated,
+            "num_trained_turns": 0 if train_on == "all" else len(assistant),
+        },
     )
 
 
@@ -162,7 +169,11 @@ def tokenize_conversation_turns(
         raise ValueError("conversation has no assistant message, so there is no turn to train on")
     return tuple(
         tokenize_conversation(
-            messages[: i + 1], tokenizer, max_length=max_length, train_on="last_assistant", template_kwargs=template_kwargs
+            messages[: i + 1],
+            tokenizer,
+            max_length=max_length,
+            train_on="last_assistant",
+            template_kwargs=template_kwargs,
         )
         for i in turns
     )

@@ -65,9 +65,7 @@ def check_response_diversity(*, min_unique_fraction: float = 0.5) -> FilterFn:
     return check
 
 
-def check_reasonable_length(
-    *, min_response_tokens: int = 1, max_truncated_fraction: float = 1.0
-) -> FilterFn:
+def check_reasonable_length(*, min_response_tokens: int = 1, max_truncated_fraction: float = 1.0) -> FilterFn:
     """Drop groups with a response shorter than `min_response_tokens` or too many truncated ones."""
     if min_response_tokens < 0:
         raise ValueError(f"min_response_tokens must be >= 0, got {min_response_tokens}")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import trio
@@ -97,7 +97,12 @@ class AsyncRolloutManager:
         return validate_group(result, n, prompt=prompt)
 
     async def _request(
-        self, rid: int, prompt: Any, limiter: trio.CapacityLimiter, results: dict[int, tuple[Sample, ...] | str], counts: dict[str, int]
+        self,
+        rid: int,
+        prompt: Any,
+        limiter: trio.CapacityLimiter,
+        results: dict[int, tuple[Sample, ...] | str],
+        counts: dict[str, int],
     ) -> None:
         cfg = self._config
         errors = []
@@ -193,6 +198,7 @@ class AsyncRolloutManager:
         carry = [tuple(Sample.from_dict(d) for d in g) for g in state["carry_over"]]
         for i, g in enumerate(carry):
             if len(g) != self._config.samples_per_prompt:
-                raise ValueError(f"carry_over[{i}] has {len(g)} samples, expected samples_per_prompt={self._config.samples_per_prompt}")
+                expected = self._config.samples_per_prompt
+                raise ValueError(f"carry_over[{i}] has {len(g)} samples, expected samples_per_prompt={expected}")
         self._carry = carry
         self._pending_prompts = list(state["pending_prompts"])

@@ -35,10 +35,14 @@ __all__ = [
 def validate_group(result: Any, n: int, *, prompt: Any) -> tuple[Sample, ...]:
     """Check a generate function's output: exactly `n` Samples, none failed or aborted."""
     if isinstance(result, (str, bytes, Mapping)) or not isinstance(result, Sequence):
-        raise TypeError(f"generate_fn must return a sequence of {n} Samples, got {type(result).__name__} for prompt {prompt!r:.80}")
+        raise TypeError(
+            f"generate_fn must return a sequence of {n} Samples, got {type(result).__name__} for prompt {prompt!r:.80}"
+        )
     group = tuple(result)
     if len(group) != n:
-        raise ValueError(f"generate_fn returned {len(group)} samples for prompt {prompt!r:.80}, expected {n} (one group)")
+        raise ValueError(
+            f"generate_fn returned {len(group)} samples for prompt {prompt!r:.80}, expected {n} (one group)"
+        )
     for i, s in enumerate(group):
         if not isinstance(s, Sample):
             raise TypeError(f"generate_fn returned {type(s).__name__} at position {i}, expected Sample")
@@ -181,7 +185,9 @@ def generate_rollout_batches(
     No retries, no concurrency, no refill of filtered groups: see AsyncRolloutManager for those.
     """
     if inspect.iscoroutinefunction(generate_fn):
-        raise TypeError("generate_rollout_batches needs a synchronous generate_fn; use AsyncRolloutManager for async ones")
+        raise TypeError(
+            "generate_rollout_batches needs a synchronous generate_fn; use AsyncRolloutManager for async ones"
+        )
     n = config.samples_per_prompt
     step = start_step
     while True:
