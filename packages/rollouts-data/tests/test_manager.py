@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollouts.data import AsyncRolloutManager, DataBuffer, check_reward_nonzero_std
 from rollouts.types import RolloutConfig, Sample, Status
@@ -259,3 +261,58 @@ def test_default_filter_with_dynamic_sampling_is_zero_std():
     manager = AsyncRolloutManager(DataBuffer([1]), cfg_dyn, lambda p, n: make_group(p, n))
     group = [s.with_reward(1.0) for s in make_group(0, 2)]
     assert manager._filter_fn(group) == check_reward_nonzero_std()(group) == "reward_std_zero"
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    behaviours=st.lists(st.sampled_from(["ok", "zero_std", "fail", "hang", "flaky"]), min_size=20, max_size=20),
+    batch_size=st.integers(1, 6),
+    factor=st.sampled_from([1.0, 1.5, 2.0]),
+    dynamic=st.booleans(),
+    max_retries=st.integers(0, 2),
+)
+def test_property_accounting_balances_and_bounds_hold(behaviours, batch_size, factor, dynamic, max_retries):
+    attempts: dict[int, int] = {}
+
+    async def gen(prompt, n):
+        attempts[prompt] = attempts.get(prompt, 0) + 1
+        kind = behaviours[prompt % 20]
+        if kind == "fail" or (kind == "flaky" and attempts[prompt] == 1):
+            raise RuntimeError("boom")
+        if kind == "hang":
+            await trio.sleep_forever()
+        await trio.sleep(0.01 * (prompt % 3))
+        return make_group(prompt, n, rewards=[1.0] * n if kind == "zero_std" else None)
+
+    config = cfg(
+        batch_size=batch_size,
+        dynamic_sampling=dynamic,
+        over_sampling_factor=factor,
+        max_generation_rounds=3,
+        max_retries=max_retries,
+        request_timeout_s=1.0,
+    )
+    buffer = DataBuffer(list(range(200)), shuffle=False)  # enough prompts that none is drawn twice
+    manager = AsyncRolloutManager(buffer, config, gen, reward_fn=reward_from_metadata)
+
+    async def run():
+        start = trio.current_time()
+        batches = [await manager.generate_batch(step=i) for i in range(2)]
+        return batches, trio.current_time() - start
+
+    batches, elapsed = trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert all(count <= 1 + max_retries for count in attempts.values())
+    # 2 steps x 3 rounds x at most ceil(12 requests / concurrency 3) waves, each wave bounded by
+    # (1 + max_retries) timeouts (plus the fake's own sleep of at most 20 ms)
+    assert elapsed <= 2 * 3 * 4 * ((1 + max_retries) * config.request_timeout_s + 0.02) + 1e-6
+    for batch in batches:
+        md = batch.metadata
+        assert balanced(md)
+        assert batch.num_kept == 2 * (md["groups_kept_new"] + md["groups_from_carry_over"]) <= 2 * batch_size
+        assert batch.num_failed == 2 * md["groups_failed"] and batch.num_filtered == 2 * md["groups_filtered"]
+        assert md["num_rounds"] <= (3 if dynamic else 1)
+        kinds = {behaviours[s.metadata["prompt_id"] % 20] for s in batch.samples}
+        assert kinds <= ({"ok", "flaky"} if dynamic else {"ok", "flaky", "zero_std"})
+    total_carry = sum(b.metadata["groups_carried_over"] for b in batches)
+    used_carry = sum(b.metadata["groups_from_carry_over"] for b in batches)
+    assert total_carry - used_carry == manager.num_carried_over_groups
