@@ -109,3 +109,38 @@ def unpack_rows(values_1_T: np.ndarray, lengths: Sequence[int]) -> list[np.ndarr
 def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A copy of every parameter's gradient."""
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+TRAIN_CONFIG_KW = dict(lr=1e-2, warmup_steps=1, schedule="cosine", weight_decay=0.01)
+
+
+def step_batch() -> dict[str, np.ndarray]:
+    """A micro-batch drawn from torch's global RNG (so exact resume needs the RNG restored)."""
+    lengths = torch.randint(3, 12, (3,)).tolist()
+    seqs = [torch.randint(2, VOCAB, (n,)).tolist() for n in lengths]
+    return packed_batch(seqs)
+
+
+def fresh_components(seed: int = 0, num_training_steps: int = 8):
+    """Tiny model + AdamW + schedule."""
+    from rollouts.backends import build_components
+    from rollouts.types import OptimizerConfig
+
+    return build_components(tiny_model(seed), OptimizerConfig(**TRAIN_CONFIG_KW), num_training_steps=num_training_steps)
+
+
+def train_steps(components, state, num_steps: int, *, on_step=None):
+    """Run `num_steps` SFT steps; `on_step(components, state)` after each (e.g. to checkpoint)."""
+    from rollouts.backends import forward_backward, optim_step
+    from rollouts.losses import sft_loss_fn
+    from rollouts.types import OptimizerConfig
+
+    config = OptimizerConfig(**TRAIN_CONFIG_KW)
+    for _ in range(num_steps):
+        mb = step_batch()
+        n = int((mb["loss_mask"] > 0).sum())
+        metrics = forward_backward(components, [mb], sft_loss_fn(), num_tokens=n, num_sequences=3)
+        state, _ = optim_step(components, state, config, num_tokens=n, num_samples=3, loss=metrics["loss"])
+        if on_step is not None:
+            on_step(components, state)
+    return state

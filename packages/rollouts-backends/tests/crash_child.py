@@ -1,0 +1,40 @@
+"""Crash-test worker: resume from the latest checkpoint, train, checkpoint after every step.
+
+`run` reports progress lines ("START n", "SAVING n", "SAVED n", "DONE") through `emit`; the test
+forks a process running it and SIGKILLs that process at chosen moments.
+"""
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+from helpers import fresh_components, train_steps  # noqa: E402
+from rollouts.backends import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
+from rollouts.types import TrainingState  # noqa: E402
+
+
+def run(root: Path, total: int, emit: Callable[[str], None]) -> None:
+    torch.manual_seed(1234)
+    components = fresh_components(num_training_steps=total)
+    state = TrainingState()
+    path = latest_checkpoint(root)
+    if path is not None:
+        state, extra = load_checkpoint(components, path)
+        assert extra == {"step": state.step}, extra
+    emit(f"START {state.step}")
+
+    def checkpoint(components, state):
+        emit(f"SAVING {state.step}")
+        save_checkpoint(components, state, root, extra={"step": state.step}, keep_last=2)
+        emit(f"SAVED {state.step}")
+
+    train_steps(components, state, total - state.step, on_step=checkpoint)
+    emit("DONE")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    run(Path(sys.argv[1]), int(sys.argv[2]), lambda line: print(line, flush=True))

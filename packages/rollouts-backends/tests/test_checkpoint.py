@@ -1,0 +1,194 @@
+import json
+import multiprocessing
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from helpers import fresh_components, tiny_model, train_steps
+from rollouts.backends import (
+    build_components,
+    export_weights,
+    latest_checkpoint,
+    load_checkpoint,
+    read_weights,
+    save_checkpoint,
+)
+from rollouts.types import OptimizerConfig, TrainingState
+from transformers import AutoModelForCausalLM
+
+_WORKER_LINE_TIMEOUT_S = 60.0
+"""Bound on waiting for the crash-test worker's next progress line."""
+
+
+def _weights(model):
+    return {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+def _assert_bit_identical(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_exact_resume_is_bit_identical(tmp_path):
+    torch.manual_seed(7)
+    straight = fresh_components()
+    train_steps(straight, TrainingState(), 5)
+
+    torch.manual_seed(7)
+    first = fresh_components()
+    state = train_steps(first, TrainingState(), 2)
+    path = save_checkpoint(first, state, tmp_path, extra={"buffer": {"epoch": 1, "cursor": [3, 4]}})
+    torch.manual_seed(999)  # a different RNG stream: load must restore the saved one
+    resumed = fresh_components(seed=1)
+    loaded_state, extra = load_checkpoint(resumed, path)
+    assert loaded_state == state and extra == {"buffer": {"epoch": 1, "cursor": [3, 4]}}
+    final = train_steps(resumed, loaded_state, 3)
+
+    assert final.step == 5
+    _assert_bit_identical(_weights(straight.model), _weights(resumed.model))
+    for (pa, sa), (pb, sb) in zip(
+        straight.optimizer.state.items(), resumed.optimizer.state.items(), strict=True
+    ):
+        for key in sa:
+            assert torch.equal(sa[key], sb[key]), key
+
+
+def test_checkpoint_is_hf_loadable_and_complete(tmp_path):
+    components = fresh_components()
+    state = train_steps(components, TrainingState(), 1)
+    path = save_checkpoint(components, state, tmp_path)
+    assert path.name == "step_1" and latest_checkpoint(tmp_path) == path
+    record = json.loads((path / "state.json").read_text())
+    assert record["training_state"]["step"] == 1
+    assert set(record["files"]) == {"config.json", "model.safetensors", "optimizer.safetensors"}
+    hf = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+    _assert_bit_identical(_weights(hf), _weights(components.model))
+
+
+def test_tied_embeddings_are_written_once_and_load_back(tmp_path):
+    model = tiny_model(tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    components = build_components(model, OptimizerConfig(), num_training_steps=2)
+    path = save_checkpoint(components, TrainingState(), tmp_path)
+    names = set(safetensors.torch.load_file(str(path / "model.safetensors")))
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names
+    other = build_components(tiny_model(seed=3, tie_word_embeddings=True), OptimizerConfig(), num_training_steps=2)
+    load_checkpoint(other, path)
+    _assert_bit_identical(_weights(other.model), _weights(model))
+
+
+def test_retention_and_corruption_are_handled(tmp_path):
+    components = fresh_components()
+    state = TrainingState()
+    for _ in range(4):
+        state = train_steps(components, state, 1)
+        save_checkpoint(components, state, tmp_path, keep_last=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3", "step_4"]
+    # A leftover temporary directory (a crash mid-save) is never chosen.
+    (tmp_path / ".tmp-step_9-1").mkdir()
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_4"
+    # Flip one byte of the newest weights: its CRC no longer matches, the previous one is used.
+    weights = tmp_path / "step_4" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_3"
+    # Truncated optimizer file and a missing state.json are rejected too.
+    opt = tmp_path / "step_3" / "optimizer.safetensors"
+    opt.write_bytes(opt.read_bytes()[:-10])
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_2"
+    (tmp_path / "step_2" / "state.json").unlink()
+    assert latest_checkpoint(tmp_path) is None
+    with pytest.raises(ValueError, match="not a checkpoint"):
+        load_checkpoint(components, tmp_path / "step_2")
+    # The next save clears the stale temporary directory.
+    save_checkpoint(components, state.after_step(num_tokens=1, num_samples=1), tmp_path, keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_5"]
+
+
+def test_non_json_extra_is_rejected_before_writing(tmp_path):
+    components = fresh_components()
+    with pytest.raises(TypeError):
+        save_checkpoint(components, TrainingState(), tmp_path, extra={"bad": object()})
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_export_weights_shards_and_manifest(tmp_path):
+    components = fresh_components()
+    directory, manifest = export_weights(components, tmp_path / "export", max_shard_bytes=60_000)
+    files = sorted(p.name for p in directory.iterdir() if p.name.endswith(".safetensors"))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert json.loads((directory / "manifest.json").read_text()) == manifest
+    own = _weights(components.model)
+    assert set(manifest["tensors"]) == set(own)
+    for name, meta in manifest["tensors"].items():
+        assert meta["shape"] == list(own[name].shape) and meta["dtype"] == "float32"
+    _assert_bit_identical(read_weights(directory), own)
+    hf = AutoModelForCausalLM.from_pretrained(str(directory), local_files_only=True)
+    _assert_bit_identical(_weights(hf), own)
+    # Re-exporting replaces the directory (one shard now) without leftovers.
+    _, single = export_weights(components, tmp_path / "export")
+    assert list(single["files"]) == ["model.safetensors"]
+    assert not (directory / "model.safetensors.index.json").exists()
+
+
+def _start_worker(root: Path, total: int):
+    """Fork a process running crash_child.run; returns (process, connection receiving its lines)."""
+    import crash_child
+
+    receive, send = multiprocessing.get_context("fork").Pipe(duplex=False)
+    ctx = multiprocessing.get_context("fork")
+    process = ctx.Process(target=crash_child.run, args=(root, total, send.send), daemon=True)
+    process.start()
+    send.close()
+    return process, receive
+
+
+def test_sigkill_at_random_moments_always_leaves_a_resumable_checkpoint(tmp_path):
+    total = 6
+    rng = random.Random(0)
+    # Kill points: the n-th line starting with a marker, plus a random delay; "SAVING" kills land
+    # inside save_checkpoint (while files are written, fsynced or renamed).
+    plans = [("SAVING", 2, 0.0), ("SAVING", 1, 0.002), ("SAVING", 1, 0.01), ("START", 1, 0.05), ("SAVED", 1, 0.0)]
+    progress = []
+    saved_any = False
+    for marker, nth, delay_s in plans:
+        process, lines = _start_worker(tmp_path, total)
+        seen = 0
+        try:
+            while lines.poll(_WORKER_LINE_TIMEOUT_S):
+                line = lines.recv()
+                saved_any = saved_any or line.startswith("SAVED")
+                seen += line.startswith(marker)
+                if seen == nth or line == "DONE":
+                    break
+            time.sleep(delay_s * (0.5 + rng.random()))
+            os.kill(process.pid, signal.SIGKILL)
+        finally:
+            process.join(timeout=_WORKER_LINE_TIMEOUT_S)
+        assert process.exitcode == -signal.SIGKILL
+        path = latest_checkpoint(tmp_path)
+        assert saved_any and path is not None
+        components = fresh_components(num_training_steps=total)
+        state, extra = load_checkpoint(components, path)
+        assert extra == {"step": state.step}
+        progress.append(state.step)
+    assert progress == sorted(progress) and progress[-1] < total
+    process, lines = _start_worker(tmp_path, total)
+    process.join(timeout=120)
+    assert process.exitcode == 0
+
+    torch.manual_seed(1234)
+    straight = fresh_components(num_training_steps=total)
+    train_steps(straight, TrainingState(), total)
+    final = fresh_components(num_training_steps=total)
+    state, _ = load_checkpoint(final, latest_checkpoint(tmp_path))
+    assert state.step == total
+    _assert_bit_identical(_weights(final.model), _weights(straight.model))

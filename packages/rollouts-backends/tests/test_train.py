@@ -1,0 +1,247 @@
+import math
+
+import numpy as np
+import pytest
+import torch
+from helpers import grads, packed_batch, padded_batch, random_sequences, tiny_model, unpack_rows
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rollouts.backends import (
+    NonFiniteError,
+    attention_mask_4d,
+    build_components,
+    build_optimizer,
+    compute_logprobs,
+    forward_backward,
+    lr_multiplier,
+    optim_step,
+)
+from rollouts.losses import loss_fn_from_config, sft_loss_fn
+from rollouts.types import AlgorithmConfig, OptimizerConfig, TrainingState
+
+LENGTHS = [5, 11, 3, 8]
+
+
+@pytest.fixture
+def components():
+    return build_components(tiny_model(), OptimizerConfig(lr=1e-3), num_training_steps=10)
+
+
+@pytest.fixture
+def seqs():
+    return random_sequences(np.random.default_rng(0), LENGTHS)
+
+
+def _naive_logprobs(model, seq):
+    with torch.no_grad():
+        logits = model(torch.tensor([seq])).logits[0].float()
+    lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
+    return np.concatenate([[0.0], lp.numpy()])
+
+
+def test_logprobs_match_naive_full_logits_per_sequence(components, seqs):
+    packed = compute_logprobs(components, [packed_batch(seqs)])[0]
+    for got, seq in zip(unpack_rows(packed, LENGTHS), seqs, strict=True):
+        np.testing.assert_allclose(got, _naive_logprobs(components.model, seq), atol=1e-5)
+        assert got[0] == 0.0
+
+
+def test_packed_and_padded_give_same_logprobs(components, seqs):
+    packed = compute_logprobs(components, [packed_batch(seqs)])[0]
+    padded = compute_logprobs(components, [padded_batch(seqs)])[0]
+    for i, (got, n) in enumerate(zip(unpack_rows(packed, LENGTHS), LENGTHS, strict=True)):
+        np.testing.assert_allclose(got, padded[i, :n], atol=1e-6)
+        assert np.all(padded[i, n:] == 0.0)
+
+
+def test_packed_sequences_cannot_see_each_other(components, seqs):
+    """Changing one packed sequence leaves the others' log-probs untouched."""
+    base = unpack_rows(compute_logprobs(components, [packed_batch(seqs)])[0], LENGTHS)
+    changed = [list(s) for s in seqs]
+    changed[0] = [(t + 7) % 120 + 2 for t in changed[0]]
+    after = unpack_rows(compute_logprobs(components, [packed_batch(changed)])[0], LENGTHS)
+    for i in range(1, len(seqs)):
+        np.testing.assert_array_equal(base[i], after[i])
+    assert not np.array_equal(base[0], after[0])
+
+
+def test_attention_mask_is_block_diagonal_causal():
+    seg = torch.tensor([[0, 0, 1, 1, 1, -1]])
+    mask = attention_mask_4d(seg)[0, 0]
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [0, 0, 1, 0, 0, 0],
+            [0, 0, 1, 1, 0, 0],
+            [0, 0, 1, 1, 1, 0],
+            [0, 0, 0, 0, 0, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(mask, expected)
+    additive = attention_mask_4d(seg, dtype=torch.float32)[0, 0]
+    assert torch.equal(additive == 0, expected)
+
+
+def _grads_after(components, micro_batches, loss_fn, num_tokens, num_sequences):
+    components.optimizer.zero_grad(set_to_none=True)
+    metrics = forward_backward(components, micro_batches, loss_fn, num_tokens=num_tokens, num_sequences=num_sequences)
+    return grads(components.model), metrics
+
+
+def _num_loss_tokens(micro_batches):
+    return int(sum((mb["loss_mask"] > 0).sum() for mb in micro_batches))
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_packed_and_padded_give_same_gradients(components, seqs, mode):
+    loss_fn = sft_loss_fn(mode=mode)
+    n = _num_loss_tokens([packed_batch(seqs)])
+    g_packed, m_packed = _grads_after(components, [packed_batch(seqs)], loss_fn, n, len(seqs))
+    g_padded, m_padded = _grads_after(components, [padded_batch(seqs)], loss_fn, n, len(seqs))
+    assert math.isclose(m_packed["loss"], m_padded["loss"], rel_tol=1e-5)
+    for name in g_packed:
+        torch.testing.assert_close(g_packed[name], g_padded[name], atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+def test_micro_batches_accumulate_to_one_batch(components, seqs, mode):
+    """N micro-batches give the gradient and loss of one batch holding them all."""
+    loss_fn = sft_loss_fn(mode=mode)
+    whole = [packed_batch(seqs)]
+    split = [packed_batch(seqs[:1]), packed_batch(seqs[1:3]), padded_batch(seqs[3:])]
+    n = _num_loss_tokens(whole)
+    assert n == _num_loss_tokens(split)
+    g_whole, m_whole = _grads_after(components, whole, loss_fn, n, len(seqs))
+    g_split, m_split = _grads_after(components, split, loss_fn, n, len(seqs))
+    assert m_split["num_micro_batches"] == 3.0
+    assert math.isclose(m_whole["loss"], m_split["loss"], rel_tol=1e-5)
+    for name in g_whole:
+        torch.testing.assert_close(g_whole[name], g_split[name], atol=1e-6, rtol=1e-4)
+
+
+def test_rl_loss_runs_and_entropy_only_when_asked(components, seqs):
+    seen = []
+
+    class Recorder:
+        needs_entropy = False
+
+        def __call__(self, logprobs_B_T, batch, *, num_tokens, num_sequences, **kwargs):
+            seen.append(sorted(kwargs))
+            return -(logprobs_B_T * batch["loss_mask"]).sum() / num_tokens, {}
+
+    rec = Recorder()
+    forward_backward(components, [packed_batch(seqs)], rec, num_tokens=10, num_sequences=4)
+    rec.needs_entropy = True
+    forward_backward(components, [packed_batch(seqs)], rec, num_tokens=10, num_sequences=4)
+    assert seen == [[], ["entropy_B_T"]]
+
+    algorithm = AlgorithmConfig(entropy_coef=0.01)
+    old = compute_logprobs(components, [packed_batch(seqs)])[0]
+    mb = packed_batch(seqs, extra={"advantages": [1.0, -1.0, 0.5, -0.5]})
+    mb["old_logprobs"] = old
+    metrics = forward_backward(
+        components, [mb], loss_fn_from_config(algorithm), num_tokens=_num_loss_tokens([mb]), num_sequences=4
+    )
+    assert math.isfinite(metrics["loss"])
+    assert all(p.grad is not None for p in components.model.parameters())
+
+
+def test_bad_micro_batch_is_rejected(components, seqs):
+    mb = packed_batch(seqs)
+    del mb["segment_ids"]
+    with pytest.raises(ValueError, match="segment_ids"):
+        forward_backward(components, [mb], sft_loss_fn(), num_tokens=1, num_sequences=1)
+    mb = packed_batch(seqs)
+    mb["loss_mask"] = mb["loss_mask"][:, :-1]
+    with pytest.raises(ValueError, match="loss_mask"):
+        compute_logprobs(components, [mb])
+
+
+def test_no_weight_decay_on_norms_and_biases():
+    model = tiny_model()
+    opt = build_optimizer(model, OptimizerConfig(weight_decay=0.1))
+    decay_of = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    for name, p in model.named_parameters():
+        expected = 0.0 if ("norm" in name or "bias" in name) else 0.1
+        assert decay_of[id(p)] == expected, name
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    warmup=st.integers(0, 10),
+    total=st.integers(1, 50),
+    schedule=st.sampled_from(["constant", "linear", "cosine"]),
+    floor=st.floats(0.0, 1.0),
+)
+def test_schedule_warms_up_then_stays_between_floor_and_one(warmup, total, schedule, floor):
+    config = OptimizerConfig(warmup_steps=warmup, schedule=schedule, min_lr_ratio=floor)
+    values = [lr_multiplier(s, config=config, num_training_steps=total) for s in range(total + 5)]
+    for s in range(min(warmup, total)):
+        assert values[s] == pytest.approx((s + 1) / warmup)
+    for v in values[warmup:]:
+        assert floor - 1e-9 <= v <= 1.0 + 1e-9
+    if schedule != "constant" and total > warmup:
+        assert values[total + 4] == pytest.approx(floor)
+
+
+def test_optim_step_reports_lr_and_follows_schedule(seqs):
+    config = OptimizerConfig(lr=1e-2, warmup_steps=2, schedule="cosine", min_lr_ratio=0.0)
+    components = build_components(tiny_model(), config, num_training_steps=4)
+    state = TrainingState()
+    lrs = []
+    for _ in range(4):
+        forward_backward(components, [packed_batch(seqs)], sft_loss_fn(), num_tokens=20, num_sequences=4)
+        state, metrics = optim_step(components, state, config, num_tokens=20, num_samples=4)
+        lrs.append(metrics["lr"])
+    # warm-up (1/2, 2/2), then cosine over the 2 remaining steps: progress 0, then 1/2
+    assert lrs == pytest.approx([5e-3, 1e-2, 1e-2, 5e-3], abs=1e-9)
+    assert state.step == 4 and state.tokens_seen == 80 and state.samples_seen == 16
+
+
+def test_clipping_bounds_the_update(seqs):
+    config = OptimizerConfig(lr=1e-3, max_grad_norm=1e-3)
+    components = build_components(tiny_model(), config, num_training_steps=4)
+    forward_backward(components, [packed_batch(seqs)], sft_loss_fn(), num_tokens=20, num_sequences=4)
+    params = [p for p in components.model.parameters()]
+    before = torch.nn.utils.get_total_norm([p.grad for p in params])
+    _, metrics = optim_step(components, TrainingState(), config)
+    assert metrics["grad_norm"] == pytest.approx(float(before), rel=1e-5)
+    assert metrics["grad_norm"] > 1e-3
+
+
+def test_non_finite_gradient_is_skipped_then_raises(seqs):
+    config = OptimizerConfig(lr=1e-2, max_consecutive_skips=2)
+    components = build_components(tiny_model(), config, num_training_steps=10)
+    model = components.model
+    target = "model.layers.1.mlp.up_proj.weight"
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def poisoned_step(state):
+        forward_backward(components, [packed_batch(seqs)], sft_loss_fn(), num_tokens=20, num_sequences=4)
+        model.get_parameter(target).grad[0, 0] = float("nan")
+        return optim_step(components, state, config)
+
+    state, metrics = poisoned_step(TrainingState())
+    assert metrics["skipped"] == 1.0 and state.skipped_steps == 1 and state.step == 0
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) and p.grad is None
+    assert components.optimizer.state == {} or all(not s for s in components.optimizer.state.values())
+    with pytest.raises(NonFiniteError, match=target.replace(".", r"\.")):
+        poisoned_step(state)
+
+
+def test_applied_step_resets_consecutive_skips_and_nan_loss_skips(seqs):
+    config = OptimizerConfig(lr=1e-2, max_consecutive_skips=2)
+    components = build_components(tiny_model(), config, num_training_steps=10)
+    forward_backward(components, [packed_batch(seqs)], sft_loss_fn(), num_tokens=20, num_sequences=4)
+    state, metrics = optim_step(components, TrainingState(), config, loss=float("inf"))
+    assert metrics["skipped"] == 1.0 and state.consecutive_skipped_steps == 1
+    forward_backward(components, [packed_batch(seqs)], sft_loss_fn(), num_tokens=20, num_sequences=4)
+    state, metrics = optim_step(components, state, config, loss=1.0)
+    assert metrics["skipped"] == 0.0 and state.consecutive_skipped_steps == 0 and state.step == 1
+    forward_backward(components, [packed_batch(seqs)], sft_loss_fn(), num_tokens=20, num_sequences=4)
+    state, _ = optim_step(components, state, config, loss=float("nan"))
+    with pytest.raises(NonFiniteError, match="loss nan"):
+        optim_step(components, state, config, loss=float("nan"))
