@@ -1,0 +1,133 @@
+"""Engines for the loops: coalescing of concurrent requests, and construction from an EngineSpec.
+
+The rollout manager sends one request per group; a remote server batches them itself, but the
+in-process sampler runs one forward pass per call. `CoalescingEngine` gathers the requests that
+arrive within a short window into one batched call (run in a worker thread so the event loop,
+and with it timeouts and overlapped training, keep running).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from rollouts.types import InferenceEngine, Sample, SamplingParams
+
+_DEFAULT_WINDOW_S = 0.01  # long enough for a nursery's start_soon burst, short next to a forward pass
+
+
+@dataclass(slots=True)
+class _Request:
+    prompts: Sequence[Sequence[int]]
+    params: SamplingParams
+    done: trio.Event = field(default_factory=trio.Event)
+    result: list[Sample] | None = None
+    error: BaseException | None = None
+
+
+class CoalescingEngine:
+    """Wraps an engine whose `generate` blocks: batches concurrent calls and runs them in a thread.
+
+    Calls with equal SamplingParams that arrive within `window_s` of each other go out as one call
+    of at most `max_prompts_per_call` prompts. Other methods pass straight through.
+    """
+
+    def __init__(
+        self, inner: InferenceEngine, *, max_prompts_per_call: int = 64, window_s: float = _DEFAULT_WINDOW_S
+    ) -> None:
+        if max_prompts_per_call < 1:
+            raise ValueError(f"max_prompts_per_call must be >= 1, got {max_prompts_per_call}")
+        if window_s < 0:
+            raise ValueError(f"window_s must be >= 0, got {window_s}")
+        self.inner = inner
+        self.max_prompts_per_call = max_prompts_per_call
+        self.window_s = window_s
+        self._queue: list[_Request] = []
+        self._leading = False
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    async def _run_batch(self, batch: list[_Request]) -> None:
+        prompts = [p for r in batch for p in r.prompts]
+        params = batch[0].params
+        try:
+            samples = await trio.to_thread.run_sync(lambda: trio.run(self.inner.generate, prompts, params))
+            if len(samples) != len(prompts) * params.n:
+                raise RuntimeError(
+                    f"{self.inner.name} returned {len(samples)} samples for {len(prompts)} prompts x n={params.n}"
+                )
+            start = 0
+            for r in batch:
+                size = len(r.prompts) * params.n
+                r.result = samples[start : start + size]
+                start += size
+        except Exception as e:  # every request of the batch sees the failure (and may retry)
+            for r in batch:
+                r.error = e
+        finally:
+            for r in batch:
+                r.done.set()
+
+    def _take_batch(self) -> list[_Request]:
+        params = self._queue[0].params
+        batch, rest, num = [], [], 0
+        for r in self._queue:
+            if r.params == params and (not batch or num + len(r.prompts) <= self.max_prompts_per_call):
+                batch.append(r)
+                num += len(r.prompts)
+            else:
+                rest.append(r)
+        self._queue = rest
+        return batch
+
+    async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
+        """Queue the call; the first caller of a window runs the batches until the queue is empty."""
+        request = _Request(prompts=prompts, params=params)
+        self._queue.append(request)
+        if not self._leading:
+            self._leading = True
+            try:
+                await trio.sleep(self.window_s)
+                while self._queue:
+                    await self._run_batch(self._take_batch())
+            finally:
+                self._leading = False
+                # A cancelled leader must not strand the others: fail what is still queued.
+                for r in self._queue:
+                    r.error = RuntimeError("the batch leading this request was cancelled; retry")
+                    r.done.set()
+                self._queue = []
+        await request.done.wait()
+        if request.error is not None:
+            raise request.error
+        assert request.result is not None
+        return request.result
+
+    async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
+        await self.inner.update_weights_from_disk(path, weight_version)
+
+    async def weight_version(self) -> int | None:
+        return await self.inner.weight_version()
+
+    async def health(self) -> bool:
+        return await self.inner.health()
+
+
+def remote_engine(kind: str, urls: Sequence[str], *, api_key_env: str, timeout_s: float, max_retries: int,
+                  sync_timeout_s: float) -> InferenceEngine:
+    """A vLLM / SGLang client (a pool of them for several URLs); the API key comes from `api_key_env`."""
+    from rollouts.sync import EnginePool, SGLangEngine, VLLMEngine
+
+    api_key = os.environ.get(api_key_env) if api_key_env else None
+    if api_key_env and not api_key:
+        raise ValueError(f"environment variable {api_key_env!r} (engine.api_key_env) is not set")
+    cls = {"vllm": VLLMEngine, "sglang": SGLangEngine}[kind]
+    engines = [cls(url, api_key=api_key, timeout_s=timeout_s, max_retries=max_retries) for url in urls]
+    if len(engines) == 1:
+        return engines[0]
+    return EnginePool(engines, sync_timeout_s=sync_timeout_s)

@@ -1,0 +1,95 @@
+"""The SFT loop: packed micro-batches -> forward_backward -> optim_step -> log -> checkpoint.
+
+The loop owns no state: the TrainingState is threaded through and returned, the DataBuffer is the
+one stateful iterator (its state goes into every checkpoint), and a resumed run continues from
+the newest complete checkpoint exactly where the killed one was.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rollouts.backends import (
+    TrainingComponents,
+    forward_backward,
+    latest_checkpoint,
+    load_checkpoint,
+    optim_step,
+    save_checkpoint,
+)
+from rollouts.data import DataBuffer, plan_micro_batches
+from rollouts.losses import sft_loss_fn
+from rollouts.types import MetricsLogger, Sample, SFTConfig, TrainingState
+
+CHECKPOINTS_DIR = "checkpoints"
+
+
+def resume_if_possible(
+    components: TrainingComponents, run_dir: str | Path | None, *, resume: bool
+) -> tuple[TrainingState, dict[str, Any], Path | None]:
+    """(state, extra, checkpoint path) from the newest complete checkpoint under run_dir, or a fresh state."""
+    if run_dir is None or not resume:
+        return TrainingState(), {}, None
+    path = latest_checkpoint(Path(run_dir) / CHECKPOINTS_DIR)
+    if path is None:
+        return TrainingState(), {}, None
+    state, extra = load_checkpoint(components, path)
+    return state, extra, path
+
+
+def sft_step(
+    components: TrainingComponents, state: TrainingState, samples: Sequence[Sample], config: SFTConfig
+) -> tuple[TrainingState, dict[str, float]]:
+    """One optimizer step of SFT on `samples`; returns the new state and the step's metrics."""
+    plan = plan_micro_batches(samples, max_tokens=config.max_tokens_per_micro_batch, layout="packed")
+    loss_fn = sft_loss_fn(mode=config.loss_aggregation)
+    metrics = forward_backward(
+        components, plan.micro_batches, loss_fn, num_tokens=plan.num_loss_tokens, num_sequences=plan.num_sequences
+    )
+    state, step_metrics = optim_step(
+        components, state, config.optimizer,
+        num_tokens=plan.num_loss_tokens, num_samples=len(samples), loss=metrics["loss"],
+    )
+    return state, {**metrics, **step_metrics, "num_truncated": float(sum(s.status == "truncated" for s in samples))}
+
+
+def run_sft_training(
+    components: TrainingComponents,
+    data: Sequence[Sample] | DataBuffer,
+    config: SFTConfig,
+    *,
+    logger: MetricsLogger,
+    run_dir: str | Path | None = None,
+    resume: bool = True,
+    tokenizer: Any = None,
+) -> tuple[TrainingState, list[dict[str, float]]]:
+    """Train `config.num_steps` SFT steps on tokenized samples; returns (final state, per-step metrics).
+
+    With `run_dir`, checkpoints (weights, optimizer, RNG, buffer position) go to run_dir/checkpoints
+    every `config.checkpoint.every_steps` steps and at the end, and a rerun resumes from the newest.
+    """
+    buffer = data if isinstance(data, DataBuffer) else DataBuffer(list(data), seed=config.seed)
+    state, extra, _ = resume_if_possible(components, run_dir, resume=resume)
+    if "buffer" in extra:
+        buffer.load_state_dict(extra["buffer"])
+    history: list[dict[str, float]] = []
+    ckpt = config.checkpoint
+    while state.step < config.num_steps:
+        start = time.perf_counter()
+        samples = buffer.get_prompts(config.batch_size)
+        state, metrics = sft_step(components, state, samples, config)
+        metrics.update(epoch=float(buffer.epoch_id), step_time_s=time.perf_counter() - start)
+        history.append(metrics)
+        if state.step % config.log_every == 0 or state.step == config.num_steps:
+            logger.log(state.step, metrics)
+        due = ckpt.every_steps > 0 and state.step % ckpt.every_steps == 0
+        if run_dir is not None and (due or state.step == config.num_steps):
+            save_checkpoint(
+                components, state, Path(run_dir) / CHECKPOINTS_DIR,
+                extra={"buffer": buffer.state_dict()}, keep_last=ckpt.keep_last,
+                save_optimizer=ckpt.save_optimizer, tokenizer=tokenizer,
+            )
+    return state, history

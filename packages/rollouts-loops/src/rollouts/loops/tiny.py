@@ -1,0 +1,83 @@
+"""Small local models and tokenizers, built in seconds with no hub: for the demo and for tests.
+
+The tokenizer is a BPE trained by the `tokenizers` library on the task's own text (digits stay
+single tokens, so arithmetic is learnable), wrapped as a transformers fast tokenizer with a chat
+template; the model is a random-init Qwen2 (head_dim >= 32, so vLLM's CPU build serves it too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+PAD, EOS = "<|pad|>", "<|eos|>"
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}\n"
+    "{% elif m['role'] == 'user' %}{{ m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}" + EOS +
+    "{% else %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "{% endfor %}"
+)
+"""A minimal chat template: the user's text is the prompt, the assistant's answer ends with EOS."""
+
+
+def build_tokenizer(corpus: Iterable[str], *, vocab_size: int = 64):
+    """A transformers fast tokenizer: BPE over `corpus` with single-digit tokens and PAD/EOS specials."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE(unk_token=None))
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.Split(Regex(r"[^0-9A-Za-z]"), behavior="isolated")]
+    )
+    core.decoder = decoders.BPEDecoder()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, EOS], show_progress=False)
+    core.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, eos_token=EOS)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_tiny_model(
+    vocab_size: int,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 128,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    seed: int = 0,
+) -> torch.nn.Module:
+    """A random-init Qwen2ForCausalLM, float32, head_dim = hidden_size / num_heads (must be >= 32)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if hidden_size % num_heads or hidden_size // num_heads < 32:
+        raise ValueError(
+            f"hidden_size ({hidden_size}) / num_heads ({num_heads}) must be a whole head_dim >= 32 "
+            "(vLLM's CPU attention needs it)"
+        )
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=True,
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None, use_cache=True,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    return model.float()
+
+
+def save_model(model: torch.nn.Module, tokenizer, directory: str | Path) -> Path:
+    """Write an HF-format model directory (config.json, model.safetensors, tokenizer files)."""
+    directory = Path(directory)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    tokenizer.save_pretrained(str(directory))
+    return directory
