@@ -145,3 +145,18 @@ def test_fused_equals_token_logprobs_for_any_chunk_size(seed, chunk_a, chunk_b, 
     torch.testing.assert_close(fused, plain)
     for a, b in zip(grads_fused, grads_plain, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_fused_bfloat16_inputs_use_float32_math():
+    hidden, weight, labels = _inputs(7, dtype=torch.float32)
+    h16, w16 = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
+    lp, ent = fused_token_logprobs(h16, w16, labels, chunk_size=4, return_entropy=True)
+    assert lp.dtype == torch.float32 and ent.dtype == torch.float32
+    (lp.sum() + ent.sum()).backward()
+    assert h16.grad.dtype == torch.bfloat16 and w16.grad.dtype == torch.bfloat16
+    h32, w32 = h16.detach().float().requires_grad_(), w16.detach().float().requires_grad_()
+    ref_lp, ref_ent = _naive(h32 @ w32.T, labels)
+    (ref_lp.sum() + ref_ent.sum()).backward()
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(h16.grad.float(), h32.grad, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(w16.grad.float(), w32.grad, rtol=2e-2, atol=2e-2)
