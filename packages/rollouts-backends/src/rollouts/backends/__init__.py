@@ -16,6 +16,7 @@ from rollouts.backends.components import (
     load_hf_model,
     lr_multiplier,
 )
+from rollouts.backends.distributed import shard_model, transformer_blocks
 from rollouts.backends.sampler import InProcessEngine, generate, sample_next_tokens
 from rollouts.backends.train import (
     NonFiniteError,
@@ -51,5 +52,7 @@ __all__ = [
     "read_weights",
     "sample_next_tokens",
     "save_checkpoint",
+    "shard_model",
     "token_logprobs_of_model",
+    "transformer_blocks",
 ]

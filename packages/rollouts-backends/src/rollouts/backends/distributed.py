@@ -2,17 +2,20 @@
 
 Launch one process per device with torchrun (see the package README); every rank builds the
 same model, calls `shard_model`, and then uses forward_backward / optim_step / save_checkpoint
-unchanged. Gradients are summed across ranks (not averaged): forward_backward's num_tokens and
-num_sequences are the totals over all ranks, so the loss normalization stays global.
+unchanged. FSDP averages gradients over ranks; forward_backward multiplies each loss by the
+number of ranks before backward, so the result is the sum over ranks: num_tokens and
+num_sequences are the totals over all ranks and the loss normalization stays global.
+(`set_gradient_divide_factor(1.0)` would say the same, but its PREMUL_SUM reduction is not
+supported by gloo.)
 """
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-__all__ = ["shard_model", "transformer_blocks"]
+__all__ = ["data_parallel_size", "shard_model", "transformer_blocks"]
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -52,9 +55,17 @@ def shard_model(
         kwargs["mp_policy"] = mixed_precision
     for block in transformer_blocks(model):
         fully_shard(block, **kwargs)
-    fully_shard(model, **kwargs)
-    # Sum, not average, over ranks: the loss functions already divide by global token counts.
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
+    # The root (embeddings, final norm, output projection) stays gathered from forward through
+    # backward: forward_backward computes log-probs from the output projection's weight after
+    # the model's forward returns, and backward would gather it again right away anyway.
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
     return model
+
+
+def data_parallel_size(model: torch.nn.Module) -> int:
+    """How many ranks share (and average) the model's gradients: 1 unless sharded."""
+    for param in model.parameters():
+        mesh = getattr(param, "device_mesh", None)
+        if mesh is not None:
+            return mesh.size()
+    return 1

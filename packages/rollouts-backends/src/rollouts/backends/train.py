@@ -22,6 +22,7 @@ from rollouts.losses import fused_token_logprobs
 from rollouts.types import OptimizerConfig, TrainingState
 
 from rollouts.backends.components import TrainingComponents
+from rollouts.backends.distributed import data_parallel_size
 
 __all__ = [
     "NonFiniteError",
@@ -103,23 +104,34 @@ def _model_inputs(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> 
     return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "attention_mask": mask}
 
 
-def _final_hidden(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """[B, T, H] last hidden state (after the final norm), through the full model's forward."""
-    captured: list[torch.Tensor] = []
+def _final_hidden(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, T, H] last hidden state (after the final norm) and [V, H] output projection weight.
 
-    def hook(_module: torch.nn.Module, _args: Any, output: Any) -> None:
-        captured.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+    The full forward runs (so FSDP's hooks gather and later reduce every parameter) but the
+    output projection sees zero positions: logits are computed afterwards, chunk by chunk. The
+    weight is taken as the projection saw it (under FSDP2: the gathered, unsharded tensor).
+    """
+    hidden: list[torch.Tensor] = []
+    weight: list[torch.Tensor] = []
 
-    # The full forward runs (so FSDP's root hooks gather and reduce every parameter) but the
-    # output projection sees zero positions: logits are computed later, chunk by chunk.
-    handle = model.base_model.register_forward_hook(hook)
+    def keep_hidden(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+        hidden.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
+
+    def keep_weight(module: torch.nn.Module, _args: Any) -> None:
+        weight.append(module.weight)
+
+    handles = [
+        model.base_model.register_forward_hook(keep_hidden),
+        model.get_output_embeddings().register_forward_pre_hook(keep_weight),
+    ]
     try:
         no_positions = torch.empty(0, dtype=torch.long, device=batch["input_ids"].device)
         model(**_model_inputs(model, batch), use_cache=False, logits_to_keep=no_positions)
     finally:
-        handle.remove()
-    assert len(captured) == 1, "the base model ran once"
-    return captured[0]
+        for handle in handles:
+            handle.remove()
+    assert len(hidden) == 1 and len(weight) == 1, "the base model and the output projection ran once"
+    return hidden[0], weight[0]
 
 
 def token_logprobs_of_model(
@@ -130,8 +142,7 @@ def token_logprobs_of_model(
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, T] log p(token t | tokens < t) (0 at sequence starts and padding), and entropy if asked."""
-    hidden_B_T_H = _final_hidden(model, batch)
-    weight_V_H = model.get_output_embeddings().weight
+    hidden_B_T_H, weight_V_H = _final_hidden(model, batch)
     labels_B_T = batch["input_ids"][:, 1:]
     result = fused_token_logprobs(
         hidden_B_T_H[:, :-1], weight_V_H, labels_B_T, temperature=temperature, return_entropy=with_entropy
@@ -174,6 +185,7 @@ def forward_backward(
         raise ValueError(f"temperature must be > 0, got {temperature}")
     model = components.model
     model.train()
+    num_ranks = data_parallel_size(model)
     with_entropy = bool(getattr(loss_fn, "needs_entropy", False))
     loss_total = 0.0
     weighted: dict[str, float] = {}
@@ -189,7 +201,9 @@ def forward_backward(
         if with_entropy:
             kwargs["entropy_B_T"] = entropy_B_T
         loss, metrics = loss_fn(logprobs_B_T, batch, **kwargs)
-        loss.backward()
+        # FSDP averages gradients over ranks; the loss already divides by global counts, so
+        # scaling by the rank count turns that average into the sum the step needs.
+        (loss * num_ranks if num_ranks > 1 else loss).backward()
         loss_total += float(loss.detach())
         mb_loss_tokens = int((batch["loss_mask"] > 0).sum())
         weight = float(max(mb_loss_tokens, 1))

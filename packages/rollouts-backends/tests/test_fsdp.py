@@ -1,0 +1,44 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fsdp_worker import GLOBAL_SEQUENCES, NUM_STEPS
+from helpers import TRAIN_CONFIG_KW, packed_batch, tiny_model
+from rollouts.backends import build_components, forward_backward, optim_step, read_weights
+from rollouts.losses import sft_loss_fn
+from rollouts.types import OptimizerConfig, TrainingState
+
+_TORCHRUN_TIMEOUT_S = 300
+
+
+@pytest.mark.slow
+def test_fsdp2_on_two_gloo_ranks_matches_single_process(tmp_path):
+    worker = Path(__file__).parent / "fsdp_worker.py"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(worker), str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=_TORCHRUN_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads((tmp_path / "losses.json").read_text())
+
+    config = OptimizerConfig(**TRAIN_CONFIG_KW)
+    single = build_components(tiny_model(seed=0), config, num_training_steps=NUM_STEPS)
+    state, losses = TrainingState(), []
+    batch = packed_batch(GLOBAL_SEQUENCES)
+    num_tokens = int((batch["loss_mask"] > 0).sum())
+    for _ in range(NUM_STEPS):
+        metrics = forward_backward(single, [batch], sft_loss_fn(), num_tokens=num_tokens, num_sequences=4)
+        state, _ = optim_step(single, state, config, num_tokens=num_tokens, num_samples=4)
+        losses.append(metrics["loss"])
+
+    assert result["losses"] == pytest.approx(losses, rel=1e-5)
+    reference = single.model.state_dict()
+    for directory in ("final", "resumed"):
+        weights = read_weights(tmp_path / directory)
+        assert set(weights) == set(reference)
+        for name, tensor in weights.items():
+            torch.testing.assert_close(tensor, reference[name], atol=1e-5, rtol=1e-4)
+    assert result["resumed_step"] == NUM_STEPS

@@ -1,0 +1,135 @@
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+import torch
+import trio
+from helpers import fresh_components, tiny_model, train_steps
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rollouts.backends import InProcessEngine, export_weights, generate, sample_next_tokens
+from rollouts.types import InferenceEngine, SamplingParams, Status, TrainingState
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=0)
+
+
+def _teacher_forced_logprobs(model, sample, temperature=1.0):
+    with torch.no_grad():
+        logits = model(torch.tensor([sample.tokens])).logits[0].float() / temperature
+    lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(sample.tokens[1:])[:, None])[:, 0]
+    return lp[sample.num_prompt_tokens - 1 :].numpy()
+
+
+def test_greedy_matches_transformers_generate(model):
+    samples = generate(model, PROMPTS, n=1, max_new_tokens=8, temperature=0.0)
+    for prompt, sample in zip(PROMPTS, samples, strict=True):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert list(sample.tokens) == ref[0].tolist()
+        assert sample.status == Status.TRUNCATED and sample.response_length == 8
+
+
+def test_sampled_logprobs_equal_teacher_forced_logprobs(model):
+    """At temperature t without truncation, the reported log-probs are the model's at t."""
+    for temperature in (1.0, 0.7):
+        samples = generate(model, PROMPTS, n=2, max_new_tokens=6, temperature=temperature, seed=3)
+        for s in samples:
+            np.testing.assert_allclose(s.rollout_logprobs, _teacher_forced_logprobs(model, s, temperature), atol=1e-4)
+
+
+def test_layout_and_determinism(model):
+    a = generate(model, PROMPTS, n=3, max_new_tokens=5, seed=11)
+    b = generate(model, PROMPTS, n=3, max_new_tokens=5, seed=11)
+    c = generate(model, PROMPTS, n=3, max_new_tokens=5, seed=12)
+    assert a == b and a != c
+    assert [s.group_index for s in a] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    for s in a:
+        prompt = PROMPTS[s.group_index]
+        assert list(s.prompt_tokens) == prompt and s.num_prompt_tokens == len(prompt)
+        assert s.loss_mask == (0.0,) * len(prompt) + (1.0,) * s.response_length
+        assert all(lp <= 0.0 for lp in s.rollout_logprobs)
+
+
+def test_stop_tokens_complete_a_sample_and_are_kept(model):
+    free = generate(model, PROMPTS, n=2, max_new_tokens=6, seed=5)
+    stop = free[0].response_tokens[2]
+    samples = generate(model, PROMPTS, n=2, max_new_tokens=6, seed=5, stop_token_ids=[stop])
+    first = samples[0]
+    assert first.status == Status.COMPLETED and first.response_tokens[-1] == stop
+    assert first.response_tokens == free[0].response_tokens[: first.response_length]
+    for s in samples:
+        assert (s.status == Status.COMPLETED) == (stop in s.response_tokens)
+        if s.status == Status.TRUNCATED:
+            assert s.response_length == 6
+        else:
+            assert s.response_tokens.index(stop) == s.response_length - 1
+    # Finished rows leave the batch: the others still get the right tokens (teacher-forced check).
+    for s in samples:
+        np.testing.assert_allclose(s.rollout_logprobs, _teacher_forced_logprobs(model, s), atol=1e-4)
+
+
+def test_bad_requests_are_rejected(model):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        generate(model, [[1, 500]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="empty"):
+        generate(model, [[]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="top_p"):
+        generate(model, [[3]], max_new_tokens=2, top_p=0.0)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        generate(model, [[3]], max_new_tokens=10_000)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    logits=st.lists(st.floats(-8, 8, width=32), min_size=6, max_size=6),
+    temperature=st.floats(0.2, 2.0),
+    top_p=st.floats(0.05, 1.0),
+    top_k=st.sampled_from([-1, 1, 2, 4]),
+    seed=st.integers(0, 2**31),
+)
+def test_sampled_token_lies_in_the_truncated_set(logits, temperature, top_p, top_k, seed):
+    logits_R_V = torch.tensor([logits], dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    token, logprob = sample_next_tokens(logits_R_V, temperature=temperature, top_p=top_p, top_k=top_k, generator=g)
+    probs = torch.softmax(logits_R_V[0] / temperature, -1)
+    rank = int((probs > probs[token]).sum())
+    if top_k > 0:
+        assert rank < top_k
+    mass_above = float(probs[probs > probs[token]].sum())
+    assert mass_above < top_p + 1e-5
+    # Truncation renormalizes: the log-prob can only rise above the untruncated one.
+    assert math.isfinite(float(logprob)) and float(logprob) <= 1e-6
+    assert float(logprob) >= float(torch.log(probs[token])) - 1e-5
+
+
+def test_engine_follows_the_protocol_and_syncs_weights(tmp_path):
+    training = fresh_components()
+    engine = InProcessEngine(training.model)
+    assert isinstance(engine, InferenceEngine)
+    params = SamplingParams(n=2, max_new_tokens=4, seed=0)
+
+    async def scenario():
+        samples = await engine.generate(PROMPTS[:2], params)
+        assert len(samples) == 4 and all(s.weight_version == 0 for s in samples)
+        no_lp = await engine.generate(PROMPTS[:1], SamplingParams(n=1, max_new_tokens=2, logprobs=False))
+        assert no_lp[0].rollout_logprobs is None
+        await engine.update_weights_from_disk(str(tmp_path / "unused"), 1)  # shared model: no-op
+        assert await engine.weight_version() == 1 and await engine.health()
+
+        separate = InProcessEngine(tiny_model(seed=5), shares_training_model=False)
+        train_steps(training, TrainingState(), 1)
+        directory, _ = export_weights(training, tmp_path / "w")
+        await separate.update_weights_from_disk(str(directory), 1)
+        assert await separate.weight_version() == 1
+        expected = [dataclasses.replace(s, weight_version=1) for s in await engine.generate(PROMPTS, params)]
+        assert await separate.generate(PROMPTS, params) == expected
+        with pytest.raises(ValueError, match="only grow"):
+            await separate.update_weights_from_disk(str(directory), 0)
+
+    trio.run(scenario)
