@@ -31,7 +31,9 @@ import rollouts.types
 from rollouts.sync.vllm import WORKER_EXTENSION_CLS
 
 VENV_ENV_VAR = "ROLLOUTS_VLLM_VENV"
-_SCRIPT = Path(__file__).with_name("tiny_model_script.py")
+# Run by the vLLM venv's python (it has torch); lives in the source tree, not in rollouts.sync,
+# which never imports torch.
+_SCRIPT = Path(__file__).resolve().parents[5] / "scripts" / "vllm_tiny_model.py"
 _SYNC_SRC = Path(__file__).resolve().parents[2]  # .../rollouts-sync/src
 _TYPES_SRC = Path(rollouts.types.__file__).resolve().parents[2]
 _POLL_INTERVAL_S = 1.0
@@ -78,6 +80,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _run_script(python: str, args: Sequence[str]) -> str:
+    if not _SCRIPT.is_file():
+        raise RuntimeError(f"{_SCRIPT} is missing: the tiny-model helpers need a source checkout of rollouts")
     out = subprocess.run([python, str(_SCRIPT), *args], capture_output=True, text=True, timeout=_SCRIPT_TIMEOUT_S,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     if out.returncode != 0:

@@ -1,8 +1,8 @@
 """vLLM worker extension: load weights sent as safetensors bytes in a /collective_rpc body.
 
 Start the server with `--worker-extension-cls rollouts.sync.worker_extension.SafetensorsWeightLoader`
-(this module runs inside vLLM's worker process, where torch exists; it imports torch lazily so the
-rest of rollouts.sync stays torch-free).
+(this module runs inside vLLM's worker process; it touches tensors only through safetensors' torch
+loader and vLLM's own methods, so rollouts.sync itself never imports torch).
 
 Partial updates: a request may name only some checkpoint tensors. vLLM reloads a layer as a whole
 (on CPU it repacks linear weights and drops the originals, and a fused qkv_proj is built from
@@ -53,7 +53,6 @@ class SafetensorsWeightLoader:
         Returns {"num_tensors": tensors in this request, "applied": bool}. Unknown tensor names
         are an error (named), so a typo cannot silently leave a weight stale.
         """
-        import torch
         from safetensors.torch import load as load_bytes
 
         weights = self._rollouts_base_weights()
@@ -69,6 +68,6 @@ class SafetensorsWeightLoader:
             weights[name] = tensor
         applied = apply == "1"
         if applied:
-            with torch.no_grad():
-                self.reload_weights(weights_iterator=iter(list(weights.items())))  # type: ignore[attr-defined]
+            # vLLM's parameters do not require grad, so no autograd graph is built here.
+            self.reload_weights(weights_iterator=iter(list(weights.items())))  # type: ignore[attr-defined]
         return {"num_tensors": len(incoming), "applied": applied}

@@ -3,8 +3,8 @@
 Run with a Python that has torch + transformers + tokenizers (e.g. the vLLM venv); this file
 imports nothing from rollouts, so rollouts-sync itself stays torch-free:
 
-    python tiny_model_script.py build OUT_DIR [--seed S]
-    python tiny_model_script.py greedy MODEL_DIR --prompt 1,2,3 --max-new-tokens 8
+    python scripts/vllm_tiny_model.py build OUT_DIR [--seed S]
+    python scripts/vllm_tiny_model.py greedy MODEL_DIR --prompt 1,2,3 --max-new-tokens 8
         -> JSON {"tokens": [...], "logprobs": [...]} greedy continuation, float32
 """
 
