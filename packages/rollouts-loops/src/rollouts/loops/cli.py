@@ -1,0 +1,243 @@
+"""The `rollouts` command: sft, rl, pipeline, plot, demo.
+
+Configs are checked completely (file, keys, types, ranges, data files, model directory) before any
+work starts; a bad one exits with status 2 and a message naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from rollouts.loops.config import ConfigError, RLRun, SFTRun, load_run, to_toml
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def _write_resolved(run: Any, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "resolved_config.toml").write_text(to_toml(run))
+    (out / "resolved_config.json").write_text(json.dumps(dataclasses.asdict(run), indent=2) + "\n")
+
+
+def _check_paths(run: Any, source: str) -> None:
+    """File-system checks that belong to config validation: fail before loading anything big."""
+    model = Path(run.model.path)
+    if not run.model.path or not (model / "config.json").is_file():
+        raise ConfigError(f"{source}: model.path {run.model.path!r} must be a local HF-format model directory (config.json)")
+    if not run.data.train_path or not Path(run.data.train_path).is_file():
+        raise ConfigError(f"{source}: data.train_path {run.data.train_path!r} must be an existing JSONL/JSON file")
+    if run.data.eval_path and not Path(run.data.eval_path).is_file():
+        raise ConfigError(f"{source}: data.eval_path {run.data.eval_path!r} does not exist")
+
+
+def _distributed() -> tuple[int, int]:
+    """(rank, world size); initializes torch.distributed when launched by torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch
+
+    if not torch.distributed.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        torch.distributed.init_process_group(backend)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.distributed.get_rank(), world
+
+
+def _components(run: Any, optimizer, num_training_steps: int):
+    import torch
+
+    from rollouts.backends import build_components, build_optimizer, build_scheduler, load_hf_model
+    from rollouts.backends.components import TrainingComponents
+
+    dtype = getattr(torch, _DTYPES[run.model.dtype])
+    rank, world = _distributed()
+    device = run.model.device
+    if world > 1 and device.startswith("cuda"):
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    if world == 1:
+        return build_components(run.model.path, optimizer, num_training_steps=num_training_steps, dtype=dtype,
+                                device=device, attn_implementation=run.model.attn_implementation)
+    from rollouts.backends.distributed import shard_model
+
+    model = load_hf_model(run.model.path, dtype=dtype, device=device, attn_implementation=run.model.attn_implementation)
+    shard_model(model, activation_checkpointing=run.model.gradient_checkpointing)
+    opt = build_optimizer(model, optimizer)
+    return TrainingComponents(model=model, optimizer=opt, device=torch.device(device),
+                              scheduler=build_scheduler(opt, optimizer, num_training_steps=num_training_steps))
+
+
+def _tokenizer(run: Any):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(run.model.tokenizer_path or run.model.path, local_files_only=True)
+
+
+def _loggers(out: Path, name: str, total: int, *, rank: int = 0):
+    from rollouts.loops.loggers import ConsoleLogger, JsonlLogger, MultiLogger, NullLogger
+
+    if rank != 0:
+        return NullLogger()
+    return MultiLogger([JsonlLogger(out / f"metrics_{name}.jsonl"), ConsoleLogger(total, desc=name)])
+
+
+def cmd_sft(run: SFTRun, source: str) -> Path:
+    """Tokenize conversations with the model's chat template and train; returns the checkpoint root."""
+    _check_paths(run, source)
+    from rollouts.data import load_conversations, tokenize_conversation
+    from rollouts.loops.sft import CHECKPOINTS_DIR, run_sft_training
+
+    out = Path(run.run.out_dir)
+    _write_resolved(run, out)
+    tokenizer = _tokenizer(run)
+    conversations = load_conversations(run.data.train_path)
+    samples = [tokenize_conversation(list(c), tokenizer, max_length=run.sft.max_length, train_on=run.sft.train_on)
+               for c in conversations]
+    components = _components(run, run.sft.optimizer, run.sft.num_steps)
+    rank, world = _distributed()
+    logger = _loggers(out, "sft", run.sft.num_steps, rank=rank)
+    try:
+        state, _ = run_sft_training(components, samples, run.sft, logger=logger, run_dir=out, resume=run.run.resume,
+                                    tokenizer=tokenizer)
+    finally:
+        logger.close()
+    print(f"sft: finished at step {state.step}; checkpoints in {out / CHECKPOINTS_DIR}", file=sys.stderr)
+    return out / CHECKPOINTS_DIR
+
+
+def _encoder(tokenizer):
+    def encode(record: Any) -> list[int]:
+        prompt = record["prompt"] if isinstance(record, dict) else record
+        if isinstance(prompt, str) and not getattr(tokenizer, "chat_template", None):
+            return tokenizer.encode(prompt, add_special_tokens=False)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return encode
+
+
+def cmd_rl(run: RLRun, source: str) -> Path:
+    """RL from the configured model against the configured engine(s); returns the checkpoint root."""
+    _check_paths(run, source)
+    import copy
+
+    from rollouts.backends import InProcessEngine
+    from rollouts.data import DataBuffer, load_prompts
+    from rollouts.loops.engines import CoalescingEngine, remote_engine
+    from rollouts.loops.rl import check_algorithm, run_rl_training
+    from rollouts.loops.sft import CHECKPOINTS_DIR
+    from rollouts.loops.tasks import exact_answer_reward
+    from rollouts.losses import math_answer_reward
+
+    try:
+        check_algorithm(run.rl.algorithm)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from e
+    if _distributed()[1] > 1:
+        raise ConfigError(f"{source}: `rollouts rl` runs on one process; use more engine servers to scale generation")
+    out = Path(run.run.out_dir)
+    _write_resolved(run, out)
+    tokenizer = _tokenizer(run)
+    records = load_prompts(run.data.train_path, field=run.data.prompt_key)
+    if run.data.prompt_key != "prompt":
+        records = [{**r, "prompt": r[run.data.prompt_key]} for r in records]
+    components = _components(run, run.rl.optimizer, run.rl.num_steps * run.rl.algorithm.num_updates_per_batch)
+    shares = run.engine.kind == "inprocess" and not run.rl.overlap
+    if run.engine.kind == "inprocess":
+        model = components.model if shares else copy.deepcopy(components.model)
+        engine = CoalescingEngine(InProcessEngine(model, shares_training_model=shares, tokenizer=tokenizer),
+                                  max_prompts_per_call=run.rl.rollout.batch_size)
+    else:
+        engine = remote_engine(run.engine.kind, run.engine.urls, api_key_env=run.engine.api_key_env,
+                               timeout_s=run.engine.timeout_s, max_retries=run.engine.max_retries,
+                               sync_timeout_s=run.engine.sync_timeout_s)
+    answer_key = run.data.answer_key
+    if run.run.reward == "math_answer":
+        def reward_fn(sample):
+            return math_answer_reward(sample, answer_key=answer_key)
+    else:
+        def reward_fn(sample):
+            return exact_answer_reward(sample, answer_key=answer_key)
+    logger = _loggers(out, "rl", run.rl.num_steps * run.rl.algorithm.num_updates_per_batch)
+    try:
+        state, _ = run_rl_training(
+            components, DataBuffer(records, seed=run.rl.seed), engine, run.rl, reward_fn=reward_fn,
+            encode_prompt=_encoder(tokenizer), logger=logger, run_dir=out, engine_shares_model=shares,
+            resume=run.run.resume, tokenizer=tokenizer,
+        )
+    finally:
+        logger.close()
+    print(f"rl: finished at step {state.step}, weight version {state.weight_version}; "
+          f"checkpoints in {out / CHECKPOINTS_DIR}", file=sys.stderr)
+    return out / CHECKPOINTS_DIR
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rollouts", description="SFT and RL post-training for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, what in (("sft", "supervised fine-tuning"), ("rl", "reinforcement learning")):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("--config", required=True, help="TOML run file")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p = sub.add_parser("pipeline", help="SFT, then RL from SFT's last checkpoint")
+    p.add_argument("--sft-config", required=True)
+    p.add_argument("--rl-config", required=True)
+    p.add_argument("--set-sft", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--set-rl", action="append", default=[], metavar="KEY=VALUE")
+    p = sub.add_parser("plot", help="PNG of a run's metrics")
+    p.add_argument("run_dir")
+    p.add_argument("--out", default=None)
+    p = sub.add_parser("demo", help="tiny model: SFT then RL on addition, on CPU, in minutes")
+    p.add_argument("--quick", action="store_true", help="a sub-minute variant (no accuracy targets)")
+    p.add_argument("--out", default=None, help="run directory (default runs/demo-<time>)")
+    p.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `rollouts` console script; returns the exit status."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "sft":
+            cmd_sft(load_run(SFTRun, args.config, args.set), args.config)
+        elif args.command == "rl":
+            cmd_rl(load_run(RLRun, args.config, args.set), args.config)
+        elif args.command == "pipeline":
+            sft = load_run(SFTRun, args.sft_config, args.set_sft)
+            rl = load_run(RLRun, args.rl_config, args.set_rl)  # both checked before any work
+            from rollouts.backends import latest_checkpoint
+
+            checkpoint = latest_checkpoint(cmd_sft(sft, args.sft_config))
+            if checkpoint is None:
+                raise ConfigError(f"{args.sft_config}: SFT wrote no complete checkpoint to start RL from")
+            rl = dataclasses.replace(rl, model=dataclasses.replace(rl.model, path=str(checkpoint),
+                                                                  tokenizer_path=rl.model.tokenizer_path or str(checkpoint)))
+            cmd_rl(rl, args.rl_config)
+        elif args.command == "plot":
+            from rollouts.loops.plot import plot_run
+
+            print(plot_run(args.run_dir, out=args.out))
+        elif args.command == "demo":
+            from rollouts.loops.demo import DemoConfig, run_demo
+
+            config = DemoConfig.quick() if args.quick else DemoConfig()
+            config = dataclasses.replace(config, seed=args.seed)
+            out = args.out or f"runs/demo-{datetime.now():%Y%m%d-%H%M%S}"
+            run_demo(config, out)
+    except ConfigError as e:
+        print(f"rollouts {args.command}: config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

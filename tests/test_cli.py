@@ -1,0 +1,136 @@
+"""The `rollouts` command end to end on a tiny local model: SFT, kill-and-resume, RL, config errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.numpy import load_file
+
+from rollouts.loops.cli import main
+from rollouts.loops.loggers import read_jsonl
+
+_KILL_WAIT_S = 240  # bound on waiting for the run to reach the checkpoint we kill it after
+
+
+def _sft_toml(inputs: Path, out: Path, *, steps: int, every: int) -> Path:
+    path = out.parent / f"{out.name}.toml"
+    path.write_text(f"""
+[model]
+path = "{inputs / 'model'}"
+[data]
+train_path = "{inputs / 'sft.jsonl'}"
+[run]
+out_dir = "{out}"
+[sft]
+num_steps = {steps}
+batch_size = 16
+max_length = 32
+max_tokens_per_micro_batch = 256
+seed = 3
+[sft.optimizer]
+lr = 3e-3
+warmup_steps = 2
+[sft.checkpoint]
+every_steps = {every}
+keep_last = 2
+""")
+    return path
+
+
+def test_sft_loss_decreases(tiny_run_inputs, tmp_path):
+    out = tmp_path / "sft"
+    assert main(["sft", "--config", str(_sft_toml(tiny_run_inputs, out, steps=30, every=0))]) == 0
+    losses = [r["loss"] for r in read_jsonl(out / "metrics_sft.jsonl")]
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    assert (out / "resolved_config.toml").is_file() and (out / "checkpoints" / "step_30" / "model.safetensors").is_file()
+    from transformers import AutoModelForCausalLM  # the checkpoint loads as it is
+
+    AutoModelForCausalLM.from_pretrained(str(out / "checkpoints" / "step_30"), local_files_only=True)
+
+
+def test_kill_and_resume_of_rollouts_sft_is_bit_identical(tiny_run_inputs, tmp_path):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert main(["sft", "--config", str(_sft_toml(tiny_run_inputs, straight, steps=8, every=2))]) == 0
+    config = _sft_toml(tiny_run_inputs, resumed, steps=8, every=2)
+    command = [sys.executable, "-m", "rollouts.loops.cli", "sft", "--config", str(config)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + _KILL_WAIT_S
+    marker = resumed / "checkpoints" / "step_4" / "state.json"
+    while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), "the run never reached its step-4 checkpoint"
+    process.send_signal(signal.SIGKILL)
+    process.wait(timeout=30)
+    assert not (resumed / "checkpoints" / "step_8").exists() or process.returncode == 0
+    assert subprocess.run(command, env=env, capture_output=True, timeout=_KILL_WAIT_S).returncode == 0
+    a = load_file(straight / "checkpoints" / "step_8" / "model.safetensors")
+    b = load_file(resumed / "checkpoints" / "step_8" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert (a[name] == b[name]).all(), f"{name} differs after kill-and-resume"
+
+
+def test_config_errors_name_the_key_before_work(tiny_run_inputs, tmp_path, capsys):
+    config = _sft_toml(tiny_run_inputs, tmp_path / "bad", steps=2, every=0)
+    assert main(["sft", "--config", str(config), "--set", "sft.optimizer.learning_rate=0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "bad.toml" in err and "unknown key(s) ['learning_rate']" in err and "allowed keys" in err and "'lr'" in err
+    assert main(["sft", "--config", str(config), "--set", "sft.loss_aggregation='mean'"]) == 2
+    assert "loss_aggregation must be one of 'token-mean'" in capsys.readouterr().err
+    assert main(["sft", "--config", str(config), "--set", "data.train_path='/nope.jsonl'"]) == 2
+    assert "data.train_path '/nope.jsonl'" in capsys.readouterr().err
+    assert not (tmp_path / "bad" / "checkpoints").exists()  # nothing ran
+
+
+def _rl_toml(inputs: Path, out: Path, model: Path, extra: str = "") -> Path:
+    path = out.parent / f"{out.name}.toml"
+    path.write_text(f"""
+preset = "grpo"
+[model]
+path = "{model}"
+[data]
+train_path = "{inputs / 'prompts.jsonl'}"
+[run]
+out_dir = "{out}"
+reward = "exact_match"
+[rl]
+num_steps = 3
+max_tokens_per_micro_batch = 512
+[rl.rollout]
+batch_size = 4
+samples_per_prompt = 4
+[rl.rollout.sampling]
+max_new_tokens = 5
+temperature = 1.0
+[rl.optimizer]
+lr = 1e-3
+{extra}
+""")
+    return path
+
+
+def test_pipeline_runs_sft_then_rl_from_its_checkpoint(tiny_run_inputs, tmp_path):
+    sft = _sft_toml(tiny_run_inputs, tmp_path / "p_sft", steps=4, every=0)
+    rl = _rl_toml(tiny_run_inputs, tmp_path / "p_rl", tiny_run_inputs / "model")
+    assert main(["pipeline", "--sft-config", str(sft), "--rl-config", str(rl)]) == 0
+    records = read_jsonl(tmp_path / "p_rl" / "metrics_rl.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[-1]["weight_version"] == 3.0
+    resolved = json.loads((tmp_path / "p_rl" / "resolved_config.json").read_text())
+    assert resolved["model"]["path"].endswith("step_4")
+    assert main(["plot", str(tmp_path / "p_rl")]) == 0 and (tmp_path / "p_rl" / "metrics.png").stat().st_size > 0
+
+
+def test_rl_overlap_mode_records_staleness(tiny_run_inputs, tmp_path):
+    rl = _rl_toml(tiny_run_inputs, tmp_path / "overlap", tiny_run_inputs / "model")
+    assert main(["rl", "--config", str(rl), "--set", "rl.overlap=true"]) == 0
+    records = read_jsonl(tmp_path / "overlap" / "metrics_rl.jsonl")
+    assert len(records) == 3 and max(r["staleness_max"] for r in records) <= 1.0
+    assert records[-1]["weight_version"] == 3.0
