@@ -35,7 +35,7 @@ from rollouts.backends import (
 )
 from rollouts.data import AsyncRolloutManager, DataBuffer, plan_micro_batches, unpack_values
 from rollouts.data.filters import check_reward_nonzero_std
-from rollouts.loops.sft import CHECKPOINTS_DIR, resume_if_possible
+from rollouts.loops.sft import CHECKPOINTS_DIR, choose_layout, resume_if_possible
 from rollouts.losses import (
     group_advantages,
     kl_penalty,
@@ -172,7 +172,7 @@ def rl_update(
 ) -> tuple[TrainingState, dict[str, float]]:
     """Advantages, log-probs and `num_updates_per_batch` optimizer steps on one batch of samples."""
     algorithm = config.algorithm
-    plan = plan_micro_batches(samples, max_tokens=config.max_tokens_per_micro_batch, layout="packed")
+    plan = plan_micro_batches(samples, max_tokens=config.max_tokens_per_micro_batch, layout=choose_layout(samples))
     mbs = [dict(mb) for mb in plan.micro_batches]
     masks = unpack_values(mbs, [mb["loss_mask"] for mb in mbs])
     metrics: dict[str, float] = {}

@@ -25,6 +25,16 @@ from rollouts.losses import sft_loss_fn
 from rollouts.types import MetricsLogger, Sample, SFTConfig, TrainingState
 
 CHECKPOINTS_DIR = "checkpoints"
+_PADDED_MIN_FILL = 0.9
+"""Use the padded layout when padding would waste under 10% of the tokens: packing many short
+sequences into one row costs attention over the whole row (block-diagonal mask), padding does not."""
+
+
+def choose_layout(samples: Sequence[Sample]) -> str:
+    """'padded' for near-uniform lengths, else 'packed' (minimal padding for long-tailed lengths)."""
+    lengths = [len(s.tokens) for s in samples]
+    fill = sum(lengths) / (max(lengths) * len(lengths)) if lengths else 1.0
+    return "padded" if fill >= _PADDED_MIN_FILL else "packed"
 
 
 def resume_if_possible(
@@ -44,7 +54,7 @@ def sft_step(
     components: TrainingComponents, state: TrainingState, samples: Sequence[Sample], config: SFTConfig
 ) -> tuple[TrainingState, dict[str, float]]:
     """One optimizer step of SFT on `samples`; returns the new state and the step's metrics."""
-    plan = plan_micro_batches(samples, max_tokens=config.max_tokens_per_micro_batch, layout="packed")
+    plan = plan_micro_batches(samples, max_tokens=config.max_tokens_per_micro_batch, layout=choose_layout(samples))
     loss_fn = sft_loss_fn(mode=config.loss_aggregation)
     metrics = forward_backward(
         components, plan.micro_batches, loss_fn, num_tokens=plan.num_loss_tokens, num_sequences=plan.num_sequences
