@@ -192,3 +192,16 @@ def test_sigkill_at_random_moments_always_leaves_a_resumable_checkpoint(tmp_path
     state, _ = load_checkpoint(final, latest_checkpoint(tmp_path))
     assert state.step == total
     _assert_bit_identical(_weights(final.model), _weights(straight.model))
+
+
+def test_load_hf_model_and_build_components_from_a_checkpoint(tmp_path):
+    from rollouts.backends import load_hf_model
+
+    components = fresh_components()
+    path = save_checkpoint(components, TrainingState(), tmp_path)
+    loaded = load_hf_model(path, attn_implementation="eager")
+    _assert_bit_identical(_weights(loaded), _weights(components.model))
+    built = build_components(path, OptimizerConfig(), num_training_steps=3)
+    _assert_bit_identical(_weights(built.model), _weights(components.model))
+    with pytest.raises(ValueError, match="config.json"):
+        load_hf_model(tmp_path / "missing")

@@ -245,3 +245,14 @@ def test_applied_step_resets_consecutive_skips_and_nan_loss_skips(seqs):
     state, _ = optim_step(components, state, config, loss=float("nan"))
     with pytest.raises(NonFiniteError, match="loss nan"):
         optim_step(components, state, config, loss=float("nan"))
+
+
+def test_eager_attention_packs_like_sdpa(seqs):
+    """The additive mask used for eager attention isolates sequences the same way."""
+    eager = build_components(tiny_model(attn="eager"), OptimizerConfig(), num_training_steps=2)
+    sdpa = build_components(tiny_model(attn="sdpa"), OptimizerConfig(), num_training_steps=2)
+    got = compute_logprobs(eager, [packed_batch(seqs), padded_batch(seqs)])
+    ref = compute_logprobs(sdpa, [padded_batch(seqs)])[0]
+    for i, (packed_row, n) in enumerate(zip(unpack_rows(got[0], LENGTHS), LENGTHS, strict=True)):
+        np.testing.assert_allclose(packed_row, ref[i, :n], atol=1e-5)
+        np.testing.assert_allclose(got[1][i, :n], ref[i, :n], atol=1e-5)
