@@ -302,6 +302,11 @@ def run_rl_training(
     and none is given.
     """
     check_algorithm(config.algorithm)
+    if config.algorithm.loss_aggregation == "seq-mean-token-sum-norm" and config.algorithm.norm_constant is None:
+        # Dr.GRPO divides by a constant; the longest possible response keeps it the same in every
+        # micro-batch (the padded length would differ between micro-batches and steps).
+        algorithm = dataclasses.replace(config.algorithm, norm_constant=float(config.rollout.sampling.max_new_tokens))
+        config = dataclasses.replace(config, algorithm=algorithm)
     if config.overlap and engine_shares_model:
         raise ValueError("overlap needs an engine with its own copy of the weights; engine_shares_model=True")
     return trio.run(
