@@ -17,7 +17,12 @@ from pathlib import Path
 import numpy as np
 import safetensors.torch
 import torch
-from rollouts.backends import build_components, forward_backward, generate, save_checkpoint
+from rollouts.backends import (
+    build_components,
+    forward_backward,
+    generate,
+    save_checkpoint,
+)
 from rollouts.losses import sft_loss_fn
 from rollouts.types import OptimizerConfig, TrainingState
 from transformers import Qwen2Config, Qwen2ForCausalLM

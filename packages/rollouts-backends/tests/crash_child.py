@@ -10,10 +10,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import torch  # noqa: E402
-from helpers import fresh_components, train_steps  # noqa: E402
-from rollouts.backends import latest_checkpoint, load_checkpoint, save_checkpoint  # noqa: E402
-from rollouts.types import TrainingState  # noqa: E402
+import torch
+from helpers import fresh_components, train_steps
+from rollouts.backends import latest_checkpoint, load_checkpoint, save_checkpoint
+from rollouts.types import TrainingState
 
 
 def run(root: Path, total: int, emit: Callable[[str], None]) -> None:

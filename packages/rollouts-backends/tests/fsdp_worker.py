@@ -11,10 +11,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from helpers import TRAIN_CONFIG_KW, packed_batch, tiny_model  # noqa: E402
-from rollouts.backends import (  # noqa: E402
+import torch
+import torch.distributed as dist
+from helpers import TRAIN_CONFIG_KW, packed_batch, tiny_model
+from rollouts.backends import (
     build_components,
     export_weights,
     forward_backward,
@@ -23,8 +23,8 @@ from rollouts.backends import (  # noqa: E402
     save_checkpoint,
     shard_model,
 )
-from rollouts.losses import sft_loss_fn  # noqa: E402
-from rollouts.types import OptimizerConfig, TrainingState  # noqa: E402
+from rollouts.losses import sft_loss_fn
+from rollouts.types import OptimizerConfig, TrainingState
 
 GLOBAL_SEQUENCES = [[3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15], [16, 17, 18], [19, 20, 21, 22, 23, 24]]
 NUM_STEPS = 3

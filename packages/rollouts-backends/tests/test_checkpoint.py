@@ -6,7 +6,6 @@ import signal
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import safetensors.torch
 import torch

@@ -8,7 +8,12 @@ import trio
 from helpers import fresh_components, tiny_model, train_steps
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rollouts.backends import InProcessEngine, export_weights, generate, sample_next_tokens
+from rollouts.backends import (
+    InProcessEngine,
+    export_weights,
+    generate,
+    sample_next_tokens,
+)
 from rollouts.types import InferenceEngine, SamplingParams, Status, TrainingState
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]

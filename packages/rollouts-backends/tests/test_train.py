@@ -3,7 +3,14 @@ import math
 import numpy as np
 import pytest
 import torch
-from helpers import grads, packed_batch, padded_batch, random_sequences, tiny_model, unpack_rows
+from helpers import (
+    grads,
+    packed_batch,
+    padded_batch,
+    random_sequences,
+    tiny_model,
+    unpack_rows,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from rollouts.backends import (

@@ -30,9 +30,8 @@ from typing import Any
 import numpy as np
 import safetensors.torch
 import torch
-from rollouts.types import TrainingState
-
 from rollouts.backends.components import TrainingComponents
+from rollouts.types import TrainingState
 
 __all__ = [
     "export_weights",
@@ -144,7 +143,10 @@ def _barrier() -> None:
 def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """HF-named full weights on CPU; a tensor tied to an earlier one (lm_head = embeddings) is left out."""
     if _is_distributed(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
@@ -162,7 +164,10 @@ def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _optimizer_state(components: TrainingComponents) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     """Full optimizer state as flat tensors '<param name>::<key>' and JSON param groups."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_optimizer_state_dict(components.model, components.optimizer, options=options)
@@ -307,7 +312,10 @@ def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
 def load_model_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Copy HF-named full weights into `model` (sharded or not); tied weights may be absent."""
     if _is_distributed(model):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
 
         set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True, strict=False))
         return
@@ -339,7 +347,10 @@ def load_checkpoint(
     if load_optimizer:
         if "optimizer.safetensors" not in record["files"]:
             raise ValueError(f"checkpoint {str(path)!r} holds no optimizer state (saved with save_optimizer=False)")
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
 
         flat = safetensors.torch.load_file(str(path / "optimizer.safetensors"))
         state: dict[str, dict[str, torch.Tensor]] = {}

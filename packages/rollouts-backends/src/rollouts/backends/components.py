@@ -10,6 +10,7 @@ import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
+
 import torch
 from rollouts.types import OptimizerConfig
 

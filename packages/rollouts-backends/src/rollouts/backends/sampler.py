@@ -15,10 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from rollouts.types import Sample, SamplingParams, Status
-
 from rollouts.backends.checkpoint import load_model_weights, read_weights
 from rollouts.backends.train import attention_mask_4d
+from rollouts.types import Sample, SamplingParams, Status
 
 __all__ = ["InProcessEngine", "generate", "sample_next_tokens"]
 

@@ -18,11 +18,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from rollouts.losses import fused_token_logprobs
-from rollouts.types import OptimizerConfig, TrainingState
-
 from rollouts.backends.components import TrainingComponents
 from rollouts.backends.distributed import data_parallel_size
+from rollouts.losses import fused_token_logprobs
+from rollouts.types import OptimizerConfig, TrainingState
 
 __all__ = [
     "NonFiniteError",
@@ -91,7 +90,7 @@ def attention_mask_4d(segment_ids_B_T: torch.Tensor, *, dtype: torch.dtype | Non
 
 def _model_inputs(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     impl = getattr(model.config, "_attn_implementation", "sdpa")
-    if impl.startswith("flash") or impl.startswith("kernels"):
+    if impl.startswith(("flash", "kernels")):
         # Flash kernels take no dense mask: transformers derives per-sequence boundaries from
         # position_ids restarting at 0 when attention_mask is None (packed layout only).
         if bool((batch["attention_mask"] == 0).any()):
