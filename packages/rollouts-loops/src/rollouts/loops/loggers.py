@@ -43,7 +43,7 @@ class JsonlLogger:
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         if self._file is None:
             raise ValueError(f"JsonlLogger({self.path}) is closed")
-        record = {"step": step, **{k: _scalar(v) for k, v in metrics.items()}}
+        record = {**{k: _scalar(v) for k, v in metrics.items()}, "step": step}  # the step argument wins
         record.setdefault("time_s", round(time.monotonic() - self._start, 3))
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()

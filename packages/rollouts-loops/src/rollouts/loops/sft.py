@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from rollouts.backends import (
     TrainingComponents,
     forward_backward,
@@ -50,19 +52,55 @@ def resume_if_possible(
     return state, extra, path
 
 
+def _rank_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group, (0, 1) without torch.distributed."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _collective_device() -> torch.device:
+    """Where collectives' tensors must live: the current GPU under NCCL, else the CPU."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _global_sum(value: float) -> float:
+    """Sum of a per-rank scalar over all ranks (the value itself on one process)."""
+    if _rank_world()[1] == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=_collective_device())
+    torch.distributed.all_reduce(tensor)
+    return float(tensor[0])
+
+
+def _global_counts(num_tokens: int, num_sequences: int) -> tuple[int, int]:
+    """Step-wide loss-token and sequence counts over all ranks."""
+    if _rank_world()[1] == 1:
+        return num_tokens, num_sequences
+    tensor = torch.tensor([num_tokens, num_sequences], dtype=torch.int64, device=_collective_device())
+    torch.distributed.all_reduce(tensor)
+    return int(tensor[0]), int(tensor[1])
+
+
 def sft_step(
     components: TrainingComponents, state: TrainingState, samples: Sequence[Sample], config: SFTConfig
 ) -> tuple[TrainingState, dict[str, float]]:
     """One optimizer step of SFT on `samples`; returns the new state and the step's metrics."""
-    plan = plan_micro_batches(samples, max_tokens=config.max_tokens_per_micro_batch, layout=choose_layout(samples))
+    rank, world = _rank_world()
+    if len(samples) < world:
+        raise ValueError(f"batch_size ({len(samples)}) must be >= the number of ranks ({world}): every rank needs a sample")
+    local = samples[rank::world]  # each rank trains its share; the denominators are global
+    plan = plan_micro_batches(local, max_tokens=config.max_tokens_per_micro_batch, layout=choose_layout(local))
+    num_tokens, num_sequences = _global_counts(plan.num_loss_tokens, plan.num_sequences)
     loss_fn = sft_loss_fn(mode=config.loss_aggregation)
-    metrics = forward_backward(
-        components, plan.micro_batches, loss_fn, num_tokens=plan.num_loss_tokens, num_sequences=plan.num_sequences
-    )
+    metrics = forward_backward(components, plan.micro_batches, loss_fn, num_tokens=num_tokens, num_sequences=num_sequences)
+    loss = _global_sum(metrics["loss"])
     state, step_metrics = optim_step(
-        components, state, config.optimizer,
-        num_tokens=plan.num_loss_tokens, num_samples=len(samples), loss=metrics["loss"],
+        components, state, config.optimizer, num_tokens=num_tokens, num_samples=len(samples), loss=loss,
     )
+    metrics["loss"] = loss
     return state, {**metrics, **step_metrics, "num_truncated": float(sum(s.status == "truncated" for s in samples))}
 
 
