@@ -177,7 +177,9 @@ def rl_update(
     masks = unpack_values(mbs, [mb["loss_mask"] for mb in mbs])
     metrics: dict[str, float] = {}
     need_old = algorithm.num_updates_per_batch > 1 or algorithm.kl_placement == "reward"
-    old = compute_logprobs(components, mbs) if need_old else None
+    # The policy trained is the one sampled from: logits / sampling temperature (0 means greedy: 1).
+    temperature = config.rollout.sampling.temperature or 1.0
+    old = compute_logprobs(components, mbs, temperature=temperature) if need_old else None
     if old is not None and algorithm.num_updates_per_batch > 1:
         for mb, lp in zip(mbs, old, strict=True):
             mb["old_logprobs"] = lp
@@ -185,7 +187,7 @@ def rl_update(
     if algorithm.needs_reference:
         if ref_components is None:
             raise ValueError("the algorithm puts a KL term in the loss or reward but no reference model was given")
-        ref = compute_logprobs(ref_components, mbs)
+        ref = compute_logprobs(ref_components, mbs, temperature=temperature)
         for mb, lp in zip(mbs, ref, strict=True):
             mb["ref_logprobs"] = lp
         if algorithm.kl_placement == "reward":
@@ -197,7 +199,8 @@ def rl_update(
     scatter_token_values(mbs, "advantages", token_advantages(samples, algorithm, masks=masks, kl=kl_by_sample))
     loss_fn = loss_fn_from_config(algorithm)
     for _ in range(algorithm.num_updates_per_batch):
-        fb = forward_backward(components, mbs, loss_fn, num_tokens=plan.num_loss_tokens, num_sequences=plan.num_sequences)
+        fb = forward_backward(components, mbs, loss_fn, num_tokens=plan.num_loss_tokens,
+                              num_sequences=plan.num_sequences, temperature=temperature)
         state, om = optim_step(components, state, config.optimizer, num_tokens=plan.num_loss_tokens,
                                num_samples=len(samples), loss=fb["loss"])
         metrics.update(fb)
@@ -392,8 +395,8 @@ async def _rl_main(components, buffer, engine, config, reward_fn, encode_prompt,
             history.append(metrics)
             if state.step % config.log_every == 0 or state.step >= total:
                 logger.log(state.step, metrics)
-            if on_step is not None:
-                on_step(state, metrics)
+            if on_step is not None:  # in a worker thread: a callback may block, or run trio itself
+                await trio.to_thread.run_sync(on_step, state, metrics)
             ckpt = config.checkpoint
             if (ckpt.every_steps > 0 and state.step % ckpt.every_steps == 0) or state.step >= total:
                 extra = {"buffer": buffer.state_dict(), "manager": manager.state_dict()}

@@ -20,6 +20,31 @@ def addition_problem(a: int, b: int, *, digits: int, reverse_answer: bool) -> di
     return {"prompt": f"{a:0{digits}d}+{b:0{digits}d}=", "answer": total[::-1] if reverse_answer else total}
 
 
+def has_units_carry(record: Mapping[str, str]) -> bool:
+    """Whether the units digits of the problem's operands sum to 10 or more."""
+    a, b = record["prompt"].rstrip("=").split("+")
+    return int(a[-1]) + int(b[-1]) >= 10
+
+
+def sloppy_teacher(records: list[dict[str, str]], *, error_rate: float, seed: int, reverse_answer: bool = True) -> list[dict[str, str]]:
+    """SFT demonstrations from a teacher that forgets the carry out of the units digit `error_rate` of the time.
+
+    The demo's story: imitation learns the teacher's mistakes along with its skill; RL against an
+    exact verifier then removes them. Records without a units carry are always right.
+    """
+    if not 0.0 <= error_rate <= 1.0:
+        raise ValueError(f"error_rate must be in [0, 1], got {error_rate}")
+    rng = random.Random(seed)
+    out = []
+    for record in records:
+        if has_units_carry(record) and rng.random() < error_rate:
+            a, b = (int(x) for x in record["prompt"].rstrip("=").split("+"))
+            wrong = str(a + b - 10).zfill(len(record["answer"]))  # the tens digit misses its carry
+            record = {**record, "answer": wrong[::-1] if reverse_answer else wrong}
+        out.append(record)
+    return out
+
+
 def addition_problems(
     num: int, *, digits: int, seed: int, reverse_answer: bool = True, exclude: frozenset[str] = frozenset()
 ) -> list[dict[str, str]]:
@@ -47,3 +72,18 @@ def exact_answer_reward(sample: Sample, *, answer_key: str = "answer") -> float:
     if answer_key not in sample.metadata:
         raise ValueError(f"sample.metadata has no {answer_key!r} (keys: {sorted(sample.metadata)})")
     return 1.0 if sample.response.strip() == str(sample.metadata[answer_key]) else 0.0
+
+
+def digit_match_reward(sample: Sample, *, answer_key: str = "answer") -> float:
+    """Partial credit: the fraction of answer positions the response gets right (1.0 only when exact).
+
+    A denser signal than exact match for a model that is partly right, so GRPO groups disagree
+    more often; extra or missing characters count as wrong positions.
+    """
+    if answer_key not in sample.metadata:
+        raise ValueError(f"sample.metadata has no {answer_key!r} (keys: {sorted(sample.metadata)})")
+    answer, response = str(sample.metadata[answer_key]), sample.response.strip()
+    if response == answer:
+        return 1.0
+    right = sum(a == b for a, b in zip(answer, response, strict=False))
+    return right / max(len(answer), len(response)) * 0.9  # never as good as exact
