@@ -56,10 +56,10 @@ class DemoConfig:
     hidden_size: int = 128
     num_layers: int = 2
     intermediate_size: int = 256
-    sft_steps: int = 600
+    sft_steps: int = 1500
     sft_batch_size: int = 64
     sft_lr: float = 1e-3
-    rl_steps: int = 150
+    rl_steps: int = 400
     rl_prompts_per_step: int = 32
     rl_samples_per_prompt: int = 8
     rl_lr: float = 1e-4
