@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-PAD, EOS = "<|pad|>", "<|eos|>"
+PAD, EOS = "<|pad|>", "<|endoftext|>"  # EOS named as in Qwen2, whose tokenizer class adds it otherwise
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}"
