@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from safetensors.numpy import load_file
 
 from rollouts.loops.cli import main

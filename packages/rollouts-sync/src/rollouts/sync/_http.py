@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import trio
@@ -145,3 +145,60 @@ def make_client(base_url: str, *, api_key: str | None, timeout_s: float, max_con
         limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         trust_env=False,  # a proxy from the environment must not see engine traffic or the key
     )
+
+
+class HTTPEngineBase:
+    """What the engine clients share: one pooled HTTP client, the retry policy, name and lifecycle.
+
+    The API key lives only inside the client's default headers: never in repr(), a URL or a log.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None,
+        timeout_s: float,
+        max_retries: int,
+        max_connections: int,
+        retry: RetryPolicy | None,
+        seed: int | None,
+    ) -> None:
+        self._base_url = base_url.rstrip("/")
+        self._client = make_client(base_url, api_key=api_key, timeout_s=timeout_s, max_connections=max_connections)
+        self.timeout_s = timeout_s
+        self.retry = retry if retry is not None else RetryPolicy(max_retries=max_retries)
+        self._rng = random.Random(seed)
+        self._weight_version: int | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._base_url!r}, timeout_s={self.timeout_s}, max_retries={self.retry.max_retries})"
+
+    @property
+    def name(self) -> str:
+        """The server URL (used in logs and errors)."""
+        return self._base_url
+
+    @property
+    def base_url(self) -> str:
+        return self._base_url
+
+    async def aclose(self) -> None:
+        """Close the HTTP connections."""
+        await self._client.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _call(
+        self, method: str, path: str, *, json: Any = None, params: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None, retry: RetryPolicy | None = None,
+    ) -> httpx.Response:
+        return await request_with_retries(
+            self._client, method, path, engine=self.name, json=json, params=params,
+            timeout_s=timeout_s if timeout_s is not None else self.timeout_s,
+            retry=retry if retry is not None else self.retry, rng=self._rng,
+        )

@@ -16,21 +16,19 @@ Legend: P prompts, N samples per prompt, R response tokens.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import httpx
 import trio
 
 from rollouts.sync._common import check_params, check_prompts, check_weight_version, make_sample, parse_weight_version
-from rollouts.sync._http import EngineError, RetryPolicy, make_client, request_with_retries
+from rollouts.sync._http import EngineError, HTTPEngineBase, RetryPolicy
 from rollouts.types import Sample, SamplingParams
 
 _RESUME_TIMEOUT_S = 10.0  # continue_generation runs even after a failed update; it must not hang the caller
 
 
-class SGLangEngine:
+class SGLangEngine(HTTPEngineBase):
     """One SGLang server reached over HTTP; implements rollouts.types.InferenceEngine."""
 
     def __init__(
@@ -44,44 +42,8 @@ class SGLangEngine:
         retry: RetryPolicy | None = None,
         seed: int | None = None,
     ) -> None:
-        self._base_url = base_url.rstrip("/")
-        self._client = make_client(base_url, api_key=api_key, timeout_s=timeout_s, max_connections=max_connections)
-        self.timeout_s = timeout_s
-        self.retry = retry if retry is not None else RetryPolicy(max_retries=max_retries)
-        self._rng = random.Random(seed)
-        self._weight_version: int | None = None
-
-    def __repr__(self) -> str:  # the API key lives only inside the client's headers
-        return f"SGLangEngine({self._base_url!r}, timeout_s={self.timeout_s}, max_retries={self.retry.max_retries})"
-
-    @property
-    def name(self) -> str:
-        """The server URL (used in logs and errors)."""
-        return self._base_url
-
-    @property
-    def base_url(self) -> str:
-        return self._base_url
-
-    async def aclose(self) -> None:
-        """Close the HTTP connections."""
-        await self._client.aclose()
-
-    async def __aenter__(self) -> SGLangEngine:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def _call(
-        self, method: str, path: str, *, json: Any = None, timeout_s: float | None = None,
-        retry: RetryPolicy | None = None,
-    ) -> httpx.Response:
-        return await request_with_retries(
-            self._client, method, path, engine=self.name, json=json,
-            timeout_s=timeout_s if timeout_s is not None else self.timeout_s,
-            retry=retry if retry is not None else self.retry, rng=self._rng,
-        )
+        super().__init__(base_url, api_key=api_key, timeout_s=timeout_s, max_retries=max_retries,
+                         max_connections=max_connections, retry=retry, seed=seed)
 
     @staticmethod
     def generate_request(prompts_P: list[list[int]], params: SamplingParams) -> dict[str, Any]:

@@ -11,7 +11,6 @@ Legend: P prompts, N samples per prompt, R response tokens.
 from __future__ import annotations
 
 import base64
-import random
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,7 +20,7 @@ import trio
 from safetensors.numpy import save as safetensors_save
 
 from rollouts.sync._common import check_params, check_prompts, check_weight_version, make_sample, parse_weight_version
-from rollouts.sync._http import EngineError, RetryPolicy, make_client, request_with_retries
+from rollouts.sync._http import EngineError, HTTPEngineBase, RetryPolicy
 from rollouts.types import Sample, SamplingParams
 
 WORKER_EXTENSION_CLS = "rollouts.sync.worker_extension.SafetensorsWeightLoader"
@@ -32,7 +31,7 @@ _RESUME_TIMEOUT_S = 10.0  # resume runs even after a failed update; it must not 
 _DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024  # one /collective_rpc body stays well below HTTP server limits
 
 
-class VLLMEngine:
+class VLLMEngine(HTTPEngineBase):
     """One vLLM server reached over HTTP; implements rollouts.types.InferenceEngine."""
 
     def __init__(
@@ -50,46 +49,10 @@ class VLLMEngine:
     ) -> None:
         if pause_mode not in ("wait", "abort", "keep"):
             raise ValueError(f"pause_mode must be 'wait', 'abort' or 'keep', got {pause_mode!r}")
-        self._base_url = base_url.rstrip("/")
-        self._client = make_client(base_url, api_key=api_key, timeout_s=timeout_s, max_connections=max_connections)
-        self.timeout_s = timeout_s
-        self.retry = retry if retry is not None else RetryPolicy(max_retries=max_retries)
+        super().__init__(base_url, api_key=api_key, timeout_s=timeout_s, max_retries=max_retries,
+                         max_connections=max_connections, retry=retry, seed=seed)
         self.pause_mode = pause_mode
         self._model = model
-        self._rng = random.Random(seed)
-        self._weight_version: int | None = None
-
-    def __repr__(self) -> str:  # the API key lives only inside the client's headers
-        return f"VLLMEngine({self._base_url!r}, timeout_s={self.timeout_s}, max_retries={self.retry.max_retries})"
-
-    @property
-    def name(self) -> str:
-        """The server URL (used in logs and errors)."""
-        return self._base_url
-
-    @property
-    def base_url(self) -> str:
-        return self._base_url
-
-    async def aclose(self) -> None:
-        """Close the HTTP connections."""
-        await self._client.aclose()
-
-    async def __aenter__(self) -> VLLMEngine:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    async def _call(
-        self, method: str, path: str, *, json: Any = None, params: Mapping[str, Any] | None = None,
-        timeout_s: float | None = None, retry: RetryPolicy | None = None,
-    ) -> httpx.Response:
-        return await request_with_retries(
-            self._client, method, path, engine=self.name, json=json, params=params,
-            timeout_s=timeout_s if timeout_s is not None else self.timeout_s,
-            retry=retry if retry is not None else self.retry, rng=self._rng,
-        )
 
     async def model_name(self) -> str:
         """The served model name (asked once from /v1/models, then remembered)."""
