@@ -18,6 +18,9 @@ from rollouts.losses import sft_loss_fn
 from rollouts.types import OptimizerConfig, TrainingState
 
 _TORCHRUN_TIMEOUT_S = 300
+_ATTEMPTS = 2
+"""A gloo rank on an oversubscribed CPU occasionally aborts in C++ teardown ("terminate called
+without an active exception", SIGABRT) with no Python error; that one failure is run again."""
 
 
 @pytest.mark.slow
@@ -25,7 +28,10 @@ def test_fsdp2_on_two_gloo_ranks_matches_single_process(tmp_path):
     worker = Path(__file__).parent / "fsdp_worker.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(worker), str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=_TORCHRUN_TIMEOUT_S, check=False)
+    for _ in range(_ATTEMPTS):
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=_TORCHRUN_TIMEOUT_S, check=False)
+        if done.returncode == 0 or "terminate called without an active exception" not in done.stderr:
+            break
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads((tmp_path / "losses.json").read_text())
 
