@@ -15,12 +15,15 @@ loading reads the full tensors on every rank and keeps each rank's shard.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
 import mmap
 import os
 import random
 import re
 import shutil
+import sys
 import zlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +54,32 @@ _DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 """HF's default shard size: one file per 5 GiB keeps any single write and load bounded."""
 _CRC_BLOCK_BYTES = 64 * 1024**2
 """Read size when verifying a file's CRC-32 (bounded memory for multi-GiB weights)."""
+_WRITE_CHUNK_BYTES = 16 * 1024**2
+"""Write size when streaming tensors to disk; each chunk's write-back starts as soon as it is written."""
+_SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    **{
+        dtype: name
+        for attr, name in [
+            ("float8_e4m3fn", "F8_E4M3"),
+            ("float8_e5m2", "F8_E5M2"),
+            ("uint16", "U16"),
+            ("uint32", "U32"),
+            ("uint64", "U64"),
+        ]
+        if (dtype := getattr(torch, attr, None)) is not None
+    },
+}
+"""torch dtypes our streaming writer encodes, with their safetensors names; others go through save_file."""
 
 
 # ---------------------------------------------------------------- file helpers
@@ -81,8 +110,109 @@ def _write_config(path: Path, model: torch.nn.Module) -> dict[str, int]:
     return _write_bytes(path, model.config.to_json_string(use_diff=False).encode())
 
 
+def _load_sync_file_range() -> Any:
+    """libc's sync_file_range (Linux), or None where it is unavailable."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing [offset, offset + nbytes) to disk now, without waiting (a hint only)."""
+    global _sync_file_range
+    if _sync_file_range is not None and _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE) != 0:
+        _sync_file_range = None  # e.g. unsupported by the file system: fsync alone still makes it durable
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a CPU tensor, without copying when it is contiguous."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def _safetensors_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> tuple[bytes, list[str]]:
+    """Length-prefixed, 8-byte-padded JSON header and the order of tensor data (largest dtype first, then name)."""
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name in order:
+        tensor = tensors[name]
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(len(text) + 8) % 8)
+    return len(text).to_bytes(8, "little") + text, order
+
+
+def _can_stream(tensors: Mapping[str, torch.Tensor]) -> bool:
+    if sys.byteorder != "little":
+        return False
+    for tensor in tensors.values():
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided or tensor.dtype not in _SAFETENSORS_DTYPES:
+            return False
+    return not any(len(names) > 1 for names in safetensors.torch._find_shared_tensors(dict(tensors)))
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data) :]
+
+
+def _stream_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> dict[str, int]:
+    """Write a safetensors file chunk by chunk straight from tensor memory, then fsync; returns {"bytes", "crc32"}.
+
+    The CRC-32 runs on a second thread over the same chunks as they are written, and each chunk's disk
+    write-back is started as soon as it is in the page cache, so the final fsync has little left to flush.
+    """
+    header, order = _safetensors_header(tensors, metadata)
+    crc = [zlib.crc32(header)]
+
+    def checksum(chunk: memoryview) -> None:
+        crc[0] = zlib.crc32(chunk, crc[0])  # releases the GIL: overlaps the write of the next chunk
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:  # one worker: chunks are checksummed in order
+            _write_all(fd, memoryview(header))
+            written = synced = len(header)
+            for name in order:
+                data = _tensor_bytes(tensors[name])
+                for start in range(0, len(data), _WRITE_CHUNK_BYTES):
+                    chunk = data[start : start + _WRITE_CHUNK_BYTES]
+                    pool.submit(checksum, chunk)
+                    _write_all(fd, chunk)
+                    written += len(chunk)
+                    if written - synced >= _WRITE_CHUNK_BYTES:
+                        _start_writeback(fd, synced, written - synced)
+                        synced = written
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return {"bytes": written, "crc32": crc[0]}
+
+
 def _write_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> dict[str, int]:
-    """save_file, then fsync and CRC-32 of the written file, the two overlapped."""
+    """Write a safetensors file durably (fsynced); returns its size and CRC-32."""
+    if _can_stream(tensors):
+        return _stream_tensors(path, tensors, metadata)
     safetensors.torch.save_file(dict(tensors), str(path), metadata=dict(metadata))
     with open(path, "rb") as f, ThreadPoolExecutor(max_workers=1) as pool:
         synced = pool.submit(os.fsync, f.fileno())  # both release the GIL: disk flush || checksum
