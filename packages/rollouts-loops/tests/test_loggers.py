@@ -63,3 +63,32 @@ def test_console_and_multi_logger(tmp_path):
     assert "3/3" in stream.getvalue() and "loss" in stream.getvalue()
     assert len(read_jsonl(tmp_path / "m.jsonl")) == 3
     assert json.loads((tmp_path / "m.jsonl").read_text().splitlines()[0])["loss"] == 1.0
+
+
+def test_tensorboard_logger_writes_event_files(tmp_path):
+    pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
+    from rollouts.loops.loggers import TensorboardLogger
+
+    logger = TensorboardLogger(tmp_path / "tb")
+    assert isinstance(logger, MetricsLogger)
+    for step in (1, 2):
+        logger.log(step, {"loss": 1.0 / step})
+    logger.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, round(e.value, 3)) for e in events.Scalars("loss")] == [(1, 1.0), (2, 0.5)]
+
+
+def test_wandb_logger_runs_offline(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="the wandb extra is not installed")
+    from rollouts.loops.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")  # never the network
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(project="rollouts-test", config={"lr": 1e-3})
+    logger.log(1, {"loss": 1.0})
+    logger.close()
+    assert list(tmp_path.rglob("*.wandb")), "no offline run file written"
