@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from rollouts.backends import (
@@ -84,6 +85,21 @@ def _global_counts(num_tokens: int, num_sequences: int) -> tuple[int, int]:
     return int(tensor[0]), int(tensor[1])
 
 
+def _same_count_on_every_rank(micro_batches: list[dict]) -> list[dict]:
+    """Pad with zero-loss copies so every rank runs as many forward passes as the busiest one.
+
+    FSDP gathers parameters collectively in every forward and backward: ranks with fewer
+    micro-batches would leave the others waiting forever. A copy with loss_mask 0 adds nothing
+    to the gradient.
+    """
+    if _rank_world()[1] == 1:
+        return micro_batches
+    count = torch.tensor([len(micro_batches)], dtype=torch.int64, device=_collective_device())
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+    filler = {**micro_batches[-1], "loss_mask": np.zeros_like(micro_batches[-1]["loss_mask"])}
+    return micro_batches + [filler] * (int(count[0]) - len(micro_batches))
+
+
 def sft_step(
     components: TrainingComponents, state: TrainingState, samples: Sequence[Sample], config: SFTConfig
 ) -> tuple[TrainingState, dict[str, float]]:
@@ -95,7 +111,8 @@ def sft_step(
     plan = plan_micro_batches(local, max_tokens=config.max_tokens_per_micro_batch, layout=choose_layout(local))
     num_tokens, num_sequences = _global_counts(plan.num_loss_tokens, plan.num_sequences)
     loss_fn = sft_loss_fn(mode=config.loss_aggregation)
-    metrics = forward_backward(components, plan.micro_batches, loss_fn, num_tokens=num_tokens, num_sequences=num_sequences)
+    micro_batches = _same_count_on_every_rank(list(plan.micro_batches))
+    metrics = forward_backward(components, micro_batches, loss_fn, num_tokens=num_tokens, num_sequences=num_sequences)
     loss = _global_sum(metrics["loss"])
     state, step_metrics = optim_step(
         components, state, config.optimizer, num_tokens=num_tokens, num_samples=len(samples), loss=loss,
