@@ -153,3 +153,21 @@ def test_rollouts_sft_under_torchrun_uses_fsdp2(tiny_run_inputs, tmp_path):
     assert all(r["num_loss_tokens"] <= 4 * 4 for r in records)  # rank 0's share: 4 of 7 samples
     weights = load_file(out / "checkpoints" / "step_3" / "model.safetensors")
     assert weights and all(v.size > 0 for v in weights.values())  # gathered full tensors, not shards
+
+
+@pytest.mark.slow
+def test_rollouts_rl_under_torchrun(tiny_run_inputs, tmp_path):
+    out = tmp_path / "rl_fsdp"
+    config = _rl_toml(tiny_run_inputs, out, tiny_run_inputs / "model")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "-m", "rollouts.loops.cli", "rl", "--config", str(config),
+               "--set", "rl.checkpoint.every_steps=2", "--set", "rl.rollout.batch_size=3"]
+    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=_KILL_WAIT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_jsonl(out / "metrics_rl.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["weight_version"] for r in records] == [1.0, 2.0, 3.0]
+    weights = load_file(out / "checkpoints" / "step_3" / "model.safetensors")
+    assert weights and all(v.size > 0 for v in weights.values())
+    assert (out / "checkpoints" / "step_2" / "state.json").is_file()

@@ -142,8 +142,14 @@ def cmd_rl(run: RLRun, source: str) -> Path:
         check_algorithm(run.rl.algorithm)
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from e
-    if _distributed()[1] > 1:
-        raise ConfigError(f"{source}: `rollouts rl` runs on one process; use more engine servers to scale generation")
+    rank, world = _distributed()
+    if world > 1:
+        from rollouts.loops.rl import check_data_parallel
+
+        try:
+            check_data_parallel(run.rl.algorithm)
+        except ValueError as e:
+            raise ConfigError(f"{source}: {e}") from e
     out = Path(run.run.out_dir)
     _write_resolved(run, out)
     tokenizer = _tokenizer(run)
@@ -151,9 +157,16 @@ def cmd_rl(run: RLRun, source: str) -> Path:
     if run.data.prompt_key != "prompt":
         records = [{**r, "prompt": r[run.data.prompt_key]} for r in records]
     components = _components(run, run.rl.optimizer, run.rl.num_steps * run.rl.algorithm.num_updates_per_batch)
-    shares = run.engine.kind == "inprocess" and not run.rl.overlap
+    shares = run.engine.kind == "inprocess" and not run.rl.overlap and world == 1
     if run.engine.kind == "inprocess":
-        model = components.model if shares else copy.deepcopy(components.model)
+        if shares:
+            model = components.model
+        elif world == 1:
+            model = copy.deepcopy(components.model)
+        else:  # the trained model is sharded: rank 0 samples from a full copy of its own
+            from rollouts.backends import load_hf_model
+
+            model = load_hf_model(run.model.path, device=components.device) if rank == 0 else components.model
         engine = CoalescingEngine(InProcessEngine(model, shares_training_model=shares, tokenizer=tokenizer),
                                   max_prompts_per_call=run.rl.rollout.batch_size)
     else:
@@ -167,7 +180,7 @@ def cmd_rl(run: RLRun, source: str) -> Path:
     else:
         def reward_fn(sample):
             return exact_answer_reward(sample, answer_key=answer_key)
-    logger = _loggers(out, "rl", run.rl.num_steps * run.rl.algorithm.num_updates_per_batch)
+    logger = _loggers(out, "rl", run.rl.num_steps * run.rl.algorithm.num_updates_per_batch, rank=rank)
     try:
         state, _ = run_rl_training(
             components, DataBuffer(records, seed=run.rl.seed), engine, run.rl, reward_fn=reward_fn,

@@ -35,6 +35,7 @@ from rollouts.backends import (
 )
 from rollouts.data import AsyncRolloutManager, DataBuffer, plan_micro_batches, unpack_values
 from rollouts.data.filters import check_reward_nonzero_std
+from rollouts.loops.distributed import broadcast_json, global_counts, global_sum, rank_world, same_count_on_every_rank
 from rollouts.loops.sft import CHECKPOINTS_DIR, choose_layout, resume_if_possible
 from rollouts.losses import (
     group_advantages,
@@ -162,6 +163,52 @@ def scatter_token_values(micro_batches: Sequence[dict[str, np.ndarray]], key: st
 # ---------------------------------------------------------------- one update
 
 
+def check_data_parallel(algorithm: AlgorithmConfig) -> None:
+    """Raise for settings the data-parallel (torchrun) update does not support."""
+    if algorithm.advantage_estimator not in ("grpo", "rloo") or algorithm.needs_reference:
+        raise ValueError(
+            "under torchrun the RL update supports the per-sample advantage estimators 'grpo' and 'rloo' "
+            f"without a KL term (got advantage_estimator={algorithm.advantage_estimator!r}, "
+            f"kl_placement={algorithm.kl_placement!r}, kl_coef={algorithm.kl_coef})"
+        )
+
+
+def _rl_update_data_parallel(
+    components: TrainingComponents, state: TrainingState, samples: Sequence[Sample], config: RLConfig
+) -> tuple[TrainingState, dict[str, float]]:
+    """rl_update on every rank of a torchrun job: advantages over the whole batch, each rank trains its share."""
+    algorithm = config.algorithm
+    check_data_parallel(algorithm)
+    rank, world = rank_world()
+    if len(samples) < world:
+        raise ValueError(f"{len(samples)} samples cannot give each of {world} ranks one")
+    rewards_N = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    groups_N = torch.tensor([s.group_index if s.group_index is not None else i for i, s in enumerate(samples)])
+    if algorithm.advantage_estimator == "rloo":
+        adv_N = rloo_advantages(rewards_N, groups_N)
+    else:
+        adv_N = group_advantages(rewards_N, groups_N, scale=algorithm.advantage_scale)
+    local = [s.with_advantage(float(a)) for s, a in zip(samples, adv_N, strict=True)][rank::world]
+    plan = plan_micro_batches(local, max_tokens=config.max_tokens_per_micro_batch, layout=choose_layout(local))
+    mbs = same_count_on_every_rank([dict(mb) for mb in plan.micro_batches])
+    num_tokens, num_sequences = global_counts(plan.num_loss_tokens, plan.num_sequences)
+    temperature = config.rollout.sampling.temperature or 1.0
+    if algorithm.num_updates_per_batch > 1:
+        for mb, lp in zip(mbs, compute_logprobs(components, mbs, temperature=temperature), strict=True):
+            mb["old_logprobs"] = lp
+    loss_fn = loss_fn_from_config(algorithm)
+    metrics: dict[str, float] = {}
+    for _ in range(algorithm.num_updates_per_batch):
+        fb = forward_backward(components, mbs, loss_fn, num_tokens=num_tokens, num_sequences=num_sequences,
+                              temperature=temperature)
+        fb["loss"] = global_sum(fb["loss"])
+        state, om = optim_step(components, state, config.optimizer, num_tokens=num_tokens,
+                               num_samples=len(samples), loss=fb["loss"])
+        metrics.update(fb)
+        metrics.update(om)
+    return state, metrics
+
+
 def rl_update(
     components: TrainingComponents,
     state: TrainingState,
@@ -170,7 +217,12 @@ def rl_update(
     *,
     ref_components: TrainingComponents | None = None,
 ) -> tuple[TrainingState, dict[str, float]]:
-    """Advantages, log-probs and `num_updates_per_batch` optimizer steps on one batch of samples."""
+    """Advantages, log-probs and `num_updates_per_batch` optimizer steps on one batch of samples.
+
+    Under torchrun every rank calls it with the same samples (see `run_rl_training`).
+    """
+    if rank_world()[1] > 1:
+        return _rl_update_data_parallel(components, state, samples, config)
     algorithm = config.algorithm
     plan = plan_micro_batches(samples, max_tokens=config.max_tokens_per_micro_batch, layout=choose_layout(samples))
     mbs = [dict(mb) for mb in plan.micro_batches]
@@ -274,6 +326,7 @@ async def sync_engine(components: TrainingComponents, engine: InferenceEngine, s
     start = time.perf_counter()
     path = run_dir / WEIGHTS_DIR
     if not shares_model:
+        broadcast_json({"op": "export", "path": str(path)})  # every rank joins the gather
         await trio.to_thread.run_sync(export_weights, components, path)
     export_s = time.perf_counter() - start
     await engine.update_weights_from_disk(str(path), version)
@@ -312,10 +365,41 @@ def run_rl_training(
         config = dataclasses.replace(config, algorithm=algorithm)
     if config.overlap and engine_shares_model:
         raise ValueError("overlap needs an engine with its own copy of the weights; engine_shares_model=True")
-    return trio.run(
-        _rl_main, components, buffer, engine, config, reward_fn, encode_prompt, logger, Path(run_dir),
-        engine_shares_model, ref_components, resume, tokenizer, on_step,
-    )
+    rank, world = rank_world()
+    if world > 1:
+        check_data_parallel(config.algorithm)
+        if engine_shares_model:
+            raise ValueError("under torchrun the engine needs its own weights (rank 0 samples; the model is sharded)")
+        if rank != 0:
+            return _follow(components, config, Path(run_dir), resume=resume, tokenizer=tokenizer)
+    try:
+        return trio.run(
+            _rl_main, components, buffer, engine, config, reward_fn, encode_prompt, logger, Path(run_dir),
+            engine_shares_model, ref_components, resume, tokenizer, on_step,
+        )
+    finally:
+        if world > 1:
+            broadcast_json({"op": "stop"})
+
+
+def _follow(components: TrainingComponents, config: RLConfig, run_dir: Path, *, resume: bool,
+            tokenizer: Any) -> tuple[TrainingState, list[dict[str, float]]]:
+    """A rank other than 0 under torchrun: join each collective rank 0 announces, until it stops."""
+    state, _, _ = resume_if_possible(components, run_dir, resume=resume)
+    while True:
+        command = broadcast_json()
+        if command["op"] == "update":
+            samples = [Sample.from_dict(d) for d in command["samples"]]
+            state, _ = rl_update(components, state, samples, config)
+        elif command["op"] == "export":
+            export_weights(components, command["path"])
+        elif command["op"] == "checkpoint":
+            save_checkpoint(components, state, run_dir / CHECKPOINTS_DIR, keep_last=config.checkpoint.keep_last,
+                            save_optimizer=config.checkpoint.save_optimizer, tokenizer=tokenizer)
+        elif command["op"] == "stop":
+            return state, []
+        else:
+            raise ValueError(f"unknown command from rank 0: {command['op']!r}")
 
 
 async def _rl_main(components, buffer, engine, config, reward_fn, encode_prompt, logger, run_dir,
@@ -375,6 +459,7 @@ async def _rl_main(components, buffer, engine, config, reward_fn, encode_prompt,
                 )
             train_start = time.perf_counter()
             if fresh:
+                broadcast_json({"op": "update", "samples": [s.to_dict() for s in fresh]})
                 state, train_metrics = await trio.to_thread.run_sync(
                     lambda: rl_update(components, state, fresh, config, ref_components=ref_components))
                 metrics.update(train_metrics)
@@ -404,6 +489,7 @@ async def _rl_main(components, buffer, engine, config, reward_fn, encode_prompt,
                     await pending.done.wait()
                     if pending.error is None:
                         extra["pending_batch"] = [s.to_dict() for s in pending.value[0].samples]
+                broadcast_json({"op": "checkpoint"})
                 await trio.to_thread.run_sync(lambda: save_checkpoint(
                     components, state, run_dir / CHECKPOINTS_DIR, extra=extra,
                     keep_last=ckpt.keep_last, save_optimizer=ckpt.save_optimizer, tokenizer=tokenizer))

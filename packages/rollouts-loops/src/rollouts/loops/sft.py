@@ -12,9 +12,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from rollouts.backends import (
     TrainingComponents,
     forward_backward,
@@ -24,6 +21,7 @@ from rollouts.backends import (
     save_checkpoint,
 )
 from rollouts.data import DataBuffer, plan_micro_batches
+from rollouts.loops.distributed import global_counts, global_sum, rank_world, same_count_on_every_rank
 from rollouts.losses import sft_loss_fn
 from rollouts.types import MetricsLogger, Sample, SFTConfig, TrainingState
 
@@ -53,67 +51,20 @@ def resume_if_possible(
     return state, extra, path
 
 
-def _rank_world() -> tuple[int, int]:
-    """(rank, world size) of the default process group, (0, 1) without torch.distributed."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
-def _collective_device() -> torch.device:
-    """Where collectives' tensors must live: the current GPU under NCCL, else the CPU."""
-    if torch.distributed.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _global_sum(value: float) -> float:
-    """Sum of a per-rank scalar over all ranks (the value itself on one process)."""
-    if _rank_world()[1] == 1:
-        return value
-    tensor = torch.tensor([value], dtype=torch.float64, device=_collective_device())
-    torch.distributed.all_reduce(tensor)
-    return float(tensor[0])
-
-
-def _global_counts(num_tokens: int, num_sequences: int) -> tuple[int, int]:
-    """Step-wide loss-token and sequence counts over all ranks."""
-    if _rank_world()[1] == 1:
-        return num_tokens, num_sequences
-    tensor = torch.tensor([num_tokens, num_sequences], dtype=torch.int64, device=_collective_device())
-    torch.distributed.all_reduce(tensor)
-    return int(tensor[0]), int(tensor[1])
-
-
-def _same_count_on_every_rank(micro_batches: list[dict]) -> list[dict]:
-    """Pad with zero-loss copies so every rank runs as many forward passes as the busiest one.
-
-    FSDP gathers parameters collectively in every forward and backward: ranks with fewer
-    micro-batches would leave the others waiting forever. A copy with loss_mask 0 adds nothing
-    to the gradient.
-    """
-    if _rank_world()[1] == 1:
-        return micro_batches
-    count = torch.tensor([len(micro_batches)], dtype=torch.int64, device=_collective_device())
-    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
-    filler = {**micro_batches[-1], "loss_mask": np.zeros_like(micro_batches[-1]["loss_mask"])}
-    return micro_batches + [filler] * (int(count[0]) - len(micro_batches))
-
-
 def sft_step(
     components: TrainingComponents, state: TrainingState, samples: Sequence[Sample], config: SFTConfig
 ) -> tuple[TrainingState, dict[str, float]]:
     """One optimizer step of SFT on `samples`; returns the new state and the step's metrics."""
-    rank, world = _rank_world()
+    rank, world = rank_world()
     if len(samples) < world:
         raise ValueError(f"batch_size ({len(samples)}) must be >= the number of ranks ({world}): every rank needs a sample")
     local = samples[rank::world]  # each rank trains its share; the denominators are global
     plan = plan_micro_batches(local, max_tokens=config.max_tokens_per_micro_batch, layout=choose_layout(local))
-    num_tokens, num_sequences = _global_counts(plan.num_loss_tokens, plan.num_sequences)
+    num_tokens, num_sequences = global_counts(plan.num_loss_tokens, plan.num_sequences)
     loss_fn = sft_loss_fn(mode=config.loss_aggregation)
-    micro_batches = _same_count_on_every_rank(list(plan.micro_batches))
+    micro_batches = same_count_on_every_rank(list(plan.micro_batches))
     metrics = forward_backward(components, micro_batches, loss_fn, num_tokens=num_tokens, num_sequences=num_sequences)
-    loss = _global_sum(metrics["loss"])
+    loss = global_sum(metrics["loss"])
     state, step_metrics = optim_step(
         components, state, config.optimizer, num_tokens=num_tokens, num_samples=len(samples), loss=loss,
     )

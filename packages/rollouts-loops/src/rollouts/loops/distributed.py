@@ -1,0 +1,77 @@
+"""Data parallelism for the loops under torchrun: rank 0 drives, every rank trains its share.
+
+Collectives carry only tensors: commands and samples travel as JSON bytes in a uint8 tensor, never
+as pickles.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def rank_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group, (0, 1) without torch.distributed."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def collective_device() -> torch.device:
+    """Where collectives' tensors must live: the current GPU under NCCL, else the CPU."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def global_sum(value: float) -> float:
+    """Sum of a per-rank scalar over all ranks (the value itself on one process)."""
+    if rank_world()[1] == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=collective_device())
+    torch.distributed.all_reduce(tensor)
+    return float(tensor[0])
+
+
+def global_counts(num_tokens: int, num_sequences: int) -> tuple[int, int]:
+    """Step-wide loss-token and sequence counts over all ranks."""
+    if rank_world()[1] == 1:
+        return num_tokens, num_sequences
+    tensor = torch.tensor([num_tokens, num_sequences], dtype=torch.int64, device=collective_device())
+    torch.distributed.all_reduce(tensor)
+    return int(tensor[0]), int(tensor[1])
+
+
+def same_count_on_every_rank(micro_batches: list[dict]) -> list[dict]:
+    """Pad with zero-loss copies so every rank runs as many forward passes as the busiest one.
+
+    FSDP gathers parameters collectively in every forward and backward: ranks with fewer
+    micro-batches would leave the others waiting forever. A copy with loss_mask 0 adds nothing
+    to the gradient.
+    """
+    if rank_world()[1] == 1:
+        return micro_batches
+    count = torch.tensor([len(micro_batches)], dtype=torch.int64, device=collective_device())
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+    filler = {**micro_batches[-1], "loss_mask": np.zeros_like(micro_batches[-1]["loss_mask"])}
+    return micro_batches + [filler] * (int(count[0]) - len(micro_batches))
+
+
+def broadcast_json(obj: Any = None) -> Any:
+    """Rank 0's JSON-ready `obj` on every rank (other ranks pass nothing)."""
+    rank, world = rank_world()
+    if world == 1:
+        return obj
+    device = collective_device()
+    data = json.dumps(obj).encode() if rank == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    torch.distributed.broadcast(size, src=0)
+    if rank == 0:
+        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    else:
+        buffer = torch.empty(int(size[0]), dtype=torch.uint8, device=device)
+    torch.distributed.broadcast(buffer, src=0)
+    return json.loads(bytes(buffer.cpu().numpy()))
