@@ -196,17 +196,8 @@ def _rl_update_data_parallel(
     if algorithm.num_updates_per_batch > 1:
         for mb, lp in zip(mbs, compute_logprobs(components, mbs, temperature=temperature), strict=True):
             mb["old_logprobs"] = lp
-    loss_fn = loss_fn_from_config(algorithm)
-    metrics: dict[str, float] = {}
-    for _ in range(algorithm.num_updates_per_batch):
-        fb = forward_backward(components, mbs, loss_fn, num_tokens=num_tokens, num_sequences=num_sequences,
-                              temperature=temperature)
-        fb["loss"] = global_sum(fb["loss"])
-        state, om = optim_step(components, state, config.optimizer, num_tokens=num_tokens,
-                               num_samples=len(samples), loss=fb["loss"])
-        metrics.update(fb)
-        metrics.update(om)
-    return state, metrics
+    return _updates(components, state, mbs, config, num_tokens=num_tokens, num_sequences=num_sequences,
+                    num_samples=len(samples), temperature=temperature, metrics={})
 
 
 def rl_update(
@@ -249,12 +240,23 @@ def rl_update(
             kl_by_sample = unpack_values(mbs, kl_mbs)
             metrics["kl_reward"] = float(sum((kl_by_sample[i] * (masks[i] > 0)).sum() for i in masks) / max(1, plan.num_loss_tokens))
     scatter_token_values(mbs, "advantages", token_advantages(samples, algorithm, masks=masks, kl=kl_by_sample))
-    loss_fn = loss_fn_from_config(algorithm)
-    for _ in range(algorithm.num_updates_per_batch):
-        fb = forward_backward(components, mbs, loss_fn, num_tokens=plan.num_loss_tokens,
-                              num_sequences=plan.num_sequences, temperature=temperature)
-        state, om = optim_step(components, state, config.optimizer, num_tokens=plan.num_loss_tokens,
-                               num_samples=len(samples), loss=fb["loss"])
+    return _updates(components, state, mbs, config, num_tokens=plan.num_loss_tokens,
+                    num_sequences=plan.num_sequences, num_samples=len(samples), temperature=temperature,
+                    metrics=metrics)
+
+
+def _updates(
+    components: TrainingComponents, state: TrainingState, mbs: Sequence[dict[str, np.ndarray]], config: RLConfig,
+    *, num_tokens: int, num_sequences: int, num_samples: int, temperature: float, metrics: dict[str, float],
+) -> tuple[TrainingState, dict[str, float]]:
+    """`num_updates_per_batch` forward/backward + optimizer steps on prepared micro-batches (step-wide counts)."""
+    loss_fn = loss_fn_from_config(config.algorithm)
+    for _ in range(config.algorithm.num_updates_per_batch):
+        fb = forward_backward(components, mbs, loss_fn, num_tokens=num_tokens, num_sequences=num_sequences,
+                              temperature=temperature)
+        fb["loss"] = global_sum(fb["loss"])  # the step's loss over all ranks (itself on one process)
+        state, om = optim_step(components, state, config.optimizer, num_tokens=num_tokens,
+                               num_samples=num_samples, loss=fb["loss"])
         metrics.update(fb)
         metrics.update(om)
     return state, metrics
