@@ -14,6 +14,8 @@ from typing import Any, Self
 import httpx
 import trio
 
+from rollouts.sync._common import parse_weight_version
+
 _RESPONSE_TEXT_MAX_CHARS = 500  # keep error messages readable when a server returns a whole HTML page
 
 
@@ -151,7 +153,11 @@ class HTTPEngineBase:
     """What the engine clients share: one pooled HTTP client, the retry policy, name and lifecycle.
 
     The API key lives only inside the client's default headers: never in repr(), a URL or a log.
+    Subclasses name the server's endpoints for the weight version and the health check.
     """
+
+    WEIGHT_VERSION_PATH: str
+    HEALTH_PATH: str
 
     def __init__(
         self,
@@ -202,3 +208,17 @@ class HTTPEngineBase:
             timeout_s=timeout_s if timeout_s is not None else self.timeout_s,
             retry=retry if retry is not None else self.retry, rng=self._rng,
         )
+
+    async def weight_version(self) -> int | None:
+        """The version the server reports (None before the first update)."""
+        data = (await self._call("GET", self.WEIGHT_VERSION_PATH)).json()
+        self._weight_version = parse_weight_version(data.get("weight_version"))
+        return self._weight_version
+
+    async def health(self) -> bool:
+        """Whether the health endpoint answers 200 within timeout_s (one attempt, no retries)."""
+        try:
+            await self._call("GET", self.HEALTH_PATH, retry=RetryPolicy(max_retries=0))
+        except EngineError:
+            return False
+        return True

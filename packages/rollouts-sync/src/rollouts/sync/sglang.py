@@ -31,6 +31,9 @@ _RESUME_TIMEOUT_S = 10.0  # continue_generation runs even after a failed update;
 class SGLangEngine(HTTPEngineBase):
     """One SGLang server reached over HTTP; implements rollouts.types.InferenceEngine."""
 
+    WEIGHT_VERSION_PATH = "/get_weight_version"
+    HEALTH_PATH = "/health_generate"  # generates one token: a server that cannot generate is unhealthy
+
     def __init__(
         self,
         base_url: str,
@@ -99,19 +102,6 @@ class SGLangEngine(HTTPEngineBase):
             raise EngineError(f"{self.name}: weight version reads {got!r} after setting {version}",
                               engine=self.name, url=f"{self.name}/get_weight_version", status=200, text=str(got))
 
-    async def weight_version(self) -> int | None:
-        """The version the server reports at /get_weight_version (None before the first update)."""
-        data = (await self._call("GET", "/get_weight_version")).json()
-        self._weight_version = parse_weight_version(data.get("weight_version"))
-        return self._weight_version
-
-    async def health(self) -> bool:
-        """Whether GET /health_generate (generates one token) answers 200 within timeout_s."""
-        try:
-            await self._call("GET", "/health_generate", retry=RetryPolicy(max_retries=0))
-        except EngineError:
-            return False
-        return True
 
 
 def parse_generate_response(

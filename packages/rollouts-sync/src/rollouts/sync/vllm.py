@@ -19,7 +19,7 @@ import numpy as np
 import trio
 from safetensors.numpy import save as safetensors_save
 
-from rollouts.sync._common import check_params, check_prompts, check_weight_version, make_sample, parse_weight_version
+from rollouts.sync._common import check_params, check_prompts, check_weight_version, make_sample
 from rollouts.sync._http import EngineError, HTTPEngineBase, RetryPolicy
 from rollouts.types import Sample, SamplingParams
 
@@ -33,6 +33,9 @@ _DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024  # one /collective_rpc body stays well 
 
 class VLLMEngine(HTTPEngineBase):
     """One vLLM server reached over HTTP; implements rollouts.types.InferenceEngine."""
+
+    WEIGHT_VERSION_PATH = "/weight_info"
+    HEALTH_PATH = "/health"
 
     def __init__(
         self,
@@ -145,20 +148,6 @@ class VLLMEngine(HTTPEngineBase):
                 f"{self.name}: /reset_prefix_cache answered success=false (blocks still held by running requests)",
                 engine=self.name, url=f"{self.name}/reset_prefix_cache", status=200, text=str(data),
             )
-
-    async def weight_version(self) -> int | None:
-        """The version the server reports at /weight_info (None before the first update)."""
-        data = (await self._call("GET", "/weight_info")).json()
-        self._weight_version = parse_weight_version(data.get("weight_version"))
-        return self._weight_version
-
-    async def health(self) -> bool:
-        """Whether GET /health answers 200 within timeout_s (one attempt, no retries)."""
-        try:
-            await self._call("GET", "/health", retry=RetryPolicy(max_retries=0))
-        except EngineError:
-            return False
-        return True
 
     @staticmethod
     def _json_or_empty(response: httpx.Response) -> dict[str, Any]:
