@@ -153,6 +153,8 @@ def test_rollouts_sft_under_torchrun_uses_fsdp2(tiny_run_inputs, tmp_path):
     assert all(r["num_loss_tokens"] <= 4 * 4 for r in records)  # rank 0's share: 4 of 7 samples
     weights = load_file(out / "checkpoints" / "step_3" / "model.safetensors")
     assert weights and all(v.size > 0 for v in weights.values())  # gathered full tensors, not shards
+    optimizer_files = sorted(p.name for p in (out / "checkpoints" / "step_3").glob("optimizer*"))
+    assert optimizer_files == [f"optimizer-rank{r:05d}-of-00002.safetensors" for r in range(2)]  # one per rank
 
 
 @pytest.mark.slow

@@ -1,8 +1,9 @@
 """Run under `torchrun --nproc_per_node 2`: FSDP2 training, checkpoint and resume on CPU with gloo.
 
 Writes to OUT_DIR (rank 0): losses.json (global loss per step), final/ (exported weights after
-3 straight steps) and resumed/ (weights after save at step 2, reload into a fresh sharded model,
-and step 3 again).
+3 straight steps), ckpt/step_2/ (a checkpoint with one optimizer shard file per rank) and
+resumed/ (weights after reloading step 2 into a fresh sharded model and running step 3 again).
+The reload must take the same-layout path: each rank reads only its own shard file.
 """
 
 import json
@@ -11,6 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+import rollouts.backends.checkpoint as checkpoint_module
 import torch
 import torch.distributed as dist
 from helpers import TRAIN_CONFIG_KW, packed_batch, tiny_model
@@ -58,6 +60,10 @@ def main(out: Path) -> None:
             save_checkpoint(components, state, out / "ckpt")
     export_weights(components, out / "final")
 
+    def refuse_join(files):
+        raise AssertionError(f"same world size and layout, yet the shards were joined: {files}")
+
+    checkpoint_module._join_shards = refuse_join
     resumed = sharded_components()
     state, _ = load_checkpoint(resumed, out / "ckpt" / "step_2")
     state, _ = step(resumed, state, rank, world)

@@ -10,6 +10,8 @@ import pytest
 import safetensors.torch
 import torch
 from helpers import fresh_components, tiny_model, train_steps
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from rollouts.backends import (
     build_components,
     export_weights,
@@ -204,3 +206,33 @@ def test_load_hf_model_and_build_components_from_a_checkpoint(tmp_path):
     _assert_bit_identical(_weights(built.model), _weights(components.model))
     with pytest.raises(ValueError, match="config.json"):
         load_hf_model(tmp_path / "missing")
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 9),
+    cols=st.integers(1, 4),
+    count=st.integers(1, 4),
+    dim=st.integers(0, 1),
+)
+def test_optimizer_shards_join_back_to_the_full_tensor(tmp_path_factory, rows, cols, count, dim):
+    from rollouts.backends.checkpoint import _join_shards
+
+    directory = tmp_path_factory.mktemp("shards")
+    full = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
+    pieces = list(torch.chunk(full, count, dim=dim))
+    pieces += [full.narrow(dim, 0, 0)] * (count - len(pieces))  # FSDP2 ranks past the end hold empty shards
+    files = []
+    for index, piece in enumerate(pieces):
+        layout = {"w::exp_avg": {"shape": [rows, cols], "dim": dim, "index": index, "count": count}}
+        path = directory / f"rank{index}.safetensors"
+        tensors = {"w::exp_avg": piece.contiguous(), "w::step": torch.tensor(3.0)}
+        safetensors.torch.save_file(tensors, str(path), metadata={"layout": json.dumps(layout)})
+        files.append(path)
+    random.Random(rows).shuffle(files)  # file order does not matter: the recorded index does
+    joined = _join_shards(files)
+    assert torch.equal(joined["w::exp_avg"], full)
+    assert joined["w::step"].item() == 3.0
+    if count > 1:
+        with pytest.raises(ValueError, match=rf"shards .* found, {count} expected"):
+            _join_shards(files[1:])

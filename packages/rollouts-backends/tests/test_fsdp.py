@@ -11,6 +11,7 @@ from helpers import TRAIN_CONFIG_KW, packed_batch, tiny_model
 from rollouts.backends import (
     build_components,
     forward_backward,
+    load_checkpoint,
     optim_step,
     read_weights,
 )
@@ -40,10 +41,15 @@ def test_fsdp2_on_two_gloo_ranks_matches_single_process(tmp_path):
     state, losses = TrainingState(), []
     batch = packed_batch(GLOBAL_SEQUENCES)
     num_tokens = int((batch["loss_mask"] > 0).sum())
+
+    def step(components, state):
+        metrics = forward_backward(components, [batch], sft_loss_fn(), num_tokens=num_tokens, num_sequences=4)
+        state, _ = optim_step(components, state, config, num_tokens=num_tokens, num_samples=4)
+        return state, metrics["loss"]
+
     for _ in range(NUM_STEPS):
-        metrics = forward_backward(single, [batch], sft_loss_fn(), num_tokens=num_tokens, num_sequences=4)
-        state, _ = optim_step(single, state, config, num_tokens=num_tokens, num_samples=4)
-        losses.append(metrics["loss"])
+        state, loss = step(single, state)
+        losses.append(loss)
 
     assert result["losses"] == pytest.approx(losses, rel=1e-5)
     reference = single.model.state_dict()
@@ -53,3 +59,20 @@ def test_fsdp2_on_two_gloo_ranks_matches_single_process(tmp_path):
         for name, tensor in weights.items():
             torch.testing.assert_close(tensor, reference[name], atol=1e-5, rtol=1e-4)
     assert result["resumed_step"] == NUM_STEPS
+
+    # Each rank wrote only its own optimizer shards: two files, each about half of the whole.
+    step_dir = tmp_path / "ckpt" / "step_2"
+    shard_files = sorted(p.name for p in step_dir.glob("optimizer*.safetensors"))
+    assert shard_files == ["optimizer-rank00000-of-00002.safetensors", "optimizer-rank00001-of-00002.safetensors"]
+    moments = 2 * sum(t.numel() * t.element_size() for t in reference.values())
+    for name in shard_files:
+        assert (step_dir / name).stat().st_size < 0.6 * moments
+
+    # The same checkpoint resumes in one process without FSDP (shards joined): step 3 matches.
+    single_resumed = build_components(tiny_model(seed=1), config, num_training_steps=NUM_STEPS)
+    state, _ = load_checkpoint(single_resumed, step_dir)
+    assert state.step == 2
+    _, loss = step(single_resumed, state)
+    assert loss == pytest.approx(losses[-1], rel=1e-5)
+    for name, tensor in single_resumed.model.state_dict().items():
+        torch.testing.assert_close(tensor, reference[name], atol=1e-5, rtol=1e-4)

@@ -3,14 +3,18 @@
 A checkpoint is a directory `root/step_<n>/`:
   config.json, model.safetensors   HF format, loadable by transformers / vLLM / SGLang as they are
   optimizer.safetensors            AdamW moments and step counts, keyed "<parameter name>::<key>"
+  (or optimizer-rank<r>-of-<w>.safetensors: under FSDP2 one file per rank with its own shards)
   state.json                       TrainingState, `extra`, scheduler and optimizer hyper-parameters,
                                    RNG states (torch, numpy, python) and the size + CRC-32 of every file
 It is written under `root/.tmp-step_<n>-<pid>`, every file fsynced, then renamed: a crash at any
 instant leaves either the previous checkpoints or a complete new one. `latest_checkpoint` trusts
 a directory only if every file matches what state.json recorded.
 
-Under FSDP2 the full (unsharded) weights and optimizer state are gathered to rank 0, which writes;
-loading reads the full tensors on every rank and keeps each rank's shard.
+Under FSDP2 the full (unsharded) weights are gathered to rank 0, which writes model.safetensors;
+every rank writes its own optimizer shards (no rank ever holds the full optimizer state), so
+`root` must be on a file system all ranks see. Each shard file's metadata records where its
+tensors sit in the full ones. Loading on the same layout reads only the rank's own file; on
+another world size (or without FSDP) the shards are put back together and re-split.
 """
 
 from __future__ import annotations
@@ -305,8 +309,167 @@ def _optimizer_state(components: TrainingComponents) -> tuple[dict[str, torch.Te
     for name, entries in state.get("state", {}).items():
         for key, value in entries.items():
             tensors[f"{name}{_KEY_SEP}{key}"] = torch.as_tensor(value).detach().to("cpu").contiguous()
-    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in state.get("param_groups", [])]
-    return tensors, groups
+    return tensors, _json_param_groups(state)
+
+
+def _json_param_groups(state: Mapping[str, Any]) -> list[dict[str, Any]]:
+    return [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in state.get("param_groups", [])]
+
+
+def _shard_info(tensor: Any) -> dict[str, Any] | None:
+    """Where a DTensor's local shard sits in the full tensor ({shape, dim, index, count}); None for a
+    plain (replicated) tensor such as AdamW's step count."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(tensor, DTensor):
+        return None
+    mesh, placements = tensor.device_mesh, tensor.placements
+    sharded = [(mesh_dim, p) for mesh_dim, p in enumerate(placements) if not isinstance(p, Replicate)]
+    if len(sharded) > 1 or any(not isinstance(p, Shard) for _, p in sharded):
+        raise ValueError(f"cannot save optimizer state with placements {placements}: one Shard(dim) mesh dimension at most")
+    if not sharded:
+        return {"shape": list(tensor.shape), "dim": 0, "index": 0, "count": 1}
+    mesh_dim, placement = sharded[0]
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ValueError("this rank is not part of the optimizer state's device mesh")
+    return {"shape": list(tensor.shape), "dim": placement.dim, "index": coordinate[mesh_dim], "count": mesh.size(mesh_dim)}
+
+
+def _sharded_optimizer_state(components: TrainingComponents) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[dict[str, Any]]]:
+    """This rank's optimizer shards as flat tensors, their layout {flat key: shard_of info}, and the param groups."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(components.model, components.optimizer)
+    tensors: dict[str, torch.Tensor] = {}
+    layout: dict[str, Any] = {}
+    for name, entries in state.get("state", {}).items():
+        for key, value in entries.items():
+            flat = f"{name}{_KEY_SEP}{key}"
+            info = _shard_info(value)
+            if info is not None:
+                layout[flat] = info
+                value = value.to_local()
+            tensors[flat] = torch.as_tensor(value).detach().to("cpu").contiguous()
+    return tensors, layout, _json_param_groups(state)
+
+
+def _optimizer_shard_name(rank: int, world: int) -> str:
+    return f"optimizer-rank{rank:05d}-of-{world:05d}.safetensors"
+
+
+def _collective_device() -> torch.device:
+    """Where tensors for collectives must live: the current CUDA device under NCCL, else the CPU."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _gather_file_records(record: Mapping[str, int]) -> list[dict[str, int]]:
+    """Every rank's {"bytes", "crc32"} of the file it wrote, in rank order (a tensor all-gather, no pickles)."""
+    dist = torch.distributed
+    mine = torch.tensor([record["bytes"], record["crc32"]], dtype=torch.int64, device=_collective_device())
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return [{"bytes": int(t[0]), "crc32": int(t[1])} for t in gathered]
+
+
+def _read_shard_file(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors of one optimizer shard file and the layout recorded in its metadata."""
+    with safetensors.safe_open(str(path), framework="pt") as f:
+        layout = json.loads((f.metadata() or {}).get("layout", "{}"))
+        tensors = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    return tensors, layout
+
+
+def _join_shards(shard_files: list[Path]) -> dict[str, torch.Tensor]:
+    """Full optimizer tensors from per-rank shard files (one copy per shard index, joined along the shard dim)."""
+    pieces: dict[str, dict[int, torch.Tensor]] = {}
+    infos: dict[str, dict[str, Any]] = {}
+    full: dict[str, torch.Tensor] = {}
+    for path in shard_files:
+        tensors, layout = _read_shard_file(path)
+        for key, tensor in tensors.items():
+            info = layout.get(key)
+            if info is None:
+                full.setdefault(key, tensor)  # replicated: every rank holds the same value
+                continue
+            infos[key] = info
+            pieces.setdefault(key, {})[info["index"]] = tensor
+    for key, info in infos.items():
+        found = pieces[key]
+        if sorted(found) != list(range(info["count"])):
+            raise ValueError(f"optimizer state {key!r}: shards {sorted(found)} found, {info['count']} expected")
+        joined = torch.cat([found[i] for i in range(info["count"])], dim=info["dim"])
+        if list(joined.shape) != info["shape"]:
+            raise ValueError(f"optimizer state {key!r}: shards join to {list(joined.shape)}, recorded {info['shape']}")
+        full[key] = joined
+    return full
+
+
+def _unflatten_optimizer(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    state: dict[str, dict[str, Any]] = {}
+    for key, tensor in flat.items():
+        name, entry = key.rsplit(_KEY_SEP, 1)
+        state.setdefault(name, {})[entry] = tensor
+    return state
+
+
+def _local_layout_matches(components: TrainingComponents, layout: Mapping[str, Any]) -> bool:
+    """Whether this rank's own optimizer shards would have exactly the recorded layout."""
+    params = dict(components.model.named_parameters())
+    for key, info in layout.items():
+        param = params.get(key.rsplit(_KEY_SEP, 1)[0])
+        if param is None or not hasattr(param, "device_mesh"):
+            return False
+        if _shard_info(param) != info:
+            return False
+    return True
+
+
+def _load_optimizer(components: TrainingComponents, path: Path, record: Mapping[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_optimizer_state_dict,
+    )
+    from torch.distributed.tensor import DTensor
+
+    files = record["files"]
+    groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else dict(g) for g in record["optimizer_param_groups"]]
+    shard_files = sorted(n for n in files if n.startswith("optimizer-rank"))
+    if "optimizer.safetensors" in files:
+        flat = safetensors.torch.load_file(str(path / "optimizer.safetensors"))
+    elif shard_files:
+        own = _optimizer_shard_name(_rank(), len(shard_files))
+        if _is_distributed(components.model) and torch.distributed.get_world_size() == len(shard_files):
+            tensors, layout = _read_shard_file(path / own)
+            # Same decision on every rank (set_optimizer_state_dict is collective): agree on it.
+            same = torch.tensor([int(_local_layout_matches(components, layout))], device=_collective_device())
+            torch.distributed.all_reduce(same, op=torch.distributed.ReduceOp.MIN)
+            if bool(same.item()):
+                params = dict(components.model.named_parameters())
+                local: dict[str, Any] = {}
+                for key, tensor in tensors.items():
+                    if key in layout:
+                        param = params[key.rsplit(_KEY_SEP, 1)[0]]
+                        tensor = DTensor.from_local(
+                            tensor.to(param.to_local().device), param.device_mesh, param.placements,
+                            run_check=False, shape=param.shape, stride=param.stride(),
+                        )
+                    local[key] = tensor
+                set_optimizer_state_dict(
+                    components.model, components.optimizer, {"state": _unflatten_optimizer(local), "param_groups": groups}
+                )
+                return
+        flat = _join_shards([path / n for n in shard_files])
+    else:
+        raise ValueError(f"checkpoint {str(path)!r} holds no optimizer state (saved with save_optimizer=False)")
+    set_optimizer_state_dict(
+        components.model,
+        components.optimizer,
+        {"state": _unflatten_optimizer(flat), "param_groups": groups},
+        options=StateDictOptions(full_state_dict=True),
+    )
 
 
 def _rng_state() -> dict[str, Any]:
@@ -360,28 +523,39 @@ def save_checkpoint(
     extra_json = json.loads(json.dumps(dict(extra or {})))  # fail early (TypeError) on non-JSON extra
     root = Path(root)
     final = root / f"step_{state.step}"
+    distributed = _is_distributed(components.model)
     weights = _model_tensors(components.model)
-    optim_tensors, optim_groups = _optimizer_state(components) if save_optimizer else ({}, [])
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.iterdir():
-            if stale.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
-                shutil.rmtree(stale, ignore_errors=True)
-        tmp = root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
-        tmp.mkdir()
-        files = {
-            "config.json": _write_config(tmp / "config.json", components.model),
-            "model.safetensors": _write_tensors(tmp / "model.safetensors", weights, {"format": "pt"}),
-        }
+    files: dict[str, dict[str, int]] = {}
+    optim_groups: list[dict[str, Any]] = []
+    if distributed:
+        # A fixed name every rank can compute; rank 0 clears leftovers before anyone writes.
+        tmp = root / f"{_TMP_PREFIX}{final.name}-ranks{torch.distributed.get_world_size()}"
+        if _rank() == 0:
+            _prepare_tmp(root, tmp)
+        _barrier()
         if save_optimizer:
+            rank, world = _rank(), torch.distributed.get_world_size()
+            shards, layout, optim_groups = _sharded_optimizer_state(components)
+            name = _optimizer_shard_name(rank, world)
+            mine = _write_tensors(tmp / name, shards, {"layout": json.dumps(layout, sort_keys=True)})
+            for r, record in enumerate(_gather_file_records(mine)):
+                files[_optimizer_shard_name(r, world)] = record
+    elif _rank() == 0:  # (a replicated model under torch.distributed: rank 0 saves, the others wait)
+        tmp = root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
+        _prepare_tmp(root, tmp)
+        if save_optimizer:
+            optim_tensors, optim_groups = _optimizer_state(components)
             files["optimizer.safetensors"] = _write_tensors(tmp / "optimizer.safetensors", optim_tensors, {})
+    if _rank() == 0:
+        files["config.json"] = _write_config(tmp / "config.json", components.model)
+        files["model.safetensors"] = _write_tensors(tmp / "model.safetensors", weights, {"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         record = {
             "format_version": FORMAT_VERSION,
             "training_state": state.to_dict(),
             "extra": extra_json,
-            "files": files,
+            "files": dict(sorted(files.items())),
             "optimizer_param_groups": optim_groups,
             "scheduler": _scheduler_state(components.scheduler),
             "rng": _rng_state(),
@@ -393,6 +567,15 @@ def save_checkpoint(
             _remove_tree(old, root)
     _barrier()
     return final
+
+
+def _prepare_tmp(root: Path, tmp: Path) -> None:
+    """Create `root` and an empty `tmp` in it, clearing what interrupted saves left behind."""
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.iterdir():
+        if stale.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir()
 
 
 def _step_dirs(root: Path) -> list[Path]:
@@ -475,25 +658,7 @@ def load_checkpoint(
         raise ValueError(f"{str(path)!r} is not a checkpoint: state.json missing, unreadable or of another format")
     load_model_weights(components.model, read_weights(path))
     if load_optimizer:
-        if "optimizer.safetensors" not in record["files"]:
-            raise ValueError(f"checkpoint {str(path)!r} holds no optimizer state (saved with save_optimizer=False)")
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
-
-        flat = safetensors.torch.load_file(str(path / "optimizer.safetensors"))
-        state: dict[str, dict[str, torch.Tensor]] = {}
-        for key, tensor in flat.items():
-            name, entry = key.rsplit(_KEY_SEP, 1)
-            state.setdefault(name, {})[entry] = tensor
-        groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else dict(g) for g in record["optimizer_param_groups"]]
-        set_optimizer_state_dict(
-            components.model,
-            components.optimizer,
-            {"state": state, "param_groups": groups},
-            options=StateDictOptions(full_state_dict=True),
-        )
+        _load_optimizer(components, path, record)
         components.scheduler.load_state_dict({**record["scheduler"], "lr_lambdas": [None] * len(components.optimizer.param_groups)})
     if restore_rng:
         _restore_rng(record["rng"])
