@@ -4,7 +4,9 @@ Legend: P prompts, R = P * n rows being sampled, L padded prompt length, V vocab
 
 Each distinct prompt is prefilled once and its KV cache repeated n times; prompts are
 left-padded so every row's next token sits in the last column; rows that finish are dropped
-from the batch (and the cache) so the remaining ones run at full speed.
+from the batch (and the cache) so the remaining ones run at full speed. For Llama-family models
+the decode steps run through `FastDecoder` (same arithmetic, preallocated cache, no per-step
+module overhead); other models decode through their HF forward.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import torch
 from rollouts.backends.checkpoint import load_model_weights, read_weights
+from rollouts.backends.decode import fast_decoder
 from rollouts.backends.train import attention_mask_4d
 from rollouts.types import Sample, SamplingParams, Status
 
@@ -118,11 +121,14 @@ def generate(
     stop_token_ids: Sequence[int] = (),
     seed: int | None = None,
     weight_version: int | None = None,
+    fast_decode: bool = True,
 ) -> list[Sample]:
     """Sample n responses per prompt (prompt-major order) with a KV cache; deterministic for a seed.
 
     Each Sample has tokens = prompt + response, loss_mask 1.0 on the response, rollout_logprobs of
     the sampled tokens, and status COMPLETED (ended by a stop token, which is kept) or TRUNCATED.
+    `fast_decode=False` runs every decode step through the model's HF forward (e.g. for a model
+    whose modules were patched); otherwise Llama-family models use `FastDecoder`.
     """
     from transformers import DynamicCache
 
@@ -170,8 +176,13 @@ def generate(
         )
         # Prefill once per prompt, then give each of the n rows its own copy of the cache.
         logits_R_V = out.logits[:, -1].repeat_interleave(n, dim=0)
-        cache.batch_repeat_interleave(n)
         mask = mask.repeat_interleave(n, dim=0)
+        decoder = fast_decoder(model, max_len + max_new_tokens) if fast_decode else None
+        if decoder is not None:
+            decoder.load_cache(cache, n, max_len + max_new_tokens, mask if padded else None)
+            del cache
+        else:
+            cache.batch_repeat_interleave(n)
         next_position = position[:, -1].repeat_interleave(n, dim=0) + 1
         num_rows = num_prompts * n
         # Sampled tokens and log-probs stay on the device; rows that finish leave `active`.
@@ -198,8 +209,15 @@ def generate(
                     if not bool(keep.any()):
                         break
                     kept = keep.nonzero().squeeze(-1)
-                    cache.batch_select_indices(kept)
+                    if decoder is not None:
+                        decoder.select_rows(kept)
+                    else:
+                        cache.batch_select_indices(kept)
                     active, tokens, mask, next_position = active[kept], tokens[kept], mask[kept], next_position[kept]
+            if decoder is not None:
+                logits_R_V = decoder.step(tokens, next_position)
+                next_position = next_position + 1
+                continue
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
             out = model(
                 input_ids=tokens[:, None],

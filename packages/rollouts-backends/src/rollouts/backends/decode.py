@@ -1,0 +1,140 @@
+"""A lean decode step for Llama-family decoders (Llama, Qwen2): the sampler's fast path.
+
+Legend: R rows being sampled, T cache capacity (prompt + max_new_tokens), H query heads,
+G key/value heads, D head dim, E hidden size.
+
+One new token per row per step is overhead-bound on small models: transformers' forward spends
+most of its time in module calls, config lookups, mask construction and growing its cache with
+`torch.cat`. `FastDecoder` runs the same arithmetic as the HF modules (RMSNorm in float32,
+rotary from the model's own `rotary_emb`, SDPA with grouped KV heads, SwiGLU) straight from the
+modules' weights, writing keys and values into preallocated buffers. The prefill still goes
+through the HF model; its cache is copied in once. Architectures whose math differs (extra
+norms, sliding windows, other activations) are refused by `fast_decoder`, and the caller falls
+back to the HF forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["FastDecoder", "fast_decoder"]
+
+_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+"""Model classes whose decoder layer is exactly: RMSNorm, q/k/v(+bias) with rotary, SDPA, o_proj,
+RMSNorm, SwiGLU MLP. Others fall back to the HF forward."""
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As the HF RMSNorm: statistics in float32, the weight applied in the input dtype.
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def fast_decoder(model: torch.nn.Module, total_length: int) -> FastDecoder | None:
+    """A FastDecoder for `model`, or None when its architecture is not one the fast path reproduces."""
+    if type(model).__name__ not in _ARCHITECTURES:
+        return None
+    config = model.config
+    if getattr(config, "hidden_act", None) != "silu":
+        return None
+    if any(hasattr(p, "device_mesh") for p in model.parameters()):
+        return None  # FSDP-sharded weights: the HF forward gathers them
+    body = getattr(model, "model", None)
+    if body is None or not hasattr(body, "rotary_emb") or not hasattr(model, "lm_head"):
+        return None
+    for layer in body.layers:
+        attn = layer.self_attn
+        if getattr(attn, "sliding_window", None) is not None and attn.sliding_window < total_length:
+            return None
+        if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+            return None
+    return FastDecoder(model)
+
+
+class FastDecoder:
+    """Static-cache decoding with the weights of an HF Llama-family model (read, never copied)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._model = model
+        self._body = model.model
+        config = model.config
+        self._num_heads = config.num_attention_heads
+        self._num_kv_heads = getattr(config, "num_key_value_heads", None) or self._num_heads
+        self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // self._num_heads
+        self._scaling = self._body.layers[0].self_attn.scaling
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+        self._mask_R_T: torch.Tensor | None = None
+        self._length = 0
+
+    def load_cache(self, cache: object, repeats: int, capacity: int, mask_R_L: torch.Tensor | None) -> None:
+        """Copy a prefilled HF DynamicCache ([P, G, L, D] per layer) in, each prompt's entries
+        repeated `repeats` times, into buffers with room for `capacity` positions.
+
+        `mask_R_L` (1 = real token) marks left padding in the prompt part; None when there is none.
+        """
+        self._keys, self._values = [], []
+        for layer in cache.layers:  # type: ignore[attr-defined]
+            for source, target in ((layer.keys, self._keys), (layer.values, self._values)):
+                rows, heads, length, dim = source.shape
+                buffer = source.new_empty((rows * repeats, heads, capacity, dim))
+                buffer[:, :, :length] = source.repeat_interleave(repeats, dim=0)
+                target.append(buffer)
+        self._length = length
+        self._mask_R_T = None
+        if mask_R_L is not None:
+            self._mask_R_T = torch.ones((mask_R_L.shape[0], capacity), dtype=torch.bool, device=mask_R_L.device)
+            self._mask_R_T[:, :length] = mask_R_L > 0
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` (indices into the current rows) in the cache."""
+        self._keys = [k.index_select(0, rows) for k in self._keys]
+        self._values = [v.index_select(0, rows) for v in self._values]
+        if self._mask_R_T is not None:
+            self._mask_R_T = self._mask_R_T.index_select(0, rows)
+
+    def step(self, tokens_R: torch.Tensor, positions_R: torch.Tensor) -> torch.Tensor:
+        """Append one token per row at `positions_R` (rotary positions); returns [R, V] logits."""
+        t = self._length
+        if t >= self._keys[0].shape[2]:
+            raise ValueError(f"decode cache is full ({t} positions): load_cache was given too small a capacity")
+        body = self._body
+        rows = tokens_R.shape[0]
+        x_R_E = F.embedding(tokens_R, body.embed_tokens.weight)
+        cos, sin = body.rotary_emb(x_R_E, positions_R[:, None])  # [R, 1, D] each, in x's dtype
+        cos, sin = cos[:, None], sin[:, None]  # [R, 1, 1, D]: broadcast over heads
+        mask = None if self._mask_R_T is None else self._mask_R_T[:, None, None, : t + 1]
+        h, g, d = self._num_heads, self._num_kv_heads, self._head_dim
+        for layer, keys, values in zip(body.layers, self._keys, self._values, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            norm = layer.input_layernorm
+            hidden = _rms_norm(x_R_E, norm.weight, norm.variance_epsilon)
+            q = F.linear(hidden, attn.q_proj.weight, attn.q_proj.bias).view(rows, h, 1, d)
+            k = F.linear(hidden, attn.k_proj.weight, attn.k_proj.bias).view(rows, g, 1, d)
+            v = F.linear(hidden, attn.v_proj.weight, attn.v_proj.bias).view(rows, g, 1, d)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            keys[:, :, t : t + 1] = k
+            values[:, :, t : t + 1] = v
+            out = F.scaled_dot_product_attention(
+                q, keys[:, :, : t + 1], values[:, :, : t + 1], attn_mask=mask, scale=self._scaling, enable_gqa=g != h
+            )
+            x_R_E = x_R_E + F.linear(out.reshape(rows, h * d), attn.o_proj.weight, attn.o_proj.bias)
+            norm = layer.post_attention_layernorm
+            hidden = _rms_norm(x_R_E, norm.weight, norm.variance_epsilon)
+            gate = F.linear(hidden, mlp.gate_proj.weight, mlp.gate_proj.bias)
+            up = F.linear(hidden, mlp.up_proj.weight, mlp.up_proj.bias)
+            x_R_E = x_R_E + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+        self._length = t + 1
+        norm = body.norm
+        hidden = _rms_norm(x_R_E, norm.weight, norm.variance_epsilon)
+        head = self._model.lm_head
+        return F.linear(hidden, head.weight, head.bias)
