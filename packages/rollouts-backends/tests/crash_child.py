@@ -1,7 +1,8 @@
 """Crash-test worker: resume from the latest checkpoint, train, checkpoint after every step.
 
 `run` reports progress lines ("START n", "SAVING n", "SAVED n", "DONE") through `emit`; the test
-forks a process running it and SIGKILLs that process at chosen moments.
+forks a process running it and SIGKILLs that process at chosen moments. With `wait=False` the
+checkpoints are flushed and published in the background, so "SAVED n" kills land mid-publish.
 """
 
 import sys
@@ -12,11 +13,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
 from helpers import fresh_components, train_steps
-from rollouts.backends import latest_checkpoint, load_checkpoint, save_checkpoint
+from rollouts.backends import latest_checkpoint, load_checkpoint, save_checkpoint, wait_for_checkpoint
 from rollouts.types import TrainingState
 
 
-def run(root: Path, total: int, emit: Callable[[str], None]) -> None:
+def run(root: Path, total: int, emit: Callable[[str], None], wait: bool = True) -> None:
     torch.manual_seed(1234)
     components = fresh_components(num_training_steps=total)
     state = TrainingState()
@@ -28,10 +29,11 @@ def run(root: Path, total: int, emit: Callable[[str], None]) -> None:
 
     def checkpoint(components, state):
         emit(f"SAVING {state.step}")
-        save_checkpoint(components, state, root, extra={"step": state.step}, keep_last=2)
+        save_checkpoint(components, state, root, extra={"step": state.step}, keep_last=2, wait=wait)
         emit(f"SAVED {state.step}")
 
     train_steps(components, state, total - state.step, on_step=checkpoint)
+    wait_for_checkpoint()  # a forked child exits without running atexit handlers
     emit("DONE")
 
 

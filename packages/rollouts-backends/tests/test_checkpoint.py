@@ -19,6 +19,7 @@ from rollouts.backends import (
     load_checkpoint,
     read_weights,
     save_checkpoint,
+    wait_for_checkpoint,
 )
 from rollouts.types import OptimizerConfig, TrainingState
 from transformers import AutoModelForCausalLM
@@ -91,6 +92,7 @@ def test_retention_and_corruption_are_handled(tmp_path):
     for _ in range(4):
         state = train_steps(components, state, 1)
         save_checkpoint(components, state, tmp_path, keep_last=3)
+    wait_for_checkpoint()  # old ones are renamed away at once and deleted in the background
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3", "step_4"]
     # A leftover temporary directory (a crash mid-save) is never chosen.
     (tmp_path / ".tmp-step_9-1").mkdir()
@@ -111,6 +113,7 @@ def test_retention_and_corruption_are_handled(tmp_path):
         load_checkpoint(components, tmp_path / "step_2")
     # The next save clears the stale temporary directory.
     save_checkpoint(components, state.after_step(num_tokens=1, num_samples=1), tmp_path, keep_last=1)
+    wait_for_checkpoint()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_5"]
 
 
@@ -140,19 +143,20 @@ def test_export_weights_shards_and_manifest(tmp_path):
     assert not (directory / "model.safetensors.index.json").exists()
 
 
-def _start_worker(root: Path, total: int):
+def _start_worker(root: Path, total: int, wait: bool):
     """Fork a process running crash_child.run; returns (process, connection receiving its lines)."""
     import crash_child
 
     receive, send = multiprocessing.get_context("fork").Pipe(duplex=False)
     ctx = multiprocessing.get_context("fork")
-    process = ctx.Process(target=crash_child.run, args=(root, total, send.send), daemon=True)
+    process = ctx.Process(target=crash_child.run, args=(root, total, send.send, wait), daemon=True)
     process.start()
     send.close()
     return process, receive
 
 
-def test_sigkill_at_random_moments_always_leaves_a_resumable_checkpoint(tmp_path):
+@pytest.mark.parametrize("wait", [True, False], ids=["durable-on-return", "background-publish"])
+def test_sigkill_at_random_moments_always_leaves_a_resumable_checkpoint(tmp_path, wait):
     total = 6
     rng = random.Random(0)
     # Kill points: the n-th line starting with a marker, plus a random delay; "SAVING" kills land
@@ -161,7 +165,7 @@ def test_sigkill_at_random_moments_always_leaves_a_resumable_checkpoint(tmp_path
     progress = []
     saved_any = False
     for marker, nth, delay_s in plans:
-        process, lines = _start_worker(tmp_path, total)
+        process, lines = _start_worker(tmp_path, total, wait)
         seen = 0
         try:
             while lines.poll(_WORKER_LINE_TIMEOUT_S):
@@ -182,7 +186,7 @@ def test_sigkill_at_random_moments_always_leaves_a_resumable_checkpoint(tmp_path
         assert extra == {"step": state.step}
         progress.append(state.step)
     assert progress == sorted(progress) and progress[-1] < total
-    process, lines = _start_worker(tmp_path, total)
+    process, lines = _start_worker(tmp_path, total, wait)
     process.join(timeout=120)
     assert process.exitcode == 0
 
@@ -236,3 +240,39 @@ def test_optimizer_shards_join_back_to_the_full_tensor(tmp_path_factory, rows, c
     if count > 1:
         with pytest.raises(ValueError, match=rf"shards .* found, {count} expected"):
             _join_shards(files[1:])
+
+
+def test_background_save_returns_early_and_publishes_what_it_was_given(tmp_path):
+    components = fresh_components()
+    state = train_steps(components, TrainingState(), 1)
+    saved = _weights(components.model)
+    path = save_checkpoint(components, state, tmp_path, wait=False, extra={"k": 1})
+    with torch.no_grad():  # training goes on at once: the checkpoint keeps the bytes it was handed
+        for param in components.model.parameters():
+            param.add_(1.0)
+    assert latest_checkpoint(tmp_path) == path  # waits for the publish
+    resumed = fresh_components(seed=3)
+    loaded, extra = load_checkpoint(resumed, path)
+    assert loaded == state and extra == {"k": 1}
+    _assert_bit_identical(_weights(resumed.model), saved)
+
+
+def test_a_failed_background_publish_is_reported_and_never_published(tmp_path, monkeypatch):
+    import rollouts.backends.checkpoint as ck
+
+    components = fresh_components()
+    state = train_steps(components, TrainingState(), 1)
+
+    def disk_full(path):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(ck, "_fsync_file", disk_full)
+    save_checkpoint(components, state, tmp_path, wait=False)
+    with pytest.raises(RuntimeError, match="No space left on device"):
+        wait_for_checkpoint()
+    wait_for_checkpoint()  # reported once
+    assert latest_checkpoint(tmp_path) is None
+    monkeypatch.undo()
+    path = save_checkpoint(components, state, tmp_path)  # clears the unpublished leftovers
+    wait_for_checkpoint()
+    assert latest_checkpoint(tmp_path) == path and [p.name for p in tmp_path.iterdir()] == ["step_1"]

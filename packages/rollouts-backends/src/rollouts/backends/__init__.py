@@ -7,6 +7,7 @@ from rollouts.backends.checkpoint import (
     load_model_weights,
     read_weights,
     save_checkpoint,
+    wait_for_checkpoint,
 )
 from rollouts.backends.components import (
     TrainingComponents,
@@ -52,6 +53,7 @@ __all__ = [
     "read_weights",
     "sample_next_tokens",
     "save_checkpoint",
+    "wait_for_checkpoint",
     "shard_model",
     "token_logprobs_of_model",
     "transformer_blocks",

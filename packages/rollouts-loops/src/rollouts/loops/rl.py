@@ -494,7 +494,8 @@ async def _rl_main(components, buffer, engine, config, reward_fn, encode_prompt,
                 broadcast_json({"op": "checkpoint"})
                 await trio.to_thread.run_sync(lambda: save_checkpoint(
                     components, state, run_dir / CHECKPOINTS_DIR, extra=extra,
-                    keep_last=ckpt.keep_last, save_optimizer=ckpt.save_optimizer, tokenizer=tokenizer))
+                    keep_last=ckpt.keep_last, save_optimizer=ckpt.save_optimizer, tokenizer=tokenizer,
+                    wait=state.step >= total))  # earlier ones flush while training goes on
         if pending is not None:
             nursery.cancel_scope.cancel()
     return state, history

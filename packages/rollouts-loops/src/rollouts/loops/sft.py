@@ -107,5 +107,6 @@ def run_sft_training(
                 components, state, Path(run_dir) / CHECKPOINTS_DIR,
                 extra={"buffer": buffer.state_dict()}, keep_last=ckpt.keep_last,
                 save_optimizer=ckpt.save_optimizer, tokenizer=tokenizer,
+                wait=state.step == config.num_steps,  # earlier ones flush while training goes on
             )
     return state, history

@@ -4,7 +4,7 @@ Legend: B rows, T tokens per row, S sequences. Per-token tensors are [B, T] and 
 
 KL estimators (Schulman's k1/k2/k3) of KL(pi || pi_ref) from samples of pi:
   k1 = log pi - log pi_ref;  abs = |k1|;  k2 = 0.5 k1^2;
-  k3 = low_var_kl = exp(d) - d - 1 with d = log pi_ref - log pi (clamped as verl does).
+  k3 = low_var_kl = exp(d) - d - 1 with d = log pi_ref - log pi (clamped to [0, 10]; verl's upper clamp).
 Whether the penalty goes into the loss or into the reward is the loop's choice.
 
 Importance weights correct for the inference engine sampling from a slightly different policy
@@ -47,7 +47,8 @@ def kl_penalty(logprobs_B_T: Tensor, ref_logprobs_B_T: Tensor, *, kind: KLKind) 
         return 0.5 * diff_B_T.square()
     if kind in ("k3", "low_var_kl"):
         d_B_T = torch.clamp(-diff_B_T, -MAX_KL_LOG_RATIO, MAX_KL_LOG_RATIO)
-        return torch.clamp(torch.exp(d_B_T) - d_B_T - 1.0, -MAX_K3, MAX_K3)
+        # exp(d) - d - 1 >= 0, but for |d| near float epsilon rounding can give -6e-8: clamp at 0.
+        return torch.clamp(torch.exp(d_B_T) - d_B_T - 1.0, 0.0, MAX_K3)
     raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")
 
 
