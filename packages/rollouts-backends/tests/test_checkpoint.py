@@ -266,7 +266,7 @@ def test_a_failed_background_publish_is_reported_and_never_published(tmp_path, m
     def disk_full(path):
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr(ck, "_fsync_file", disk_full)
+    monkeypatch.setattr(ck, "_fsync_path", disk_full)
     save_checkpoint(components, state, tmp_path, wait=False)
     with pytest.raises(RuntimeError, match="No space left on device"):
         wait_for_checkpoint()

@@ -53,8 +53,8 @@ __all__ = [
     "read_weights",
     "sample_next_tokens",
     "save_checkpoint",
-    "wait_for_checkpoint",
     "shard_model",
     "token_logprobs_of_model",
     "transformer_blocks",
+    "wait_for_checkpoint",
 ]

@@ -94,15 +94,8 @@ _SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
 # ---------------------------------------------------------------- file helpers
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
+def _fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's entries: names created or renamed in it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -268,19 +261,24 @@ def _to_trash(path: Path, root: Path) -> Path:
     return trash
 
 
+def _delete(trash: list[Path]) -> None:
+    for path in trash:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _delete_later(trash: list[Path]) -> None:
     """Delete renamed-away directories on the background thread: freeing a multi-GB file's blocks
     takes long (about 0.1 s per 200 MB here) and nothing waits on it."""
     if trash:
-        _publisher.start(lambda: [shutil.rmtree(path, ignore_errors=True) for path in trash])
+        _publisher.start(lambda: _delete(trash))
 
 
 def _publish(tmp: Path, final: Path) -> list[Path]:
     """Atomically give the complete directory `tmp` the name `final`; returns the replaced one's trash."""
-    _fsync_dir(tmp)
+    _fsync_path(tmp)
     trash = [_to_trash(final, final.parent)] if final.exists() else []
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    _fsync_path(final.parent)
     return trash
 
 
@@ -607,14 +605,14 @@ def save_checkpoint(
 
         def finish() -> list[Path]:
             for path in unsynced:
-                _fsync_file(path)
+                _fsync_path(path)
             trash = _publish(tmp, final)
             return trash + [_to_trash(old, root) for old in _step_dirs(root)[:-keep_last]]
 
         if wait:
             _delete_later(finish())
         else:
-            _publisher.start(lambda: [shutil.rmtree(path, ignore_errors=True) for path in finish()])
+            _publisher.start(lambda: _delete(finish()))
     _barrier()
     return final
 
