@@ -622,7 +622,7 @@ class _Publisher:
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._error: Exception | None = None
 
     def start(self, finish: Any) -> None:
         self.wait(None)
@@ -630,7 +630,7 @@ class _Publisher:
         def run() -> None:
             try:
                 finish()
-            except BaseException as error:  # handed to whoever waits next
+            except Exception as error:  # handed to whoever waits next
                 self._error = error
 
         self._thread = threading.Thread(target=run, name="rollouts-checkpoint-publish", daemon=True)
