@@ -85,3 +85,13 @@ def test_architectures_the_fast_path_does_not_reproduce_fall_back():
     assert fast_decoder(gelu, total_length=16) is None
     samples = generate(gelu, [[5, 6, 7]], n=2, max_new_tokens=4, seed=0)
     assert [s.response_length for s in samples] == [4, 4]
+
+
+def test_bfloat16_decoding_is_bit_identical_to_the_hf_forward():
+    """The same operations in the same order: in bf16, where any reordering would show, nothing differs."""
+    model = tiny_model(seed=1).to(torch.bfloat16)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15]]
+    fast = generate(model, prompts, n=3, max_new_tokens=20, seed=5)
+    slow = generate(model, prompts, n=3, max_new_tokens=20, seed=5, fast_decode=False)
+    assert [s.tokens for s in fast] == [s.tokens for s in slow]
+    assert [s.rollout_logprobs for s in fast] == [s.rollout_logprobs for s in slow]
