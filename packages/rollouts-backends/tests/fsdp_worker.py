@@ -1,7 +1,8 @@
 """Run under `torchrun --nproc_per_node 2`: FSDP2 training, checkpoint and resume on CPU with gloo.
 
 Writes to OUT_DIR (rank 0): losses.json (global loss per step), final/ (exported weights after
-3 straight steps), ckpt/step_2/ (a checkpoint with one optimizer shard file per rank) and
+3 straight steps), ckpt/step_1/ and ckpt/step_2/ (checkpoints with one optimizer shard file per
+rank; step 1 saved with wait=False) and
 resumed/ (weights after reloading step 2 into a fresh sharded model and running step 3 again).
 The reload must take the same-layout path: each rank reads only its own shard file.
 """
@@ -56,8 +57,8 @@ def main(out: Path) -> None:
     for i in range(NUM_STEPS):
         state, loss = step(components, state, rank, world)
         losses.append(loss)
-        if i == 1:
-            save_checkpoint(components, state, out / "ckpt")
+        if i <= 1:  # step 1 published in the background (step 2's save waits for it), step 2 at once
+            save_checkpoint(components, state, out / "ckpt", wait=i == 1)
     export_weights(components, out / "final")
 
     def refuse_join(files):

@@ -11,6 +11,7 @@ from helpers import TRAIN_CONFIG_KW, packed_batch, tiny_model
 from rollouts.backends import (
     build_components,
     forward_backward,
+    latest_checkpoint,
     load_checkpoint,
     optim_step,
     read_weights,
@@ -67,6 +68,11 @@ def test_fsdp2_on_two_gloo_ranks_matches_single_process(tmp_path):
     moments = 2 * sum(t.numel() * t.element_size() for t in reference.values())
     for name in shard_files:
         assert (step_dir / name).stat().st_size < 0.6 * moments
+
+    # The background-published step 1 is complete too.
+    assert latest_checkpoint(tmp_path / "ckpt") == step_dir
+    early = build_components(tiny_model(seed=1), config, num_training_steps=NUM_STEPS)
+    assert load_checkpoint(early, tmp_path / "ckpt" / "step_1")[0].step == 1
 
     # The same checkpoint resumes in one process without FSDP (shards joined): step 3 matches.
     single_resumed = build_components(tiny_model(seed=1), config, num_training_steps=NUM_STEPS)
