@@ -276,3 +276,25 @@ def test_a_failed_background_publish_is_reported_and_never_published(tmp_path, m
     path = save_checkpoint(components, state, tmp_path)  # clears the unpublished leftovers
     wait_for_checkpoint()
     assert latest_checkpoint(tmp_path) == path and [p.name for p in tmp_path.iterdir()] == ["step_1"]
+
+
+def test_interpreter_exit_waits_for_a_background_publish(tmp_path):
+    """A script whose last act is save_checkpoint(wait=False) still leaves that checkpoint."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys; sys.path.insert(0, {tests!r})\n"
+        "import rollouts.backends.checkpoint as ck\n"
+        "from helpers import fresh_components\n"
+        "from rollouts.backends import save_checkpoint\n"
+        "from rollouts.types import TrainingState\n"
+        "slow_fsync = ck._fsync_path\n"
+        "def fsync(path):\n"
+        "    import time; time.sleep(0.2); slow_fsync(path)\n"
+        "ck._fsync_path = fsync  # the publish is surely still running when the script ends\n"
+        "save_checkpoint(fresh_components(), TrainingState(step=3), {root!r}, wait=False)\n"
+    ).format(tests=str(Path(__file__).parent), root=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_3"
