@@ -298,3 +298,33 @@ def test_interpreter_exit_waits_for_a_background_publish(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert latest_checkpoint(tmp_path) == tmp_path / "step_3"
+
+
+def test_retention_never_deletes_the_checkpoint_just_written(tmp_path):
+    """A rolled-back run saving step 15 beside a stale step 20 keeps step 15."""
+    components = fresh_components()
+    for step in (10, 20):
+        save_checkpoint(components, TrainingState(step=step), tmp_path, keep_last=2)
+    path = save_checkpoint(components, TrainingState(step=15), tmp_path, keep_last=2)
+    wait_for_checkpoint()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_15", "step_20"]
+    save_checkpoint(components, TrainingState(step=15), tmp_path, keep_last=1)
+    wait_for_checkpoint()
+    assert [p.name for p in tmp_path.iterdir()] == ["step_15"] and path.is_dir()
+
+
+def test_re_saving_a_step_swaps_directories_in_one_step(tmp_path, monkeypatch):
+    import rollouts.backends.checkpoint as ck
+
+    components = fresh_components()
+    save_checkpoint(components, TrainingState(step=1), tmp_path, extra={"v": 1})
+    assert ck._renameat2 is not None  # Linux: the exchange is available, so nothing is renamed away first
+
+    def never(path, root):
+        raise AssertionError(f"{path} was renamed away before the new directory took its name")
+
+    monkeypatch.setattr(ck, "_to_trash", never)
+    path = save_checkpoint(components, TrainingState(step=1), tmp_path, extra={"v": 2})
+    wait_for_checkpoint()
+    assert load_checkpoint(fresh_components(), path)[1] == {"v": 2}
+    assert [p.name for p in tmp_path.iterdir()] == ["step_1"]

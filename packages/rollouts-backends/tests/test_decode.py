@@ -81,6 +81,8 @@ def test_architectures_the_fast_path_does_not_reproduce_fall_back():
     assert [layer.self_attn.sliding_window for layer in windowed.model.layers] == [4, 4]
     assert fast_decoder(windowed, total_length=16) is None
     assert fast_decoder(windowed, total_length=4) is not None  # the window covers every position
+    # Eager attention casts probabilities to the model dtype before @ V: in bf16 SDPA would sample differently.
+    assert fast_decoder(tiny_model(seed=0, attn="eager"), total_length=16) is None
     gelu = tiny_model(seed=0, hidden_act="gelu")
     assert fast_decoder(gelu, total_length=16) is None
     samples = generate(gelu, [[5, 6, 7]], n=2, max_new_tokens=4, seed=0)

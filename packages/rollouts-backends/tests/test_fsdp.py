@@ -25,16 +25,29 @@ _ATTEMPTS = 2
 without an active exception", SIGABRT) with no Python error; that one failure is run again."""
 
 
-@pytest.mark.slow
-def test_fsdp2_on_two_gloo_ranks_matches_single_process(tmp_path):
-    worker = Path(__file__).parent / "fsdp_worker.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(worker), str(tmp_path)]
+def _torchrun(worker: str, out: Path) -> None:
+    """Run tests/<worker> on 2 gloo ranks with `out` as its argument; fail with its stderr."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(Path(__file__).parent / worker), str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for _ in range(_ATTEMPTS):
         done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=_TORCHRUN_TIMEOUT_S, check=False)
         if done.returncode == 0 or "terminate called without an active exception" not in done.stderr:
             break
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_failure_on_one_rank_raises_on_every_rank(tmp_path):
+    _torchrun("fsdp_failure_worker.py", tmp_path)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert "No space left on device" in ranks[0]["publish"] and "another rank" in ranks[1]["publish"]
+    assert "another rank" in ranks[0]["shard"] and "No space left on device" in ranks[1]["shard"]
+    assert ranks[0]["latest"] == ranks[1]["latest"] == str(tmp_path / "ckpt" / "step_4")
+
+
+@pytest.mark.slow
+def test_fsdp2_on_two_gloo_ranks_matches_single_process(tmp_path):
+    _torchrun("fsdp_worker.py", tmp_path)
     result = json.loads((tmp_path / "losses.json").read_text())
 
     config = OptimizerConfig(**TRAIN_CONFIG_KW)

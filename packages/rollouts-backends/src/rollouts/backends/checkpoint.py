@@ -32,6 +32,7 @@ import re
 import shutil
 import sys
 import threading
+import uuid
 import zlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -121,22 +122,32 @@ def _write_config(path: Path, model: torch.nn.Module, *, sync: bool = True) -> d
     return _write_bytes(path, model.config.to_json_string(use_diff=False).encode(), sync=sync)
 
 
-def _load_sync_file_range() -> Any:
-    """libc's sync_file_range (Linux), or None where it is unavailable."""
+def _libc_function(name: str, argtypes: list[Any]) -> Any:
+    """A Linux libc function with its argument types, or None where it is unavailable."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
+        fn = getattr(libc, name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.argtypes = argtypes
     fn.restype = ctypes.c_int
     return fn
 
 
-_sync_file_range = _load_sync_file_range()
+_sync_file_range = _libc_function("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
 _SYNC_FILE_RANGE_WRITE = 2
+_renameat2 = _libc_function("renameat2", [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint])
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directory entries atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    if _renameat2 is None:
+        return False
+    return _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
 
 
 def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
@@ -256,7 +267,7 @@ def _file_matches(path: Path, record: Mapping[str, int]) -> bool:
 def _to_trash(path: Path, root: Path) -> Path:
     """Rename a directory out of the way (so no half-deleted copy ever keeps its old name); returns
     the new name, for `_delete_later`. Leftover trash is cleared by the next save."""
-    trash = root / f"{_TRASH_PREFIX}{path.name}-{os.getpid()}"
+    trash = root / f"{_TRASH_PREFIX}{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     os.rename(path, trash)
     return trash
 
@@ -274,9 +285,18 @@ def _delete_later(trash: list[Path]) -> None:
 
 
 def _publish(tmp: Path, final: Path) -> list[Path]:
-    """Atomically give the complete directory `tmp` the name `final`; returns the replaced one's trash."""
+    """Atomically give the complete directory `tmp` the name `final`; returns what to delete.
+
+    Replacing an existing `final` swaps the two in one step where the kernel can (renameat2), so
+    no instant is without a `final`; elsewhere the old one is renamed away first.
+    """
     _fsync_path(tmp)
-    trash = [_to_trash(final, final.parent)] if final.exists() else []
+    trash: list[Path] = []
+    if final.exists():
+        if _exchange(tmp, final):
+            _fsync_path(final.parent)
+            return [tmp]  # now the old directory, under a temporary name the next save clears
+        trash.append(_to_trash(final, final.parent))
     os.rename(tmp, final)
     _fsync_path(final.parent)
     return trash
@@ -290,14 +310,34 @@ def _is_distributed(model: torch.nn.Module) -> bool:
 
 
 def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return torch.distributed.get_rank() if _distributed_ready() else 0
 
 
-def _barrier() -> None:
+def _distributed_ready() -> bool:
     dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    return dist.is_available() and dist.is_initialized()
+
+
+def _all_ok(ok: bool) -> bool:
+    """Whether `ok` holds on every rank (an all-reduce, so also a barrier); `ok` itself in one process."""
+    if not _distributed_ready():
+        return ok
+    flag = torch.tensor([int(ok)], device=_collective_device())
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _on_all_ranks(fn: Any) -> Any:
+    """fn() on this rank; if it raised on any rank, raise on every rank, so that no rank is left
+    waiting in a collective for one that failed (a full disk on rank 0, say)."""
+    try:
+        result = fn()
+    except Exception:
+        _all_ok(False)
+        raise
+    if not _all_ok(True):
+        raise RuntimeError(f"checkpoint I/O failed on another rank (rank {_rank()} is fine): see that rank's error")
+    return result
 
 
 def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -351,7 +391,7 @@ def _shard_info(tensor: Any) -> dict[str, Any] | None:
         return None
     mesh, placements = tensor.device_mesh, tensor.placements
     sharded = [(mesh_dim, p) for mesh_dim, p in enumerate(placements) if not isinstance(p, Replicate)]
-    if len(sharded) > 1 or any(not isinstance(p, Shard) for _, p in sharded):
+    if len(sharded) > 1 or any(type(p) is not Shard for _, p in sharded):  # (not _StridedShard: FSDP + TP)
         raise ValueError(f"cannot save optimizer state with placements {placements}: one Shard(dim) mesh dimension at most")
     if not sharded:
         return {"shape": list(tensor.shape), "dim": 0, "index": 0, "count": 1}
@@ -470,9 +510,7 @@ def _load_optimizer(components: TrainingComponents, path: Path, record: Mapping[
         if _is_distributed(components.model) and torch.distributed.get_world_size() == len(shard_files):
             tensors, layout = _read_shard_file(path / own)
             # Same decision on every rank (set_optimizer_state_dict is collective): agree on it.
-            same = torch.tensor([int(_local_layout_matches(components, layout))], device=_collective_device())
-            torch.distributed.all_reduce(same, op=torch.distributed.ReduceOp.MIN)
-            if bool(same.item()):
+            if _all_ok(_local_layout_matches(components, layout)):
                 params = dict(components.model.named_parameters())
                 local: dict[str, Any] = {}
                 for key, tensor in tensors.items():
@@ -556,7 +594,7 @@ def save_checkpoint(
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}: it would delete the checkpoint just written")
     extra_json = json.loads(json.dumps(dict(extra or {})))  # fail early (TypeError) on non-JSON extra
-    _publisher.wait(None)  # one checkpoint in flight at a time, published in order
+    _on_all_ranks(lambda: _publisher.wait(None))  # one checkpoint in flight at a time, published in order
     root = Path(root)
     final = root / f"step_{state.step}"
     distributed = _is_distributed(components.model)
@@ -565,25 +603,26 @@ def save_checkpoint(
     optim_groups: list[dict[str, Any]] = []
     if distributed:
         # A fixed name every rank can compute; rank 0 clears leftovers before anyone writes.
-        tmp = root / f"{_TMP_PREFIX}{final.name}-ranks{torch.distributed.get_world_size()}"
-        if _rank() == 0:
-            _prepare_tmp(root, tmp)
-        _barrier()
+        world = torch.distributed.get_world_size()
+        tmp = root / f"{_TMP_PREFIX}{final.name}-ranks{world}"
+        _on_all_ranks(lambda: _prepare_tmp(root, tmp) if _rank() == 0 else None)
         if save_optimizer:
-            rank, world = _rank(), torch.distributed.get_world_size()
             shards, layout, optim_groups = _sharded_optimizer_state(components)
-            name = _optimizer_shard_name(rank, world)
+            name = _optimizer_shard_name(_rank(), world)
             # Durable before the records are gathered: rank 0 publishes once they are in.
-            mine = _write_tensors(tmp / name, shards, {"layout": json.dumps(layout, sort_keys=True)})
+            mine = _on_all_ranks(lambda: _write_tensors(tmp / name, shards, {"layout": json.dumps(layout, sort_keys=True)}))
             for r, record in enumerate(_gather_file_records(mine)):
                 files[_optimizer_shard_name(r, world)] = record
-    elif _rank() == 0:  # (a replicated model under torch.distributed: rank 0 saves, the others wait)
+    else:
         tmp = root / f"{_TMP_PREFIX}{final.name}-{os.getpid()}"
-        _prepare_tmp(root, tmp)
-        if save_optimizer:
-            optim_tensors, optim_groups = _optimizer_state(components)
-            files["optimizer.safetensors"] = _write_tensors(tmp / "optimizer.safetensors", optim_tensors, {}, sync=wait)
-    if _rank() == 0:
+
+    def write() -> None:  # rank 0
+        nonlocal optim_groups
+        if not distributed:
+            _prepare_tmp(root, tmp)
+            if save_optimizer:
+                optim_tensors, optim_groups = _optimizer_state(components)
+                files["optimizer.safetensors"] = _write_tensors(tmp / "optimizer.safetensors", optim_tensors, {}, sync=wait)
         files["config.json"] = _write_config(tmp / "config.json", components.model, sync=wait)
         files["model.safetensors"] = _write_tensors(tmp / "model.safetensors", weights, {"format": "pt"}, sync=wait)
         tokenizer_files: list[Path] = []
@@ -607,13 +646,17 @@ def save_checkpoint(
             for path in unsynced:
                 _fsync_path(path)
             trash = _publish(tmp, final)
-            return trash + [_to_trash(old, root) for old in _step_dirs(root)[:-keep_last]]
+            # Retention never counts `final` itself: a higher step left by a rolled-back run must not outrank it.
+            others = [d for d in _step_dirs(root) if d != final]
+            return trash + [_to_trash(old, root) for old in others[: max(0, len(others) - (keep_last - 1))]]
 
         if wait:
             _delete_later(finish())
         else:
             _publisher.start(lambda: _delete(finish()))
-    _barrier()
+
+    # (Under torch.distributed without FSDP the model is replicated: rank 0 saves for everyone.)
+    _on_all_ranks(write if _rank() == 0 else lambda: None)
     return final
 
 
@@ -664,8 +707,12 @@ atexit.register(_wait_at_exit)
 
 
 def wait_for_checkpoint(timeout: float | None = None) -> None:
-    """Block until a checkpoint saved with `wait=False` is durable and published (re-raising its error)."""
-    _publisher.wait(timeout)
+    """Block until a checkpoint saved with `wait=False` is durable and published (re-raising its error).
+
+    Under torch.distributed every rank must call it: rank 0 publishes, and the others learn that it
+    is done (or that it failed) from it.
+    """
+    _on_all_ranks(lambda: _publisher.wait(timeout))
 
 
 def _prepare_tmp(root: Path, tmp: Path) -> None:
@@ -696,7 +743,11 @@ def _read_record(path: Path) -> dict[str, Any] | None:
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under `root` (every file matches state.json), or None."""
+    """The newest complete checkpoint under `root` (every file matches state.json), or None.
+
+    It waits for this process's background save. Under torch.distributed the other ranks see a
+    background save only once rank 0 has published it: call `wait_for_checkpoint()` on every rank first.
+    """
     _publisher.wait(None)
     for path in reversed(_step_dirs(Path(root))):
         record = _read_record(path)
@@ -751,7 +802,15 @@ def load_checkpoint(
     load_optimizer: bool = True,
     restore_rng: bool = True,
 ) -> tuple[TrainingState, dict[str, Any]]:
-    """Restore weights, optimizer, scheduler and RNG from a checkpoint; returns (TrainingState, extra)."""
+    """Restore weights, optimizer, scheduler and RNG from a checkpoint; returns (TrainingState, extra).
+
+    Waits for a background save still being published (on every rank under FSDP2, where loading
+    is collective anyway).
+    """
+    if _is_distributed(components.model):
+        _on_all_ranks(lambda: _publisher.wait(None))
+    else:
+        _publisher.wait(None)
     path = Path(path)
     record = _read_record(path)
     if record is None:
@@ -781,10 +840,14 @@ def export_weights(
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     directory = Path(directory)
     weights = _model_tensors(components.model)
-    if _rank() != 0:
-        _barrier()
-        return directory, {}
-    _publisher.wait(None)  # a pending deletion may still hold this directory's trash name
+    manifest = _on_all_ranks(lambda: _write_export(components, weights, directory, max_shard_bytes) if _rank() == 0 else {})
+    return directory, manifest
+
+
+def _write_export(
+    components: TrainingComponents, weights: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int
+) -> dict[str, Any]:
+    _publisher.wait(None)  # one background job at a time (a pending deletion, a publish)
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
     for name, tensor in weights.items():
@@ -824,5 +887,4 @@ def export_weights(
     manifest = {"tensors": tensors_meta, "files": files, "total_bytes": total_bytes, "checksum": checksum}
     _write_json(tmp / "manifest.json", manifest)
     _delete_later(_publish(tmp, directory))
-    _barrier()
-    return directory, manifest
+    return manifest

@@ -8,9 +8,9 @@ most of its time in module calls, config lookups, mask construction and growing 
 `torch.cat`. `FastDecoder` runs the same arithmetic as the HF modules (RMSNorm in float32,
 rotary from the model's own `rotary_emb`, SDPA with grouped KV heads, SwiGLU) straight from the
 modules' weights, writing keys and values into preallocated buffers. The prefill still goes
-through the HF model; its cache is copied in once. Architectures whose math differs (extra
-norms, sliding windows, other activations) are refused by `fast_decoder`, and the caller falls
-back to the HF forward.
+through the HF model; its cache is copied in once. Models whose math or rounding would differ
+(extra norms, sliding windows, other activations, attention other than SDPA) are refused by
+`fast_decoder`, and the caller falls back to the HF forward.
 """
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ def fast_decoder(model: torch.nn.Module, total_length: int) -> FastDecoder | Non
     config = model.config
     if getattr(config, "hidden_act", None) != "silu":
         return None
+    if getattr(config, "_attn_implementation", "sdpa") != "sdpa":
+        return None  # eager (probabilities cast to the model dtype before @ V) or flash kernels round differently
     if any(hasattr(p, "device_mesh") for p in model.parameters()):
         return None  # FSDP-sharded weights: the HF forward gathers them
     body = getattr(model, "model", None)
