@@ -328,3 +328,20 @@ def test_re_saving_a_step_swaps_directories_in_one_step(tmp_path, monkeypatch):
     wait_for_checkpoint()
     assert load_checkpoint(fresh_components(), path)[1] == {"v": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["step_1"]
+
+
+def test_reading_a_directory_still_being_published_waits_for_it(tmp_path, monkeypatch):
+    import rollouts.backends.checkpoint as ck
+
+    fsync = ck._fsync_path
+
+    def slow_fsync(path):
+        time.sleep(0.05)
+        fsync(path)
+
+    monkeypatch.setattr(ck, "_fsync_path", slow_fsync)
+    components = fresh_components()
+    path = save_checkpoint(components, TrainingState(step=1), tmp_path, wait=False)
+    assert set(read_weights(path)) == set(_weights(components.model))
+    path = save_checkpoint(components, TrainingState(step=2), tmp_path, wait=False, extra={"v": 2})
+    assert load_checkpoint(fresh_components(), path)[1] == {"v": 2}

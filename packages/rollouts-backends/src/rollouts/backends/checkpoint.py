@@ -760,7 +760,11 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF safetensors directory (one file or an index of shards), on CPU."""
+    """All tensors of an HF safetensors directory (one file or an index of shards), on CPU.
+
+    Waits first for this process's background save, which may be the directory asked for.
+    """
+    _publisher.wait(None)
     directory = Path(directory)
     index = directory / "model.safetensors.index.json"
     if index.is_file():
