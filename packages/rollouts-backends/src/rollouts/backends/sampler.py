@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from rollouts.backends.checkpoint import load_model_weights, read_weights
-from rollouts.backends.decode import fast_decoder
+from rollouts.backends.decode import FastDecoder, fast_decoder
 from rollouts.backends.train import attention_mask_4d
 from rollouts.types import Sample, SamplingParams, Status
 
@@ -108,6 +108,28 @@ def _additive_dtype(model: torch.nn.Module) -> torch.dtype | None:
     return next(model.parameters()).dtype
 
 
+class _HFDecoder:
+    """Decode steps through the model's own forward and DynamicCache: any architecture."""
+
+    def __init__(self, model: torch.nn.Module, cache: object, mask_R_L: torch.Tensor, padded: bool) -> None:
+        self._model, self._cache, self._mask_R_K, self._padded = model, cache, mask_R_L, padded
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self._cache.batch_select_indices(rows)  # type: ignore[attr-defined]
+        self._mask_R_K = self._mask_R_K[rows]
+
+    def step(self, tokens_R: torch.Tensor, positions_R: torch.Tensor) -> torch.Tensor:
+        self._mask_R_K = torch.cat([self._mask_R_K, self._mask_R_K.new_ones(self._mask_R_K.shape[0], 1)], dim=1)
+        out = self._model(
+            input_ids=tokens_R[:, None],
+            attention_mask=_decode_mask(self._model, self._mask_R_K) if self._padded else None,
+            position_ids=positions_R[:, None],
+            past_key_values=self._cache,
+            use_cache=True,
+        )
+        return out.logits[:, -1]
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -177,12 +199,14 @@ def generate(
         # Prefill once per prompt, then give each of the n rows its own copy of the cache.
         logits_R_V = out.logits[:, -1].repeat_interleave(n, dim=0)
         mask = mask.repeat_interleave(n, dim=0)
-        decoder = fast_decoder(model, max_len + max_new_tokens) if fast_decode else None
-        if decoder is not None:
-            decoder.load_cache(cache, n, max_len + max_new_tokens, mask if padded else None)
-            del cache
+        fast = fast_decoder(model, max_len + max_new_tokens) if fast_decode else None
+        if fast is not None:
+            fast.load_cache(cache, n, max_len + max_new_tokens, mask if padded else None)
+            decoder: FastDecoder | _HFDecoder = fast
         else:
             cache.batch_repeat_interleave(n)
+            decoder = _HFDecoder(model, cache, mask, padded)
+        del cache
         next_position = position[:, -1].repeat_interleave(n, dim=0) + 1
         num_rows = num_prompts * n
         # Sampled tokens and log-probs stay on the device; rows that finish leave `active`.
@@ -209,24 +233,9 @@ def generate(
                     if not bool(keep.any()):
                         break
                     kept = keep.nonzero().squeeze(-1)
-                    if decoder is not None:
-                        decoder.select_rows(kept)
-                    else:
-                        cache.batch_select_indices(kept)
-                    active, tokens, mask, next_position = active[kept], tokens[kept], mask[kept], next_position[kept]
-            if decoder is not None:
-                logits_R_V = decoder.step(tokens, next_position)
-                next_position = next_position + 1
-                continue
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-            out = model(
-                input_ids=tokens[:, None],
-                attention_mask=_decode_mask(model, mask) if padded else None,
-                position_ids=next_position[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            )
-            logits_R_V = out.logits[:, -1]
+                    decoder.select_rows(kept)
+                    active, tokens, next_position = active[kept], tokens[kept], next_position[kept]
+            logits_R_V = decoder.step(tokens, next_position)
             next_position = next_position + 1
         if stop.numel():
             # The last step's stop tokens (the loop ended before checking them).
