@@ -19,6 +19,7 @@ import safetensors.torch
 import torch
 from rollouts.backends import (
     build_components,
+    export_weights,
     forward_backward,
     generate,
     save_checkpoint,
@@ -174,8 +175,11 @@ def bench_checkpoint() -> None:
 
         # Interleave them so that disk write-back from one does not land on another only. After
         # a background save, its flush is waited for outside the timed region (and timed apart).
-        times = {"ours": [], "ours_background": [], "ours_background_durable": [], "bare": [], "durable": []}
-        fns = {"ours": lambda: ours(True), "ours_background": lambda: ours(False), "bare": bare, "durable": bare_durable}
+        times = {"ours": [], "ours_background": [], "ours_background_durable": [], "bare": [], "durable": [],
+                 "export": [], "export_durable": []}
+        fns = {"ours": lambda: ours(True), "ours_background": lambda: ours(False), "bare": bare, "durable": bare_durable,
+               "export": lambda: export_weights(components, tmp / "export"),
+               "export_durable": lambda: export_weights(components, tmp / "export", durable=True)}
         for fn in fns.values():
             fn()
             wait_for_checkpoint()
@@ -199,8 +203,11 @@ def bench_checkpoint() -> None:
         line("  ... and until durable and published", "ours_background_durable")
         line("safetensors save_file (not durable)", "bare")
         line("safetensors save_file + fsync", "durable")
+        line("export_weights (weight sync, page cache)", "export")
+        line("export_weights(durable=True)", "export_durable")
         print(f"  wait=True:  {t['bare'] / t['ours']:.2f}x of bare save_file, {t['durable'] / t['ours']:.2f}x of save_file + fsync")
         print(f"  wait=False: {t['bare'] / t['ours_background']:.2f}x of bare save_file (training stalls only this long; target >= 0.8x)")
+        print(f"  export_weights: {t['bare'] / t['export']:.2f}x of bare save_file")
     finally:
         wait_for_checkpoint()
         shutil.rmtree(tmp, ignore_errors=True)

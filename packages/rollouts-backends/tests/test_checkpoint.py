@@ -345,3 +345,12 @@ def test_reading_a_directory_still_being_published_waits_for_it(tmp_path, monkey
     assert set(read_weights(path)) == set(_weights(components.model))
     path = save_checkpoint(components, TrainingState(step=2), tmp_path, wait=False, extra={"v": 2})
     assert load_checkpoint(fresh_components(), path)[1] == {"v": 2}
+
+
+def test_durable_and_page_cache_exports_write_the_same_files(tmp_path):
+    components = fresh_components()
+    _, fast = export_weights(components, tmp_path / "fast")
+    _, durable = export_weights(components, tmp_path / "durable", durable=True)
+    assert fast == durable
+    for directory in ("fast", "durable"):
+        _assert_bit_identical(read_weights(tmp_path / directory), _weights(components.model))

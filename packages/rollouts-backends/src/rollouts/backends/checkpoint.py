@@ -204,8 +204,10 @@ def _stream_tensors(
     """Write a safetensors file chunk by chunk straight from tensor memory, then fsync (unless
     `sync=False`); returns {"bytes", "crc32"}.
 
-    The CRC-32 runs on a second thread over the same chunks as they are written, and each chunk's disk
-    write-back is started as soon as it is in the page cache, so the final fsync has little left to flush.
+    The CRC-32 runs on a second thread over the same chunks as they are written. With `sync`, each
+    chunk's disk write-back is started as soon as it is in the page cache, so the final fsync has
+    little left to flush; without it no hint is given (starting write-back can block on a busy disk
+    queue, which is what a caller not waiting for the disk wants to avoid).
     """
     header, order = _safetensors_header(tensors, metadata)
     crc = [zlib.crc32(header)]
@@ -225,7 +227,7 @@ def _stream_tensors(
                     pool.submit(checksum, chunk)
                     _write_all(fd, chunk)
                     written += len(chunk)
-                    if written - synced >= _WRITE_CHUNK_BYTES:
+                    if sync and written - synced >= _WRITE_CHUNK_BYTES:
                         _start_writeback(fd, synced, written - synced)
                         synced = written
         if sync:
@@ -833,23 +835,31 @@ def export_weights(
     directory: str | Path,
     *,
     max_shard_bytes: int = _DEFAULT_MAX_SHARD_BYTES,
+    durable: bool = False,
 ) -> tuple[Path, dict[str, Any]]:
     """Write HF safetensors weights (sharded above `max_shard_bytes`) + config.json + manifest.json.
 
     Returns (directory, manifest) with manifest = {"tensors": {name: {shape, dtype, file}},
     "files": {file: {bytes, crc32}}, "total_bytes", "checksum"}. The directory is replaced
-    atomically. Under FSDP2 every rank calls it; rank 0 writes and gets the manifest, others {}.
+    atomically, so a reader never sees a partial set. Under FSDP2 every rank calls it; rank 0
+    writes and gets the manifest, others {}.
+
+    For weight sync the files are read back at once from the page cache, so by default they are
+    not fsynced (an operating-system crash loses them along with the engine that would read
+    them; the manifest's CRCs tell). `durable=True` flushes them first, for weights meant to last.
     """
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     directory = Path(directory)
     weights = _model_tensors(components.model)
-    manifest = _on_all_ranks(lambda: _write_export(components, weights, directory, max_shard_bytes) if _rank() == 0 else {})
+    manifest = _on_all_ranks(
+        lambda: _write_export(components, weights, directory, max_shard_bytes, durable) if _rank() == 0 else {}
+    )
     return directory, manifest
 
 
 def _write_export(
-    components: TrainingComponents, weights: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int
+    components: TrainingComponents, weights: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int, durable: bool
 ) -> dict[str, Any]:
     _publisher.wait(None)  # one background job at a time (a pending deletion, a publish)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -873,7 +883,7 @@ def _write_export(
     files = {}
     tensors_meta = {}
     for file_name, shard in zip(file_names, shards, strict=True):
-        files[file_name] = _write_tensors(tmp / file_name, shard, {"format": "pt"})
+        files[file_name] = _write_tensors(tmp / file_name, shard, {"format": "pt"}, sync=durable)
         for name, tensor in shard.items():
             tensors_meta[name] = {
                 "shape": list(tensor.shape),
@@ -883,12 +893,12 @@ def _write_export(
     total_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     if len(shards) > 1:
         weight_map = {name: meta["file"] for name, meta in tensors_meta.items()}
-        _write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": total_bytes}, "weight_map": weight_map})
-    _write_config(tmp / "config.json", components.model)
+        _write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, sync=durable)
+    _write_config(tmp / "config.json", components.model, sync=durable)
     checksum = 0
     for file_name in file_names:
         checksum = zlib.crc32(files[file_name]["crc32"].to_bytes(4, "little"), checksum)
     manifest = {"tensors": tensors_meta, "files": files, "total_bytes": total_bytes, "checksum": checksum}
-    _write_json(tmp / "manifest.json", manifest)
+    _write_json(tmp / "manifest.json", manifest, sync=durable)
     _delete_later(_publish(tmp, directory))
     return manifest

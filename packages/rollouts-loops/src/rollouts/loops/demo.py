@@ -168,7 +168,7 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
     accuracy_after_rl = accuracy("after RL")
 
     final = out / "final_model"
-    export_weights(rl_components, final)
+    export_weights(rl_components, final, durable=True)
     tokenizer.save_pretrained(str(final))
     summary = {
         "accuracy_before_sft": accuracy_before,
