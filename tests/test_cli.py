@@ -158,11 +158,12 @@ def test_rollouts_sft_under_torchrun_uses_fsdp2(tiny_run_inputs, tmp_path):
 
 
 @pytest.mark.slow
-def test_rollouts_rl_under_torchrun(tiny_run_inputs, tmp_path):
+@pytest.mark.parametrize("preset", ["grpo", "ppo"])  # ppo: KL in the loss, a sharded reference on every rank
+def test_rollouts_rl_under_torchrun(tiny_run_inputs, tmp_path, preset):
     out = tmp_path / "rl_fsdp"
     config = _rl_toml(tiny_run_inputs, out, tiny_run_inputs / "model")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "-m", "rollouts.loops.cli", "rl", "--config", str(config),
+               "-m", "rollouts.loops.cli", "rl", "--config", str(config), "--set", f"preset={preset}",
                "--set", "rl.checkpoint.every_steps=2", "--set", "rl.rollout.batch_size=3"]
     done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=_KILL_WAIT_S)
@@ -170,6 +171,7 @@ def test_rollouts_rl_under_torchrun(tiny_run_inputs, tmp_path):
     records = read_jsonl(out / "metrics_rl.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [r["weight_version"] for r in records] == [1.0, 2.0, 3.0]
+    assert all(("kl" in r) == (preset == "ppo") for r in records)  # the loss's KL against the reference
     weights = load_file(out / "checkpoints" / "step_3" / "model.safetensors")
     assert weights and all(v.size > 0 for v in weights.values())
     assert (out / "checkpoints" / "step_2" / "state.json").is_file()

@@ -56,7 +56,7 @@ def _distributed() -> tuple[int, int]:
 def _components(run: Any, optimizer, num_training_steps: int):
     import torch
 
-    from rollouts.backends import build_components, build_optimizer, build_scheduler, load_hf_model
+    from rollouts.backends import build_components, build_optimizer, build_scheduler
     from rollouts.backends.components import TrainingComponents
 
     dtype = getattr(torch, _DTYPES[run.model.dtype])
@@ -67,13 +67,22 @@ def _components(run: Any, optimizer, num_training_steps: int):
     if world == 1:
         return build_components(run.model.path, optimizer, num_training_steps=num_training_steps, dtype=dtype,
                                 device=device, attn_implementation=run.model.attn_implementation)
-    from rollouts.backends.distributed import shard_model
-
-    model = load_hf_model(run.model.path, dtype=dtype, device=device, attn_implementation=run.model.attn_implementation)
-    shard_model(model, activation_checkpointing=run.model.gradient_checkpointing)
+    model = _sharded_model(run, device)
     opt = build_optimizer(model, optimizer)
     return TrainingComponents(model=model, optimizer=opt, device=torch.device(device),
                               scheduler=build_scheduler(opt, optimizer, num_training_steps=num_training_steps))
+
+
+def _sharded_model(run: Any, device: Any):
+    """The run's model loaded on every rank and sharded with FSDP2 (under torchrun)."""
+    import torch
+
+    from rollouts.backends import load_hf_model
+    from rollouts.backends.distributed import shard_model
+
+    model = load_hf_model(run.model.path, dtype=getattr(torch, _DTYPES[run.model.dtype]), device=device,
+                          attn_implementation=run.model.attn_implementation)
+    return shard_model(model, activation_checkpointing=run.model.gradient_checkpointing)
 
 
 def _tokenizer(run: Any):
@@ -143,13 +152,6 @@ def cmd_rl(run: RLRun, source: str) -> Path:
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from e
     rank, world = _distributed()
-    if world > 1:
-        from rollouts.loops.rl import check_data_parallel
-
-        try:
-            check_data_parallel(run.rl.algorithm)
-        except ValueError as e:
-            raise ConfigError(f"{source}: {e}") from e
     out = Path(run.run.out_dir)
     _write_resolved(run, out)
     tokenizer = _tokenizer(run)
@@ -180,12 +182,16 @@ def cmd_rl(run: RLRun, source: str) -> Path:
     else:
         def reward_fn(sample):
             return exact_answer_reward(sample, answer_key=answer_key)
+    ref_components = None
+    if world > 1 and run.rl.algorithm.needs_reference:
+        # The starting model, sharded like the trained one (one process copies it itself).
+        ref_components = dataclasses.replace(components, model=_sharded_model(run, components.device).eval())
     logger = _loggers(out, "rl", run.rl.num_steps * run.rl.algorithm.num_updates_per_batch, rank=rank)
     try:
         state, _ = run_rl_training(
             components, DataBuffer(records, seed=run.rl.seed), engine, run.rl, reward_fn=reward_fn,
             encode_prompt=_encoder(tokenizer), logger=logger, run_dir=out, engine_shares_model=shares,
-            resume=run.run.resume, tokenizer=tokenizer,
+            resume=run.run.resume, tokenizer=tokenizer, ref_components=ref_components,
         )
     finally:
         logger.close()

@@ -75,3 +75,34 @@ def broadcast_json(obj: Any = None) -> Any:
         buffer = torch.empty(int(size[0]), dtype=torch.uint8, device=device)
     torch.distributed.broadcast(buffer, src=0)
     return json.loads(bytes(buffer.cpu().numpy()))
+
+
+def all_gather_arrays(arrays: list[np.ndarray]) -> list[list[np.ndarray]]:
+    """Every rank's list of 1-D float32 arrays (any count, any lengths), in rank order.
+
+    Three tensor all-gathers (counts, lengths, padded data); no pickles. One process: [arrays].
+    """
+    world = rank_world()[1]
+    mine = [np.asarray(a, dtype=np.float32).reshape(-1) for a in arrays]
+    if world == 1:
+        return [mine]
+    device = collective_device()
+
+    def gather(tensor: torch.Tensor) -> list[torch.Tensor]:
+        out = [torch.empty_like(tensor) for _ in range(world)]
+        torch.distributed.all_gather(out, tensor)
+        return [t.cpu() for t in out]
+
+    counts = [int(c[0]) for c in gather(torch.tensor([len(mine)], dtype=torch.int64, device=device))]
+    lengths = torch.zeros(max(1, max(counts)), dtype=torch.int64)
+    lengths[: len(mine)] = torch.tensor([len(a) for a in mine], dtype=torch.int64)
+    all_lengths = [ls[:n].tolist() for ls, n in zip(gather(lengths.to(device)), counts, strict=True)]
+    flat = torch.zeros(max(1, max(sum(ls) for ls in all_lengths)), dtype=torch.float32)
+    if mine:
+        data = np.concatenate(mine)
+        flat[: len(data)] = torch.from_numpy(data)
+    out = []
+    for ls, values in zip(all_lengths, gather(flat.to(device)), strict=True):
+        ends = np.cumsum(ls)
+        out.append([values[e - n : e].numpy().copy() for n, e in zip(ls, ends, strict=True)])
+    return out

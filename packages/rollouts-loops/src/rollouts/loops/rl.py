@@ -35,7 +35,14 @@ from rollouts.backends import (
 )
 from rollouts.data import AsyncRolloutManager, DataBuffer, plan_micro_batches, unpack_values
 from rollouts.data.filters import check_reward_nonzero_std
-from rollouts.loops.distributed import broadcast_json, global_counts, global_sum, rank_world, same_count_on_every_rank
+from rollouts.loops.distributed import (
+    all_gather_arrays,
+    broadcast_json,
+    global_counts,
+    global_sum,
+    rank_world,
+    same_count_on_every_rank,
+)
 from rollouts.loops.sft import CHECKPOINTS_DIR, choose_layout, resume_if_possible
 from rollouts.losses import (
     group_advantages,
@@ -163,43 +170,6 @@ def scatter_token_values(micro_batches: Sequence[dict[str, np.ndarray]], key: st
 # ---------------------------------------------------------------- one update
 
 
-def check_data_parallel(algorithm: AlgorithmConfig) -> None:
-    """Raise for settings the data-parallel (torchrun) update does not support."""
-    if algorithm.advantage_estimator not in ("grpo", "rloo") or algorithm.needs_reference:
-        raise ValueError(
-            "under torchrun the RL update supports the per-sample advantage estimators 'grpo' and 'rloo' "
-            f"without a KL term (got advantage_estimator={algorithm.advantage_estimator!r}, "
-            f"kl_placement={algorithm.kl_placement!r}, kl_coef={algorithm.kl_coef})"
-        )
-
-
-def _rl_update_data_parallel(
-    components: TrainingComponents, state: TrainingState, samples: Sequence[Sample], config: RLConfig
-) -> tuple[TrainingState, dict[str, float]]:
-    """rl_update on every rank of a torchrun job: advantages over the whole batch, each rank trains its share."""
-    algorithm = config.algorithm
-    check_data_parallel(algorithm)
-    rank, world = rank_world()
-    if len(samples) < world:
-        raise ValueError(f"{len(samples)} samples cannot give each of {world} ranks one")
-    rewards_N = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    groups_N = torch.tensor([s.group_index if s.group_index is not None else i for i, s in enumerate(samples)])
-    if algorithm.advantage_estimator == "rloo":
-        adv_N = rloo_advantages(rewards_N, groups_N)
-    else:
-        adv_N = group_advantages(rewards_N, groups_N, scale=algorithm.advantage_scale)
-    local = [s.with_advantage(float(a)) for s, a in zip(samples, adv_N, strict=True)][rank::world]
-    plan = plan_micro_batches(local, max_tokens=config.max_tokens_per_micro_batch, layout=choose_layout(local))
-    mbs = same_count_on_every_rank([dict(mb) for mb in plan.micro_batches])
-    num_tokens, num_sequences = global_counts(plan.num_loss_tokens, plan.num_sequences)
-    temperature = config.rollout.sampling.temperature or 1.0
-    if algorithm.num_updates_per_batch > 1:
-        for mb, lp in zip(mbs, compute_logprobs(components, mbs, temperature=temperature), strict=True):
-            mb["old_logprobs"] = lp
-    return _updates(components, state, mbs, config, num_tokens=num_tokens, num_sequences=num_sequences,
-                    num_samples=len(samples), temperature=temperature, metrics={})
-
-
 def rl_update(
     components: TrainingComponents,
     state: TrainingState,
@@ -210,14 +180,22 @@ def rl_update(
 ) -> tuple[TrainingState, dict[str, float]]:
     """Advantages, log-probs and `num_updates_per_batch` optimizer steps on one batch of samples.
 
-    Under torchrun every rank calls it with the same samples (see `run_rl_training`).
+    Under torchrun every rank calls it with the same samples (see `run_rl_training`) and trains its
+    share, samples[rank::world]. Log-probs (old, reference) are computed for the share on its rank;
+    the advantages, which may need the whole batch (group statistics with KL in the reward,
+    REINFORCE++'s batch whitening), come from every rank's per-token masks and KL, gathered as
+    tensors, so each rank computes exactly what one process would.
     """
-    if rank_world()[1] > 1:
-        return _rl_update_data_parallel(components, state, samples, config)
     algorithm = config.algorithm
-    plan = plan_micro_batches(samples, max_tokens=config.max_tokens_per_micro_batch, layout=choose_layout(samples))
-    mbs = [dict(mb) for mb in plan.micro_batches]
-    masks = unpack_values(mbs, [mb["loss_mask"] for mb in mbs])
+    rank, world = rank_world()
+    if len(samples) < world:
+        raise ValueError(f"{len(samples)} samples cannot give each of {world} ranks one")
+    local = list(samples[rank::world])
+    plan = plan_micro_batches(local, max_tokens=config.max_tokens_per_micro_batch, layout=choose_layout(local))
+    real = [dict(mb) for mb in plan.micro_batches]
+    mbs = same_count_on_every_rank(real)  # zero-loss fillers past `real` so FSDP's collectives line up
+    masks = unpack_values(real, [mb["loss_mask"] for mb in real])
+    num_tokens, num_sequences = global_counts(plan.num_loss_tokens, plan.num_sequences)
     metrics: dict[str, float] = {}
     need_old = algorithm.num_updates_per_batch > 1 or algorithm.kl_placement == "reward"
     # The policy trained is the one sampled from: logits / sampling temperature (0 means greedy: 1).
@@ -226,7 +204,7 @@ def rl_update(
     if old is not None and algorithm.num_updates_per_batch > 1:
         for mb, lp in zip(mbs, old, strict=True):
             mb["old_logprobs"] = lp
-    kl_by_sample = None
+    kl_local = None
     if algorithm.needs_reference:
         if ref_components is None:
             raise ValueError("the algorithm puts a KL term in the loss or reward but no reference model was given")
@@ -236,13 +214,36 @@ def rl_update(
         if algorithm.kl_placement == "reward":
             assert old is not None
             kl_mbs = [kl_penalty(torch.from_numpy(o), torch.from_numpy(r), kind=algorithm.kl_kind).numpy()
-                      for o, r in zip(old, ref, strict=True)]
-            kl_by_sample = unpack_values(mbs, kl_mbs)
-            metrics["kl_reward"] = float(sum((kl_by_sample[i] * (masks[i] > 0)).sum() for i in masks) / max(1, plan.num_loss_tokens))
-    scatter_token_values(mbs, "advantages", token_advantages(samples, algorithm, masks=masks, kl=kl_by_sample))
-    return _updates(components, state, mbs, config, num_tokens=plan.num_loss_tokens,
-                    num_sequences=plan.num_sequences, num_samples=len(samples), temperature=temperature,
-                    metrics=metrics)
+                      for o, r in zip(old[: len(real)], ref[: len(real)], strict=True)]
+            kl_local = unpack_values(real, kl_mbs)
+    all_masks, all_kl = _whole_batch(masks, kl_local, num_local=len(local))
+    if all_kl is not None:
+        kl_sum = sum(float((all_kl[i] * (all_masks[i] > 0)).sum()) for i in all_masks)
+        metrics["kl_reward"] = kl_sum / max(1, num_tokens)
+    advantages = token_advantages(samples, algorithm, masks=all_masks, kl=all_kl)
+    scatter_token_values(mbs, "advantages", {i: advantages[rank + i * world] for i in range(len(local))})
+    return _updates(components, state, mbs, config, num_tokens=num_tokens, num_sequences=num_sequences,
+                    num_samples=len(samples), temperature=temperature, metrics=metrics)
+
+
+def _whole_batch(
+    masks: dict[int, np.ndarray], kl: dict[int, np.ndarray] | None, *, num_local: int
+) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray] | None]:
+    """Per-sample loss masks (and KL) of the whole batch keyed by global index, from each rank's
+    share (rank r holds global samples r, r + world, ...). The same dicts in one process."""
+    world = rank_world()[1]
+    if world == 1:
+        return masks, kl
+    arrays = [masks[i] for i in range(num_local)] + ([kl[i] for i in range(num_local)] if kl is not None else [])
+    all_masks: dict[int, np.ndarray] = {}
+    all_kl: dict[int, np.ndarray] | None = {} if kl is not None else None
+    for r, theirs in enumerate(all_gather_arrays(arrays)):
+        count = len(theirs) // 2 if kl is not None else len(theirs)
+        for i in range(count):
+            all_masks[r + i * world] = theirs[i]
+            if all_kl is not None:
+                all_kl[r + i * world] = theirs[count + i]
+    return all_masks, all_kl
 
 
 def _updates(
@@ -369,11 +370,14 @@ def run_rl_training(
         raise ValueError("overlap needs an engine with its own copy of the weights; engine_shares_model=True")
     rank, world = rank_world()
     if world > 1:
-        check_data_parallel(config.algorithm)
         if engine_shares_model:
             raise ValueError("under torchrun the engine needs its own weights (rank 0 samples; the model is sharded)")
+        if config.algorithm.needs_reference and ref_components is None:
+            raise ValueError("under torchrun a KL term needs ref_components on every rank: the starting model, "
+                             "sharded like the trained one (a sharded model cannot be copied here)")
         if rank != 0:
-            return _follow(components, config, Path(run_dir), resume=resume, tokenizer=tokenizer)
+            return _follow(components, config, Path(run_dir), resume=resume, tokenizer=tokenizer,
+                           ref_components=ref_components)
     try:
         return trio.run(
             _rl_main, components, buffer, engine, config, reward_fn, encode_prompt, logger, Path(run_dir),
@@ -385,14 +389,14 @@ def run_rl_training(
 
 
 def _follow(components: TrainingComponents, config: RLConfig, run_dir: Path, *, resume: bool,
-            tokenizer: Any) -> tuple[TrainingState, list[dict[str, float]]]:
+            tokenizer: Any, ref_components: TrainingComponents | None) -> tuple[TrainingState, list[dict[str, float]]]:
     """A rank other than 0 under torchrun: join each collective rank 0 announces, until it stops."""
     state, _, _ = resume_if_possible(components, run_dir, resume=resume)
     while True:
         command = broadcast_json()
         if command["op"] == "update":
             samples = [Sample.from_dict(d) for d in command["samples"]]
-            state, _ = rl_update(components, state, samples, config)
+            state, _ = rl_update(components, state, samples, config, ref_components=ref_components)
         elif command["op"] == "export":
             export_weights(components, command["path"])
         elif command["op"] == "checkpoint":
@@ -407,9 +411,10 @@ def _follow(components: TrainingComponents, config: RLConfig, run_dir: Path, *, 
 async def _rl_main(components, buffer, engine, config, reward_fn, encode_prompt, logger, run_dir,
                    shares_model, ref_components, resume, tokenizer, on_step):
     updates = config.algorithm.num_updates_per_batch
-    state, extra, _ = resume_if_possible(components, run_dir, resume=resume)
     if config.algorithm.needs_reference and ref_components is None:
+        # The starting weights, copied before a resume loads later ones into `components`.
         ref_components = dataclasses.replace(components, model=copy.deepcopy(components.model).eval())
+    state, extra, _ = resume_if_possible(components, run_dir, resume=resume)
     filter_fn = check_reward_nonzero_std() if config.rollout.dynamic_sampling else None
     sampling = dataclasses.replace(config.rollout.sampling, n=config.rollout.samples_per_prompt)
     manager = AsyncRolloutManager(buffer, config.rollout, make_generate_fn(engine, encode_prompt, sampling),
