@@ -25,7 +25,7 @@ def _setup(inputs, *, overlap=False):
     return tokenizer, model, records
 
 
-def _run(inputs, tmp_path, *, algorithm, rollout_overrides=(), steps, lr, reward_fn, prompts=8, n=8):
+def _run(inputs, tmp_path, *, algorithm, rollout_overrides=(), steps, lr, reward_fn, prompts=8, n=8, resume=False):
     tokenizer, model, records = _setup(inputs)
     rollout = RolloutConfig(
         batch_size=prompts, samples_per_prompt=n, max_concurrency=prompts, request_timeout_s=120.0,
@@ -43,7 +43,7 @@ def _run(inputs, tmp_path, *, algorithm, rollout_overrides=(), steps, lr, reward
 
     return run_rl_training(components, DataBuffer(records, seed=0), engine, config, reward_fn=reward_fn,
                            encode_prompt=encode, logger=NullLogger(), run_dir=tmp_path, engine_shares_model=True,
-                           resume=False)
+                           resume=resume)
 
 
 def starts_with_seven(sample):
@@ -86,3 +86,25 @@ def test_minimal_grpo_loop_raises_a_toy_reward(tiny_run_inputs):
     )
     assert state.step == 12 and state.weight_version == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards
+
+
+def test_a_resumed_run_keeps_the_starting_model_as_its_kl_reference(tiny_run_inputs, tmp_path, monkeypatch):
+    """The reference is the model the run started from, not the checkpoint a resume loads."""
+    import rollouts.loops.rl as rl
+
+    algorithm = ALGORITHMS["reinforce_pp"]  # KL in the reward
+    _run(tiny_run_inputs, tmp_path, algorithm=algorithm, steps=1, lr=1e-2, reward_fn=starts_with_seven, prompts=4, n=4)
+    starting = load_hf_model(tiny_run_inputs / "model").state_dict()
+    seen = []
+    update = rl.rl_update
+
+    def recording_update(components, state, samples, config, *, ref_components=None):
+        seen.append({k: v.clone() for k, v in ref_components.model.state_dict().items()})
+        return update(components, state, samples, config, ref_components=ref_components)
+
+    monkeypatch.setattr(rl, "rl_update", recording_update)
+    state, _ = _run(tiny_run_inputs, tmp_path, algorithm=algorithm, steps=2, lr=1e-2, reward_fn=starts_with_seven,
+                    prompts=4, n=4, resume=True)
+    assert state.step == 2 and len(seen) == 1  # resumed at step 1, ran step 2
+    for name, tensor in seen[0].items():
+        assert torch.equal(tensor, starting[name]), name
