@@ -13,6 +13,7 @@ from safetensors.numpy import load_file
 
 from rollouts.loops.cli import main
 from rollouts.loops.loggers import read_jsonl
+from run_configs import rl_toml
 
 _KILL_WAIT_S = 240  # bound on waiting for the run to reach the checkpoint we kill it after
 
@@ -89,36 +90,9 @@ def test_config_errors_name_the_key_before_work(tiny_run_inputs, tmp_path, capsy
     assert not (tmp_path / "bad" / "checkpoints").exists()  # nothing ran
 
 
-def _rl_toml(inputs: Path, out: Path, model: Path, extra: str = "") -> Path:
-    path = out.parent / f"{out.name}.toml"
-    path.write_text(f"""
-preset = "grpo"
-[model]
-path = "{model}"
-[data]
-train_path = "{inputs / 'prompts.jsonl'}"
-[run]
-out_dir = "{out}"
-reward = "exact_match"
-[rl]
-num_steps = 3
-max_tokens_per_micro_batch = 512
-[rl.rollout]
-batch_size = 4
-samples_per_prompt = 4
-[rl.rollout.sampling]
-max_new_tokens = 5
-temperature = 1.0
-[rl.optimizer]
-lr = 1e-3
-{extra}
-""")
-    return path
-
-
 def test_pipeline_runs_sft_then_rl_from_its_checkpoint(tiny_run_inputs, tmp_path):
     sft = _sft_toml(tiny_run_inputs, tmp_path / "p_sft", steps=4, every=0)
-    rl = _rl_toml(tiny_run_inputs, tmp_path / "p_rl", tiny_run_inputs / "model")
+    rl = rl_toml(tiny_run_inputs, tmp_path / "p_rl", tiny_run_inputs / "model")
     assert main(["pipeline", "--sft-config", str(sft), "--rl-config", str(rl)]) == 0
     records = read_jsonl(tmp_path / "p_rl" / "metrics_rl.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -129,7 +103,7 @@ def test_pipeline_runs_sft_then_rl_from_its_checkpoint(tiny_run_inputs, tmp_path
 
 
 def test_rl_overlap_mode_records_staleness(tiny_run_inputs, tmp_path):
-    rl = _rl_toml(tiny_run_inputs, tmp_path / "overlap", tiny_run_inputs / "model")
+    rl = rl_toml(tiny_run_inputs, tmp_path / "overlap", tiny_run_inputs / "model")
     assert main(["rl", "--config", str(rl), "--set", "rl.overlap=true"]) == 0
     records = read_jsonl(tmp_path / "overlap" / "metrics_rl.jsonl")
     assert len(records) == 3 and max(r["staleness_max"] for r in records) <= 1.0
@@ -161,7 +135,7 @@ def test_rollouts_sft_under_torchrun_uses_fsdp2(tiny_run_inputs, tmp_path):
 @pytest.mark.parametrize("preset", ["grpo", "ppo"])  # ppo: KL in the loss, a sharded reference on every rank
 def test_rollouts_rl_under_torchrun(tiny_run_inputs, tmp_path, preset):
     out = tmp_path / "rl_fsdp"
-    config = _rl_toml(tiny_run_inputs, out, tiny_run_inputs / "model")
+    config = rl_toml(tiny_run_inputs, out, tiny_run_inputs / "model")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                "-m", "rollouts.loops.cli", "rl", "--config", str(config), "--set", f"preset={preset}",
                "--set", "rl.checkpoint.every_steps=2", "--set", "rl.rollout.batch_size=3"]

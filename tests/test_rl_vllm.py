@@ -5,6 +5,7 @@ import trio
 
 from rollouts.loops.cli import main
 from rollouts.loops.loggers import read_jsonl
+from run_configs import rl_toml
 from rollouts.sync import VLLMEngine
 from rollouts.sync.testing import find_vllm_python, launch_vllm_server, vllm_unavailable_reason
 
@@ -23,33 +24,14 @@ def vllm_for_tiny_model(tiny_run_inputs, tmp_path_factory):
 
 def test_rl_loop_with_vllm_engine_syncs_weights(tiny_run_inputs, vllm_for_tiny_model, tmp_path):
     out = tmp_path / "rl_vllm"
-    config = tmp_path / "rl.toml"
-    config.write_text(f"""
-preset = "grpo"
-[model]
-path = "{tiny_run_inputs / 'model'}"
-[data]
-train_path = "{tiny_run_inputs / 'prompts.jsonl'}"
+    engine = f"""
 [engine]
 kind = "vllm"
 urls = ["{vllm_for_tiny_model.url}"]
 timeout_s = 60.0
-[run]
-out_dir = "{out}"
-reward = "exact_match"
-[rl]
-num_steps = 3
-max_tokens_per_micro_batch = 512
-[rl.rollout]
-batch_size = 4
-samples_per_prompt = 4
-request_timeout_s = 60.0
-[rl.rollout.sampling]
-max_new_tokens = 5
-[rl.optimizer]
-lr = 1e-3
-""")
-    assert main(["rl", "--config", str(config)]) == 0
+"""
+    config = rl_toml(tiny_run_inputs, out, tiny_run_inputs / "model", extra=engine)
+    assert main(["rl", "--config", str(config), "--set", "rl.rollout.request_timeout_s=60.0"]) == 0
     records = read_jsonl(out / "metrics_rl.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [r["weight_version"] for r in records] == [1.0, 2.0, 3.0]
