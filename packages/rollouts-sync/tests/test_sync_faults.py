@@ -90,7 +90,7 @@ def test_mixed_pool_error_names_failed_and_updated_engines(ckpt):
             for e in engines:
                 await e.aclose()
         err = info.value
-        assert elapsed_s < 3.5  # bounded by timeout_s, not by the 30 s delay
+        assert elapsed_s < 6.0  # bounded by timeout_s (3 s, plus slack for a loaded machine), not by the 30 s delay
         assert err.updated == (s_good.url,) and good.weight_version == "7"
         by_engine = {f.engine: f for f in err.failures}
         assert set(by_engine) == {s_flaky.url, s_slow.url, s_gone.url}
@@ -113,7 +113,7 @@ def test_overall_timeout_bounds_a_hanging_engine(ckpt):
             start = time.perf_counter()
             with pytest.raises(WeightSyncError, match="timeout_s=1.0"):
                 await sync_weights_to_engines([engine], ckpt, 1, timeout_s=1.0)
-            assert time.perf_counter() - start < 2.0
+            assert time.perf_counter() - start < 10.0  # bounded by timeout_s, not by the 60 s reload
             await engine.aclose()
 
     trio.run(main)

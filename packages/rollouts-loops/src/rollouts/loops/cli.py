@@ -255,7 +255,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"rollouts {args.command}: config error: {e}", file=sys.stderr)
         return 2
+    finally:
+        _close_distributed()
     return 0
+
+
+def _close_distributed() -> None:
+    """Destroy the process group `_distributed` opened: a live gloo group at interpreter exit aborts."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
