@@ -108,3 +108,66 @@ def test_a_resumed_run_keeps_the_starting_model_as_its_kl_reference(tiny_run_inp
     assert state.step == 2 and len(seen) == 1  # resumed at step 1, ran step 2
     for name, tensor in seen[0].items():
         assert torch.equal(tensor, starting[name]), name
+
+
+class _EchoEngine:
+    """Answers each prompt with two fixed tokens at once: the loop's bookkeeping without a model."""
+
+    name = "echo"
+
+    async def generate(self, prompts, params):
+        from rollouts.types import Sample, Status
+
+        return [Sample(tokens=(*p, 1, 1), num_prompt_tokens=len(p), loss_mask=(0.0,) * len(p) + (1.0, 1.0),
+                       rollout_logprobs=(-1.0, -1.0), status=Status.COMPLETED)
+                for p in prompts for _ in range(params.n)]
+
+    async def update_weights_from_disk(self, path, weight_version):
+        pass
+
+    async def weight_version(self):
+        return None
+
+    async def health(self):
+        return True
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_a_resumed_run_trains_the_same_prompts_as_an_uninterrupted_one(tmp_path, monkeypatch, overlap):
+    """Every checkpoint holds the batch generated ahead of it together with the buffer after it."""
+    import rollouts.loops.rl as rl
+    from rollouts.loops.tiny import build_tiny_model
+
+    class Crash(Exception):
+        pass
+
+    trained, crash_before = [], []
+
+    def recording_update(components, state, samples, config, *, ref_components=None):
+        if crash_before and state.step + 1 == crash_before[0]:
+            raise Crash
+        trained.append(sorted({s.metadata["id"] for s in samples}))
+        return state.after_step(num_tokens=1, num_samples=len(samples)), {}
+
+    monkeypatch.setattr(rl, "rl_update", recording_update)
+    records = [{"prompt": f"p{i}", "id": i} for i in range(40)]
+
+    def run(run_dir, *, resume):
+        model = build_tiny_model(16, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                                 intermediate_size=64, max_position_embeddings=32)
+        config = RLConfig(num_steps=5, overlap=overlap, checkpoint=CheckpointConfig(every_steps=1, keep_last=2),
+                          rollout=RolloutConfig(batch_size=2, samples_per_prompt=2, sampling=SamplingParams(max_new_tokens=2)),
+                          optimizer=OptimizerConfig(schedule="constant"))
+        components = build_components(model, config.optimizer, num_training_steps=5)
+        return run_rl_training(components, DataBuffer(records, seed=0), _EchoEngine(), config,
+                               reward_fn=lambda s: float(s.metadata["id"]), encode_prompt=lambda r: [2 + r["id"] % 10],
+                               logger=NullLogger(), run_dir=run_dir, engine_shares_model=not overlap, resume=resume)
+
+    run(tmp_path / "straight", resume=False)
+    straight, trained[:] = list(trained), []
+    crash_before.append(3)
+    with pytest.raises(Crash):
+        run(tmp_path / "crashed", resume=False)
+    crash_before.clear()
+    run(tmp_path / "crashed", resume=True)
+    assert trained == straight, (trained, straight)

@@ -383,6 +383,10 @@ def run_rl_training(
             _rl_main, components, buffer, engine, config, reward_fn, encode_prompt, logger, Path(run_dir),
             engine_shares_model, ref_components, resume, tokenizer, on_step,
         )
+    except BaseExceptionGroup as group:  # the loop's nursery wraps even a lone error: raise that one
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
     finally:
         if world > 1:
             broadcast_json({"op": "stop"})
@@ -491,11 +495,12 @@ async def _rl_main(components, buffer, engine, config, reward_fn, encode_prompt,
                 await trio.to_thread.run_sync(on_step, state, metrics)
             ckpt = config.checkpoint
             if (ckpt.every_steps > 0 and state.step % ckpt.every_steps == 0) or state.step >= total:
-                extra = {"buffer": buffer.state_dict(), "manager": manager.state_dict()}
-                if pending is not None:  # its prompts left the buffer already: keep its samples
+                extra = {}
+                if pending is not None:  # saved with its samples, and with the buffer and carry-over after it
                     await pending.done.wait()
                     if pending.error is None:
                         extra["pending_batch"] = [s.to_dict() for s in pending.value[0].samples]
+                extra.update(buffer=buffer.state_dict(), manager=manager.state_dict())
                 broadcast_json({"op": "checkpoint"})
                 await trio.to_thread.run_sync(lambda: save_checkpoint(
                     components, state, run_dir / CHECKPOINTS_DIR, extra=extra,
