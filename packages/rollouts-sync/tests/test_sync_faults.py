@@ -119,6 +119,32 @@ def test_overall_timeout_bounds_a_hanging_engine(ckpt):
     trio.run(main)
 
 
+@pytest.mark.parametrize("engine_cls", [VLLMEngine, SGLangEngine])
+def test_a_deadline_during_the_pause_still_resumes_the_engine(engine_cls, ckpt):
+    """The sync gives up while the server drains a long generation; the engine must not stay paused."""
+    from rollouts.types import SamplingParams
+
+    async def main():
+        state = FakeEngineState(generate_delay_s=1.5)
+        async with serve_fake_engine(state) as server:
+            engine = engine_cls(server.url, retry=FAST_RETRY, timeout_s=10.0)
+            params = SamplingParams(max_new_tokens=2)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(engine.generate, [[1, 2]], params)
+                while state.num_in_flight == 0:
+                    await trio.sleep(0.01)
+                with pytest.raises(WeightSyncError, match="timeout_s=0.3"):
+                    await sync_weights_to_engines([engine], ckpt, 1, timeout_s=0.3)  # pause still draining
+                assert not state.paused
+            state.generate_delay_s = 0.0
+            with trio.fail_after(5.0):  # would wait for a /resume that never comes
+                samples = await engine.generate([[3]], params)
+            assert len(samples) == 1 and not state.paused
+            await engine.aclose()
+
+    trio.run(main)
+
+
 def test_generate_timeout_error_says_what_happened():
     async def main():
         state = FakeEngineState()

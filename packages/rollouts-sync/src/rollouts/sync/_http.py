@@ -7,7 +7,8 @@ timeouts, 5xx); a 4xx is the caller's mistake and is raised at once.
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -17,6 +18,7 @@ import trio
 from rollouts.sync._common import parse_weight_version
 
 _RESPONSE_TEXT_MAX_CHARS = 500  # keep error messages readable when a server returns a whole HTML page
+_RESUME_TIMEOUT_S = 10.0  # resume runs even after a failed update; it must not hang the caller
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -208,6 +210,26 @@ class HTTPEngineBase:
             timeout_s=timeout_s if timeout_s is not None else self.timeout_s,
             retry=retry if retry is not None else self.retry, rng=self._rng,
         )
+
+    @asynccontextmanager
+    async def _paused(
+        self, pause_path: str, resume_path: str, *, params: Mapping[str, Any] | None = None
+    ) -> AsyncIterator[None]:
+        """Generation paused on the server for the body; resumed after it, whatever happens.
+
+        The resume is sent even when the pause itself fails or is cancelled mid-flight (a deadline
+        during a drain): the server may have paused already, and would otherwise stay paused. It is
+        shielded from cancellation and bounded by `_RESUME_TIMEOUT_S`.
+        """
+        try:
+            await self._call("POST", pause_path, params=params)
+            yield
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(_RESUME_TIMEOUT_S):
+                try:
+                    await self._call("POST", resume_path, timeout_s=_RESUME_TIMEOUT_S, retry=RetryPolicy(max_retries=0))
+                except EngineError:
+                    pass  # the update's own error (or the next health check) says what is wrong
 
     async def weight_version(self) -> int | None:
         """The version the server reports (None before the first update)."""

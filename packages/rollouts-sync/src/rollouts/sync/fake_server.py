@@ -58,6 +58,8 @@ class FakeEngineState:
     """When set, requests without `Authorization: Bearer <api_key>` get 401."""
     reload_delay_s: float = 0.0
     """Seconds a weight reload takes (benchmarks use it as a stand-in for the real load)."""
+    generate_delay_s: float = 0.0
+    """Seconds each generate request stays in flight (a pause in mode "wait" drains it)."""
     model_name: str = "fake-model"
     weights: dict[str, np.ndarray] = field(default_factory=dict)
     weight_version: str = "default"
@@ -255,6 +257,7 @@ async def _dispatch(state: FakeEngineState, method: str, target: str, body: byte
         await _wait_unpaused(state)
         state.num_in_flight += 1
         try:
+            await trio.sleep(state.generate_delay_s)
             return await (_generate_vllm if path == "/v1/completions" else _generate_sglang)(state, data)
         finally:
             state.num_in_flight -= 1

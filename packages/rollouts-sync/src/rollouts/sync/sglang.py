@@ -19,13 +19,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import trio
 
 from rollouts.sync._common import check_params, check_prompts, check_weight_version, make_sample, parse_weight_version
 from rollouts.sync._http import EngineError, HTTPEngineBase, RetryPolicy
 from rollouts.types import Sample, SamplingParams
 
-_RESUME_TIMEOUT_S = 10.0  # continue_generation runs even after a failed update; it must not hang the caller
 
 
 class SGLangEngine(HTTPEngineBase):
@@ -81,8 +79,7 @@ class SGLangEngine(HTTPEngineBase):
         if not isinstance(path, str) or not path:
             raise ValueError(f"path must be a non-empty str, got {path!r}")
         version = check_weight_version(weight_version)
-        await self._call("POST", "/pause_generation")
-        try:
+        async with self._paused("/pause_generation", "/continue_generation"):
             body = {"model_path": path, "weight_version": str(version), "abort_all_requests": False}
             data = (await self._call("POST", "/update_weights_from_disk", json=body)).json()
             if not data.get("success", False):
@@ -90,13 +87,6 @@ class SGLangEngine(HTTPEngineBase):
                                   engine=self.name, url=f"{self.name}/update_weights_from_disk", status=200,
                                   text=str(data.get("message")))
             await self._call("POST", "/flush_cache")
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(_RESUME_TIMEOUT_S):
-                try:
-                    await self._call("POST", "/continue_generation", timeout_s=_RESUME_TIMEOUT_S,
-                                     retry=RetryPolicy(max_retries=0))
-                except EngineError:
-                    pass  # the update's own error (or the next health check) says what is wrong
         got = await self.weight_version()
         if got != version:
             raise EngineError(f"{self.name}: weight version reads {got!r} after setting {version}",

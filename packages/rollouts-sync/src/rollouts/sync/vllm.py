@@ -16,7 +16,6 @@ from typing import Any
 
 import httpx
 import numpy as np
-import trio
 from safetensors.numpy import save as safetensors_save
 
 from rollouts.sync._common import check_params, check_prompts, check_weight_version, make_sample
@@ -27,7 +26,6 @@ WORKER_EXTENSION_CLS = "rollouts.sync.worker_extension.SafetensorsWeightLoader"
 """Pass to vLLM as --worker-extension-cls so update_weights_from_tensors works without a shared disk."""
 
 _TOKEN_ID_PREFIX = "token_id:"  # vLLM's spelling of tokens when return_tokens_as_token_ids is set
-_RESUME_TIMEOUT_S = 10.0  # resume runs even after a failed update; it must not hang the caller
 _DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024  # one /collective_rpc body stays well below HTTP server limits
 
 
@@ -120,19 +118,12 @@ class VLLMEngine(HTTPEngineBase):
     async def _paused_update(self, rpcs: list[dict[str, Any]], version: int) -> None:
         # Pause so no request straddles two weight versions; resume even when the update fails,
         # so a failed sync leaves the engine serving (old weights) rather than stuck paused.
-        await self._call("POST", "/pause", params={"mode": self.pause_mode})
-        try:
+        async with self._paused("/pause", "/resume", params={"mode": self.pause_mode}):
             for rpc in rpcs:
                 data = self._json_or_empty(await self._call("POST", "/collective_rpc", json=rpc))
                 _raise_on_rpc_error(data, engine=self.name, url=f"{self.name}/collective_rpc")
             await self.reset_prefix_cache()
             await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(_RESUME_TIMEOUT_S):
-                try:
-                    await self._call("POST", "/resume", timeout_s=_RESUME_TIMEOUT_S, retry=RetryPolicy(max_retries=0))
-                except EngineError:
-                    pass  # the update's own error (or the next health check) says what is wrong
         got = await self.weight_version()
         if got != version:
             raise EngineError(
