@@ -23,7 +23,9 @@ _DEFAULT_WINDOW_S = 0.01  # long enough for a nursery's start_soon burst, short 
 class _Request:
     prompts: Sequence[Sequence[int]]
     params: SamplingParams
-    done: trio.Event = field(default_factory=trio.Event)
+    wake: trio.Event = field(default_factory=trio.Event)
+    """Set once the request is finished, or when it is handed the lead."""
+    finished: bool = False
     result: list[Sample] | None = None
     error: BaseException | None = None
 
@@ -33,6 +35,12 @@ class CoalescingEngine:
 
     Calls with equal SamplingParams that arrive within `window_s` of each other go out as one call
     of at most `max_prompts_per_call` prompts. Other methods pass straight through.
+
+    One waiting caller at a time leads: it runs batches (its own first) until its own request is
+    finished, then hands the lead to the next queued caller. So no caller's deadline covers other
+    callers' batches, and a cancelled leader hands on what is still queued instead of failing it.
+    A batch already running in the worker thread cannot be interrupted; a caller cancelled while its
+    batch runs gets its cancellation once the batch returns.
     """
 
     def __init__(
@@ -46,7 +54,7 @@ class CoalescingEngine:
         self.max_prompts_per_call = max_prompts_per_call
         self.window_s = window_s
         self._queue: list[_Request] = []
-        self._leading = False
+        self._leader: _Request | None = None
 
     @property
     def name(self) -> str:
@@ -57,21 +65,28 @@ class CoalescingEngine:
         params = batch[0].params
         try:
             samples = await trio.to_thread.run_sync(lambda: trio.run(self.inner.generate, prompts, params))
-            if len(samples) != len(prompts) * params.n:
-                raise RuntimeError(
-                    f"{self.inner.name} returned {len(samples)} samples for {len(prompts)} prompts x n={params.n}"
-                )
-            start = 0
-            for r in batch:
-                size = len(r.prompts) * params.n
-                r.result = samples[start : start + size]
-                start += size
+        except trio.Cancelled:  # before the thread started (a running one is waited for): nothing ran
+            self._queue[:0] = batch
+            raise
         except Exception as e:  # every request of the batch sees the failure (and may retry)
-            for r in batch:
-                r.error = e
-        finally:
-            for r in batch:
-                r.done.set()
+            self._finish(batch, error=e)
+            return
+        if len(samples) != len(prompts) * params.n:
+            error = RuntimeError(f"{self.inner.name} returned {len(samples)} samples for {len(prompts)} prompts x n={params.n}")
+            self._finish(batch, error=error)
+            return
+        start = 0
+        for r in batch:
+            size = len(r.prompts) * params.n
+            r.result = samples[start : start + size]
+            start += size
+        self._finish(batch)
+
+    @staticmethod
+    def _finish(batch: list[_Request], *, error: BaseException | None = None) -> None:
+        for r in batch:
+            r.error, r.finished = error, True
+            r.wake.set()
 
     def _take_batch(self) -> list[_Request]:
         params = self._queue[0].params
@@ -86,23 +101,25 @@ class CoalescingEngine:
         return batch
 
     async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
-        """Queue the call; the first caller of a window runs the batches until the queue is empty."""
+        """Queue the call; it returns once a batch holding it has run (led by this caller or another)."""
         request = _Request(prompts=prompts, params=params)
         self._queue.append(request)
-        if not self._leading:
-            self._leading = True
-            try:
+        try:
+            if self._leader is None:  # the first call after a quiet spell waits for others to join
+                self._leader = request
                 await trio.sleep(self.window_s)
-                while self._queue:
+            while not request.finished:
+                if self._leader is request:
                     await self._run_batch(self._take_batch())
-            finally:
-                self._leading = False
-                # A cancelled leader must not strand the others: fail what is still queued.
-                for r in self._queue:
-                    r.error = RuntimeError("the batch leading this request was cancelled; retry")
-                    r.done.set()
-                self._queue = []
-        await request.done.wait()
+                else:
+                    await request.wake.wait()
+        finally:
+            if request in self._queue:  # cancelled before its batch ran: its prompts are not generated
+                self._queue.remove(request)
+            if self._leader is request:
+                self._leader = self._queue[0] if self._queue else None
+                if self._leader is not None:
+                    self._leader.wake.set()
         if request.error is not None:
             raise request.error
         assert request.result is not None

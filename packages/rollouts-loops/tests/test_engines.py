@@ -1,0 +1,154 @@
+"""CoalescingEngine: concurrent calls become batched calls; deadlines and cancellations stay per caller."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollouts.loops.engines import CoalescingEngine
+from rollouts.types import Sample, SamplingParams, Status
+
+
+class BlockingEngine:
+    """Answers each prompt with its own tokens plus one; blocks `delay_s` per call like a forward pass."""
+
+    name = "blocking"
+
+    def __init__(self, delay_s: float = 0.0, fail_calls: tuple[int, ...] = ()) -> None:
+        self.delay_s = delay_s
+        self.fail_calls = fail_calls
+        self.calls: list[list[tuple[int, ...]]] = []
+
+    async def generate(self, prompts, params):
+        self.calls.append([tuple(p) for p in prompts])
+        time.sleep(self.delay_s)
+        if len(self.calls) - 1 in self.fail_calls:
+            raise RuntimeError(f"call {len(self.calls) - 1} failed")
+        return [Sample(tokens=(*p, 1), num_prompt_tokens=len(p), loss_mask=(0.0,) * len(p) + (1.0,),
+                       status=Status.COMPLETED)
+                for p in prompts for _ in range(params.n)]
+
+    async def update_weights_from_disk(self, path, weight_version):
+        pass
+
+    async def weight_version(self):
+        return None
+
+    async def health(self):
+        return True
+
+
+def _prompts(caller: int, count: int) -> list[list[int]]:
+    return [[caller + 2, i + 2] for i in range(count)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(counts=st.lists(st.integers(1, 5), min_size=1, max_size=8), cap=st.integers(1, 8),
+       ns=st.lists(st.integers(1, 2), min_size=8, max_size=8))
+def test_every_caller_gets_exactly_its_own_samples(counts, cap, ns):
+    inner = BlockingEngine()
+    engine = CoalescingEngine(inner, max_prompts_per_call=cap, window_s=0.01)
+    got: dict[int, list[Sample]] = {}
+
+    async def call(caller):
+        params = SamplingParams(n=ns[caller], max_new_tokens=1)
+        got[caller] = await engine.generate(_prompts(caller, counts[caller]), params)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for caller in range(len(counts)):
+                nursery.start_soon(call, caller)
+
+    trio.run(main)
+    for caller, count in enumerate(counts):
+        expected = [(*p, 1) for p in _prompts(caller, count) for _ in range(ns[caller])]
+        assert [s.tokens for s in got[caller]] == expected
+    for prompts in inner.calls:  # a batch never mixes params and stays within the cap (one caller may exceed it)
+        assert len(prompts) <= max(cap, max(counts))
+        assert len({ns[p[0] - 2] for p in prompts}) == 1
+    assert sum(len(c) for c in inner.calls) == sum(counts)
+
+
+def test_concurrent_calls_within_the_window_go_out_as_one_call():
+    inner = BlockingEngine()
+    engine = CoalescingEngine(inner, max_prompts_per_call=64, window_s=0.05)
+    params = SamplingParams(max_new_tokens=1)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for caller in range(6):
+                nursery.start_soon(engine.generate, _prompts(caller, 2), params)
+
+    trio.run(main)
+    assert len(inner.calls) == 1 and len(inner.calls[0]) == 12
+
+
+def _timed_calls(engine, timeouts, *, start_gap_s=0.001):
+    """Run one call per timeout, concurrently; returns {caller: ("ok" | "timeout" | error, seconds)}."""
+    outcome: dict[int, tuple[str, float]] = {}
+    params = SamplingParams(max_new_tokens=1)
+
+    async def call(caller, timeout, t0):
+        try:
+            with trio.fail_after(timeout):
+                samples = await engine.generate(_prompts(caller, 1), params)
+            assert samples[0].tokens == (caller + 2, 2, 1)
+            outcome[caller] = ("ok", trio.current_time() - t0)
+        except trio.TooSlowError:
+            outcome[caller] = ("timeout", trio.current_time() - t0)
+        except Exception as e:  # reported, not raised: the test compares every caller's fate
+            outcome[caller] = (repr(e), trio.current_time() - t0)
+
+    async def main():
+        t0 = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            for caller, timeout in enumerate(timeouts):
+                nursery.start_soon(call, caller, timeout, t0)
+                await trio.sleep(start_gap_s)
+
+    trio.run(main)
+    return outcome
+
+
+def test_a_leader_deadline_covers_only_its_own_batch():
+    # One prompt per call, 0.3 s each: the first caller's own batch is done at ~0.3 s, within its
+    # 0.6 s; the later batches run after it and must neither time it out nor fail.
+    engine = CoalescingEngine(BlockingEngine(delay_s=0.3), max_prompts_per_call=1, window_s=0.01)
+    outcome = _timed_calls(engine, [0.6, 10.0, 10.0])
+    assert {caller: status for caller, (status, _) in outcome.items()} == {0: "ok", 1: "ok", 2: "ok"}
+    assert outcome[0][1] < 0.6
+
+
+def test_a_leader_cancelled_in_its_window_hands_the_queue_on():
+    inner = BlockingEngine(delay_s=0.05)
+    engine = CoalescingEngine(inner, max_prompts_per_call=64, window_s=0.5)
+    outcome = _timed_calls(engine, [0.1, 10.0, 10.0])
+    assert outcome[0][0] == "timeout"
+    assert outcome[1][0] == "ok" and outcome[2][0] == "ok"
+    assert [p for call in inner.calls for p in call] == [(3, 2), (4, 2)]  # the cancelled prompt never ran
+
+
+def test_a_caller_cancelled_while_queued_is_never_generated():
+    inner = BlockingEngine(delay_s=0.3)
+    engine = CoalescingEngine(inner, max_prompts_per_call=1, window_s=0.01)
+    outcome = _timed_calls(engine, [10.0, 0.1, 10.0])
+    assert [outcome[c][0] for c in range(3)] == ["ok", "timeout", "ok"]
+    assert [p for call in inner.calls for p in call] == [(2, 2), (4, 2)]
+
+
+def test_a_failed_batch_fails_its_callers_only():
+    inner = BlockingEngine(delay_s=0.02, fail_calls=(0,))
+    engine = CoalescingEngine(inner, max_prompts_per_call=1, window_s=0.01)
+    outcome = _timed_calls(engine, [10.0, 10.0])
+    assert "call 0 failed" in outcome[0][0] and outcome[1][0] == "ok"
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="max_prompts_per_call"):
+        CoalescingEngine(BlockingEngine(), max_prompts_per_call=0)
+    with pytest.raises(ValueError, match="window_s"):
+        CoalescingEngine(BlockingEngine(), window_s=-1.0)
