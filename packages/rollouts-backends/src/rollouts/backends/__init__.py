@@ -26,6 +26,7 @@ from rollouts.backends.train import (
     forward_backward,
     micro_batch_to_torch,
     optim_step,
+    packed_only,
     token_logprobs_of_model,
 )
 
@@ -50,6 +51,7 @@ __all__ = [
     "lr_multiplier",
     "micro_batch_to_torch",
     "optim_step",
+    "packed_only",
     "read_weights",
     "sample_next_tokens",
     "save_checkpoint",

@@ -88,11 +88,18 @@ def attention_mask_4d(segment_ids_B_T: torch.Tensor, *, dtype: torch.dtype | Non
     return torch.where(allowed, zero, torch.finfo(dtype).min)
 
 
+def packed_only(model: torch.nn.Module) -> bool:
+    """Whether the model's attention takes no dense mask (flash kernels): packed rows without padding only.
+
+    Transformers then derives each sequence's boundaries from position_ids restarting at 0.
+    """
+    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    return impl.startswith(("flash", "kernels"))
+
+
 def _model_inputs(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    impl = getattr(model.config, "_attn_implementation", "sdpa")
-    if impl.startswith(("flash", "kernels")):
-        # Flash kernels take no dense mask: transformers derives per-sequence boundaries from
-        # position_ids restarting at 0 when attention_mask is None (packed layout only).
+    impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    if packed_only(model):
         if bool((batch["attention_mask"] == 0).any()):
             raise ValueError(f"attn_implementation {impl!r} needs the packed layout without padding")
         mask = None

@@ -31,6 +31,7 @@ from rollouts.backends import (
     export_weights,
     forward_backward,
     optim_step,
+    packed_only,
     save_checkpoint,
 )
 from rollouts.data import AsyncRolloutManager, DataBuffer, plan_micro_batches, unpack_values
@@ -191,7 +192,7 @@ def rl_update(
     if len(samples) < world:
         raise ValueError(f"{len(samples)} samples cannot give each of {world} ranks one")
     local = list(samples[rank::world])
-    plan = plan_micro_batches(local, max_tokens=config.max_tokens_per_micro_batch, layout=choose_layout(local))
+    plan = plan_micro_batches(local, max_tokens=config.max_tokens_per_micro_batch, layout=choose_layout(local, packed_only=packed_only(components.model)))
     real = [dict(mb) for mb in plan.micro_batches]
     mbs = same_count_on_every_rank(real)  # zero-loss fillers past `real` so FSDP's collectives line up
     masks = unpack_values(real, [mb["loss_mask"] for mb in real])

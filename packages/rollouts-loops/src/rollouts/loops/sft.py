@@ -18,6 +18,7 @@ from rollouts.backends import (
     latest_checkpoint,
     load_checkpoint,
     optim_step,
+    packed_only,
     save_checkpoint,
 )
 from rollouts.data import DataBuffer, plan_micro_batches
@@ -31,8 +32,14 @@ _PADDED_MIN_FILL = 0.9
 sequences into one row costs attention over the whole row (block-diagonal mask), padding does not."""
 
 
-def choose_layout(samples: Sequence[Sample]) -> str:
-    """'padded' for near-uniform lengths, else 'packed' (minimal padding for long-tailed lengths)."""
+def choose_layout(samples: Sequence[Sample], *, packed_only: bool = False) -> str:
+    """'padded' for near-uniform lengths, else 'packed' (minimal padding for long-tailed lengths).
+
+    `packed_only`: the model's attention takes no padding mask (flash kernels; see
+    rollouts.backends.packed_only), so always 'packed'.
+    """
+    if packed_only:
+        return "packed"
     lengths = [len(s.tokens) for s in samples]
     fill = sum(lengths) / (max(lengths) * len(lengths)) if lengths else 1.0
     return "padded" if fill >= _PADDED_MIN_FILL else "packed"
@@ -59,7 +66,7 @@ def sft_step(
     if len(samples) < world:
         raise ValueError(f"batch_size ({len(samples)}) must be >= the number of ranks ({world}): every rank needs a sample")
     local = samples[rank::world]  # each rank trains its share; the denominators are global
-    plan = plan_micro_batches(local, max_tokens=config.max_tokens_per_micro_batch, layout=choose_layout(local))
+    plan = plan_micro_batches(local, max_tokens=config.max_tokens_per_micro_batch, layout=choose_layout(local, packed_only=packed_only(components.model)))
     num_tokens, num_sequences = global_counts(plan.num_loss_tokens, plan.num_sequences)
     loss_fn = sft_loss_fn(mode=config.loss_aggregation)
     micro_batches = same_count_on_every_rank(list(plan.micro_batches))
