@@ -74,10 +74,21 @@ def test_importance_weights_token_and_sequence():
         ("The answer is \\text{Paris}", "paris", 1.0),
         ("no numbers here", "1", 0.0),
         ("\\boxed{50\\%}", "0.5", 1.0),
+        ("So we get 12, which is the final result", "12", 1.0),
+        ("There are 1,000, apples", "1000", 1.0),
+        ("in all 1,234,567.5; done", "1234567.5", 1.0),
     ],
 )
 def test_score_math_answer(response, answer, score):
     assert score_math_answer(response, answer) == score
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=st.integers(-10**9, 10**9), grouped=st.booleans(), after=st.sampled_from(["", ".", ",", ";", "!", ", so", " apples"]))
+def test_the_last_number_is_read_whole_whatever_punctuation_follows(value, grouped, after):
+    written = f"{value:,}" if grouped else str(value)
+    assert extract_answer(f"first 7, then {written}{after}") == written
+    assert score_math_answer(f"we find {written}{after}", str(value)) == 1.0
 
 
 def test_extract_answer_order():

@@ -39,7 +39,8 @@ ANSWER_ABS_TOL = 1e-9
 NORMALIZE_EPS = 1e-6
 """Added to the batch std in normalize_rewards: a batch whose rewards all agree normalizes to 0."""
 
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+# Thousands groups only as d,ddd: a comma after a number ("12, so") is punctuation, not part of it.
+_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?|-?\.\d+")
 _ANSWER_IS = re.compile(r"answer\s+is\s*:?\s*(.+)", re.IGNORECASE)
 _FRAC = re.compile(r"^\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}$")
 _TEXT = re.compile(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}")
