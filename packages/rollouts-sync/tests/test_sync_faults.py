@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from functools import partial
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from rollouts.sync import (EngineError, RetryPolicy, SGLangEngine, VLLMEngine, WeightSyncError, backoff_s,
+from rollouts.sync import (EngineError, EnginePool, RetryPolicy, SGLangEngine, VLLMEngine, WeightSyncError, backoff_s,
                            sync_weights_to_engines)
 from rollouts.sync.fake_server import Fault, FakeEngineState, serve_fake_engine
 
@@ -43,6 +44,11 @@ def test_retry_policy_rejects_bad_values():
         RetryPolicy(max_retries=-1)
     with pytest.raises(ValueError, match="backoff_max_s"):
         RetryPolicy(backoff_base_s=2.0, backoff_max_s=1.0)
+    for bad in (math.inf, math.nan):
+        with pytest.raises(ValueError, match="backoff_base_s"):
+            RetryPolicy(backoff_base_s=bad, backoff_max_s=math.inf)
+        with pytest.raises(ValueError, match="backoff_max_s"):
+            RetryPolicy(backoff_max_s=bad)
 
 
 @pytest.mark.parametrize("engine_cls", [VLLMEngine, SGLangEngine])
@@ -166,5 +172,10 @@ def test_sync_rejects_bad_arguments(ckpt):
         trio.run(partial(sync_weights_to_engines, [], ckpt, 1, timeout_s=1.0))
     with pytest.raises(ValueError, match="unique"):
         trio.run(partial(sync_weights_to_engines, [engine, engine], ckpt, 1, timeout_s=1.0))
-    with pytest.raises(ValueError, match="timeout_s"):
-        trio.run(partial(sync_weights_to_engines, [engine], ckpt, 1, timeout_s=0.0))
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds > 0"):
+            trio.run(partial(sync_weights_to_engines, [engine], ckpt, 1, timeout_s=bad))
+        with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds > 0"):
+            VLLMEngine("http://127.0.0.1:1", timeout_s=bad)
+        with pytest.raises(ValueError, match="sync_timeout_s must be a finite number of seconds > 0"):
+            EnginePool([engine], sync_timeout_s=bad)

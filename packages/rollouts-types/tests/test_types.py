@@ -125,6 +125,22 @@ def test_invalid_values_name_the_field(cls, field, value):
     assert repr(value) in str(info.value)
 
 
+def _float_fields(cls):
+    return [f.name for f in dataclasses.fields(cls) if f.type in ("float", "float | None")]
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), value=st.sampled_from([math.inf, -math.inf, math.nan]))
+def test_non_finite_floats_are_refused_in_every_config(data, value):
+    """inf passes every "> 0" rule (a timeout that never fires, a loss divided to 0): refused by name."""
+    cls = data.draw(st.sampled_from([c for c in CONFIG_TYPES if _float_fields(c)]))
+    field = data.draw(st.sampled_from(_float_fields(cls)))
+    with pytest.raises(ValueError, match=rf"{cls.__name__}\.{field} must be a finite number"):
+        cls(**{field: value})
+    with pytest.raises(ValueError, match=rf"{cls.__name__}\.{field} must be a finite number"):
+        from_dict(cls, {field: value})
+
+
 @settings(max_examples=50, deadline=None)
 @given(
     cls=st.sampled_from(CONFIG_TYPES),

@@ -11,6 +11,13 @@ from collections.abc import Sequence
 from rollouts.types import Sample, SamplingParams, Status
 
 
+def check_seconds(name: str, value: float) -> float:
+    """A timeout or delay in seconds: a finite number > 0 (inf would never fire, NaN never compares)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+    return float(value)
+
+
 def check_prompts(prompts: Sequence[Sequence[int]]) -> list[list[int]]:
     """[P][T_p] prompt token ids as plain int lists; raises on empty or non-int input."""
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):

@@ -6,6 +6,7 @@ timeouts, 5xx); a 4xx is the caller's mistake and is raised at once.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -15,7 +16,7 @@ from typing import Any, Self
 import httpx
 import trio
 
-from rollouts.sync._common import parse_weight_version
+from rollouts.sync._common import check_seconds, parse_weight_version
 
 _RESPONSE_TEXT_MAX_CHARS = 500  # keep error messages readable when a server returns a whole HTML page
 _RESUME_TIMEOUT_S = 10.0  # resume runs even after a failed update; it must not hang the caller
@@ -37,11 +38,11 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int) or self.max_retries < 0:
             raise ValueError(f"RetryPolicy.max_retries must be an int >= 0, got {self.max_retries!r}")
-        if not self.backoff_base_s >= 0.0:
-            raise ValueError(f"RetryPolicy.backoff_base_s must be >= 0, got {self.backoff_base_s!r}")
-        if not self.backoff_max_s >= self.backoff_base_s:
+        if not (math.isfinite(self.backoff_base_s) and self.backoff_base_s >= 0.0):
+            raise ValueError(f"RetryPolicy.backoff_base_s must be a finite number >= 0, got {self.backoff_base_s!r}")
+        if not (math.isfinite(self.backoff_max_s) and self.backoff_max_s >= self.backoff_base_s):
             raise ValueError(
-                f"RetryPolicy.backoff_max_s ({self.backoff_max_s!r}) must be >= backoff_base_s ({self.backoff_base_s!r})"
+                f"RetryPolicy.backoff_max_s ({self.backoff_max_s!r}) must be finite and >= backoff_base_s ({self.backoff_base_s!r})"
             )
         if not 0.0 <= self.jitter_fraction <= 1.0:
             raise ValueError(f"RetryPolicy.jitter_fraction must be in [0, 1], got {self.jitter_fraction!r}")
@@ -139,8 +140,7 @@ def make_client(base_url: str, *, api_key: str | None, timeout_s: float, max_con
         raise ValueError("base_url must not carry credentials or a query string: pass api_key= instead")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("api_key must be a non-empty str or None")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    check_seconds("timeout_s", timeout_s)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return httpx.AsyncClient(
         base_url=base_url.rstrip("/"),

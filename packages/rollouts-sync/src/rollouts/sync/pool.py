@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import trio
 
+from rollouts.sync._common import check_seconds
 from rollouts.sync._http import EngineError
 from rollouts.sync.weight_sync import SyncResult, sync_weights_to_engines
 from rollouts.types import InferenceEngine, Sample, SamplingParams
@@ -38,8 +39,8 @@ class EnginePool:
             raise ValueError(f"engine names must be unique, got {names}")
         if max_concurrency_per_engine < 1:
             raise ValueError(f"max_concurrency_per_engine must be >= 1, got {max_concurrency_per_engine}")
-        if not health_timeout_s > 0 or not sync_timeout_s > 0:
-            raise ValueError(f"health_timeout_s and sync_timeout_s must be > 0, got {health_timeout_s}, {sync_timeout_s}")
+        check_seconds("health_timeout_s", health_timeout_s)
+        check_seconds("sync_timeout_s", sync_timeout_s)
         self.engines = tuple(engines)
         self.max_concurrency_per_engine = max_concurrency_per_engine
         self.health_timeout_s = health_timeout_s

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import trio
 
+from rollouts.sync._common import check_seconds
 from rollouts.sync._http import EngineError
 from rollouts.types import InferenceEngine
 
@@ -73,8 +74,7 @@ async def sync_weights_to_engines(
     """
     if not engines:
         raise ValueError("engines is empty: nothing to sync")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    check_seconds("timeout_s", timeout_s)
     names = [e.name for e in engines]
     if len(set(names)) != len(names):
         raise ValueError(f"engine names must be unique (they identify engines in errors), got {names}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
 from collections.abc import Mapping
@@ -53,6 +54,9 @@ def coerce(path: str, tp: Any, value: Any) -> Any:
                 return coerce(path, arg, value)
             except (TypeError, ValueError) as e:
                 errors.append(e)
+        value_errors = [e for e in errors if isinstance(e, ValueError)]
+        if value_errors:  # the type fit one member but the value broke its rule (e.g. inf for float | None)
+            raise value_errors[0]
         raise TypeError(f"{path} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
     if origin is Literal:
         if value in args and not isinstance(value, bool):
@@ -74,6 +78,8 @@ def coerce(path: str, tp: Any, value: Any) -> Any:
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # inf would pass every "> 0" rule: a timeout that never fires
+                raise ValueError(f"{path} must be a finite number, got {value!r}")
             return float(value)
     elif tp is str:
         if isinstance(value, str):
