@@ -209,6 +209,32 @@ def test_abort_returns_promptly_keeping_finished_work():
     assert sorted(served) == sorted([1, 3, 5, 7] + [0, 1, 2, 3])
 
 
+def test_abort_racing_the_start_of_a_step_stops_that_step_only():
+    served = []
+
+    async def gen(prompt, n):
+        served.append(prompt)
+        return make_group(prompt, n)
+
+    manager = AsyncRolloutManager(DataBuffer(list(range(8)), shuffle=False), cfg(batch_size=2), gen)
+
+    async def run():
+        async with trio.open_nursery() as nursery:
+            out = {}
+
+            async def step():
+                out["b"] = await manager.generate_batch(step=0)
+
+            nursery.start_soon(step)
+            manager.abort()  # the step's task has not run yet
+        return out["b"]
+
+    batch = trio.run(run)
+    assert batch.metadata["aborted"] and batch.num_kept == 0 and served == [] and balanced(batch.metadata)
+    batch = trio.run(partial(manager.generate_batch, step=1))
+    assert not batch.metadata["aborted"] and batch.num_kept == 2 * 2 and sorted(served) == [0, 1]
+
+
 def test_abort_with_sync_hanging_function_returns():
     import threading
 

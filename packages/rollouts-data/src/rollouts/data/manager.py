@@ -76,7 +76,11 @@ class AsyncRolloutManager:
         return len(self._pending_prompts)
 
     def abort(self) -> None:
-        """Stop the step in progress now: in-flight requests are cancelled, finished groups kept."""
+        """Stop the step in progress now: in-flight requests are cancelled, finished groups kept.
+
+        Called between steps, it applies to the next one (which then returns only carried-over
+        groups), so an abort racing the start of a step is never lost.
+        """
         self._aborted = True
         if self._scope is not None:
             self._scope.cancel()
@@ -132,7 +136,6 @@ class AsyncRolloutManager:
         errors: list[str] = []
         rounds_allowed = cfg.max_generation_rounds if cfg.dynamic_sampling else 1
         num_rounds = 0
-        self._aborted = False
         while len(kept) < need and num_rounds < rounds_allowed and not self._aborted:
             num_rounds += 1
             prompts = self._draw_prompts(math.ceil((need - len(kept)) * cfg.over_sampling_factor))
@@ -172,7 +175,8 @@ class AsyncRolloutManager:
         for reason, g in filtered:
             filter_reasons[reason] = filter_reasons.get(reason, 0) + len(g)
         metadata: dict[str, Any] = {f"groups_{k}": v for k, v in counts.items()}
-        metadata |= {"num_rounds": num_rounds, "aborted": self._aborted, "errors": errors}
+        aborted, self._aborted = self._aborted, False  # an abort ends one step: the next one runs
+        metadata |= {"num_rounds": num_rounds, "aborted": aborted, "errors": errors}
         return convert_to_batch(
             samples,
             epoch=epoch,
