@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from rollouts.backends import (
     build_components,
     export_weights,
+    has_optimizer_state,
     latest_checkpoint,
     load_checkpoint,
     read_weights,
@@ -363,3 +364,48 @@ def test_durable_and_page_cache_exports_write_the_same_files(tmp_path):
     assert fast == durable
     for directory in ("fast", "durable"):
         _assert_bit_identical(read_weights(tmp_path / directory), _weights(components.model))
+
+
+def _word_tokenizer():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    inner = Tokenizer(WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    inner.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=inner, unk_token="[UNK]")
+
+
+@pytest.mark.parametrize("victim", ["model.safetensors", "optimizer.safetensors", "config.json", "tokenizer.json"])
+def test_load_checkpoint_refuses_a_file_that_does_not_match_its_record(tmp_path, victim):
+    components = fresh_components()
+    path = save_checkpoint(components, train_steps(components, TrainingState(), 1), tmp_path, tokenizer=_word_tokenizer())
+    record = json.loads((path / "state.json").read_text())
+    assert "tokenizer.json" in record["files"]  # tokenizer files are recorded like the others
+    target = path / victim
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    target.write_bytes(bytes(data))
+    assert latest_checkpoint(tmp_path) is None
+    fresh = fresh_components()
+    before = _weights(fresh.model)
+    with pytest.raises(ValueError, match=rf"\['{victim}'\] do not match the size and CRC-32"):
+        load_checkpoint(fresh, path)
+    if victim != "optimizer.safetensors":  # refused before any weight is touched
+        _assert_bit_identical(_weights(fresh.model), before)
+
+
+def test_a_checkpoint_without_optimizer_state_loads_with_fresh_moments_and_the_schedule_position(tmp_path):
+    components = fresh_components(num_training_steps=6)
+    state = train_steps(components, TrainingState(), 3)
+    path = save_checkpoint(components, state, tmp_path, save_optimizer=False)
+    assert not has_optimizer_state(path) and has_optimizer_state(save_checkpoint(components, state, tmp_path / "full"))
+    with pytest.raises(ValueError, match="holds no optimizer state"):
+        load_checkpoint(fresh_components(num_training_steps=6), path)
+    resumed = fresh_components(num_training_steps=6)
+    loaded, _ = load_checkpoint(resumed, path, load_optimizer=False)
+    assert loaded.step == 3 and not resumed.optimizer.state
+    _assert_bit_identical(_weights(resumed.model), _weights(components.model))
+    assert [g["lr"] for g in resumed.optimizer.param_groups] == [g["lr"] for g in components.optimizer.param_groups]
+    assert resumed.scheduler.last_epoch == components.scheduler.last_epoch

@@ -2,6 +2,7 @@
 
 from rollouts.backends.checkpoint import (
     export_weights,
+    has_optimizer_state,
     latest_checkpoint,
     load_checkpoint,
     load_model_weights,
@@ -44,6 +45,7 @@ __all__ = [
     "export_weights",
     "forward_backward",
     "generate",
+    "has_optimizer_state",
     "latest_checkpoint",
     "load_checkpoint",
     "load_hf_model",

@@ -266,6 +266,24 @@ def _file_matches(path: Path, record: Mapping[str, int]) -> bool:
         return False
 
 
+def _verify_files(components: TrainingComponents, path: Path, files: Mapping[str, Any], names: list[str]) -> None:
+    """Raise ValueError naming every file in `names` whose size or CRC-32 differs from state.json's record
+    (on every rank under FSDP2, so none waits in a collective for a rank that refused)."""
+
+    def check() -> None:
+        bad = [n for n in names if not _file_matches(path / n, files[n])]
+        if bad:
+            raise ValueError(
+                f"checkpoint {str(path)!r}: {bad} do not match the size and CRC-32 recorded in state.json "
+                "(corrupt or truncated); latest_checkpoint skips such a checkpoint"
+            )
+
+    if _is_distributed(components.model):
+        _on_all_ranks(check)
+    else:
+        check()
+
+
 def _to_trash(path: Path, root: Path) -> Path:
     """Rename a directory out of the way (so no half-deleted copy ever keeps its old name); returns
     the new name, for `_delete_later`. Leftover trash is cleared by the next save."""
@@ -506,10 +524,12 @@ def _load_optimizer(components: TrainingComponents, path: Path, record: Mapping[
     groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else dict(g) for g in record["optimizer_param_groups"]]
     shard_files = sorted(n for n in files if n.startswith("optimizer-rank"))
     if "optimizer.safetensors" in files:
+        _verify_files(components, path, files, ["optimizer.safetensors"])
         flat = safetensors.torch.load_file(str(path / "optimizer.safetensors"))
     elif shard_files:
         own = _optimizer_shard_name(_rank(), len(shard_files))
         if _is_distributed(components.model) and torch.distributed.get_world_size() == len(shard_files):
+            _verify_files(components, path, files, [own])  # each rank reads (and checks) only its own shard
             tensors, layout = _read_shard_file(path / own)
             # Same decision on every rank (set_optimizer_state_dict is collective): agree on it.
             if _all_ok(_local_layout_matches(components, layout)):
@@ -527,6 +547,7 @@ def _load_optimizer(components: TrainingComponents, path: Path, record: Mapping[
                     components.model, components.optimizer, {"state": _unflatten_optimizer(local), "param_groups": groups}
                 )
                 return
+        _verify_files(components, path, files, shard_files)
         flat = _join_shards([path / n for n in shard_files])
     else:
         raise ValueError(f"checkpoint {str(path)!r} holds no optimizer state (saved with save_optimizer=False)")
@@ -631,6 +652,9 @@ def save_checkpoint(
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
             tokenizer_files = [p for p in tmp.rglob("*") if p.is_file() and p.name not in files]
+            for p in tokenizer_files:  # covered by the integrity check like every other file
+                data = p.read_bytes()
+                files[str(p.relative_to(tmp))] = {"bytes": len(data), "crc32": zlib.crc32(data)}
         record = {
             "format_version": FORMAT_VERSION,
             "training_state": state.to_dict(),
@@ -744,6 +768,13 @@ def _read_record(path: Path) -> dict[str, Any] | None:
     return record
 
 
+def has_optimizer_state(path: str | Path) -> bool:
+    """Whether the checkpoint at `path` holds optimizer state (it was saved with save_optimizer=True)."""
+    record = _read_record(Path(path))
+    files = record.get("files", {}) if record is not None else {}
+    return any(n == "optimizer.safetensors" or n.startswith("optimizer-rank") for n in files)
+
+
 def latest_checkpoint(root: str | Path) -> Path | None:
     """The newest complete checkpoint under `root` (every file matches state.json), or None.
 
@@ -810,8 +841,11 @@ def load_checkpoint(
 ) -> tuple[TrainingState, dict[str, Any]]:
     """Restore weights, optimizer, scheduler and RNG from a checkpoint; returns (TrainingState, extra).
 
-    Waits for a background save still being published (on every rank under FSDP2, where loading
-    is collective anyway).
+    Every file is checked against the size and CRC-32 that state.json records (a ValueError names
+    the ones that differ). `load_optimizer=False` keeps the optimizer's current moments (a
+    checkpoint saved with `save_optimizer=False` needs it; see `has_optimizer_state`); the
+    scheduler's position is restored either way. Waits for a background save still being
+    published (on every rank under FSDP2, where loading is collective anyway).
     """
     if _is_distributed(components.model):
         _on_all_ranks(lambda: _publisher.wait(None))
@@ -819,12 +853,17 @@ def load_checkpoint(
         _publisher.wait(None)
     path = Path(path)
     record = _read_record(path)
-    if record is None:
+    if record is None or "model.safetensors" not in record.get("files", {}):
         raise ValueError(f"{str(path)!r} is not a checkpoint: state.json missing, unreadable or of another format")
+    files = record["files"]
+    _verify_files(components, path, files, [n for n in files if not n.startswith("optimizer")])
     load_model_weights(components.model, read_weights(path))
     if load_optimizer:
         _load_optimizer(components, path, record)
-        components.scheduler.load_state_dict({**record["scheduler"], "lr_lambdas": [None] * len(components.optimizer.param_groups)})
+    components.scheduler.load_state_dict({**record["scheduler"], "lr_lambdas": [None] * len(components.optimizer.param_groups)})
+    if not load_optimizer:  # the loaded param groups would carry it; fresh ones start at the step's lr
+        for group, lr in zip(components.optimizer.param_groups, components.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
     if restore_rng:
         _restore_rng(record["rng"])
     return TrainingState.from_dict(record["training_state"]), dict(record["extra"])

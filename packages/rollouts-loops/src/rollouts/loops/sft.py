@@ -8,6 +8,7 @@ the newest complete checkpoint exactly where the killed one was.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from rollouts.backends import (
     TrainingComponents,
     forward_backward,
+    has_optimizer_state,
     latest_checkpoint,
     load_checkpoint,
     optim_step,
@@ -54,7 +56,11 @@ def resume_if_possible(
     path = latest_checkpoint(Path(run_dir) / CHECKPOINTS_DIR)
     if path is None:
         return TrainingState(), {}, None
-    state, extra = load_checkpoint(components, path)
+    saved_optimizer = has_optimizer_state(path)
+    if not saved_optimizer:
+        warnings.warn(f"{path} holds no optimizer state (save_optimizer=False): resuming with fresh optimizer "
+                      "moments, so the run does not continue exactly as it would have", stacklevel=2)
+    state, extra = load_checkpoint(components, path, load_optimizer=saved_optimizer)
     return state, extra, path
 
 
