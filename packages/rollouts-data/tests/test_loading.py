@@ -1,8 +1,12 @@
 """JSONL / JSON loading: every error names file, line (or record) and field."""
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rollouts.data import load_conversations, load_prompts, load_records
 
@@ -61,3 +65,17 @@ def test_empty_and_wrong_shapes_raise(tmp_path):
         load_records(_write(tmp_path / "x.txt", "hi"))
     with pytest.raises(ValueError, match=r"p\.jsonl:1: field 'prompt' is an empty string"):
         load_prompts(_write(tmp_path / "p.jsonl", '{"prompt": ""}\n'))
+
+
+@settings(max_examples=100, deadline=None)
+@given(prompts=st.lists(st.text(min_size=1).filter(str.strip), min_size=1, max_size=5), crlf=st.booleans())
+def test_any_text_written_raw_loads_back_with_its_line_numbers(prompts, crlf):
+    """U+2028, U+0085, \x0c... are raw inside JSON strings (ensure_ascii=False); only newlines end records."""
+    newline = "\r\n" if crlf else "\n"
+    text = newline.join(json.dumps({"prompt": p, "i": i}, ensure_ascii=False) for i, p in enumerate(prompts)) + newline
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "p.jsonl"
+        path.write_bytes(text.encode("utf-8"))
+        assert [(r["prompt"], r["i"]) for r in load_prompts(path)] == [(p, i) for i, p in enumerate(prompts)]
+        locations = [where for where, _ in load_records(path)]
+        assert locations == [f"{path}:{i + 1}" for i in range(len(prompts))]

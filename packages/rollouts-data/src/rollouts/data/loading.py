@@ -32,7 +32,9 @@ def load_records(path: str | Path) -> list[tuple[str, Any]]:
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         out = []
-        for lineno, line in enumerate(text.splitlines(), start=1):
+        # Only "\n" ends a record: str.splitlines() also splits at U+2028, U+0085 and others,
+        # which JSON strings may hold raw (json.dumps(..., ensure_ascii=False) writes them so).
+        for lineno, line in enumerate(text.split("\n"), start=1):
             if not line.strip():
                 continue
             try:
