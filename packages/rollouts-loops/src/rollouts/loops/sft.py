@@ -74,7 +74,10 @@ def sft_step(
     local = samples[rank::world]  # each rank trains its share; the denominators are global
     plan = plan_micro_batches(local, max_tokens=config.max_tokens_per_micro_batch, layout=choose_layout(local, packed_only=packed_only(components.model)))
     num_tokens, num_sequences = global_counts(plan.num_loss_tokens, plan.num_sequences)
-    loss_fn = sft_loss_fn(mode=config.loss_aggregation)
+    # Dr.GRPO-style normalization divides by a constant; the longest possible sample keeps it the
+    # same in every micro-batch (each one's padded length would make the gradient split-dependent).
+    norm = float(config.max_length) if config.loss_aggregation == "seq-mean-token-sum-norm" else None
+    loss_fn = sft_loss_fn(mode=config.loss_aggregation, norm_constant=norm)
     micro_batches = same_count_on_every_rank(list(plan.micro_batches))
     metrics = forward_backward(components, micro_batches, loss_fn, num_tokens=num_tokens, num_sequences=num_sequences)
     loss = global_sum(metrics["loss"])
