@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollouts.loops.algorithms import ALGORITHMS, algorithm_preset
-from rollouts.loops.config import ConfigError, RLRun, SFTRun, apply_overrides, load_run, to_toml
+from rollouts.loops.config import ConfigError, RLRun, SFTRun, apply_overrides, build_run, load_run, to_toml
 from rollouts.types import from_dict
 
 
@@ -78,14 +78,24 @@ def test_bad_override_syntax():
     lr=st.floats(1e-8, 1.0),
     preset=st.sampled_from(sorted(ALGORITHMS)),
     clip=st.none() | st.floats(0.01, 10.0),
+    is_cap=st.none() | st.floats(1.0, 10.0),
 )
-def test_resolved_toml_round_trips(steps, lr, preset, clip):
+def test_resolved_toml_round_trips(steps, lr, preset, clip, is_cap):
+    """None (no clipping, no IS cap) is written as "none" and read back as None, not as the default."""
     run = load_run(
-        RLRun, None, [f"rl.num_steps={steps}", f"rl.optimizer.lr={lr!r}", f"preset={preset!r}"]
-        + ([f"rl.optimizer.max_grad_norm={clip!r}"] if clip is not None else [])
+        RLRun, None, [f"rl.num_steps={steps}", f"rl.optimizer.lr={lr!r}", f"preset={preset!r}",
+                      f"rl.optimizer.max_grad_norm={'none' if clip is None else repr(clip)}",
+                      f"rl.algorithm.is_cap={'none' if is_cap is None else repr(is_cap)}"]
     )
-    again = from_dict(RLRun, tomllib.loads(to_toml(run)))
-    assert again == run
+    assert run.rl.optimizer.max_grad_norm == clip and run.rl.algorithm.is_cap == is_cap
+    assert build_run(RLRun, tomllib.loads(to_toml(run))) == run
+
+
+def test_none_is_refused_where_a_setting_cannot_be_off(tmp_path):
+    with pytest.raises(ConfigError, match=r"RLRun\.rl\.optimizer\.lr must be float, got str 'none'"):
+        load_run(RLRun, None, ["rl.optimizer.lr=none"])
+    with pytest.raises(ConfigError, match=r"run\.toml: RLRun\.rl\.algorithm must be a table of AlgorithmConfig fields, got str 'grpo'"):
+        load_run(RLRun, _write(tmp_path, "preset = 'grpo'\n[rl]\nalgorithm = 'grpo'\n"))
 
 
 def test_presets_are_distinct_and_valid():

@@ -4,6 +4,8 @@ A run file has the training config under [sft] or [rl] (rollouts-types' SFTConfi
 plus the run's own sections: [model], [data], [engine], [run]. Unknown keys, wrong types and
 out-of-range values are errors naming the file, the key and the rule, raised before any work.
 `--set key.path=value` overrides (the value is parsed as TOML, falling back to a bare string).
+TOML has no null: an optional setting is switched off with the string "none"
+(`rl.optimizer.max_grad_norm = "none"`), and the resolved config writes None that way.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import tomllib
+import types
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,11 +166,41 @@ def _with_preset(data: dict[str, Any]) -> dict[str, Any]:
     name = data.get("preset", "")
     if not isinstance(name, str) or name not in ALGORITHMS:
         return data  # RLRun's own validation names the bad preset
+    rl = data.get("rl", {})
+    if not isinstance(rl, Mapping) or not all(isinstance(rl.get(k, {}), Mapping) for k in ("algorithm", "rollout")):
+        return data  # not tables: RLRun's own validation names the key and what it got
     algorithm, rollout = preset_dicts(name)
-    rl = dict(data.get("rl", {}))
+    rl = dict(rl)
     rl["algorithm"] = {**algorithm, **rl.get("algorithm", {})}
     rl["rollout"] = {**rollout, **rl.get("rollout", {})}
     return {**data, "rl": rl}
+
+
+NONE = "none"
+"""TOML has no null: an optional setting (max_grad_norm, is_cap, ...) is switched off with "none"."""
+
+
+def _takes_none_string(tp: Any) -> bool:
+    """An optional field whose other members are not str, so the string "none" can only mean None."""
+    args = typing.get_args(tp)
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args and str not in args
+
+
+def _resolve_nones(cls: type, data: Any) -> Any:
+    """`data` with "none" replaced by None wherever `cls` (nested dataclasses included) allows None."""
+    if not isinstance(data, Mapping):
+        return data  # from_dict names what it got
+    hints = typing.get_type_hints(cls)
+    out = dict(data)
+    for f in dataclasses.fields(cls):
+        if f.name not in out:
+            continue
+        tp, value = hints[f.name], out[f.name]
+        if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+            out[f.name] = _resolve_nones(tp, value)
+        elif value == NONE and _takes_none_string(tp):
+            out[f.name] = None
+    return out
 
 
 def build_run(cls: type, data: Mapping[str, Any], *, source: str = "<config>") -> Any:
@@ -174,7 +208,7 @@ def build_run(cls: type, data: Mapping[str, Any], *, source: str = "<config>") -
     if cls is RLRun:
         data = _with_preset(dict(data))
     try:
-        return from_dict(cls, data)
+        return from_dict(cls, _resolve_nones(cls, data))
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{source}: {e}") from e
 
@@ -213,9 +247,8 @@ def _toml_value(value: Any) -> str:
 
 
 def _toml_tables(data: Mapping[str, Any], *, prefix: str) -> str:
-    scalars = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, Mapping) and v is not None]
-    skipped = [f"# {k} = (none)" for k, v in data.items() if v is None]
-    lines = ([f"[{prefix}]"] if prefix and (scalars or skipped) else []) + scalars + skipped
+    scalars = [f"{k} = {_toml_value(NONE if v is None else v)}" for k, v in data.items() if not isinstance(v, Mapping)]
+    lines = ([f"[{prefix}]"] if prefix and scalars else []) + scalars
     out = "\n".join(lines) + ("\n\n" if lines else "")
     for key, value in data.items():
         if isinstance(value, Mapping):
