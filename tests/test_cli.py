@@ -90,6 +90,15 @@ def test_config_errors_name_the_key_before_work(tiny_run_inputs, tmp_path, capsy
     assert not (tmp_path / "bad" / "checkpoints").exists()  # nothing ran
 
 
+def test_pipeline_checks_the_rl_files_before_sft_runs(tiny_run_inputs, tmp_path, capsys):
+    sft = _sft_toml(tiny_run_inputs, tmp_path / "p_sft", steps=4, every=0)
+    rl = rl_toml(tiny_run_inputs, tmp_path / "p_rl", tmp_path / "not-yet-written")  # model.path: SFT's output
+    assert main(["pipeline", "--sft-config", str(sft), "--rl-config", str(rl),
+                 "--set-rl", "data.train_path='/nope.jsonl'"]) == 2
+    assert "data.train_path '/nope.jsonl'" in capsys.readouterr().err
+    assert not (tmp_path / "p_sft").exists()  # SFT never started
+
+
 def test_pipeline_runs_sft_then_rl_from_its_checkpoint(tiny_run_inputs, tmp_path):
     sft = _sft_toml(tiny_run_inputs, tmp_path / "p_sft", steps=4, every=0)
     rl = rl_toml(tiny_run_inputs, tmp_path / "p_rl", tiny_run_inputs / "model")

@@ -27,10 +27,12 @@ def _write_resolved(run: Any, out: Path) -> None:
     (out / "resolved_config.json").write_text(json.dumps(dataclasses.asdict(run), indent=2) + "\n")
 
 
-def _check_paths(run: Any, source: str) -> None:
-    """File-system checks that belong to config validation: fail before loading anything big."""
-    model = Path(run.model.path)
-    if not run.model.path or not (model / "config.json").is_file():
+def _check_paths(run: Any, source: str, *, model: bool = True) -> None:
+    """File-system checks that belong to config validation: fail before loading anything big.
+
+    `model=False` skips model.path (a pipeline's RL stage starts from what SFT will write).
+    """
+    if model and (not run.model.path or not (Path(run.model.path) / "config.json").is_file()):
         raise ConfigError(f"{source}: model.path {run.model.path!r} must be a local HF-format model directory (config.json)")
     if not run.data.train_path or not Path(run.data.train_path).is_file():
         raise ConfigError(f"{source}: data.train_path {run.data.train_path!r} must be an existing JSONL/JSON file")
@@ -232,7 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd_rl(load_run(RLRun, args.config, args.set), args.config)
         elif args.command == "pipeline":
             sft = load_run(SFTRun, args.sft_config, args.set_sft)
-            rl = load_run(RLRun, args.rl_config, args.set_rl)  # both checked before any work
+            rl = load_run(RLRun, args.rl_config, args.set_rl)
+            _check_paths(rl, args.rl_config, model=False)  # both checked before any work
             from rollouts.backends import latest_checkpoint
 
             checkpoint = latest_checkpoint(cmd_sft(sft, args.sft_config))
