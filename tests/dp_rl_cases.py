@@ -43,7 +43,7 @@ def batch() -> list[Sample]:
 def config(algorithm: AlgorithmConfig) -> RLConfig:
     return RLConfig(
         num_steps=NUM_STEPS, algorithm=algorithm, optimizer=OptimizerConfig(lr=1e-3, schedule="constant"),
-        rollout=RolloutConfig(batch_size=3, samples_per_prompt=3, sampling=SamplingParams(temperature=1.0)),
+        rollout=RolloutConfig(batch_size=3, samples_per_prompt=3, sampling=SamplingParams(temperature=1.0, max_new_tokens=12)),
         max_tokens_per_micro_batch=24,
     )
 

@@ -175,6 +175,13 @@ def test_sft_micro_batch_must_hold_a_sample():
         SFTConfig(max_length=4096, max_tokens_per_micro_batch=1024)
 
 
+def test_rl_micro_batch_must_hold_a_full_response():
+    sampling = SamplingParams(max_new_tokens=256)
+    with pytest.raises(ValueError, match=r"RLConfig\.max_tokens_per_micro_batch must be > rollout\.sampling\.max_new_tokens \(256\).*got 256"):
+        RLConfig(rollout=RolloutConfig(sampling=sampling), max_tokens_per_micro_batch=256)
+    assert RLConfig(rollout=RolloutConfig(sampling=sampling), max_tokens_per_micro_batch=257).max_tokens_per_micro_batch == 257
+
+
 # ---- Samples ---------------------------------------------------------------------------------
 
 

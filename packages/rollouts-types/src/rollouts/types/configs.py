@@ -291,7 +291,13 @@ class RLConfig:
         check_fields(self)
         n = "RLConfig"
         require(self.num_steps >= 1, f"{n}.num_steps", self.num_steps, "be >= 1")
-        require(self.max_tokens_per_micro_batch >= 1, f"{n}.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, "be >= 1")
+        longest = self.rollout.sampling.max_new_tokens
+        require(
+            self.max_tokens_per_micro_batch > longest,
+            f"{n}.max_tokens_per_micro_batch",
+            self.max_tokens_per_micro_batch,
+            f"be > rollout.sampling.max_new_tokens ({longest}) so a prompt and a full response fit a micro-batch",
+        )
         require(self.sync_every_steps >= 1, f"{n}.sync_every_steps", self.sync_every_steps, "be >= 1")
         require(self.max_staleness >= 1, f"{n}.max_staleness", self.max_staleness, "be >= 1")
         require(self.seed >= 0, f"{n}.seed", self.seed, "be >= 0")
