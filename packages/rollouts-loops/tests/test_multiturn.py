@@ -32,8 +32,8 @@ class ScriptedEngine:
 
     name = "scripted"
 
-    def __init__(self, turns, status=Status.COMPLETED):
-        self.turns, self.status, self.seen = list(turns), status, []
+    def __init__(self, turns, status=Status.COMPLETED, logprobs=True):
+        self.turns, self.status, self.seen, self.logprobs = list(turns), status, [], logprobs
 
     async def generate(self, prompts, params):
         (prompt,) = prompts
@@ -42,7 +42,7 @@ class ScriptedEngine:
         return [
             Sample(
                 tokens=list(prompt) + reply, num_prompt_tokens=len(prompt), loss_mask=[0] * len(prompt) + [1] * len(reply),
-                rollout_logprobs=[-0.5] * len(reply), status=self.status, weight_version=3,
+                rollout_logprobs=[-0.5] * len(reply) if self.logprobs else None, status=self.status, weight_version=3,
             )
         ]
 
@@ -89,7 +89,9 @@ def test_tool_tokens_are_masked_and_history_is_never_retokenized(prompt, turns):
 def test_bounds_hold():
     engine = ScriptedEngine([[1, TOOL]] * 10)
     sample = _rollout(engine, [0], max_turns=3)
-    assert sample.metadata["turns"] == 3
+    # The third turn still calls the tool: not run (nothing would answer it), and the sample is cut.
+    assert sample.metadata == {"turns": 3, "tool_calls": 2} and sample.status is Status.TRUNCATED
+    assert list(sample.tokens[-2:]) == [1, TOOL] and sample.loss_mask[-1] == 1.0
     engine = ScriptedEngine([[1, 2, 3, TOOL]] * 10)
     sample = _rollout(engine, [0], max_turns=10, max_total_tokens=12)
     assert sample.status is Status.TRUNCATED and len(sample.tokens) <= 12
@@ -112,3 +114,9 @@ def test_async_tool_executor():
 
     sample = _rollout(ScriptedEngine([[1, TOOL], [2]]), [0], tool_executor=executor)
     assert list(sample.tokens) == [0, 1, TOOL, 0, 1, 2]
+
+
+def test_a_turn_without_logprobs_leaves_the_trajectory_without_them():
+    sample = _rollout(ScriptedEngine([[1, TOOL], [2]], logprobs=False), [0])
+    assert sample.rollout_logprobs is None and sample.status is Status.COMPLETED
+    assert _rollout(ScriptedEngine([[1, TOOL], [2]]), [0]).rollout_logprobs is not None

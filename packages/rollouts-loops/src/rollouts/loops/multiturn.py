@@ -45,8 +45,11 @@ async def run_tool_rollout(
     """One trajectory alternating engine turns and tool calls; returns a single Sample.
 
     The Sample's tokens are prompt + every turn; loss_mask is 1 on engine tokens and 0 on the
-    prompt and tool output; rollout_logprobs covers every response token (0.0 on tool tokens).
-    Bounds: at most `max_turns` engine turns and `max_total_tokens` tokens in all.
+    prompt and tool output; rollout_logprobs covers every response token (0.0 on tool tokens), or
+    is None when any turn came back without log-probs (a made-up 0.0 would pass for probability 1).
+    Bounds: at most `max_turns` engine turns and `max_total_tokens` tokens in all. A trajectory
+    cut by either bound is TRUNCATED, including when the last allowed turn still calls a tool
+    (that call is not run: nothing would answer its output).
     """
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -55,8 +58,7 @@ async def run_tool_rollout(
     params = dataclasses.replace(params, n=1)
     tokens, mask, logprobs = list(prompt_ids), [0.0] * len(prompt_ids), []
     num_prompt = len(prompt_ids)
-    status, turns, tool_calls = Status.COMPLETED, 0, 0
-    trajectory = Sample(tokens=tokens, num_prompt_tokens=num_prompt, loss_mask=mask)
+    status, turns, tool_calls, all_logprobs = Status.COMPLETED, 0, 0, True
     while turns < max_turns:
         room = max_total_tokens - len(tokens)
         if room <= 0:
@@ -68,14 +70,19 @@ async def run_tool_rollout(
         new = turn.response_tokens
         tokens += new
         mask += [1.0] * len(new)
+        all_logprobs = all_logprobs and turn.rollout_logprobs is not None
         logprobs += list(turn.rollout_logprobs) if turn.rollout_logprobs is not None else [0.0] * len(new)
         status = turn.status
         text = tokenizer.decode(new, skip_special_tokens=True)
-        trajectory = Sample(tokens=tokens, num_prompt_tokens=num_prompt, loss_mask=mask, rollout_logprobs=logprobs)
+        trajectory = Sample(tokens=tokens, num_prompt_tokens=num_prompt, loss_mask=mask,
+                            rollout_logprobs=logprobs if all_logprobs else None)
         if status is not Status.COMPLETED or (stop_condition is not None and stop_condition(trajectory, turns)):
             break
         call = tool_parser(text)
         if call is None:
+            break
+        if turns >= max_turns:  # the model wants another turn it will not get
+            status = Status.TRUNCATED
             break
         output = await _call(tool_executor, call)
         tool_ids = tokenizer.encode(format_tool_output(str(output)), add_special_tokens=False)
@@ -91,7 +98,7 @@ async def run_tool_rollout(
         tokens=tokens,
         num_prompt_tokens=num_prompt,
         loss_mask=mask,
-        rollout_logprobs=logprobs,
+        rollout_logprobs=logprobs if all_logprobs else None,
         response=response_text,
         status=status,
         weight_version=turn.weight_version if turns else None,
