@@ -151,6 +151,26 @@ def test_a_deadline_during_the_pause_still_resumes_the_engine(engine_cls, ckpt):
     trio.run(main)
 
 
+@pytest.mark.parametrize("engine_cls", [VLLMEngine, SGLangEngine])
+def test_a_lost_resume_is_retried_and_a_resume_that_never_lands_fails_the_update(engine_cls, ckpt):
+    resume = "/resume" if engine_cls is VLLMEngine else "/continue_generation"
+
+    async def main():
+        state = FakeEngineState()
+        async with serve_fake_engine(state) as server:
+            engine = engine_cls(server.url, retry=FAST_RETRY, timeout_s=5.0)
+            state.faults.append(Fault(kind="drop", path=resume, times=1))
+            await engine.update_weights_from_disk(ckpt, 1)  # the second attempt lands
+            assert not state.paused and await engine.weight_version() == 1
+            state.faults.append(Fault(kind="drop", path=resume, times=99))
+            with pytest.raises(WeightSyncError) as info:
+                await sync_weights_to_engines([engine], ckpt, 2, timeout_s=30.0)
+            assert resume in str(info.value) and "may still be paused" in str(info.value)
+            await engine.aclose()
+
+    trio.run(main)
+
+
 def test_generate_timeout_error_says_what_happened():
     async def main():
         state = FakeEngineState()

@@ -20,6 +20,7 @@ from rollouts.sync._common import check_seconds, parse_weight_version
 
 _RESPONSE_TEXT_MAX_CHARS = 500  # keep error messages readable when a server returns a whole HTML page
 _RESUME_TIMEOUT_S = 10.0  # resume runs even after a failed update; it must not hang the caller
+_RESUME_ATTEMPT_S = 3.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +47,9 @@ class RetryPolicy:
             )
         if not 0.0 <= self.jitter_fraction <= 1.0:
             raise ValueError(f"RetryPolicy.jitter_fraction must be in [0, 1], got {self.jitter_fraction!r}")
+
+
+_RESUME_RETRY = RetryPolicy(max_retries=3, backoff_base_s=0.1, backoff_max_s=1.0)
 
 
 def backoff_s(policy: RetryPolicy, retry_index: int, rng: random.Random) -> float:
@@ -219,17 +223,30 @@ class HTTPEngineBase:
 
         The resume is sent even when the pause itself fails or is cancelled mid-flight (a deadline
         during a drain): the server may have paused already, and would otherwise stay paused. It is
-        shielded from cancellation and bounded by `_RESUME_TIMEOUT_S`.
+        retried (a lost request must not leave the engine paused while the update reports success),
+        shielded from cancellation and bounded by `_RESUME_TIMEOUT_S` in all. When the body
+        succeeded but no resume got through, an EngineError says so: the engine is still paused,
+        and a pool must count it as failed.
         """
+        body_done = False
         try:
             await self._call("POST", pause_path, params=params)
             yield
+            body_done = True
         finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(_RESUME_TIMEOUT_S):
+            error: EngineError | None = None
+            with trio.CancelScope(shield=True), trio.move_on_after(_RESUME_TIMEOUT_S) as window:
                 try:
-                    await self._call("POST", resume_path, timeout_s=_RESUME_TIMEOUT_S, retry=RetryPolicy(max_retries=0))
-                except EngineError:
-                    pass  # the update's own error (or the next health check) says what is wrong
+                    await self._call("POST", resume_path, timeout_s=_RESUME_ATTEMPT_S, retry=_RESUME_RETRY)
+                except EngineError as e:
+                    error = e  # after a failed body, that body's own error is the one to raise
+            if body_done and (error is not None or window.cancelled_caught):
+                raise EngineError(
+                    f"{self.name}: {resume_path} failed after the update, so the engine may still be paused: "
+                    f"{error if error is not None else f'no answer within {_RESUME_TIMEOUT_S} s'}",
+                    engine=self.name, url=f"{self.name}{resume_path}",
+                    status=error.status if error is not None else None, text=error.text if error is not None else "",
+                )
 
     async def weight_version(self) -> int | None:
         """The version the server reports (None before the first update)."""
