@@ -182,3 +182,20 @@ def test_bad_input_raises_at_the_edge():
         VLLMEngine("http://user:pw@127.0.0.1:1")
     with pytest.raises(ValueError, match="weight_version"):
         trio.run(engine.update_weights_from_disk, "/x", -1)
+
+
+@pytest.mark.parametrize("finish", ["abort", "error", None])
+def test_a_vllm_choice_that_did_not_finish_is_an_error_not_a_sample(finish):
+    from rollouts.sync.vllm import parse_completion_response
+
+    def choice(index, reason):
+        return {"index": index, "text": "", "token_ids": [5, 6], "finish_reason": reason,
+                "logprobs": {"tokens": ["token_id:5", "token_id:6"], "token_logprobs": [-0.1, -0.2]}}
+
+    params = SamplingParams(n=2, max_new_tokens=2)
+    good = parse_completion_response({"choices": [choice(0, "stop"), choice(1, "length")]}, [[1, 2]], params,
+                                     weight_version=1, engine="e")
+    assert [s.status for s in good] == [Status.COMPLETED, Status.TRUNCATED]
+    with pytest.raises(EngineError, match=rf"choice 1 ended with finish_reason={finish!r}"):
+        parse_completion_response({"choices": [choice(0, "stop"), choice(1, finish)]}, [[1, 2]], params,
+                                  weight_version=1, engine="e")

@@ -196,11 +196,18 @@ def parse_completion_response(
         )
     samples = []
     for i, choice in enumerate(choices):
+        finish = choice.get("finish_reason")
+        if finish not in ("stop", "length"):  # "abort" (a pause in mode abort), "error", or none at all
+            raise EngineError(
+                f"{engine}: choice {i} ended with finish_reason={finish!r}, not 'stop' or 'length': "
+                "a partial response, never to be scored as finished",
+                engine=engine, url=f"{engine}/v1/completions", status=200, text=str(choice)[:500],
+            )
         prompt = prompts_P[i // params.n]
         response_ids, logprobs_R = _choice_tokens(choice, want_logprobs=params.logprobs, engine=engine)
         samples.append(make_sample(
             prompt_ids=prompt, response_ids=response_ids, logprobs_R=logprobs_R,
-            truncated=choice.get("finish_reason") == "length", weight_version=weight_version, engine=engine,
+            truncated=finish == "length", weight_version=weight_version, engine=engine,
         ))
     return samples
 
