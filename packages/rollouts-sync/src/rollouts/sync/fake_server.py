@@ -62,6 +62,8 @@ class FakeEngineState:
     """Seconds each generate request stays in flight (a pause in mode "wait" drains it)."""
     model_name: str = "fake-model"
     weights: dict[str, np.ndarray] = field(default_factory=dict)
+    staged_weights: dict[str, np.ndarray] = field(default_factory=dict)
+    """Tensors of an update sent in chunks, waiting for its last chunk."""
     weight_version: str = "default"
     paused: bool = False
     faults: list[Fault] = field(default_factory=list)
@@ -235,12 +237,20 @@ async def _collective_rpc(state: FakeEngineState, body: dict[str, Any]) -> tuple
         return 200, b""  # vLLM answers an empty 200 when every worker returned None
     if method == "rollouts_load_weights":
         await trio.sleep(state.reload_delay_s)
+        # Staged like the worker extension: the first chunk clears, the last applies, an error drops all.
+        if kwargs.get("first", "1") == "1":
+            state.staged_weights = {}
         incoming = load_safetensors_bytes(base64.b64decode(kwargs["data_b64"]))
         unknown = sorted(set(incoming) - set(state.weights)) if state.weights else []
         if unknown:
+            state.staged_weights = {}
             raise _HTTPError(500, f"tensors not in the model's checkpoint: {unknown}")
-        state.weights = {**state.weights, **incoming}
-        return _json(200, {"results": [{"num_tensors": len(incoming), "applied": kwargs.get("apply") == "1"}]})
+        state.staged_weights.update(incoming)
+        applied = kwargs.get("apply") == "1"
+        if applied:
+            state.weights = {**state.weights, **state.staged_weights}
+            state.staged_weights = {}
+        return _json(200, {"results": [{"num_tensors": len(incoming), "applied": applied}]})
     raise _HTTPError(500, f"AttributeError: worker has no method {method!r}")
 
 

@@ -178,7 +178,8 @@ def tensor_rpc_bodies(tensors: Mapping[str, np.ndarray], *, chunk_bytes: int) ->
     for i, chunk in enumerate(chunks):
         payload = base64.b64encode(safetensors_save(chunk)).decode("ascii")
         apply = "1" if i == len(chunks) - 1 else "0"
-        bodies.append({"method": "rollouts_load_weights", "kwargs": {"data_b64": payload, "apply": apply}})
+        first = "1" if i == 0 else "0"
+        bodies.append({"method": "rollouts_load_weights", "kwargs": {"data_b64": payload, "apply": apply, "first": first}})
     return bodies
 
 

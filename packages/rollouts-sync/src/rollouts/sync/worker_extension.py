@@ -47,27 +47,39 @@ class SafetensorsWeightLoader:
             self._rollouts_signature = signature
         return cache
 
-    def rollouts_load_weights(self, data_b64: str, apply: str = "1") -> dict[str, Any]:
+    def rollouts_load_weights(self, data_b64: str, apply: str = "1", first: str = "1") -> dict[str, Any]:
         """Stage the tensors in `data_b64` (base64 safetensors); with apply="1" reload the model with them.
 
-        Returns {"num_tensors": tensors in this request, "applied": bool}. Unknown tensor names
-        are an error (named), so a typo cannot silently leave a weight stale.
+        An update is a run of chunks: the first has first="1" (it drops whatever a failed earlier
+        update left staged), the last apply="1". The staged tensors join the cached weights only
+        once the reload succeeds, and any error drops them, so a failed update never leaks into a
+        later one. Each request is checked whole before anything is staged. Returns
+        {"num_tensors": tensors in this request, "applied": bool}. Unknown tensor names are an
+        error (named), so a typo cannot silently leave a weight stale.
         """
         from safetensors.torch import load as load_bytes
 
-        weights = self._rollouts_base_weights()
-        incoming = load_bytes(base64.b64decode(data_b64))
-        unknown = sorted(set(incoming) - set(weights))
-        if unknown:
-            raise ValueError(f"tensors not in the model's checkpoint: {unknown[:10]} ({len(unknown)} in all)")
-        for name, tensor in incoming.items():
-            if tuple(tensor.shape) != tuple(weights[name].shape):
-                raise ValueError(
-                    f"tensor {name!r} has shape {tuple(tensor.shape)}, the checkpoint has {tuple(weights[name].shape)}"
-                )
-            weights[name] = tensor
-        applied = apply == "1"
-        if applied:
-            # vLLM's parameters do not require grad, so no autograd graph is built here.
-            self.reload_weights(weights_iterator=iter(list(weights.items())))  # type: ignore[attr-defined]
+        if first == "1" or not hasattr(self, "_rollouts_staged"):
+            self._rollouts_staged: dict[str, Any] = {}
+        try:
+            weights = self._rollouts_base_weights()
+            incoming = load_bytes(base64.b64decode(data_b64))
+            unknown = sorted(set(incoming) - set(weights))
+            if unknown:
+                raise ValueError(f"tensors not in the model's checkpoint: {unknown[:10]} ({len(unknown)} in all)")
+            for name, tensor in incoming.items():
+                if tuple(tensor.shape) != tuple(weights[name].shape):
+                    raise ValueError(
+                        f"tensor {name!r} has shape {tuple(tensor.shape)}, the checkpoint has {tuple(weights[name].shape)}"
+                    )
+            self._rollouts_staged.update(incoming)
+            applied = apply == "1"
+            if applied:
+                staged, self._rollouts_staged = self._rollouts_staged, {}
+                # vLLM's parameters do not require grad, so no autograd graph is built here.
+                self.reload_weights(weights_iterator=iter(list({**weights, **staged}.items())))  # type: ignore[attr-defined]
+                weights.update(staged)
+        except BaseException:
+            self._rollouts_staged = {}
+            raise
         return {"num_tensors": len(incoming), "applied": applied}

@@ -1,0 +1,71 @@
+"""The vLLM worker extension (run here on a stand-in worker): chunked updates apply whole or not at all."""
+
+import types
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from rollouts.sync.vllm import tensor_rpc_bodies
+from rollouts.sync.worker_extension import SafetensorsWeightLoader
+
+
+class StandInWorker(SafetensorsWeightLoader):
+    """What the extension needs from vLLM's Worker: the model directory and reload_weights."""
+
+    def __init__(self, model_dir, fail_reload=False):
+        self.vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(model=str(model_dir)))
+        self.loaded = None
+        self.fail_reload = fail_reload
+
+    def reload_weights(self, weights_iterator):
+        weights = {k: v.tolist() for k, v in weights_iterator}
+        if self.fail_reload:
+            raise RuntimeError("reload failed")
+        self.loaded = weights
+
+
+@pytest.fixture
+def worker(tmp_path):
+    save_file({name: torch.zeros(4) for name in "abc"}, str(tmp_path / "model.safetensors"))
+    return StandInWorker(tmp_path)
+
+
+def _send(worker, tensors, chunk_bytes=1 << 20):
+    for body in tensor_rpc_bodies(tensors, chunk_bytes=chunk_bytes):
+        worker.rollouts_load_weights(**body["kwargs"])
+
+
+def test_a_chunked_update_applies_all_its_tensors_at_its_last_chunk(worker):
+    bodies = tensor_rpc_bodies({"a": np.full(4, 1.0, np.float32), "b": np.full(4, 2.0, np.float32)}, chunk_bytes=16)
+    assert [(b["kwargs"]["first"], b["kwargs"]["apply"]) for b in bodies] == [("1", "0"), ("0", "1")]
+    assert worker.rollouts_load_weights(**bodies[0]["kwargs"]) == {"num_tensors": 1, "applied": False}
+    assert worker.loaded is None
+    worker.rollouts_load_weights(**bodies[1]["kwargs"])
+    assert worker.loaded == {"a": [1.0] * 4, "b": [2.0] * 4, "c": [0.0] * 4}
+
+
+@pytest.mark.parametrize("chunk_bytes", [16, 1 << 20], ids=["across-chunks", "one-request"])
+def test_a_failed_update_never_leaks_into_the_next(worker, chunk_bytes):
+    with pytest.raises(ValueError, match=r"tensor 'c' has shape \(5,\)"):
+        _send(worker, {"a": np.full(4, 9.0, np.float32), "c": np.full(5, 9.0, np.float32)}, chunk_bytes)
+    _send(worker, {"b": np.full(4, 2.0, np.float32)})
+    assert worker.loaded == {"a": [0.0] * 4, "b": [2.0] * 4, "c": [0.0] * 4}
+
+
+def test_an_update_abandoned_mid_way_is_dropped_by_the_next_first_chunk(worker):
+    bodies = tensor_rpc_bodies({"a": np.full(4, 9.0, np.float32), "b": np.full(4, 9.0, np.float32)}, chunk_bytes=16)
+    worker.rollouts_load_weights(**bodies[0]["kwargs"])  # the sender gave up after this chunk
+    _send(worker, {"c": np.full(4, 3.0, np.float32)})
+    assert worker.loaded == {"a": [0.0] * 4, "b": [0.0] * 4, "c": [3.0] * 4}
+
+
+def test_a_failed_reload_keeps_the_cached_weights(tmp_path):
+    save_file({name: torch.zeros(4) for name in "abc"}, str(tmp_path / "model.safetensors"))
+    worker = StandInWorker(tmp_path, fail_reload=True)
+    with pytest.raises(RuntimeError, match="reload failed"):
+        _send(worker, {"a": np.full(4, 9.0, np.float32)})
+    worker.fail_reload = False
+    _send(worker, {"b": np.full(4, 2.0, np.float32)})
+    assert worker.loaded == {"a": [0.0] * 4, "b": [2.0] * 4, "c": [0.0] * 4}
