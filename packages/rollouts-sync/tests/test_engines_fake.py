@@ -80,6 +80,22 @@ def test_sglang_request_repeats_prompts_prompt_major():
     assert body["sampling_params"]["n"] == 1 and body["return_logprob"] is True
 
 
+def test_sglang_seeded_copies_of_a_prompt_get_their_own_seeds():
+    body = SGLangEngine.generate_request([[1], [2, 3]], SamplingParams(n=2, seed=7))
+    assert [sp["sampling_seed"] for sp in body["sampling_params"]] == [7, 8, 9, 10]
+
+    async def main():
+        async with serve_fake_engine(FakeEngineState()) as server, SGLangEngine(server.url) as engine:
+            params = SamplingParams(n=6, max_new_tokens=8, temperature=1.0, seed=3)
+            first = await engine.generate([[1, 2]], params)
+            again = await engine.generate([[1, 2]], params)
+        return first, again
+
+    first, again = trio.run(main)
+    assert len({s.tokens for s in first}) > 1  # a group with something to learn from
+    assert [s.tokens for s in first] == [s.tokens for s in again]  # and still reproducible
+
+
 @pytest.mark.parametrize("engine_cls", ENGINES)
 def test_update_weights_from_disk_changes_tokens_and_version(engine_cls, tmp_path):
     write_checkpoint(tmp_path / "v1", seed=1)

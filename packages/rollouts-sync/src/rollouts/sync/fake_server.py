@@ -207,10 +207,16 @@ async def _generate_sglang(state: FakeEngineState, body: dict[str, Any]) -> tupl
         raise _HTTPError(400, "input_ids is required")
     batched = isinstance(inputs[0], list)
     inputs = inputs if batched else [inputs]
-    sp = body.get("sampling_params") or {}
-    rng = np.random.default_rng(sp.get("sampling_seed"))
+    params = body.get("sampling_params") or {}
+    params = params if isinstance(params, list) else [params] * len(inputs)
+    if len(params) != len(inputs):
+        raise _HTTPError(400, f"sampling_params has {len(params)} entries for {len(inputs)} inputs")
+    unseeded = np.random.default_rng()
     outs = []
-    for prompt in inputs:
+    for prompt, sp in zip(inputs, params, strict=True):
+        # Like SGLang's seeded sampler: a row's seed alone decides its tokens (equal seeds, equal rows).
+        seed = sp.get("sampling_seed")
+        rng = unseeded if seed is None else np.random.default_rng(seed)
         ids, lps, finish = state.sample(prompt, max_new_tokens=int(sp.get("max_new_tokens", 128)),
                                         temperature=float(sp.get("temperature", 1.0)),
                                         stop=set(sp.get("stop_token_ids") or []), rng=rng)

@@ -58,11 +58,15 @@ class SGLangEngine(HTTPEngineBase):
             "skip_special_tokens": False,
             "n": 1,
         }
+        rows = [p for p in prompts_P for _ in range(params.n)]
+        per_row: dict[str, Any] | list[dict[str, Any]] = sampling
         if params.seed is not None:
-            sampling["sampling_seed"] = params.seed
+            # SGLang's seeded sampler draws from (seed, position): one seed for every copy of a
+            # prompt would give N identical responses (a group with no signal). Each row gets its own.
+            per_row = [{**sampling, "sampling_seed": (params.seed + i) % 2**63} for i in range(len(rows))]
         return {
-            "input_ids": [p for p in prompts_P for _ in range(params.n)],
-            "sampling_params": sampling,
+            "input_ids": rows,
+            "sampling_params": per_row,
             "return_logprob": params.logprobs,
             "logprob_start_len": -1,  # response logprobs only, no prompt logprobs
         }
