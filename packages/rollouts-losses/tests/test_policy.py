@@ -179,6 +179,33 @@ def test_losses_finite_with_fully_masked_rows(values, adv, masked_row):
         assert loss.item() == 0.0
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    poison=st.sampled_from([float("nan"), float("inf"), -float("inf")]),
+    where=st.sampled_from(["logp", "old", "adv"]),
+    mask_bits=st.lists(st.booleans(), min_size=6, max_size=6).filter(any),
+    seed=st.integers(0, 2**16),
+)
+def test_non_finite_values_on_masked_tokens_reach_neither_loss_nor_gradient(poison, where, mask_bits, seed):
+    """Padding and -inf log-probs sit under a 0 mask: they must not leak (NaN * 0 is NaN)."""
+    torch.manual_seed(seed)
+    mask = torch.tensor(mask_bits, dtype=torch.float32).reshape(2, 3)
+    logp, old, adv = -torch.rand(2, 3) * 3, -torch.rand(2, 3) * 3, torch.randn(2, 3)
+    clean = [t.clone() for t in (logp, old, adv)]
+    poisoned = {"logp": logp, "old": old, "adv": adv}
+    poisoned[where] = torch.where(mask > 0, poisoned[where], torch.tensor(poison))
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        lp_clean = clean[0].clone().requires_grad_()
+        lp_poisoned = poisoned["logp"].clone().requires_grad_()
+        expected = _all_losses(lp_clean, clean[1], clean[2], mask, mode)
+        got = _all_losses(lp_poisoned, poisoned["old"], poisoned["adv"], mask, mode)
+        for want, have in zip(expected, got, strict=True):
+            (g_want,) = torch.autograd.grad(want, lp_clean)
+            (g_have,) = torch.autograd.grad(have, lp_poisoned)
+            torch.testing.assert_close(have, want)
+            torch.testing.assert_close(g_have, g_want * mask)
+
+
 def test_bad_options_raise():
     logp, old, adv, mask = _batch(6)
     with pytest.raises(ValueError, match="dual_clip_c"):

@@ -67,6 +67,13 @@ def _masked_extremes(x_B_T: Tensor, mask_B_T: Tensor, *, empty: float) -> tuple[
     return torch.where(any_selected, low, empty), torch.where(any_selected, high, empty)
 
 
+def _zero_unselected(mask_B_T: Tensor, *tensors_B_T: Tensor) -> tuple[Tensor, ...]:
+    """Each tensor with 0 wherever the mask is 0: a NaN or inf there (padding, a -inf log-prob) then
+    reaches neither the loss nor, through torch.where's backward, any gradient."""
+    selected = mask_B_T > 0
+    return tuple(torch.where(selected, t, torch.zeros((), dtype=t.dtype, device=t.device)) for t in tensors_B_T)
+
+
 def _weighted(loss_B_T: Tensor, is_weights: Tensor | None) -> Tensor:
     """Multiply by the (never differentiated) importance weights, if any."""
     return loss_B_T if is_weights is None else loss_B_T * is_weights.detach()
@@ -116,6 +123,7 @@ def ppo_clip_loss(
     _check_eps(eps_low, eps_high)
     if dual_clip_c is not None and not dual_clip_c > 1.0:
         raise ValueError(f"dual_clip_c must be > 1 or None (it bounds the loss of negative advantages), got {dual_clip_c!r}")
+    logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T)
     log_ratio_B_T = torch.clamp(logprobs_B_T - old_logprobs_B_T.detach(), -MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio_B_T = torch.exp(log_ratio_B_T)
     adv_B_T = advantages_B_T.detach()
@@ -169,6 +177,7 @@ def gspo_loss(
         mask_B_T=mask_B_T, is_weights=is_weights, segment_ids_B_T=segment_ids_B_T,
     )
     _check_eps(eps_low, eps_high)
+    logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T)
     selected_B_T = (mask_B_T > 0).to(logprobs_B_T.dtype)
     token_log_ratio_B_T = (logprobs_B_T - old_logprobs_B_T).detach() * selected_B_T
     seq_log_ratio_S = safe_divide(
@@ -217,6 +226,7 @@ def cispo_loss(
         mask_B_T=mask_B_T, is_weights=is_weights,
     )
     _check_eps(eps_low, eps_high)
+    logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T)
     log_ratio_B_T = torch.clamp((logprobs_B_T - old_logprobs_B_T).detach(), -MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio_B_T = torch.exp(log_ratio_B_T)
     weight_B_T = torch.clamp(ratio_B_T, 1.0 - eps_low, 1.0 + eps_high)
@@ -248,6 +258,7 @@ def pg_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] -> vanilla policy gradient (REINFORCE / on-policy GRPO without a ratio): -A log p."""
     check_same_shape(logprobs_B_T=logprobs_B_T, advantages_B_T=advantages_B_T, mask_B_T=mask_B_T, is_weights=is_weights)
+    logprobs_B_T, advantages_B_T = _zero_unselected(mask_B_T, logprobs_B_T, advantages_B_T)
     loss_B_T = -advantages_B_T.detach() * logprobs_B_T
     loss = aggregate(
         _weighted(loss_B_T, is_weights), mask_B_T, mode, norm_constant=norm_constant,
