@@ -64,6 +64,30 @@ def test_group_advantages_constant_group_is_zero_and_bad_input_raises():
         group_advantages(torch.ones(2), torch.zeros(2, dtype=torch.int64), scale="std")
 
 
+@pytest.mark.parametrize("eps", [0.0, -1.0, float("nan"), float("inf")])
+def test_every_estimator_refuses_an_eps_that_cannot_guard_a_zero_std(eps):
+    rewards, groups, mask = torch.tensor([1.0, 1.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1]), torch.ones(4, 3)
+    with pytest.raises(ValueError, match="eps must be a finite number > 0"):
+        group_advantages(rewards, groups, eps=eps)
+    with pytest.raises(ValueError, match="eps must be a finite number > 0"):
+        masked_whiten(torch.ones(4, 3), mask, eps=eps)
+    with pytest.raises(ValueError, match="eps must be a finite number > 0"):
+        reinforce_pp_advantages(rewards, mask, eps=eps)
+    with pytest.raises(ValueError, match="eps must be a finite number > 0"):
+        gae_advantages(torch.ones(4, 3), torch.ones(4, 3), mask, gamma=1.0, lam=1.0, eps=eps)
+
+
+def test_reinforce_pp_and_group_estimators_check_rewards_at_the_edge():
+    mask = torch.ones(3, 2)
+    with pytest.raises(ValueError, match="rewards must be finite"):
+        reinforce_pp_advantages(torch.tensor([1.0, float("nan"), 0.0]), mask)
+    with pytest.raises(ValueError, match="one shape"):
+        reinforce_pp_advantages(torch.ones(3), mask, group_ids_B=torch.zeros(2, dtype=torch.int64))
+    for fn in (group_advantages, rloo_advantages):
+        with pytest.raises(TypeError, match="floating-point"):
+            fn(torch.tensor([1, 0, 1]), torch.zeros(3, dtype=torch.int64))
+
+
 @settings(max_examples=30, deadline=None)
 @given(rewards=st.lists(_reward, min_size=1, max_size=10), num_groups=st.integers(1, 3))
 def test_rloo_matches_leave_one_out(rewards, num_groups):

@@ -11,6 +11,8 @@ resetting at them, so one sample's reward reaches all its trained tokens.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from rollouts.types.configs import AdvantageScale
 from torch import Tensor
@@ -30,14 +32,21 @@ DEFAULT_EPS = 1e-6
 """Added to a standard deviation before dividing: a group whose rewards all agree gets advantage 0, not NaN."""
 
 
-def _check_rewards(rewards_B: Tensor, group_ids_B: Tensor) -> None:
-    """Raise unless rewards and group ids are matching 1-D tensors and rewards are finite."""
-    if rewards_B.dim() != 1 or group_ids_B.shape != rewards_B.shape:
-        raise ValueError(
-            f"rewards and group_ids must be [B] with one shape, got {tuple(rewards_B.shape)} and {tuple(group_ids_B.shape)}"
-        )
+def _check_rewards(rewards_B: Tensor, group_ids_B: Tensor | None = None) -> None:
+    """Raise unless rewards are a finite floating [B] tensor (and group ids, if given, match it)."""
+    if not rewards_B.is_floating_point():
+        raise TypeError(f"rewards must be a floating-point tensor, got {rewards_B.dtype}: convert with .float()")
+    if rewards_B.dim() != 1 or (group_ids_B is not None and group_ids_B.shape != rewards_B.shape):
+        ids = None if group_ids_B is None else tuple(group_ids_B.shape)
+        raise ValueError(f"rewards and group_ids must be [B] with one shape, got {tuple(rewards_B.shape)} and {ids}")
     if not torch.isfinite(rewards_B).all():
         raise ValueError(f"rewards must be finite, got {rewards_B.tolist()}")
+
+
+def _check_eps(eps: float) -> None:
+    """eps keeps a zero std from dividing by zero: it must be a finite number > 0."""
+    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be a finite number > 0 (a group whose rewards agree would divide by 0), got {eps!r}")
 
 
 def _group_stats(rewards_B: Tensor, group_ids_B: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -62,6 +71,7 @@ def group_advantages(
     division (Dr.GRPO). A group of one has mean 0 and std 1.
     """
     _check_rewards(rewards_B, group_ids_B)
+    _check_eps(eps)
     if scale not in ("group", "batch", "none"):
         raise ValueError(f"scale must be 'group', 'batch' or 'none', got {scale!r}")
     count_B, sum_B, std_B = _group_stats(rewards_B, group_ids_B)
@@ -87,6 +97,7 @@ def rloo_advantages(rewards_B: Tensor, group_ids_B: Tensor) -> Tensor:
 def masked_whiten(x_B_T: Tensor, mask_B_T: Tensor, *, eps: float = DEFAULT_EPS) -> Tensor:
     """[B, T] -> (x - mean) / (std + eps) over tokens with mask > 0 (unbiased std), 0 elsewhere."""
     check_same_shape(x_B_T=x_B_T, mask_B_T=mask_B_T)
+    _check_eps(eps)
     selected = mask_B_T > 0
     n = selected.sum()
     if n == 0:
@@ -130,9 +141,11 @@ def reinforce_pp_advantages(
     trained token (KL in the reward). With group_ids_B the group mean is subtracted first
     (REINFORCE++-baseline).
     """
-    if rewards_B.dim() != 1 or mask_B_T.dim() != 2 or mask_B_T.shape[0] != rewards_B.shape[0]:
+    _check_rewards(rewards_B, group_ids_B)
+    if mask_B_T.dim() != 2 or mask_B_T.shape[0] != rewards_B.shape[0]:
         raise ValueError(f"rewards must be [B] and mask [B, T], got {tuple(rewards_B.shape)} and {tuple(mask_B_T.shape)}")
     _check_discount(gamma)
+    _check_eps(eps)
     if group_ids_B is not None:
         count_B, sum_B, _ = _group_stats(rewards_B, group_ids_B)
         rewards_B = rewards_B - sum_B / count_B
@@ -163,6 +176,8 @@ def gae_advantages(
     """
     check_same_shape(rewards_B_T=rewards_B_T, values_B_T=values_B_T, mask_B_T=mask_B_T)
     _check_discount(gamma, lam)
+    if whiten:
+        _check_eps(eps)
     selected = mask_B_T > 0
     rewards_B_T, values_B_T = rewards_B_T.detach(), values_B_T.detach()
     advantages_B_T = torch.zeros_like(rewards_B_T)
