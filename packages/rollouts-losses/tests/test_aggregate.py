@@ -97,3 +97,11 @@ def test_bad_arguments_raise():
         aggregate(x, x, num_tokens=-1)
     with pytest.raises(ValueError, match="norm_constant"):
         aggregate(x, x, "seq-mean-token-sum-norm", norm_constant=0.0)
+    mask = torch.ones(2, 3)
+    with pytest.raises(ValueError, match="num_tokens=0 for a batch that has loss tokens"):
+        aggregate(x, mask, "token-mean", num_tokens=0)
+    for mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        with pytest.raises(ValueError, match="num_sequences=0 for a batch that has loss tokens"):
+            aggregate(x, mask, mode, num_sequences=0)
+    # A micro-batch with no loss tokens (a rank's filler) may come with a step count of 0.
+    assert aggregate(x, torch.zeros(2, 3), "token-mean", num_tokens=0).item() == 0.0

@@ -112,6 +112,13 @@ def aggregate(
     _check_count("num_sequences", num_sequences)
     if norm_constant is not None and not norm_constant > 0:
         raise ValueError(f"norm_constant must be > 0 or None, got {norm_constant!r}")
+    denominators = {"token-mean": ("num_tokens", num_tokens), "seq-mean-token-sum": ("num_sequences", num_sequences),
+                    "seq-mean-token-mean": ("num_sequences", num_sequences)}
+    name, count = denominators.get(mode, ("", None))
+    # Checked only when 0 (no device sync otherwise): a zero step-wide count with loss tokens here
+    # would divide them away to a zero loss and silently drop this micro-batch's gradient.
+    if count == 0 and bool((mask_B_T != 0).any()):
+        raise ValueError(f"{name}=0 for a batch that has loss tokens: the step-wide count must include them")
     mask_B_T = mask_B_T.to(loss_B_T.dtype)
     # where(), not a product alone: inf or NaN on masked-out tokens must not leak into the sum
     weighted_B_T = torch.where(mask_B_T != 0, loss_B_T * mask_B_T, 0.0)
