@@ -192,6 +192,11 @@ def test_sync_rejects_bad_arguments(ckpt):
         trio.run(partial(sync_weights_to_engines, [], ckpt, 1, timeout_s=1.0))
     with pytest.raises(ValueError, match="unique"):
         trio.run(partial(sync_weights_to_engines, [engine, engine], ckpt, 1, timeout_s=1.0))
+    for version in (-1, True, 1.5):
+        with pytest.raises((ValueError, TypeError), match="weight_version"):
+            trio.run(partial(sync_weights_to_engines, [engine], ckpt, version, timeout_s=1.0))
+    with pytest.raises(ValueError, match="checkpoint_dir must be a non-empty str"):
+        trio.run(partial(sync_weights_to_engines, [engine], "", 1, timeout_s=1.0))
     for bad in (0.0, -1.0, math.inf, math.nan):
         with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds > 0"):
             trio.run(partial(sync_weights_to_engines, [engine], ckpt, 1, timeout_s=bad))

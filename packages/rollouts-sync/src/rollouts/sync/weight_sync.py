@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import trio
 
-from rollouts.sync._common import check_seconds
+from rollouts.sync._common import check_seconds, check_weight_version
 from rollouts.sync._http import EngineError
 from rollouts.types import InferenceEngine
 
@@ -75,6 +75,9 @@ async def sync_weights_to_engines(
     if not engines:
         raise ValueError("engines is empty: nothing to sync")
     check_seconds("timeout_s", timeout_s)
+    check_weight_version(weight_version)  # the caller's mistake, not N engine failures
+    if not isinstance(checkpoint_dir, str) or not checkpoint_dir:
+        raise ValueError(f"checkpoint_dir must be a non-empty str (the path as the engines see it), got {checkpoint_dir!r}")
     names = [e.name for e in engines]
     if len(set(names)) != len(names):
         raise ValueError(f"engine names must be unique (they identify engines in errors), got {names}")
