@@ -209,6 +209,21 @@ def test_abort_returns_promptly_keeping_finished_work():
     assert sorted(served) == sorted([1, 3, 5, 7] + [0, 1, 2, 3])
 
 
+async def _step_aborted_after(manager, delay_s):
+    """Run step 0 and call abort() `delay_s` after starting it (None: at once, before it runs)."""
+    out = {}
+
+    async def step():
+        out["b"] = await manager.generate_batch(step=0)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(step)
+        if delay_s is not None:
+            await trio.sleep(delay_s)
+        manager.abort()
+    return out["b"]
+
+
 def test_abort_racing_the_start_of_a_step_stops_that_step_only():
     served = []
 
@@ -218,18 +233,7 @@ def test_abort_racing_the_start_of_a_step_stops_that_step_only():
 
     manager = AsyncRolloutManager(DataBuffer(list(range(8)), shuffle=False), cfg(batch_size=2), gen)
 
-    async def run():
-        async with trio.open_nursery() as nursery:
-            out = {}
-
-            async def step():
-                out["b"] = await manager.generate_batch(step=0)
-
-            nursery.start_soon(step)
-            manager.abort()  # the step's task has not run yet
-        return out["b"]
-
-    batch = trio.run(run)
+    batch = trio.run(_step_aborted_after, manager, None)  # None: before the step's task has run
     assert batch.metadata["aborted"] and batch.num_kept == 0 and served == [] and balanced(batch.metadata)
     batch = trio.run(partial(manager.generate_batch, step=1))
     assert not batch.metadata["aborted"] and batch.num_kept == 2 * 2 and sorted(served) == [0, 1]
@@ -247,20 +251,8 @@ def test_abort_with_sync_hanging_function_returns():
 
     manager = AsyncRolloutManager(DataBuffer([0, 1, 2], shuffle=False), cfg(batch_size=3), gen)
 
-    async def run():
-        async with trio.open_nursery() as nursery:
-            out = {}
-
-            async def step():
-                out["b"] = await manager.generate_batch(step=0)
-
-            nursery.start_soon(step)
-            await trio.sleep(0.2)
-            manager.abort()
-        return out["b"]
-
     t0 = time.perf_counter()
-    batch = trio.run(run)
+    batch = trio.run(_step_aborted_after, manager, 0.2)
     assert time.perf_counter() - t0 < 5.0
     release.set()
     assert batch.num_kept == 4 and batch.metadata["groups_aborted"] == 1
