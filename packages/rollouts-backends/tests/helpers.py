@@ -30,12 +30,14 @@ def tiny_config(**overrides: object) -> Qwen2Config:
     return Qwen2Config(**kwargs)
 
 
-def tiny_model(seed: int = 0, attn: str = "sdpa", **overrides: object) -> Qwen2ForCausalLM:
-    """Random-init tiny Qwen2 in float32 on CPU."""
+def tiny_model(
+    seed: int = 0, attn: str = "sdpa", *, dtype: torch.dtype = torch.float32, **overrides: object
+) -> Qwen2ForCausalLM:
+    """Random-init tiny Qwen2 on CPU (float32 unless `dtype` says otherwise; same init values either way)."""
     torch.manual_seed(seed)
     config = tiny_config(**overrides)
     config._attn_implementation = attn
-    return Qwen2ForCausalLM(config).float()
+    return Qwen2ForCausalLM(config).float().to(dtype)
 
 
 def random_sequences(rng: np.random.Generator, lengths: Sequence[int]) -> list[list[int]]:
