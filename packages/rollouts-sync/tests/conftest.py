@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from rollouts.sync.testing import build_tiny_model, find_vllm_python, launch_vllm_server, vllm_unavailable_reason
 
 
@@ -25,3 +24,9 @@ def vllm_server(vllm_python, tmp_path_factory):
     model_dir = build_tiny_model(root / "model_v0", python=vllm_python, seed=0)
     with launch_vllm_server(model_dir, python=vllm_python, log_path=root / "server.log") as server:
         yield server
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request) -> str:
+    """Every `@pytest.mark.anyio` test runs under asyncio and under trio (the loops use trio)."""
+    return request.param

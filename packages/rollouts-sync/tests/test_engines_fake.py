@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import logging
 
+import anyio
 import numpy as np
 import pytest
-import trio
-from safetensors.numpy import save_file
-
 from rollouts.sync import EngineError, RetryPolicy, SGLangEngine, VLLMEngine
 from rollouts.sync.fake_server import FakeEngineState, serve_fake_engine
 from rollouts.types import InferenceEngine, SamplingParams, Status
+from safetensors.numpy import save_file
 
 FAST_RETRY = RetryPolicy(max_retries=2, backoff_base_s=0.01, backoff_max_s=0.02)
 ENGINES = [VLLMEngine, SGLangEngine]
@@ -26,44 +25,40 @@ def write_checkpoint(path, seed: int, names=("w1", "w2")) -> dict[str, np.ndarra
 
 
 @pytest.mark.parametrize("engine_cls", ENGINES)
-def test_generate_prompt_major_with_logprobs(engine_cls, tmp_path):
+@pytest.mark.anyio
+async def test_generate_prompt_major_with_logprobs(engine_cls, tmp_path):
     prompts = [[1, 2, 3], [4, 5], [6]]
     params = SamplingParams(n=2, max_new_tokens=5, temperature=0.0, logprobs=True)
 
-    async def main():
-        state = FakeEngineState()
-        async with serve_fake_engine(state) as server, engine_cls(server.url, retry=FAST_RETRY) as engine:
-            assert isinstance(engine, InferenceEngine)
-            samples = await engine.generate(prompts, params)
-        assert len(samples) == 6
-        for k, s in enumerate(samples):
-            prompt = prompts[k // 2]
-            ids, lps = state.greedy(prompt, 5)
-            assert s.prompt_tokens == tuple(prompt)
-            assert s.response_tokens == tuple(ids)
-            assert s.num_prompt_tokens == len(prompt)
-            assert s.loss_mask == (0.0,) * len(prompt) + (1.0,) * len(ids)
-            np.testing.assert_allclose(s.rollout_logprobs, lps, rtol=0, atol=1e-12)
-            assert s.status is Status.TRUNCATED  # no EOS in the fake vocab: max_new_tokens reached
-
-    trio.run(main)
+    state = FakeEngineState()
+    async with serve_fake_engine(state) as server, engine_cls(server.url, retry=FAST_RETRY) as engine:
+        assert isinstance(engine, InferenceEngine)
+        samples = await engine.generate(prompts, params)
+    assert len(samples) == 6
+    for k, s in enumerate(samples):
+        prompt = prompts[k // 2]
+        ids, lps = state.greedy(prompt, 5)
+        assert s.prompt_tokens == tuple(prompt)
+        assert s.response_tokens == tuple(ids)
+        assert s.num_prompt_tokens == len(prompt)
+        assert s.loss_mask == (0.0,) * len(prompt) + (1.0,) * len(ids)
+        np.testing.assert_allclose(s.rollout_logprobs, lps, rtol=0, atol=1e-12)
+        assert s.status is Status.TRUNCATED  # no EOS in the fake vocab: max_new_tokens reached
 
 
 @pytest.mark.parametrize("engine_cls", ENGINES)
-def test_stop_token_completes_and_no_logprobs(engine_cls):
-    async def main():
-        state = FakeEngineState()
-        async with serve_fake_engine(state) as server, engine_cls(server.url, retry=FAST_RETRY) as engine:
-            first = state.greedy([7, 7], 3)[0]
-            stop = first[1]
-            samples = await engine.generate([[7, 7]], SamplingParams(max_new_tokens=3, temperature=0.0,
-                                                                      stop_token_ids=(stop,), logprobs=False))
-        s = samples[0]
-        assert s.rollout_logprobs is None
-        assert s.response_tokens[-1] == stop
-        assert s.status is (Status.COMPLETED if first.index(stop) < 2 else Status.TRUNCATED)
-
-    trio.run(main)
+@pytest.mark.anyio
+async def test_stop_token_completes_and_no_logprobs(engine_cls):
+    state = FakeEngineState()
+    async with serve_fake_engine(state) as server, engine_cls(server.url, retry=FAST_RETRY) as engine:
+        first = state.greedy([7, 7], 3)[0]
+        stop = first[1]
+        samples = await engine.generate([[7, 7]], SamplingParams(max_new_tokens=3, temperature=0.0,
+                                                                  stop_token_ids=(stop,), logprobs=False))
+    s = samples[0]
+    assert s.rollout_logprobs is None
+    assert s.response_tokens[-1] == stop
+    assert s.status is (Status.COMPLETED if first.index(stop) < 2 else Status.TRUNCATED)
 
 
 def test_vllm_request_body_has_token_id_options():
@@ -80,89 +75,81 @@ def test_sglang_request_repeats_prompts_prompt_major():
     assert body["sampling_params"]["n"] == 1 and body["return_logprob"] is True
 
 
-def test_sglang_seeded_copies_of_a_prompt_get_their_own_seeds():
+@pytest.mark.anyio
+async def test_sglang_seeded_copies_of_a_prompt_get_their_own_seeds():
     body = SGLangEngine.generate_request([[1], [2, 3]], SamplingParams(n=2, seed=7))
     assert [sp["sampling_seed"] for sp in body["sampling_params"]] == [7, 8, 9, 10]
 
-    async def main():
-        async with serve_fake_engine(FakeEngineState()) as server, SGLangEngine(server.url) as engine:
-            params = SamplingParams(n=6, max_new_tokens=8, temperature=1.0, seed=3)
-            first = await engine.generate([[1, 2]], params)
-            again = await engine.generate([[1, 2]], params)
-        return first, again
-
-    first, again = trio.run(main)
+    async with serve_fake_engine(FakeEngineState()) as server, SGLangEngine(server.url) as engine:
+        params = SamplingParams(n=6, max_new_tokens=8, temperature=1.0, seed=3)
+        first = await engine.generate([[1, 2]], params)
+        again = await engine.generate([[1, 2]], params)
     assert len({s.tokens for s in first}) > 1  # a group with something to learn from
     assert [s.tokens for s in first] == [s.tokens for s in again]  # and still reproducible
 
 
 @pytest.mark.parametrize("engine_cls", ENGINES)
-def test_update_weights_from_disk_changes_tokens_and_version(engine_cls, tmp_path):
+@pytest.mark.anyio
+async def test_update_weights_from_disk_changes_tokens_and_version(engine_cls, tmp_path):
     write_checkpoint(tmp_path / "v1", seed=1)
     write_checkpoint(tmp_path / "v2", seed=2)
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
 
-    async def main():
-        state = FakeEngineState()
-        async with serve_fake_engine(state) as server, engine_cls(server.url, retry=FAST_RETRY) as engine:
-            assert await engine.weight_version() is None  # "default" before any update
-            await engine.update_weights_from_disk(str(tmp_path / "v1"), 1)
-            before = (await engine.generate([[3, 4]], params))[0]
-            assert before.weight_version == 1
-            await engine.update_weights_from_disk(str(tmp_path / "v2"), 2)
-            after = (await engine.generate([[3, 4]], params))[0]
-            assert await engine.weight_version() == 2 and after.weight_version == 2
-            assert after.response_tokens == tuple(state.greedy([3, 4], 6)[0])
-            assert before.response_tokens != after.response_tokens
-            assert state.num_cache_resets == 2 and not state.paused
-            paths = [target.split("?")[0] for _, target in state.calls]
-            if engine_cls is VLLMEngine:
-                i = paths.index("/collective_rpc")
-                assert paths[i - 1 : i + 4] == ["/pause", "/collective_rpc", "/reset_prefix_cache",
-                                                "/update_weight_version", "/resume"]
-            else:
-                i = paths.index("/update_weights_from_disk")
-                assert paths[i - 1 : i + 3] == ["/pause_generation", "/update_weights_from_disk", "/flush_cache",
-                                                "/continue_generation"]
-
-    trio.run(main)
+    state = FakeEngineState()
+    async with serve_fake_engine(state) as server, engine_cls(server.url, retry=FAST_RETRY) as engine:
+        assert await engine.weight_version() is None  # "default" before any update
+        await engine.update_weights_from_disk(str(tmp_path / "v1"), 1)
+        before = (await engine.generate([[3, 4]], params))[0]
+        assert before.weight_version == 1
+        await engine.update_weights_from_disk(str(tmp_path / "v2"), 2)
+        after = (await engine.generate([[3, 4]], params))[0]
+        assert await engine.weight_version() == 2 and after.weight_version == 2
+        assert after.response_tokens == tuple(state.greedy([3, 4], 6)[0])
+        assert before.response_tokens != after.response_tokens
+        assert state.num_cache_resets == 2 and not state.paused
+        paths = [target.split("?")[0] for _, target in state.calls]
+        if engine_cls is VLLMEngine:
+            i = paths.index("/collective_rpc")
+            assert paths[i - 1 : i + 4] == ["/pause", "/collective_rpc", "/reset_prefix_cache",
+                                            "/update_weight_version", "/resume"]
+        else:
+            i = paths.index("/update_weights_from_disk")
+            assert paths[i - 1 : i + 3] == ["/pause_generation", "/update_weights_from_disk", "/flush_cache",
+                                            "/continue_generation"]
 
 
 @pytest.mark.parametrize("engine_cls", ENGINES)
-def test_failed_update_resumes_and_names_the_error(engine_cls, tmp_path):
-    async def main():
-        state = FakeEngineState()
-        async with serve_fake_engine(state) as server, engine_cls(server.url, retry=FAST_RETRY) as engine:
-            with pytest.raises(EngineError) as info:
-                await engine.update_weights_from_disk(str(tmp_path / "missing"), 1)
-            assert server.url in str(info.value)
-            assert "missing" in str(info.value)
-            assert not state.paused  # resumed even though the update failed
-            assert await engine.weight_version() is None
-
-    trio.run(main)
+@pytest.mark.anyio
+async def test_failed_update_resumes_and_names_the_error(engine_cls, tmp_path):
+    state = FakeEngineState()
+    async with serve_fake_engine(state) as server, engine_cls(server.url, retry=FAST_RETRY) as engine:
+        with pytest.raises(EngineError) as info:
+            await engine.update_weights_from_disk(str(tmp_path / "missing"), 1)
+        assert server.url in str(info.value)
+        assert "missing" in str(info.value)
+        assert not state.paused  # resumed even though the update failed
+        assert await engine.weight_version() is None
 
 
-def test_update_from_tensors_partial(tmp_path):
+@pytest.mark.anyio
+async def test_update_from_tensors_partial(tmp_path):
     full = write_checkpoint(tmp_path / "v1", seed=1)
 
-    async def main():
-        state = FakeEngineState()
-        async with serve_fake_engine(state) as server, VLLMEngine(server.url, retry=FAST_RETRY) as engine:
-            await engine.update_weights_from_disk(str(tmp_path / "v1"), 1)
-            new_w2 = np.full((4, 3), 0.5, np.float32)
-            await engine.update_weights_from_tensors({"w2": new_w2}, 2, chunk_bytes=1)
-            assert await engine.weight_version() == 2
-            np.testing.assert_array_equal(state.weights["w1"], full["w1"])  # untouched
-            np.testing.assert_array_equal(state.weights["w2"], new_w2)
-            with pytest.raises(ValueError, match="non-empty"):
-                await engine.update_weights_from_tensors({}, 3)
-
-    trio.run(main)
+    state = FakeEngineState()
+    async with serve_fake_engine(state) as server, VLLMEngine(server.url, retry=FAST_RETRY) as engine:
+        await engine.update_weights_from_disk(str(tmp_path / "v1"), 1)
+        new_w2 = np.full((4, 3), 0.5, np.float32)
+        await engine.update_weights_from_tensors({"w2": new_w2}, 2, chunk_bytes=1)
+        assert await engine.weight_version() == 2
+        np.testing.assert_array_equal(state.weights["w1"], full["w1"])  # untouched
+        np.testing.assert_array_equal(state.weights["w2"], new_w2)
+        with pytest.raises(ValueError, match="non-empty"):
+            await engine.update_weights_from_tensors({}, 3)
 
 
 @pytest.mark.parametrize("engine_cls", ENGINES)
-def test_api_key_only_in_authorization_header(engine_cls, caplog):
+@pytest.mark.anyio
+async def test_api_key_only_in_authorization_header(engine_cls, caplog):
     secret = "sk-very-secret-123"
 
     async def main():
@@ -182,22 +169,23 @@ def test_api_key_only_in_authorization_header(engine_cls, caplog):
         assert secret not in str(info.value)
 
     with caplog.at_level(logging.DEBUG):
-        trio.run(main)
+        await main()
     assert secret not in caplog.text
 
 
-def test_bad_input_raises_at_the_edge():
+@pytest.mark.anyio
+async def test_bad_input_raises_at_the_edge():
     engine = VLLMEngine("http://127.0.0.1:1")
     with pytest.raises(ValueError, match="empty"):
-        trio.run(engine.generate, [], SamplingParams())
+        await engine.generate([], SamplingParams())
     with pytest.raises(ValueError, match=r"prompts\[0\]\[1\]"):
-        trio.run(engine.generate, [[1, -2]], SamplingParams())
+        await engine.generate([[1, -2]], SamplingParams())
     with pytest.raises(TypeError, match="SamplingParams"):
-        trio.run(engine.generate, [[1]], {"n": 2})
+        await engine.generate([[1]], {"n": 2})
     with pytest.raises(ValueError, match="credentials"):
         VLLMEngine("http://user:pw@127.0.0.1:1")
     with pytest.raises(ValueError, match="weight_version"):
-        trio.run(engine.update_weights_from_disk, "/x", -1)
+        await engine.update_weights_from_disk("/x", -1)
 
 
 @pytest.mark.parametrize("finish", ["abort", "error", None])

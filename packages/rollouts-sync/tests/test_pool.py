@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
+import anyio
 import pytest
-import trio
-import trio.testing
-
 from rollouts.sync import EngineError, EnginePool, NoHealthyEngineError, RetryPolicy, VLLMEngine
-from rollouts.sync.fake_server import Fault, FakeEngineState, serve_fake_engine
+from rollouts.sync.fake_server import FakeEngineState, Fault, serve_fake_engine
 from rollouts.types import InferenceEngine, Sample, SamplingParams
 
 NO_RETRY = RetryPolicy(max_retries=0)
@@ -22,7 +20,7 @@ class ScriptedEngine:
         self.in_flight = 0
         self.peak = 0
         self.calls = 0
-        self.release = trio.Event()
+        self.release = anyio.Event()
         self.healthy = True
 
     @property
@@ -49,89 +47,81 @@ class ScriptedEngine:
         return self.healthy
 
 
-def test_least_outstanding_and_per_engine_bound():
-    async def main():
-        a, b = ScriptedEngine("a"), ScriptedEngine("b")
-        pool = EnginePool([a, b], max_concurrency_per_engine=3)
-        assert isinstance(pool, InferenceEngine)
-        async with trio.open_nursery() as nursery:
-            for _ in range(10):
-                nursery.start_soon(pool.generate, [[1]], PARAMS)
-            await trio.testing.wait_all_tasks_blocked()
-            assert (a.in_flight, b.in_flight) == (3, 3)  # bound holds; the rest wait
-            assert pool.outstanding == (5, 5)  # spread evenly
-            a.release.set()
-            b.release.set()
-        assert a.peak == 3 and b.peak == 3 and a.calls + b.calls == 10
-
-    trio.run(main)
-
-
-def test_busy_engine_gets_fewer_requests():
-    async def main():
-        a, b = ScriptedEngine("a"), ScriptedEngine("b")
-        pool = EnginePool([a, b], max_concurrency_per_engine=8)
-        async with trio.open_nursery() as nursery:
-            for _ in range(4):
-                nursery.start_soon(pool.generate, [[1]], PARAMS)
-            await trio.testing.wait_all_tasks_blocked()
-            a.release.set()  # a finishes its two; b keeps two outstanding
-            await trio.testing.wait_all_tasks_blocked()
-            a.release = trio.Event()
-            for _ in range(4):
-                nursery.start_soon(pool.generate, [[1]], PARAMS)
-            await trio.testing.wait_all_tasks_blocked()
-            assert (a.in_flight, b.in_flight) == (3, 3)  # a got 3 of the new 4: it had none outstanding
-            a.release.set()
-            b.release.set()
-
-    trio.run(main)
-
-
-def test_health_checks_take_engines_out_and_back():
-    async def main():
-        a, b = ScriptedEngine("a"), ScriptedEngine("b")
+@pytest.mark.anyio
+async def test_least_outstanding_and_per_engine_bound():
+    a, b = ScriptedEngine("a"), ScriptedEngine("b")
+    pool = EnginePool([a, b], max_concurrency_per_engine=3)
+    assert isinstance(pool, InferenceEngine)
+    async with anyio.create_task_group() as nursery:
+        for _ in range(10):
+            nursery.start_soon(pool.generate, [[1]], PARAMS)
+        await anyio.wait_all_tasks_blocked()
+        assert (a.in_flight, b.in_flight) == (3, 3)  # bound holds; the rest wait
+        assert pool.outstanding == (5, 5)  # spread evenly
         a.release.set()
         b.release.set()
-        pool = EnginePool([a, b])
-        b.healthy = False
-        assert await pool.check_health() == ("a",)
+    assert a.peak == 3 and b.peak == 3 and a.calls + b.calls == 10
+
+
+@pytest.mark.anyio
+async def test_busy_engine_gets_fewer_requests():
+    a, b = ScriptedEngine("a"), ScriptedEngine("b")
+    pool = EnginePool([a, b], max_concurrency_per_engine=8)
+    async with anyio.create_task_group() as nursery:
         for _ in range(4):
-            await pool.generate([[1]], PARAMS)
-        assert (a.calls, b.calls) == (4, 0)
-        a.healthy = False
-        await pool.check_health()
-        with pytest.raises(NoHealthyEngineError, match="no engine in rotation"):
-            await pool.generate([[1]], PARAMS)
-        b.healthy = True
-        async with trio.open_nursery() as nursery:
-            await nursery.start(lambda task_status: pool.run_health_checks(interval_s=0.01, task_status=task_status))
-            assert pool.in_rotation == ("b",)
-            a.healthy = True
-            await trio.sleep(0.05)
-            assert pool.in_rotation == ("a", "b")
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
+            nursery.start_soon(pool.generate, [[1]], PARAMS)
+        await anyio.wait_all_tasks_blocked()
+        a.release.set()  # a finishes its two; b keeps two outstanding
+        await anyio.wait_all_tasks_blocked()
+        a.release = anyio.Event()
+        for _ in range(4):
+            nursery.start_soon(pool.generate, [[1]], PARAMS)
+        await anyio.wait_all_tasks_blocked()
+        assert (a.in_flight, b.in_flight) == (3, 3)  # a got 3 of the new 4: it had none outstanding
+        a.release.set()
+        b.release.set()
 
 
-def test_failover_on_dead_engine_and_no_failover_on_4xx():
-    async def main():
-        async with serve_fake_engine(FakeEngineState()) as live, serve_fake_engine(FakeEngineState()) as dead:
-            dead.stop()
-            engines = [VLLMEngine(dead.url, model="fake-model", retry=NO_RETRY),
-                       VLLMEngine(live.url, model="fake-model", retry=NO_RETRY)]
-            pool = EnginePool(engines)
-            samples = await pool.generate([[1, 2]], PARAMS)
-            assert len(samples) == 1 and pool.in_rotation == (live.url,)
-            live.state.faults.append(Fault(kind="status", path="/v1/completions", status=400, times=1))
-            with pytest.raises(EngineError) as info:
-                await pool.generate([[1, 2]], PARAMS)
-            assert info.value.status == 400 and pool.in_rotation == (live.url,)
-            for e in engines:
-                await e.aclose()
+@pytest.mark.anyio
+async def test_health_checks_take_engines_out_and_back():
+    a, b = ScriptedEngine("a"), ScriptedEngine("b")
+    a.release.set()
+    b.release.set()
+    pool = EnginePool([a, b])
+    b.healthy = False
+    assert await pool.check_health() == ("a",)
+    for _ in range(4):
+        await pool.generate([[1]], PARAMS)
+    assert (a.calls, b.calls) == (4, 0)
+    a.healthy = False
+    await pool.check_health()
+    with pytest.raises(NoHealthyEngineError, match="no engine in rotation"):
+        await pool.generate([[1]], PARAMS)
+    b.healthy = True
+    async with anyio.create_task_group() as nursery:
+        await nursery.start(lambda task_status: pool.run_health_checks(interval_s=0.01, task_status=task_status))
+        assert pool.in_rotation == ("b",)
+        a.healthy = True
+        await anyio.sleep(0.05)
+        assert pool.in_rotation == ("a", "b")
+        nursery.cancel_scope.cancel()
 
-    trio.run(main)
+
+@pytest.mark.anyio
+async def test_failover_on_dead_engine_and_no_failover_on_4xx():
+    async with serve_fake_engine(FakeEngineState()) as live, serve_fake_engine(FakeEngineState()) as dead:
+        dead.stop()
+        engines = [VLLMEngine(dead.url, model="fake-model", retry=NO_RETRY),
+                   VLLMEngine(live.url, model="fake-model", retry=NO_RETRY)]
+        pool = EnginePool(engines)
+        samples = await pool.generate([[1, 2]], PARAMS)
+        assert len(samples) == 1 and pool.in_rotation == (live.url,)
+        live.state.faults.append(Fault(kind="status", path="/v1/completions", status=400, times=1))
+        with pytest.raises(EngineError) as info:
+            await pool.generate([[1, 2]], PARAMS)
+        assert info.value.status == 400 and pool.in_rotation == (live.url,)
+        for e in engines:
+            await e.aclose()
 
 
 def test_pool_rejects_bad_arguments():

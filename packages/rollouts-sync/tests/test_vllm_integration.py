@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import shutil
 
+import anyio
 import numpy as np
 import pytest
-import trio
-from safetensors.numpy import load_file, save_file
-
 from rollouts.sync import VLLMEngine, sync_weights_to_engines
 from rollouts.sync.testing import reference_greedy
 from rollouts.types import SamplingParams, Status
+from safetensors.numpy import load_file, save_file
 
 pytestmark = pytest.mark.vllm
 
@@ -41,7 +40,8 @@ def assert_matches_reference(sample, model_dir, python):
     np.testing.assert_allclose(sample.rollout_logprobs, ref_logprobs, rtol=0, atol=LOGPROB_ATOL)
 
 
-def test_generate_sync_from_disk_and_from_tensors(vllm_server, vllm_python, tmp_path):
+@pytest.mark.anyio
+async def test_generate_sync_from_disk_and_from_tensors(vllm_server, vllm_python, tmp_path):
     v0 = vllm_server.model_dir
     v1 = tmp_path / "model_v1"
     perturbed_copy(v0, v1, seed=1)
@@ -49,29 +49,26 @@ def test_generate_sync_from_disk_and_from_tensors(vllm_server, vllm_python, tmp_
     changed = perturbed_copy(v1, v2, seed=2, only=("lm_head.weight", "model.layers.1.self_attn.k_proj.weight",
                                                     "model.layers.0.self_attn.q_proj.bias"))
 
-    async def main():
-        async with VLLMEngine(vllm_server.url, timeout_s=120.0) as engine:
-            assert await engine.health()
-            samples = await engine.generate([PROMPT, PROMPT[:2]], SamplingParams(n=2, max_new_tokens=4,
-                                                                                  temperature=1.0, seed=3))
-            assert len(samples) == 4 and [s.prompt_tokens for s in samples] == [tuple(PROMPT)] * 2 + [tuple(PROMPT[:2])] * 2
-            for s in samples:
-                assert s.response_length == 4 and s.status is Status.TRUNCATED
-                assert all(lp <= 0.0 for lp in s.rollout_logprobs)
-            before = (await engine.generate([PROMPT], GREEDY))[0]
-            assert_matches_reference(before, v0, vllm_python)  # warms the prefix cache with v0's KV
+    async with VLLMEngine(vllm_server.url, timeout_s=120.0) as engine:
+        assert await engine.health()
+        samples = await engine.generate([PROMPT, PROMPT[:2]], SamplingParams(n=2, max_new_tokens=4,
+                                                                              temperature=1.0, seed=3))
+        assert len(samples) == 4 and [s.prompt_tokens for s in samples] == [tuple(PROMPT)] * 2 + [tuple(PROMPT[:2])] * 2
+        for s in samples:
+            assert s.response_length == 4 and s.status is Status.TRUNCATED
+            assert all(lp <= 0.0 for lp in s.rollout_logprobs)
+        before = (await engine.generate([PROMPT], GREEDY))[0]
+        assert_matches_reference(before, v0, vllm_python)  # warms the prefix cache with v0's KV
 
-            result = await sync_weights_to_engines([engine], str(v1), 1, timeout_s=120.0)
-            assert result.updated == (engine.name,)
-            after_disk = (await engine.generate([PROMPT], GREEDY))[0]
-            assert after_disk.weight_version == 1
-            assert_matches_reference(after_disk, v1, vllm_python)
+        result = await sync_weights_to_engines([engine], str(v1), 1, timeout_s=120.0)
+        assert result.updated == (engine.name,)
+        after_disk = (await engine.generate([PROMPT], GREEDY))[0]
+        assert after_disk.weight_version == 1
+        assert_matches_reference(after_disk, v1, vllm_python)
 
-            await engine.update_weights_from_tensors(changed, 2)  # partial: 3 tensors, no shared path
-            assert await engine.weight_version() == 2
-            after_body = (await engine.generate([PROMPT], GREEDY))[0]
-            assert after_body.weight_version == 2
-            assert_matches_reference(after_body, v2, vllm_python)
-            assert after_body.rollout_logprobs != after_disk.rollout_logprobs
-
-    trio.run(main)
+        await engine.update_weights_from_tensors(changed, 2)  # partial: 3 tensors, no shared path
+        assert await engine.weight_version() == 2
+        after_body = (await engine.generate([PROMPT], GREEDY))[0]
+        assert after_body.weight_version == 2
+        assert_matches_reference(after_body, v2, vllm_python)
+        assert after_body.rollout_logprobs != after_disk.rollout_logprobs

@@ -1,6 +1,6 @@
 """rollouts-sync: inference-engine clients (vLLM, SGLang) over HTTP and parallel weight sync (no torch)."""
 
-from rollouts.sync._http import EngineError, RetryPolicy, backoff_s
+from rollouts.sync._http import EngineError, RetryPolicy
 from rollouts.sync.pool import EnginePool, NoHealthyEngineError
 from rollouts.sync.sglang import SGLangEngine
 from rollouts.sync.vllm import WORKER_EXTENSION_CLS, VLLMEngine
@@ -19,6 +19,5 @@ __all__ = [
     "SyncResult",
     "VLLMEngine",
     "WeightSyncError",
-    "backoff_s",
     "sync_weights_to_engines",
 ]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 import httpx
-import trio
+import anyio
 
 from rollouts.sync._common import check_seconds, parse_weight_version
 
@@ -104,13 +104,13 @@ async def request_with_retries(
     num_attempts = retry.max_retries + 1
     for attempt in range(num_attempts):
         if attempt > 0:
-            await trio.sleep(backoff_s(retry, attempt - 1, rng))
+            await anyio.sleep(backoff_s(retry, attempt - 1, rng))
         try:
-            with trio.fail_after(timeout_s):
+            with anyio.fail_after(timeout_s):
                 response = await client.request(method, path, json=json, params=params, timeout=timeout_s)
-        except (httpx.TransportError, trio.TooSlowError) as exc:
+        except (httpx.TransportError, TimeoutError) as exc:
             last_status = None
-            kind = "timed out" if isinstance(exc, (httpx.TimeoutException, trio.TooSlowError)) else "transport error"
+            kind = "timed out" if isinstance(exc, (httpx.TimeoutException, TimeoutError)) else "transport error"
             last_text = f"{kind} after {timeout_s} s: {type(exc).__name__}: {exc}".rstrip(": ")
             continue
         if response.is_success:
@@ -235,7 +235,7 @@ class HTTPEngineBase:
             body_done = True
         finally:
             error: EngineError | None = None
-            with trio.CancelScope(shield=True), trio.move_on_after(_RESUME_TIMEOUT_S) as window:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_RESUME_TIMEOUT_S) as window:
                 try:
                     await self._call("POST", resume_path, timeout_s=_RESUME_ATTEMPT_S, retry=_RESUME_RETRY)
                 except EngineError as e:

@@ -1,6 +1,7 @@
 """A fake engine server speaking vLLM's and SGLang's HTTP shapes, with faults a test can inject.
 
-Runs in the caller's trio run (a minimal HTTP/1.1 server on trio, one request per connection),
+Runs in the caller's event loop, asyncio or trio (a minimal HTTP/1.1 server on anyio, one request per
+connection),
 so tests and benchmarks need no engine. The "model" is deterministic: next-token logits are a
 pseudo-random function of (loaded weights, context), so a weight change changes the tokens and a
 test can compute the expected greedy continuation with `FakeEngineState.greedy`.
@@ -24,7 +25,8 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
-import trio
+import anyio
+from anyio.abc import ByteStream, SocketAttribute
 from safetensors.numpy import load as load_safetensors_bytes
 from safetensors.numpy import load_file
 
@@ -72,7 +74,7 @@ class FakeEngineState:
     auth_headers: list[str | None] = field(default_factory=list)
     num_cache_resets: int = 0
     num_in_flight: int = 0
-    resumed: trio.Event | None = None
+    resumed: anyio.Event | None = None
 
     @property
     def weights_seed(self) -> int:
@@ -144,7 +146,7 @@ class FakeEngineServer:
 
     url: str
     state: FakeEngineState
-    _scope: trio.CancelScope
+    _scope: anyio.CancelScope
 
     def stop(self) -> None:
         """Close the listening socket: from now on connections are refused (an engine that never comes back)."""
@@ -164,7 +166,7 @@ async def _pop_fault(state: FakeEngineState, path: str) -> Fault | None:
 
 
 async def _wait_unpaused(state: FakeEngineState) -> None:
-    with trio.fail_after(_PAUSE_WAIT_S):
+    with anyio.fail_after(_PAUSE_WAIT_S):
         while state.paused:
             assert state.resumed is not None
             await state.resumed.wait()
@@ -235,14 +237,14 @@ async def _collective_rpc(state: FakeEngineState, body: dict[str, Any]) -> tuple
     if method is None:
         raise _HTTPError(400, "Missing 'method' in request body")
     if method == "reload_weights":
-        await trio.sleep(state.reload_delay_s)
+        await anyio.sleep(state.reload_delay_s)
         try:
             state.load_dir(kwargs["weights_path"])
         except (OSError, KeyError) as exc:
             raise _HTTPError(500, f"reload_weights failed: {type(exc).__name__}: {exc}") from exc
         return 200, b""  # vLLM answers an empty 200 when every worker returned None
     if method == "rollouts_load_weights":
-        await trio.sleep(state.reload_delay_s)
+        await anyio.sleep(state.reload_delay_s)
         # Staged like the worker extension: the first chunk clears, the last applies, an error drops all.
         if kwargs.get("first", "1") == "1":
             state.staged_weights = {}
@@ -273,7 +275,7 @@ async def _dispatch(state: FakeEngineState, method: str, target: str, body: byte
         await _wait_unpaused(state)
         state.num_in_flight += 1
         try:
-            await trio.sleep(state.generate_delay_s)
+            await anyio.sleep(state.generate_delay_s)
             return await (_generate_vllm if path == "/v1/completions" else _generate_sglang)(state, data)
         finally:
             state.num_in_flight -= 1
@@ -282,10 +284,10 @@ async def _dispatch(state: FakeEngineState, method: str, target: str, body: byte
         if mode not in ("abort", "wait", "keep"):
             raise _HTTPError(400, f"Input should be 'abort', 'wait' or 'keep': {mode!r}")
         state.paused = True
-        state.resumed = trio.Event()
-        with trio.fail_after(_PAUSE_WAIT_S):
+        state.resumed = anyio.Event()
+        with anyio.fail_after(_PAUSE_WAIT_S):
             while state.num_in_flight > 0:
-                await trio.sleep(0.01)
+                await anyio.sleep(0.01)
         if path == "/pause":
             return _json(200, {"status": "paused"})
         return _json(200, {"message": "Generation paused successfully.", "status": "ok"})
@@ -313,7 +315,7 @@ async def _dispatch(state: FakeEngineState, method: str, target: str, body: byte
     if route in (("GET", "/weight_info"), ("GET", "/get_weight_version")):
         return _json(200, {"weight_version": state.weight_version})
     if route == ("POST", "/update_weights_from_disk"):
-        await trio.sleep(state.reload_delay_s)
+        await anyio.sleep(state.reload_delay_s)
         try:
             state.load_dir(data["model_path"])
         except (OSError, KeyError) as exc:
@@ -326,10 +328,18 @@ async def _dispatch(state: FakeEngineState, method: str, target: str, body: byte
     raise _HTTPError(404, f"Not Found: {method} {path}")
 
 
-async def _read_request(stream: trio.SocketStream) -> tuple[str, str, dict[str, str], bytes] | None:
+async def _receive(stream: ByteStream, max_bytes: int) -> bytes:
+    """Up to `max_bytes` from the stream; b"" once the peer has closed it."""
+    try:
+        return await stream.receive(max_bytes)
+    except anyio.EndOfStream:
+        return b""
+
+
+async def _read_request(stream: ByteStream) -> tuple[str, str, dict[str, str], bytes] | None:
     buf = b""
     while b"\r\n\r\n" not in buf:
-        chunk = await stream.receive_some(65536)
+        chunk = await _receive(stream, 65536)
         if not chunk or len(buf) > _MAX_HEAD_BYTES:
             return None
         buf += chunk
@@ -341,14 +351,14 @@ async def _read_request(stream: trio.SocketStream) -> tuple[str, str, dict[str, 
     if length > _MAX_BODY_BYTES:
         return None
     while len(body) < length:
-        chunk = await stream.receive_some(min(1 << 20, length - len(body)))
+        chunk = await _receive(stream, min(1 << 20, length - len(body)))
         if not chunk:
             return None
         body += chunk
     return method, target, headers, body
 
 
-async def _handle(state: FakeEngineState, stream: trio.SocketStream) -> None:
+async def _handle(state: FakeEngineState, stream: ByteStream) -> None:
     try:
         request = await _read_request(stream)
         if request is None:
@@ -360,7 +370,7 @@ async def _handle(state: FakeEngineState, stream: trio.SocketStream) -> None:
         if fault is not None and fault.kind == "drop":
             return
         if fault is not None and fault.kind == "delay":
-            await trio.sleep(fault.delay_s)
+            await anyio.sleep(fault.delay_s)
         if fault is not None and fault.kind == "status":
             status, payload = _json(fault.status, {"error": fault.text})
         elif state.api_key is not None and headers.get("authorization") != f"Bearer {state.api_key}":
@@ -372,8 +382,8 @@ async def _handle(state: FakeEngineState, stream: trio.SocketStream) -> None:
                 status, payload = _json(exc.status, {"error": exc.text})
         head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n")
-        await stream.send_all(head.encode("latin-1") + payload)
-    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        await stream.send(head.encode("latin-1") + payload)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
         pass
     finally:
         await stream.aclose()
@@ -383,17 +393,18 @@ async def _handle(state: FakeEngineState, stream: trio.SocketStream) -> None:
 async def serve_fake_engine(state: FakeEngineState | None = None, *, host: str = "127.0.0.1") -> AsyncIterator[FakeEngineServer]:
     """Run a fake engine on a free loopback port for the body of the `async with`."""
     state = state if state is not None else FakeEngineState()
-    async with trio.open_nursery() as nursery:
-        scope = trio.CancelScope()
+    async with anyio.create_task_group() as tg:
+        listener = await anyio.create_tcp_listener(local_host=host, local_port=0)
+        port = listener.extra(SocketAttribute.local_port)
+        scope = anyio.CancelScope()
 
-        async def serve(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async def serve() -> None:
             with scope:
-                await trio.serve_tcp(partial(_handle, state), 0, host=host, handler_nursery=None,
-                                     task_status=task_status)
+                async with listener:
+                    await listener.serve(partial(_handle, state))
 
-        listeners = await nursery.start(serve)
-        port = listeners[0].socket.getsockname()[1]
+        tg.start_soon(serve)
         try:
             yield FakeEngineServer(url=f"http://{host}:{port}", state=state, _scope=scope)
         finally:
-            nursery.cancel_scope.cancel()
+            tg.cancel_scope.cancel()

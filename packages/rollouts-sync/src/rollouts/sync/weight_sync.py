@@ -1,4 +1,4 @@
-"""Push a checkpoint to many engines at once (trio nursery), each bounded in time.
+"""Push a checkpoint to many engines at once (one anyio task group), each bounded in time.
 
 Every engine gets the same deadline; one slow or dead engine neither blocks the others nor
 hangs the caller. Retries (exponential backoff with jitter on connection errors and 5xx,
@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import trio
+import anyio
 
 from rollouts.sync._common import check_seconds, check_weight_version
 from rollouts.sync._http import EngineError
@@ -86,7 +86,7 @@ async def sync_weights_to_engines(
     async def one(i: int, engine: InferenceEngine) -> None:
         start_s = time.perf_counter()
         try:
-            with trio.fail_after(timeout_s):
+            with anyio.fail_after(timeout_s):
                 await engine.update_weights_from_disk(checkpoint_dir, weight_version)
                 got = await engine.weight_version()
             if got != weight_version:
@@ -94,7 +94,7 @@ async def sync_weights_to_engines(
                                             text=f"reports weight version {got!r} after the update, expected {weight_version}")
                 return
             outcomes[i] = time.perf_counter() - start_s
-        except trio.TooSlowError:
+        except TimeoutError:
             outcomes[i] = EngineFailure(engine=engine.name, url=engine.name, status=None,
                                         text=f"did not finish within timeout_s={timeout_s}")
         except EngineError as exc:
@@ -103,9 +103,9 @@ async def sync_weights_to_engines(
             outcomes[i] = EngineFailure(engine=engine.name, url=engine.name, status=None,
                                         text=f"{type(exc).__name__}: {exc}")
 
-    async with trio.open_nursery() as nursery:
+    async with anyio.create_task_group() as tg:
         for i, engine in enumerate(engines):
-            nursery.start_soon(one, i, engine)
+            tg.start_soon(one, i, engine)
 
     failures = [o for o in outcomes if isinstance(o, EngineFailure)]
     updated = [n for n, o in zip(names, outcomes, strict=True) if isinstance(o, float)]
