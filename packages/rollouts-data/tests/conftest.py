@@ -59,3 +59,9 @@ def chatml_tokenizer():
 @pytest.fixture(scope="session")
 def think_tokenizer():
     return _build_tokenizer(THINK_STRIPPING_TEMPLATE)
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request) -> str:
+    """Every `@pytest.mark.anyio` test runs under asyncio and under trio (the loops use trio)."""
+    return request.param

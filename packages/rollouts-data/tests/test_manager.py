@@ -1,16 +1,20 @@
-"""AsyncRolloutManager with fake generate functions that are slow, fail or hang for chosen prompts."""
+"""AsyncRolloutManager with fake generate functions that are slow, fail or hang for chosen prompts.
+
+`@pytest.mark.anyio` tests run under asyncio and trio (conftest's anyio_backend); the ones that need
+virtual time (hour-long hangs against 30 s timeouts) run on trio's MockClock.
+"""
 
 import time
-from functools import partial
 
+import anyio
 import numpy as np
 import pytest
 import trio
 import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from rollouts.data import AsyncRolloutManager, DataBuffer, check_reward_nonzero_std
+from rollouts.data import AsyncRolloutManager, DataBuffer
+from rollouts.data.filters import check_reward_nonzero_std
 from rollouts.types import RolloutConfig, Sample, Status
 
 
@@ -51,13 +55,14 @@ def cfg(**kw):
     return RolloutConfig(**{**base, **kw})
 
 
-def test_basic_step_groups_indices_and_accounting():
+@pytest.mark.anyio
+async def test_basic_step_groups_indices_and_accounting():
     async def gen(prompt, n):
-        await trio.sleep(0.01)
+        await anyio.sleep(0.01)
         return make_group(prompt, n)
 
     manager = AsyncRolloutManager(DataBuffer(list(range(20)), seed=0), cfg(), gen, reward_fn=reward_from_metadata)
-    batch = trio.run(partial(manager.generate_batch, step=3))
+    batch = await manager.generate_batch(step=3)
     assert batch.num_kept == 12 and batch.step == 3 and batch.num_failed == 0
     assert [s.group_index for s in batch.samples] == [g for g in range(6) for _ in range(2)]
     assert [s.index for s in batch.samples] == list(range(12))
@@ -65,19 +70,20 @@ def test_basic_step_groups_indices_and_accounting():
     assert balanced(batch.metadata) and batch.metadata["groups_requested"] == 6
 
 
-def test_concurrency_limit_holds_and_sync_functions_work():
+@pytest.mark.anyio
+async def test_concurrency_limit_holds_and_sync_functions_work():
     in_flight, peak = 0, 0
 
     async def gen(prompt, n):
         nonlocal in_flight, peak
         in_flight += 1
         peak = max(peak, in_flight)
-        await trio.sleep(0.01)
+        await anyio.sleep(0.01)
         in_flight -= 1
         return make_group(prompt, n)
 
     manager = AsyncRolloutManager(DataBuffer(list(range(30))), cfg(batch_size=20, max_concurrency=4), gen)
-    trio.run(partial(manager.generate_batch, step=0), clock=trio.testing.MockClock(autojump_threshold=0))
+    await manager.generate_batch(step=0)
     assert peak == 4
 
     def sync_gen(prompt, n):
@@ -85,10 +91,11 @@ def test_concurrency_limit_holds_and_sync_functions_work():
         return make_group(prompt, n)
 
     manager = AsyncRolloutManager(DataBuffer(list(range(30))), cfg(), sync_gen)
-    assert trio.run(partial(manager.generate_batch, step=0)).num_kept == 12
+    assert (await manager.generate_batch(step=0)).num_kept == 12
 
 
-def test_retries_then_failures_are_counted():
+@pytest.mark.anyio
+async def test_retries_then_failures_are_counted():
     calls: dict[int, int] = {}
 
     async def gen(prompt, n):
@@ -98,7 +105,7 @@ def test_retries_then_failures_are_counted():
         return make_group(prompt, n)
 
     manager = AsyncRolloutManager(DataBuffer(list(range(6)), shuffle=False), cfg(max_retries=2), gen)
-    batch = trio.run(partial(manager.generate_batch, step=0))
+    batch = await manager.generate_batch(step=0)
     assert calls[0] == 3 and calls[1] == 2  # bounded retries: 1 + max_retries attempts at most
     assert batch.num_failed == 2 and batch.num_kept == 10
     assert batch.metadata["groups_failed"] == 1 and balanced(batch.metadata)
@@ -131,9 +138,10 @@ def test_hanging_and_malformed_requests_time_out_and_fail():
     assert any("expected 2" in e for e in batch.metadata["errors"])
 
 
-def test_dynamic_sampling_filters_refills_and_carries_over():
+@pytest.mark.anyio
+async def test_dynamic_sampling_filters_refills_and_carries_over():
     async def gen(prompt, n):
-        await trio.sleep(0.01)
+        await anyio.sleep(0.01)
         rewards = [1.0] * n if prompt % 3 == 0 else [float(i) for i in range(n)]  # every third group: zero std
         return make_group(prompt, n, rewards=rewards)
 
@@ -143,55 +151,53 @@ def test_dynamic_sampling_filters_refills_and_carries_over():
     manager = AsyncRolloutManager(
         DataBuffer(list(range(100)), shuffle=False), config, gen, reward_fn=reward_from_metadata
     )
-    clock = trio.testing.MockClock(autojump_threshold=0)
-    first = trio.run(partial(manager.generate_batch, step=0), clock=clock)
+    first = await manager.generate_batch(step=0)
     md = first.metadata
     assert first.num_kept == 8 and balanced(md)
     assert md["groups_requested"] == 8 and md["groups_filtered"] == 3  # prompts 0, 3, 6
     assert first.filter_reasons == {"reward_std_zero": 6}
     assert md["groups_carried_over"] == 1 and manager.num_carried_over_groups == 1
     assert all(np.std([s.reward for s in first.samples if s.group_index == g]) > 0 for g in range(4))
-    second = trio.run(partial(manager.generate_batch, step=1), clock=clock)
+    second = await manager.generate_batch(step=1)
     assert second.metadata["groups_from_carry_over"] == 1 and second.num_kept == 8
     assert second.samples[0].metadata["prompt_id"] == 7  # the carried group comes first
 
 
-def test_max_rounds_bounds_a_batch_that_cannot_fill():
+@pytest.mark.anyio
+async def test_max_rounds_bounds_a_batch_that_cannot_fill():
     async def gen(prompt, n):
         return make_group(prompt, n, rewards=[0.0] * n)
 
     config = cfg(batch_size=3, dynamic_sampling=True, max_generation_rounds=2)
     manager = AsyncRolloutManager(DataBuffer(list(range(50))), config, gen, reward_fn=reward_from_metadata)
-    batch = trio.run(partial(manager.generate_batch, step=0))
+    batch = await manager.generate_batch(step=0)
     assert batch.num_kept == 0 and batch.metadata["num_rounds"] == 2
     assert batch.metadata["groups_requested"] == 6 == batch.metadata["groups_filtered"]
     assert batch.num_filtered == 12 and balanced(batch.metadata)
 
 
-def test_abort_returns_promptly_keeping_finished_work():
+@pytest.mark.anyio
+async def test_abort_returns_promptly_keeping_finished_work():
     async def gen(prompt, n):
         if prompt % 2:
-            await trio.sleep_forever()
-        await trio.sleep(0.001)
+            await anyio.sleep_forever()
+        await anyio.sleep(0.001)
         return make_group(prompt, n)
 
     manager = AsyncRolloutManager(DataBuffer(list(range(8)), shuffle=False), cfg(batch_size=8, max_concurrency=8), gen)
+    result = {}
 
-    async def run():
-        result = {}
+    async def step():
+        result["batch"] = await manager.generate_batch(step=0)
 
-        async def step():
-            result["batch"] = await manager.generate_batch(step=0)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(step)
-            await trio.sleep(1.0)
-            start = trio.current_time()
-            manager.abort()
-        return result["batch"], trio.current_time() - start
-
-    batch, elapsed = trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
-    assert elapsed < 0.01
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(step)
+        await anyio.sleep(0.2)  # the even prompts finish, the odd ones hang
+        start = time.perf_counter()
+        manager.abort()
+    elapsed = time.perf_counter() - start
+    batch = result["batch"]
+    assert elapsed < 1.0  # the hanging requests would never return on their own (timeout is 5 s)
     md = batch.metadata
     assert md["aborted"] and batch.num_kept == 8 and md["groups_aborted"] == 4 and balanced(md)
     assert {s.metadata["prompt_id"] for s in batch.samples} == {0, 2, 4, 6}
@@ -204,7 +210,7 @@ def test_abort_returns_promptly_keeping_finished_work():
         return make_group(prompt, n)
 
     manager._generate_fn = record
-    trio.run(partial(manager.generate_batch, step=1))
+    await manager.generate_batch(step=1)
     # the four aborted prompts are served first, then four fresh ones (the buffer's next epoch)
     assert sorted(served) == sorted([1, 3, 5, 7] + [0, 1, 2, 3])
 
@@ -216,15 +222,16 @@ async def _step_aborted_after(manager, delay_s):
     async def step():
         out["b"] = await manager.generate_batch(step=0)
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(step)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(step)
         if delay_s is not None:
-            await trio.sleep(delay_s)
+            await anyio.sleep(delay_s)
         manager.abort()
     return out["b"]
 
 
-def test_abort_racing_the_start_of_a_step_stops_that_step_only():
+@pytest.mark.anyio
+async def test_abort_racing_the_start_of_a_step_stops_that_step_only():
     served = []
 
     async def gen(prompt, n):
@@ -233,13 +240,14 @@ def test_abort_racing_the_start_of_a_step_stops_that_step_only():
 
     manager = AsyncRolloutManager(DataBuffer(list(range(8)), shuffle=False), cfg(batch_size=2), gen)
 
-    batch = trio.run(_step_aborted_after, manager, None)  # None: before the step's task has run
+    batch = await _step_aborted_after(manager, None)  # None: before the step's task has run
     assert batch.metadata["aborted"] and batch.num_kept == 0 and served == [] and balanced(batch.metadata)
-    batch = trio.run(partial(manager.generate_batch, step=1))
+    batch = await manager.generate_batch(step=1)
     assert not batch.metadata["aborted"] and batch.num_kept == 2 * 2 and sorted(served) == [0, 1]
 
 
-def test_abort_with_sync_hanging_function_returns():
+@pytest.mark.anyio
+async def test_abort_with_sync_hanging_function_returns():
     import threading
 
     release = threading.Event()
@@ -252,25 +260,26 @@ def test_abort_with_sync_hanging_function_returns():
     manager = AsyncRolloutManager(DataBuffer([0, 1, 2], shuffle=False), cfg(batch_size=3), gen)
 
     t0 = time.perf_counter()
-    batch = trio.run(_step_aborted_after, manager, 0.2)
+    batch = await _step_aborted_after(manager, 0.2)
     assert time.perf_counter() - t0 < 5.0
     release.set()
     assert batch.num_kept == 4 and batch.metadata["groups_aborted"] == 1
 
 
-def test_state_dict_round_trip():
+@pytest.mark.anyio
+async def test_state_dict_round_trip():
     async def gen(prompt, n):
         return make_group(prompt, n)
 
     config = cfg(batch_size=2, over_sampling_factor=2.0)
     manager = AsyncRolloutManager(DataBuffer(list(range(10)), shuffle=False), config, gen)
-    trio.run(partial(manager.generate_batch, step=0))
+    await manager.generate_batch(step=0)
     state = manager.state_dict()
     assert len(state["carry_over"]) == 2
     other = AsyncRolloutManager(DataBuffer(list(range(10)), shuffle=False), config, gen)
     other.load_state_dict(state)
-    a = trio.run(partial(manager.generate_batch, step=1))
-    b = trio.run(partial(other.generate_batch, step=1))
+    a = await manager.generate_batch(step=1)
+    b = await other.generate_batch(step=1)
     assert a.samples == b.samples
 
 
@@ -334,3 +343,33 @@ def test_property_accounting_balances_and_bounds_hold(behaviours, batch_size, fa
     total_carry = sum(b.metadata["groups_carried_over"] for b in batches)
     used_carry = sum(b.metadata["groups_from_carry_over"] for b in batches)
     assert total_carry - used_carry == manager.num_carried_over_groups
+
+
+def test_an_asyncio_user_with_an_asyncio_generate_function():
+    """Plain asyncio.run, a generate function on asyncio.sleep: every group is kept (it failed under trio-only code)."""
+    import asyncio
+
+    async def gen(prompt, n):
+        await asyncio.sleep(0.001)
+        return make_group(prompt, n)
+
+    manager = AsyncRolloutManager(DataBuffer(list(range(20)), seed=0), cfg(), gen, reward_fn=reward_from_metadata)
+    batch = asyncio.run(manager.generate_batch(step=0))
+    assert batch.num_kept == 12 and batch.num_failed == 0 and balanced(batch.metadata)
+
+
+@pytest.mark.anyio
+async def test_a_hanging_request_is_bounded_in_real_time():
+    async def gen(prompt, n):
+        if prompt == 0:
+            await anyio.sleep_forever()
+        return make_group(prompt, n)
+
+    manager = AsyncRolloutManager(
+        DataBuffer(list(range(4)), shuffle=False), cfg(batch_size=2, request_timeout_s=0.2, max_retries=1), gen
+    )
+    start = time.perf_counter()
+    batch = await manager.generate_batch(step=0)
+    elapsed = time.perf_counter() - start
+    assert 0.4 <= elapsed < 3.0  # two attempts of 0.2 s each, plus scheduling slack on a loaded machine
+    assert batch.metadata["groups_failed"] == 1 and "timed out after 0.2 s" in batch.metadata["errors"][0]

@@ -1,4 +1,4 @@
-"""AsyncRolloutManager: a step's groups generated concurrently on trio, with every bound explicit.
+"""AsyncRolloutManager: a step's groups generated concurrently (asyncio or trio, via anyio), every bound explicit.
 
 One generate request is one group (GenerateFn: prompt, n -> n Samples). Per step the manager:
 1. takes kept groups left over from earlier steps (the carry-over cache) first;
@@ -15,7 +15,8 @@ Aborted requests (in flight when `abort()` was called) put their prompt back in 
 next step serves first, so no prompt is lost.
 
 Sync generate functions run in worker threads; on timeout or abort the thread is abandoned (its
-result discarded), since Python cannot cancel a running thread.
+result discarded), since Python cannot cancel a running thread. The manager runs under asyncio and
+trio alike (anyio); a generate function may be a coroutine function of the running event loop's library.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-import trio
+import anyio
 
 from rollouts.types import FilterFn, GenerateFn, RewardFn, RolloutBatch, RolloutConfig, Sample, thaw
 
@@ -61,9 +62,9 @@ class AsyncRolloutManager:
         self._filter_fn = filter_fn
         self._carry: list[tuple[Sample, ...]] = []
         self._pending_prompts: list[Any] = []
-        self._scope: trio.CancelScope | None = None
+        self._scope: anyio.CancelScope | None = None
         self._aborted = False
-        self._thread_limiter = trio.CapacityLimiter(config.max_concurrency)
+        self._thread_limiter = anyio.CapacityLimiter(config.max_concurrency)
 
     @property
     def num_carried_over_groups(self) -> int:
@@ -95,7 +96,9 @@ class AsyncRolloutManager:
         if inspect.iscoroutinefunction(fn):
             result = await fn(prompt, n)
         else:
-            result = await trio.to_thread.run_sync(fn, prompt, n, abandon_on_cancel=True, limiter=self._thread_limiter)
+            result = await anyio.to_thread.run_sync(
+                fn, prompt, n, abandon_on_cancel=True, limiter=self._thread_limiter
+            )
             if inspect.isawaitable(result):
                 result = await result
         return validate_group(result, n, prompt=prompt)
@@ -104,7 +107,7 @@ class AsyncRolloutManager:
         self,
         rid: int,
         prompt: Any,
-        limiter: trio.CapacityLimiter,
+        limiter: anyio.CapacityLimiter,
         results: dict[int, tuple[Sample, ...] | str],
         counts: dict[str, int],
     ) -> None:
@@ -113,11 +116,11 @@ class AsyncRolloutManager:
         async with limiter:
             for attempt in range(cfg.max_retries + 1):
                 try:
-                    with trio.fail_after(cfg.request_timeout_s):
+                    with anyio.move_on_after(cfg.request_timeout_s) as deadline:
                         results[rid] = await self._call(prompt, cfg.samples_per_prompt)
-                    counts["retries"] += attempt
-                    return
-                except trio.TooSlowError:
+                    if not deadline.cancelled_caught:
+                        counts["retries"] += attempt
+                        return
                     errors.append(f"timed out after {cfg.request_timeout_s} s")
                 except Exception as e:  # a failed request is retried, then counted; never lost
                     errors.append(f"{type(e).__name__}: {e}")
@@ -141,14 +144,14 @@ class AsyncRolloutManager:
             prompts = self._draw_prompts(math.ceil((need - len(kept)) * cfg.over_sampling_factor))
             counts["requested"] += len(prompts)
             results: dict[int, tuple[Sample, ...] | str] = {}
-            limiter = trio.CapacityLimiter(cfg.max_concurrency)
-            with trio.CancelScope() as scope:
+            limiter = anyio.CapacityLimiter(cfg.max_concurrency)
+            with anyio.CancelScope() as scope:
                 self._scope = scope
                 if self._aborted:
                     scope.cancel()
-                async with trio.open_nursery() as nursery:
+                async with anyio.create_task_group() as tg:
                     for rid, prompt in enumerate(prompts):
-                        nursery.start_soon(self._request, rid, prompt, limiter, results, counts)
+                        tg.start_soon(self._request, rid, prompt, limiter, results, counts)
             self._scope = None
             groups = []
             for rid, prompt in enumerate(prompts):
