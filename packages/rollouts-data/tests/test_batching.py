@@ -6,16 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from rollouts.data import (
-    best_fit_decreasing,
-    pack_samples,
-    pad_batch,
-    plan_micro_batches,
-    sample_arrays,
-    unpack,
-    unpack_values,
-)
+from rollouts.data import best_fit_decreasing, pack_samples, plan_micro_batches, segment_attention_mask, unpack_values
+from rollouts.data.batching import pad_batch, sample_arrays, unpack
 from rollouts.types import Sample
 
 _F32 = st.floats(-4.0, 4.0, allow_nan=False, width=32)
@@ -200,3 +192,37 @@ def test_plan_rejects_oversized_samples():
             plan_micro_batches([s], max_tokens=8, layout=layout)
     with pytest.raises(ValueError, match="layout"):
         plan_micro_batches([s], max_tokens=16, layout="ragged")
+
+
+def _reference_mask(segment_ids):
+    """The rule written out one (query, key) pair at a time."""
+    b, t = segment_ids.shape
+    out = np.zeros((b, 1, t, t), dtype=bool)
+    for r, q, k in itertools.product(range(b), range(t), range(t)):
+        same = segment_ids[r, q] == segment_ids[r, k] and segment_ids[r, k] >= 0 and k <= q
+        out[r, 0, q, k] = same or q == k
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(samples(max_len=12), st.sampled_from(["packed", "padded"]))
+def test_segment_attention_mask_matches_reference_and_blocks_cross_sequence_attention(batch, layout):
+    plan = plan_micro_batches(batch, max_tokens=48, layout=layout)
+    for mb in plan.micro_batches:
+        mask = segment_attention_mask(mb["segment_ids"])
+        np.testing.assert_array_equal(mask, _reference_mask(mb["segment_ids"]))
+        if "cu_seqlens" in mb:
+            cu = mb["cu_seqlens"].tolist()
+            for a, b in itertools.pairwise(cu):
+                block = mask[0, 0, a:b, a:b]
+                np.testing.assert_array_equal(block, np.tri(b - a, dtype=bool))  # causal within a sequence
+                assert not mask[0, 0, a:b, :a].any()  # nothing packed before it is visible
+            # the 2D attention_mask alone would let every later sequence see the earlier ones
+            assert len(cu) == 2 or mb["attention_mask"][0, cu[1]] == 1
+
+
+def test_segment_attention_mask_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"segment_ids_B_T must be a 2D integer array \[B, T\], got shape \(3,\)"):
+        segment_attention_mask(np.zeros(3, dtype=np.int64))
+    with pytest.raises(ValueError, match="dtype float32"):
+        segment_attention_mask(np.zeros((1, 3), dtype=np.float32))

@@ -5,8 +5,8 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from rollouts.data import BufferState, DataBuffer, epoch_order, next_prompts
+from rollouts.data import DataBuffer
+from rollouts.data.buffer import BufferState, epoch_order, next_prompts
 
 
 def _naive_stream(num_prompts: int, seed: int, total: int) -> list[int]:

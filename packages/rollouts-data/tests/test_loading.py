@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from rollouts.data import load_conversations, load_prompts, load_records
+from rollouts.data import load_conversations, load_prompts
+from rollouts.data.loading import load_records
 
 
 def _write(path, text):

@@ -1,24 +1,17 @@
 """Pure rollout functions and filters."""
 
-import itertools
 
 import numpy as np
 import pytest
-
-from rollouts.data import (
-    DataBuffer,
-    apply_sample_transforms,
-    assign_groups,
-    batch_metadata,
+from rollouts.data.filters import (
     check_min_reward,
     check_reasonable_length,
     check_response_diversity,
     check_reward_nonzero_std,
     combine_filters,
-    generate_rollout_batches,
-    group_samples,
 )
-from rollouts.types import RolloutConfig, Sample, Status
+from rollouts.data.rollout import apply_sample_transforms, assign_groups, batch_metadata, group_samples
+from rollouts.types import Sample, Status
 
 
 def _s(reward=None, response=(5,), status=Status.COMPLETED):
@@ -79,33 +72,3 @@ def test_batch_metadata_matches_numpy():
     assert md["reward_std"] == pytest.approx(np.std([0, 1, 0.5]))
     assert md["response_length_mean"] == 2.0 and md["response_length_max"] == 3.0
     assert md["truncation_rate"] == pytest.approx(1 / 3) and md["num_loss_tokens"] == 6
-
-
-def test_generate_rollout_batches_is_a_lazy_generator():
-    calls = []
-
-    def gen(prompt, n):
-        calls.append(prompt)
-        return [
-            Sample(tokens=[1, 2 + i], num_prompt_tokens=1, loss_mask=[0, 1], status=Status.COMPLETED) for i in range(n)
-        ]
-
-    buf = DataBuffer(list(range(5)), seed=1)
-    batches = generate_rollout_batches(
-        buf,
-        RolloutConfig(batch_size=3, samples_per_prompt=2),
-        gen,
-        reward_fn=lambda s: float(s.tokens[-1]),
-        start_step=7,
-    )
-    assert calls == []
-    first, second = itertools.islice(batches, 2)
-    assert (first.step, second.step) == (7, 8) and (first.epoch, second.epoch) == (0, 0)
-    assert first.num_kept == 6 and first.rewards == (2.0, 3.0) * 3
-    assert buf.epoch_id == 1 and buf.sample_offset == 1
-
-    async def agen(prompt, n):
-        return []
-
-    with pytest.raises(TypeError, match="AsyncRolloutManager"):
-        next(generate_rollout_batches(buf, RolloutConfig(), agen))

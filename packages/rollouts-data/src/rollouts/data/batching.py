@@ -8,6 +8,13 @@ sample_indices int64 [S], cu_seqlens int32 [S+1] (packed layout only), and, when
 them, advantages and rollout_logprobs float32 [B, T]. Every per-token array is aligned with
 input_ids: entry t concerns token t, so position 0 of every sequence has loss weight 0 (there is
 no prediction for it), even if a Sample's own mask says otherwise.
+
+Attention: `attention_mask` only marks padding. A packed row holds several sequences, so a model
+given that 2D mask lets each sequence attend to the ones packed before it. `segment_ids` (the
+sequence each token belongs to, -1 on padding) say where the boundaries are:
+`segment_attention_mask(mb["segment_ids"])` is the [B, 1, T, T] block-diagonal causal mask for
+attention that takes a dense mask (HF "sdpa"/"eager"); flash-attention kernels instead find the
+boundaries from `position_ids` restarting at 0 (or from `cu_seqlens`).
 """
 
 from __future__ import annotations
@@ -18,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
-
 from rollouts.types import Sample
 
 __all__ = [
@@ -29,6 +35,7 @@ __all__ = [
     "pad_batch",
     "plan_micro_batches",
     "sample_arrays",
+    "segment_attention_mask",
     "unpack",
     "unpack_values",
 ]
@@ -186,6 +193,25 @@ def pack_samples(
         length = min(-(-used // pad_to_multiple_of) * pad_to_multiple_of, max_tokens)
         out.append(_pack_one([samples[i] for i in bin_indices], bin_indices, fields, pad_id=pad_id, length=length))
     return out
+
+
+def segment_attention_mask(segment_ids_B_T: np.ndarray) -> np.ndarray:
+    """[B, 1, T, T] bool: query t sees key s iff both are in one segment and s <= t; padding sees itself.
+
+    The dense mask a packed micro-batch needs (HF "sdpa"/"eager" attention; pass it as the 4D
+    `attention_mask`, or as its additive form `np.where(mask, 0, finfo.min)`). A padding query
+    (segment -1) sees only itself, so its softmax is over one key, not over nothing (NaN). Same
+    rule as rollouts.backends' `attention_mask_4d`. Memory is B * T * T bytes.
+    """
+    seg = np.asarray(segment_ids_B_T)
+    if seg.ndim != 2 or not np.issubdtype(seg.dtype, np.integer):
+        raise ValueError(
+            f"segment_ids_B_T must be a 2D integer array [B, T], got shape {seg.shape} dtype {seg.dtype}"
+        )
+    t = seg.shape[1]
+    allowed = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] >= 0) & np.tri(t, dtype=bool)
+    allowed |= np.eye(t, dtype=bool)
+    return allowed[:, None]
 
 
 def _sequence_slices(micro_batch: Mapping[str, np.ndarray]) -> list[tuple[int, int, int, int]]:

@@ -2,23 +2,19 @@
 
 Legend: G samples per prompt (a group), P prompts (groups) in a step.
 
-`generate_rollout_batches` is the simplest driver (synchronous, one group at a time); the
-concurrent one with retries, timeouts and dynamic sampling is `AsyncRolloutManager`. Both are
-built from the functions here.
+The driver (concurrent, with retries, timeouts and dynamic sampling) is `AsyncRolloutManager`,
+built from the functions here; a loop with its own driver composes them the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from rollouts.types import FilterFn, GenerateFn, RewardFn, RolloutBatch, RolloutConfig, Sample, Status
-
-from rollouts.data.buffer import DataBuffer
+from rollouts.types import FilterFn, RewardFn, RolloutBatch, Sample, Status
 
 __all__ = [
     "Transformed",
@@ -26,7 +22,6 @@ __all__ = [
     "assign_groups",
     "batch_metadata",
     "convert_to_batch",
-    "generate_rollout_batches",
     "group_samples",
     "validate_group",
 ]
@@ -169,34 +164,3 @@ def convert_to_batch(
         filter_reasons=dict(filter_reasons or {}),
         metadata={**batch_metadata(samples), **(metadata or {})},
     )
-
-
-def generate_rollout_batches(
-    buffer: DataBuffer,
-    config: RolloutConfig,
-    generate_fn: GenerateFn,
-    *,
-    reward_fn: RewardFn | None = None,
-    filter_fn: FilterFn | None = None,
-    start_step: int = 0,
-) -> Iterator[RolloutBatch]:
-    """Yield one RolloutBatch per step forever: config.batch_size prompts, one sync generate_fn call per group.
-
-    No retries, no concurrency, no refill of filtered groups: see AsyncRolloutManager for those.
-    """
-    if inspect.iscoroutinefunction(generate_fn):
-        raise TypeError(
-            "generate_rollout_batches needs a synchronous generate_fn; use AsyncRolloutManager for async ones"
-        )
-    n = config.samples_per_prompt
-    step = start_step
-    while True:
-        epoch = buffer.epoch_id
-        prompts = buffer.get_prompts(config.batch_size)
-        groups = [validate_group(generate_fn(p, n), n, prompt=p) for p in prompts]
-        out = apply_sample_transforms(assign_groups(groups), reward_fn=reward_fn, filter_fn=filter_fn)
-        samples = [s for g in out.kept for s in g]
-        yield convert_to_batch(
-            samples, epoch=epoch, step=step, num_filtered=out.num_filtered, filter_reasons=out.filter_reasons
-        )
-        step += 1
