@@ -2,13 +2,17 @@
 
 Every error names the file, the line (JSONL) or record index (JSON), and the field, and a load
 either returns every record or raises: a malformed record never yields a shorter list that looks
-complete.
+complete. Each input is checked where it enters, for every record: the encoding (UTF-8; a leading
+byte-order mark is allowed), the JSON (no NaN or Infinity, no nesting deep enough to blow the
+stack, no integer too long to parse), required fields (`required_fields`: an RL answer key found
+missing at load time, not mid-run by the reward function) and, for conversations, an assistant
+turn to train on.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +22,37 @@ ROLES = ("system", "user", "assistant", "tool")
 """Message roles a conversation may hold."""
 
 
+_BOM = "\ufeff"
+
+
 def _where(path: Path, line: int | None, index: int) -> str:
     return f"{path}:{line}" if line is not None else f"{path} record {index}"
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (a NaN or infinite value would train silently as NaN)")
+
+
+def _parse(text: str, where: str) -> Any:
+    """One JSON value; any failure is a ValueError that starts with `where`."""
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
+    except RecursionError as e:  # "[[[[..." nested past the interpreter's stack
+        raise ValueError(f"{where}: invalid JSON (nested too deeply to parse)") from e
+    except ValueError as e:  # NaN/Infinity, or an integer longer than int()'s digit limit
+        raise ValueError(f"{where}: invalid JSON ({e})") from e
+
+
+def _decode(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}: {e.reason}); "
+            "re-encode the file as UTF-8"
+        ) from e
 
 
 def load_records(path: str | Path) -> list[tuple[str, Any]]:
@@ -28,29 +61,32 @@ def load_records(path: str | Path) -> list[tuple[str, Any]]:
     Returns (location, record) pairs, where location reads `file:line` or `file record i`.
     """
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
     suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".json"):
+        raise ValueError(f"{path}: unknown extension {path.suffix!r}; expected .jsonl or .json")
+    # Decoded line by line (a 0x0A byte is never inside a UTF-8 sequence), so a bad byte is
+    # reported with its line. Only "\n" ends a record: str.splitlines() also splits at U+2028,
+    # U+0085 and others, which JSON strings may hold raw (json.dumps(..., ensure_ascii=False)).
+    lines = [_decode(raw_line, f"{path}:{i}") for i, raw_line in enumerate(path.read_bytes().split(b"\n"), start=1)]
+    lines[0] = lines[0].removeprefix(_BOM)
     if suffix == ".jsonl":
         out = []
-        # Only "\n" ends a record: str.splitlines() also splits at U+2028, U+0085 and others,
-        # which JSON strings may hold raw (json.dumps(..., ensure_ascii=False) writes them so).
-        for lineno, line in enumerate(text.split("\n"), start=1):
-            if not line.strip():
-                continue
-            try:
-                out.append((_where(path, lineno, len(out)), json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
-    elif suffix == ".json":
+        for lineno, line in enumerate(lines, start=1):
+            if line.strip():
+                out.append((_where(path, lineno, len(out)), _parse(line, f"{path}:{lineno}")))
+    else:
+        text = "\n".join(lines)
         try:
-            data = json.loads(text)
+            data = json.loads(text, parse_constant=_reject_constant)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
+        except RecursionError as e:
+            raise ValueError(f"{path}: invalid JSON (nested too deeply to parse)") from e
+        except ValueError as e:  # NaN/Infinity, or an integer too long; json does not say where
+            raise ValueError(f"{path}: invalid JSON ({e})") from e
         if not isinstance(data, list):
             raise ValueError(f"{path}: a .json file must hold a top-level list of records, got {type(data).__name__}")
         out = [(_where(path, None, i), record) for i, record in enumerate(data)]
-    else:
-        raise ValueError(f"{path}: unknown extension {path.suffix!r}; expected .jsonl or .json")
     if not out:
         raise ValueError(f"{path}: no records; an empty dataset yields no training steps")
     return out
@@ -73,8 +109,26 @@ def validate_messages(where: str, field: str, messages: Any) -> tuple[dict[str, 
     return tuple(dict(m) for m in messages)
 
 
-def load_prompts(path: str | Path, *, field: str = "prompt") -> list[dict[str, Any]]:
-    """Prompt records: objects whose `field` is a non-empty string or a list of chat messages."""
+def _check_required(where: str, record: Mapping[str, Any], required_fields: Sequence[str]) -> None:
+    for name in required_fields:
+        if record.get(name) is None:
+            what = "is null" if name in record else f"is missing (keys: {sorted(record)})"
+            raise ValueError(
+                f"{where}: required field '{name}' {what}; every record needs it (e.g. the answer a reward "
+                "function reads), so it is checked at load time rather than when the record is drawn"
+            )
+
+
+def load_prompts(
+    path: str | Path, *, field: str = "prompt", required_fields: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """Prompt records: objects whose `field` is a non-empty string or a list of chat messages.
+
+    required_fields: other fields every record must carry, not null (an RL answer key such as
+    "answer"); a record without one is an error naming its file, line and the field.
+    """
+    if isinstance(required_fields, str):
+        raise TypeError(f"required_fields must be a sequence of field names, got the string {required_fields!r}")
     out = []
     for where, record in load_records(path):
         if not isinstance(record, Mapping):
@@ -87,17 +141,30 @@ def load_prompts(path: str | Path, *, field: str = "prompt") -> list[dict[str, A
                 raise ValueError(f"{where}: field '{field}' is an empty string")
         else:
             validate_messages(where, field, value)
+        _check_required(where, record, required_fields)
         out.append(dict(record))
     return out
 
 
-def load_conversations(path: str | Path, *, field: str = "messages") -> list[tuple[dict[str, Any], ...]]:
-    """Conversations: objects whose `field` is a list of {"role", "content"} messages."""
+def load_conversations(
+    path: str | Path, *, field: str = "messages", require_assistant: bool = True
+) -> list[tuple[dict[str, Any], ...]]:
+    """Conversations: objects whose `field` is a list of {"role", "content"} messages.
+
+    require_assistant: every conversation must hold an assistant message (what SFT trains on);
+    False for data trained with train_on="all".
+    """
     out = []
     for where, record in load_records(path):
         if not isinstance(record, Mapping):
             raise ValueError(f"{where}: record must be an object, got {type(record).__name__}")
         if field not in record:
             raise ValueError(f"{where}: missing field '{field}' (keys: {sorted(record)})")
-        out.append(validate_messages(where, field, record[field]))
+        messages = validate_messages(where, field, record[field])
+        if require_assistant and not any(m["role"] == "assistant" for m in messages):
+            raise ValueError(
+                f"{where}: field '{field}' has no assistant message, so an SFT sample would train on nothing "
+                "(pass require_assistant=False for train_on='all')"
+            )
+        out.append(messages)
     return out
