@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from dp_rl_cases import CASES, NUM_STEPS, batch, components, config
 from rollouts.backends import export_weights
+from rollouts.loops.distributed import close_distributed
 from rollouts.loops.rl import rl_update
 from rollouts.types import TrainingState
 
@@ -29,7 +30,7 @@ def main(out: Path) -> None:
         export_weights(trained, out / name)
     if dist.get_rank() == 0:
         (out / "metrics.json").write_text(json.dumps(metrics))
-    dist.destroy_process_group()
+    close_distributed()
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ def main(out: Path) -> None:
     wait_for_checkpoint()
     results["latest"] = str(latest_checkpoint(root))
     (out / f"rank{rank}.json").write_text(json.dumps(results))
+    dist.barrier()  # no rank leaves while a peer still has a collective in flight
     dist.destroy_process_group()
 
 

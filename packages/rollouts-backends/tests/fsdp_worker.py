@@ -81,6 +81,7 @@ def main(out: Path, bug: bool) -> None:
     if rank == 0:
         record = {"losses": losses, "grad_norms": grad_norms, "resumed_step": state.step}
         (out / "losses.json").write_text(json.dumps(record))
+    dist.barrier()  # no rank leaves while a peer still has a collective in flight
     dist.destroy_process_group()
 
 

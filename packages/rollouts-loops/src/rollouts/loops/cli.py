@@ -41,18 +41,9 @@ def _check_paths(run: Any, source: str, *, model: bool = True) -> None:
 
 
 def _distributed() -> tuple[int, int]:
-    """(rank, world size); initializes torch.distributed when launched by torchrun."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1
-    import torch
+    from rollouts.loops.distributed import init_distributed
 
-    if not torch.distributed.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.distributed.init_process_group(backend)
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.distributed.get_rank(), world
+    return init_distributed()
 
 
 def _components(run: Any, optimizer, num_training_steps: int):
@@ -227,6 +218,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `rollouts` console script; returns the exit status."""
     args = _parser().parse_args(argv)
+    clean = False
     try:
         if args.command == "sft":
             cmd_sft(load_run(SFTRun, args.config, args.set), args.config)
@@ -255,19 +247,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = dataclasses.replace(config, seed=args.seed)
             out = args.out or f"runs/demo-{datetime.now():%Y%m%d-%H%M%S}"
             run_demo(config, out)
+        clean = True
     except ConfigError as e:
         print(f"rollouts {args.command}: config error: {e}", file=sys.stderr)
         return 2
     finally:
-        _close_distributed()
+        if "torch" in sys.modules:  # only a run that imported torch can have a process group
+            from rollouts.loops.distributed import close_distributed
+
+            close_distributed(clean=clean)
     return 0
-
-
-def _close_distributed() -> None:
-    """Destroy the process group `_distributed` opened: a live gloo group at interpreter exit aborts."""
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

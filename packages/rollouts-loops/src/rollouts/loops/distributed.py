@@ -6,11 +6,56 @@ as pickles.
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 from typing import Any
 
 import numpy as np
 import torch
+
+
+CLOSE_BARRIER_TIMEOUT_S = 300.0
+"""How long a rank waits at the closing barrier for the others (a checkpoint flush on rank 0, say)."""
+
+
+def init_distributed() -> tuple[int, int]:
+    """(rank, world size); joins the process group when launched by torchrun (WORLD_SIZE > 1).
+
+    NCCL with one GPU per rank (LOCAL_RANK) where CUDA is available, gloo on CPU.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    if not torch.distributed.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        torch.distributed.init_process_group(backend)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.distributed.get_rank(), world
+
+
+def close_distributed(*, clean: bool = True) -> None:
+    """Leave the process group on every exit path; a no-op without one.
+
+    `clean` (the run finished on this rank): wait at a barrier first, so that no rank destroys its group
+    while a peer still has a collective in flight against it, then destroy the group while the
+    interpreter is fully alive. A group left to the interpreter's exit (or destroyed under a peer's
+    pending work) can abort the process in gloo's destructor with "terminate called without an active
+    exception" (pytorch/pytorch#190489; the atexit fix proposed in pytorch/pytorch#179291 was
+    abandoned). After a failure the barrier is skipped: the peers may never reach it.
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if clean:
+            if dist.get_backend() == "gloo":  # bounded: names the rank that never arrived
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=CLOSE_BARRIER_TIMEOUT_S))
+            else:
+                dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def rank_world() -> tuple[int, int]:
