@@ -65,3 +65,16 @@ def think_tokenizer():
 def anyio_backend(request) -> str:
     """Every `@pytest.mark.anyio` test runs under asyncio and under trio (the loops use trio)."""
     return request.param
+
+
+@pytest.fixture(scope="session")
+def build_tokenizer():
+    """template -> the tiny BPE tokenizer with that chat template (built once per template)."""
+    cache = {}
+
+    def build(template: str):
+        if template not in cache:
+            cache[template] = _build_tokenizer(template)
+        return cache[template]
+
+    return build
