@@ -16,7 +16,7 @@ from rollouts.data.batching import (
     unpack_values,
 )
 from rollouts.data.buffer import DataBuffer
-from rollouts.data.chat import tokenize_conversation, tokenize_conversation_turns
+from rollouts.data.chat import tokenize_conversation, tokenize_conversation_turns, tokenize_conversations
 from rollouts.data.loading import load_conversations, load_prompts
 from rollouts.data.manager import AsyncRolloutManager
 
@@ -34,5 +34,6 @@ __all__ = [
     "segment_attention_mask",
     "tokenize_conversation",
     "tokenize_conversation_turns",
+    "tokenize_conversations",
     "unpack_values",
 ]

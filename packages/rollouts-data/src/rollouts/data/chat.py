@@ -20,19 +20,19 @@ Speed: rendering and tokenizing every prefix is quadratic in the conversation. T
 give the same masks (tested against the prefix algorithm, kept as `_assistant_spans`):
 - templates with `{% generation %}` blocks: one call with HF's `return_assistant_tokens_mask`;
   the template's own markup says what the assistant produced (no prefix check is needed);
-- other templates: the prefixes are rendered as text only (two batched calls), the full text is
-  tokenized once and each piece between turn boundaries once; the pieces' tokens must concatenate
-  to the full tokenization, so each boundary falls between tokens exactly as the prefix renderings
-  would put it. A tokenizer without `__call__` falls back to the prefix algorithm.
+- other templates: the prefixes are rendered as text only (two batched calls) and must be text
+  prefixes of the full rendering; the full text is tokenized once, with character offsets, and
+  every turn boundary must fall between two tokens (a token spanning it is the prefix-property
+  error). A tokenizer without `__call__` falls back to the prefix algorithm.
 
 Needs the `chat` extra (transformers, jinja2): `pip install "rollouts-data[chat]"`.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import importlib.util
-import itertools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, get_args
@@ -62,11 +62,11 @@ def _render_texts(
     tokenizer: Tokenizer, conversations: Sequence[Sequence[Mapping[str, Any]]], *, add_generation_prompt: bool,
     template_kwargs: Mapping[str, Any] | None,
 ) -> list[str]:
-    """The template's text for each conversation, in one batched call."""
+    """The template's text for each conversation (messages already thawed), in one batched call."""
     if not conversations:
         return []
     out = tokenizer.apply_chat_template(
-        [[thaw(m) for m in c] for c in conversations], tokenize=False,
+        [list(c) for c in conversations], tokenize=False,
         add_generation_prompt=add_generation_prompt, **dict(template_kwargs or {}),
     )
     return [out] if isinstance(out, str) else list(out)
@@ -128,14 +128,15 @@ def _incremental_mask(
     cuts.append(len(full_text))
     if cuts != sorted(cuts):
         _prefix_error("the assistant turns", f"their text boundaries {cuts} are out of order")
-    pieces = [full_text[a:b] for a, b in itertools.pairwise(cuts)]
-    encoded = tokenizer([full_text, *pieces], add_special_tokens=False)["input_ids"]
-    full, piece_ids = [int(t) for t in encoded[0]], encoded[1:]
-    token_cuts = [0]
-    for ids in piece_ids:
-        token_cuts.append(token_cuts[-1] + len(ids))
-    if [int(t) for ids in piece_ids for t in ids] != full:
-        _prefix_error("a prefix ending at a turn boundary", "its tokens differ: a token spans the boundary")
+    encoded = tokenizer(full_text, add_special_tokens=False, return_offsets_mapping=True)
+    full, offsets = [int(t) for t in encoded["input_ids"]], encoded["offset_mapping"]
+    token_starts = [int(o[0]) for o in offsets]
+    token_cuts = []
+    for cut in cuts:
+        k = bisect.bisect_left(token_starts, cut)
+        if k > 0 and offsets[k - 1][1] > cut:  # the prefix's text ends inside a token of the full text
+            _prefix_error("a prefix ending at a turn boundary", f"a token spans character {cut}")
+        token_cuts.append(k)
     mask = [0.0] * len(full)
     for k in range(len(turns)):
         a = token_cuts[1 + 2 * k]
