@@ -54,7 +54,7 @@ def run(mode_overlap: bool, *, steps: int, demo: DemoConfig) -> list[dict[str, f
 
     with tempfile.TemporaryDirectory() as run_dir:
         _, history = run_rl_training(components, DataBuffer(records, seed=0), engine, config,
-                                     reward_fn=exact_answer_reward, encode_prompt=encode, logger=NullLogger(),
+                                     reward=exact_answer_reward, encode_prompt=encode, logger=NullLogger(),
                                      run_dir=run_dir, engine_shares_model=False, resume=False)
     return history[1:]
 

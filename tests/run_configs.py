@@ -14,7 +14,8 @@ path = "{model}"
 train_path = "{inputs / 'prompts.jsonl'}"
 [run]
 out_dir = "{out}"
-reward = "exact_match"
+[reward]
+fn = "exact_match"
 [rl]
 num_steps = 3
 max_tokens_per_micro_batch = 512

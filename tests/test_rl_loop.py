@@ -25,7 +25,7 @@ def _setup(inputs, *, overlap=False):
     return tokenizer, model, records
 
 
-def _run(inputs, tmp_path, *, algorithm, rollout_overrides=(), steps, lr, reward_fn, prompts=8, n=8, resume=False):
+def _run(inputs, tmp_path, *, algorithm, rollout_overrides=(), steps, lr, reward, prompts=8, n=8, resume=False):
     tokenizer, model, records = _setup(inputs)
     rollout = RolloutConfig(
         batch_size=prompts, samples_per_prompt=n, max_concurrency=prompts, request_timeout_s=120.0,
@@ -41,18 +41,18 @@ def _run(inputs, tmp_path, *, algorithm, rollout_overrides=(), steps, lr, reward
     def encode(record):
         return tokenizer.encode(record["prompt"], add_special_tokens=False)
 
-    return run_rl_training(components, DataBuffer(records, seed=0), engine, config, reward_fn=reward_fn,
+    return run_rl_training(components, DataBuffer(records, seed=0), engine, config, reward=reward,
                            encode_prompt=encode, logger=NullLogger(), run_dir=tmp_path, engine_shares_model=True,
                            resume=resume)
 
 
-def starts_with_seven(sample):
+def starts_with_seven(sample, record):
     return 1.0 if sample.response.startswith("7") else 0.0
 
 
 def test_grpo_raises_a_toy_reward(tiny_run_inputs, tmp_path):
     state, history = _run(tiny_run_inputs, tmp_path, algorithm=ALGORITHMS["grpo"], steps=12, lr=1e-2,
-                          reward_fn=starts_with_seven)
+                          reward=starts_with_seven)
     rewards = [h["reward_mean"] for h in history]
     assert state.step == 12 and state.weight_version == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards
@@ -64,7 +64,7 @@ def test_every_preset_runs_two_steps(tiny_run_inputs, tmp_path, name):
     if name == "ppo":
         algorithm = dataclasses.replace(algorithm, num_updates_per_batch=2)  # exercise old log-probs too
     state, history = _run(tiny_run_inputs, tmp_path, algorithm=algorithm, rollout_overrides=ROLLOUT_IMPLIED.get(name, {}),
-                          steps=2, lr=1e-3, reward_fn=starts_with_seven, prompts=4, n=4)
+                          steps=2, lr=1e-3, reward=starts_with_seven, prompts=4, n=4)
     assert state.step == 2 * algorithm.num_updates_per_batch
     for h in history:
         assert all(v == v for k, v in h.items() if k in ("loss", "grad_norm")), h  # no NaN
@@ -81,7 +81,7 @@ def test_minimal_grpo_loop_raises_a_toy_reward(tiny_run_inputs):
     state, rewards = grpo_minimal(
         components, InProcessEngine(model, tokenizer=tokenizer), DataBuffer(records, seed=0),
         encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
-        reward_fn=starts_with_seven, num_steps=12, prompts_per_step=8, samples_per_prompt=8,
+        reward=starts_with_seven, num_steps=12, prompts_per_step=8, samples_per_prompt=8,
         sampling=SamplingParams(temperature=1.0, max_new_tokens=4), optimizer=optimizer,
     )
     assert state.step == 12 and state.weight_version == 12
@@ -93,17 +93,17 @@ def test_a_resumed_run_keeps_the_starting_model_as_its_kl_reference(tiny_run_inp
     import rollouts.loops.rl as rl
 
     algorithm = ALGORITHMS["reinforce_pp"]  # KL in the reward
-    _run(tiny_run_inputs, tmp_path, algorithm=algorithm, steps=1, lr=1e-2, reward_fn=starts_with_seven, prompts=4, n=4)
+    _run(tiny_run_inputs, tmp_path, algorithm=algorithm, steps=1, lr=1e-2, reward=starts_with_seven, prompts=4, n=4)
     starting = load_hf_model(tiny_run_inputs / "model").state_dict()
     seen = []
     update = rl.rl_update
 
-    def recording_update(components, state, samples, config, *, ref_components=None):
+    def recording_update(components, state, samples, config, *, ref_components=None, **_):
         seen.append({k: v.clone() for k, v in ref_components.model.state_dict().items()})
         return update(components, state, samples, config, ref_components=ref_components)
 
     monkeypatch.setattr(rl, "rl_update", recording_update)
-    state, _ = _run(tiny_run_inputs, tmp_path, algorithm=algorithm, steps=2, lr=1e-2, reward_fn=starts_with_seven,
+    state, _ = _run(tiny_run_inputs, tmp_path, algorithm=algorithm, steps=2, lr=1e-2, reward=starts_with_seven,
                     prompts=4, n=4, resume=True)
     assert state.step == 2 and len(seen) == 1  # resumed at step 1, ran step 2
     for name, tensor in seen[0].items():
@@ -143,7 +143,7 @@ def test_a_resumed_run_trains_the_same_prompts_as_an_uninterrupted_one(tmp_path,
 
     trained, crash_before = [], []
 
-    def recording_update(components, state, samples, config, *, ref_components=None):
+    def recording_update(components, state, samples, config, **_):
         if crash_before and state.step + 1 == crash_before[0]:
             raise Crash
         trained.append(sorted({s.metadata["id"] for s in samples}))
@@ -160,7 +160,7 @@ def test_a_resumed_run_trains_the_same_prompts_as_an_uninterrupted_one(tmp_path,
                           optimizer=OptimizerConfig(schedule="constant"))
         components = build_components(model, config.optimizer, num_training_steps=5)
         return run_rl_training(components, DataBuffer(records, seed=0), _EchoEngine(), config,
-                               reward_fn=lambda s: float(s.metadata["id"]), encode_prompt=lambda r: [2 + r["id"] % 10],
+                               reward=lambda s, r: float(r["id"]), encode_prompt=lambda r: [2 + r["id"] % 10],
                                logger=NullLogger(), run_dir=run_dir, engine_shares_model=not overlap, resume=resume)
 
     run(tmp_path / "straight", resume=False)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from rollouts.backends import micro_batch_to_torch, packed_only
 from rollouts.backends.train import _model_inputs
 from rollouts.data import plan_micro_batches
-from rollouts.loops.sft import choose_layout
+from rollouts.loops.micro_batches import choose_layout
 from rollouts.loops.tiny import build_tiny_model
 from rollouts.types import Sample
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rollouts.backends import build_components, save_checkpoint
-from rollouts.loops.sft import CHECKPOINTS_DIR, resume_if_possible
+from rollouts.loops.run_dir import CHECKPOINTS_DIR, resume_if_possible
 from rollouts.loops.tiny import build_tiny_model
 from rollouts.types import OptimizerConfig, TrainingState
 

@@ -96,7 +96,8 @@ def cmd_sft(run: SFTRun, source: str) -> Path:
     """Tokenize conversations with the model's chat template and train; returns the checkpoint root."""
     _check_paths(run, source)
     from rollouts.data import load_conversations, tokenize_conversation
-    from rollouts.loops.sft import CHECKPOINTS_DIR, run_sft_training
+    from rollouts.loops.run_dir import CHECKPOINTS_DIR
+    from rollouts.loops.sft import run_sft_training
 
     out = Path(run.run.out_dir)
     _write_resolved(run, out)
@@ -127,23 +128,86 @@ def _encoder(tokenizer):
     return encode
 
 
+def _builtin_reward(name: str, answer_key: str) -> Any:
+    from rollouts.loops.tasks import exact_answer_reward
+    from rollouts.losses import math_answer_reward
+
+    if name == "math_answer":
+        def math_answer(sample: Any, record: Any) -> float:
+            return math_answer_reward(sample, answer_key=answer_key)
+        return math_answer
+    def exact_match(sample: Any, record: Any) -> float:
+        return exact_answer_reward(sample, record, answer_key=answer_key)
+    return exact_match
+
+
+def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
+    """run_rl_training's plug-point arguments from [reward] and [hooks], checked before any work."""
+    from rollouts.loops.config import BUILTIN_REWARDS
+    from rollouts.loops.plugins import PluginError, resolve_function
+    from rollouts.loops.scoring import Reward
+
+    spec = run.reward
+    try:
+        if spec.fn in BUILTIN_REWARDS:
+            fn = _builtin_reward(spec.fn, run.data.answer_key)
+        else:
+            what = "reward(samples, records) -> list[float]" if spec.batched else "reward(sample, record) -> float"
+            fn = resolve_function(spec.fn, key="reward.fn", num_positional=2, what=what)
+        hooks: dict[str, Any] = {"reward": Reward(fn=fn, batched=spec.batched, on_error=spec.on_error,
+                                                  timeout_s=spec.timeout_s)}
+        for key, arg, arity, what in (
+            ("rollout", "rollout", 2, "rollout(record, ctx) -> list[Sample]"),
+            ("filter", "filter_fn", 1, "filter(group) -> str | None"),
+            ("advantages", "advantage_fn", 2, "advantages(rewards_N, groups_N) -> advantages_N"),
+            ("loss", "loss_fn", 2, "loss(logprobs_B_T, batch, *, num_tokens, num_sequences)"),
+        ):
+            path = getattr(run.hooks, key)
+            if path:
+                hooks[arg] = resolve_function(path, key=f"hooks.{key}", num_positional=arity, what=what)
+    except PluginError as e:
+        raise ConfigError(f"{source}: {e}") from e
+    return hooks
+
+
+def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> Any:
+    """Rank 0's engine (None on other ranks): the in-process sampler or remote servers."""
+    import copy
+
+    from rollouts.backends import InProcessEngine, load_hf_model
+    from rollouts.loops.distributed import rank_world
+    from rollouts.loops.engines import CoalescingEngine, remote_engine
+
+    rank, world = rank_world()
+    if rank != 0:
+        return None
+    if run.engine.kind != "inprocess":
+        return remote_engine(run.engine.kind, run.engine.urls, api_key_env=run.engine.api_key_env,
+                             timeout_s=run.engine.timeout_s, max_retries=run.engine.max_retries,
+                             sync_timeout_s=run.engine.sync_timeout_s)
+    if shares:
+        model = components.model
+    elif world == 1:
+        model = copy.deepcopy(components.model)
+    else:  # the trained model is sharded: rank 0 samples from a full copy of its own
+        model = load_hf_model(run.model.path, device=components.device)
+    return CoalescingEngine(InProcessEngine(model, shares_training_model=shares, tokenizer=tokenizer),
+                            max_prompts_per_call=run.rl.rollout.batch_size)
+
+
 def cmd_rl(run: RLRun, source: str) -> Path:
     """RL from the configured model against the configured engine(s); returns the checkpoint root."""
     _check_paths(run, source)
-    import copy
-
-    from rollouts.backends import InProcessEngine
     from rollouts.data import DataBuffer, load_prompts
-    from rollouts.loops.engines import CoalescingEngine, remote_engine
-    from rollouts.loops.rl import check_algorithm, run_rl_training
-    from rollouts.loops.sft import CHECKPOINTS_DIR
-    from rollouts.loops.tasks import exact_answer_reward
-    from rollouts.losses import math_answer_reward
+    from rollouts.loops.rl import run_rl_training
+    from rollouts.loops.rl_update import check_algorithm
+    from rollouts.loops.run_dir import CHECKPOINTS_DIR
 
     try:
         check_algorithm(run.rl.algorithm)
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from e
+    hooks = resolve_hooks(run, source)
     rank, world = _distributed()
     out = Path(run.run.out_dir)
     _write_resolved(run, out)
@@ -153,28 +217,6 @@ def cmd_rl(run: RLRun, source: str) -> Path:
         records = [{**r, "prompt": r[run.data.prompt_key]} for r in records]
     components = _components(run, run.rl.optimizer, run.rl.num_steps * run.rl.algorithm.num_updates_per_batch)
     shares = run.engine.kind == "inprocess" and not run.rl.overlap and world == 1
-    if run.engine.kind == "inprocess":
-        if shares:
-            model = components.model
-        elif world == 1:
-            model = copy.deepcopy(components.model)
-        else:  # the trained model is sharded: rank 0 samples from a full copy of its own
-            from rollouts.backends import load_hf_model
-
-            model = load_hf_model(run.model.path, device=components.device) if rank == 0 else components.model
-        engine = CoalescingEngine(InProcessEngine(model, shares_training_model=shares, tokenizer=tokenizer),
-                                  max_prompts_per_call=run.rl.rollout.batch_size)
-    else:
-        engine = remote_engine(run.engine.kind, run.engine.urls, api_key_env=run.engine.api_key_env,
-                               timeout_s=run.engine.timeout_s, max_retries=run.engine.max_retries,
-                               sync_timeout_s=run.engine.sync_timeout_s)
-    answer_key = run.data.answer_key
-    if run.run.reward == "math_answer":
-        def reward_fn(sample):
-            return math_answer_reward(sample, answer_key=answer_key)
-    else:
-        def reward_fn(sample):
-            return exact_answer_reward(sample, answer_key=answer_key)
     ref_components = None
     if world > 1 and run.rl.algorithm.needs_reference:
         # The starting model, sharded like the trained one (one process copies it itself).
@@ -182,9 +224,9 @@ def cmd_rl(run: RLRun, source: str) -> Path:
     logger = _loggers(out, "rl", run.rl.num_steps * run.rl.algorithm.num_updates_per_batch, rank=rank)
     try:
         state, _ = run_rl_training(
-            components, DataBuffer(records, seed=run.rl.seed), engine, run.rl, reward_fn=reward_fn,
-            encode_prompt=_encoder(tokenizer), logger=logger, run_dir=out, engine_shares_model=shares,
-            resume=run.run.resume, tokenizer=tokenizer, ref_components=ref_components,
+            components, DataBuffer(records, seed=run.rl.seed), _rl_engine(run, components, tokenizer, shares=shares),
+            run.rl, encode_prompt=_encoder(tokenizer), logger=logger, run_dir=out, engine_shares_model=shares,
+            resume=run.run.resume, tokenizer=tokenizer, ref_components=ref_components, **hooks,
         )
     finally:
         logger.close()

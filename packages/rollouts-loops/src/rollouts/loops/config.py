@@ -99,8 +99,45 @@ class RunSpec:
     out_dir: str = "runs/run"
     resume: bool = True
     """Continue from the newest complete checkpoint in out_dir/checkpoints, if any."""
-    reward: Literal["math_answer", "exact_match"] = "math_answer"
-    """Reward function for RL (rollouts-losses)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+BUILTIN_REWARDS = ("math_answer", "exact_match")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RewardSpec:
+    """The RL reward: a built-in name or an import path ("pkg.module:name", "path/to/file.py:name")."""
+
+    fn: str = "math_answer"
+    """'math_answer' (math-verify grading against the answer field), 'exact_match', or an import path
+    of reward(sample, record) -> float (sync or async) or, with `batched`, reward(samples, records)."""
+    batched: bool = False
+    on_error: Literal["raise", "zero"] = "raise"
+    """What a reward that raises or returns a non-finite value does: stop the run, or score 0 (counted)."""
+    timeout_s: float = 60.0
+    """Bound on one reward call."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        require(bool(self.fn), "RewardSpec.fn", self.fn, f"be one of {list(BUILTIN_REWARDS)} or an import path")
+        require(self.timeout_s > 0, "RewardSpec.timeout_s", self.timeout_s, "be > 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HooksSpec:
+    """The RL loop's other plug points, by import path; empty: the built-in."""
+
+    rollout: str = ""
+    """rollout(record, ctx) -> Samples (default: single turn; rollouts.loops.tool_rollout builds a multi-turn one)."""
+    filter: str = ""
+    """filter(group) -> None to keep, or the reason it was dropped."""
+    advantages: str = ""
+    """advantages(rewards_N, groups_N) -> advantages_N (torch tensors)."""
+    loss: str = ""
+    """A rollouts.losses.LossFn: loss(logprobs_B_T, batch, *, num_tokens, num_sequences, entropy_B_T)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -127,6 +164,8 @@ class RLRun:
     data: DataSpec = field(default_factory=DataSpec)
     engine: EngineSpec = field(default_factory=EngineSpec)
     run: RunSpec = field(default_factory=RunSpec)
+    reward: RewardSpec = field(default_factory=RewardSpec)
+    hooks: HooksSpec = field(default_factory=HooksSpec)
     preset: str = ""
     """Name of an algorithm preset (grpo, drgrpo, dapo, gspo, cispo, rloo, reinforce_pp, ppo)."""
     rl: RLConfig = field(default_factory=RLConfig)

@@ -161,7 +161,7 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
                             + ([ConsoleLogger(rl.num_steps, desc="RL (GRPO)")] if progress else []))
     prompts = DataBuffer([r for r in train_records], seed=config.seed + 3)
     phase = time.perf_counter()
-    run_rl_training(rl_components, prompts, rl_engine, rl, reward_fn=exact_answer_reward, encode_prompt=encode,
+    run_rl_training(rl_components, prompts, rl_engine, rl, reward=exact_answer_reward, encode_prompt=encode,
                     logger=rl_logger, run_dir=out / "rl", engine_shares_model=True, resume=False, tokenizer=tokenizer)
     rl_logger.close()
     timings["rl_s"] = time.perf_counter() - phase

@@ -1,14 +1,16 @@
-"""The RL loop: prompts -> engine samples -> rewards -> group filter -> advantages -> packed
-micro-batches -> (old / reference log-probs) -> loss -> optimizer step -> export + engine sync ->
-metrics -> checkpoint.
+"""The RL loop, SPMD: every rank runs this same loop; the rank that owns the engines (rank 0)
+generates, and one broadcast hands each step's batch to the others. Everything after that —
+`rl_step`, weight export, checkpoints — is the same call on every rank.
 
-The loop owns no state of its own: TrainingState is threaded through, the DataBuffer and the
-AsyncRolloutManager (carry-over cache) are the stateful iterators, and both go into checkpoints.
-`rl_minimal.py` beside this file is the same algorithm in a few dozen lines without the plumbing.
+Per step: batch (prompts -> rollout function -> reward -> group filter) -> `rl_step` (overlong
+penalty, staleness filter, advantages, packed micro-batches, loss, optimizer step) -> export + engine
+sync -> metrics -> checkpoint. `rl_minimal.py` beside this file is the algorithm without the plumbing.
 
-Off-policy overlap (config.overlap): step n+1 is generated while step n trains (training runs in a
-worker thread). An engine never changes weights mid-generation: a sync waits for the generation in
-flight, so a sample is at most `max_staleness` versions behind the weights it trains.
+Generation is a producer task on rank 0 feeding a memory channel, one batch per request. Without
+overlap the next batch is requested after the sync; with `config.overlap` it is requested before
+training, so step n+1 generates while step n trains. An engine never changes weights mid-generation:
+the sync takes the engine lock the producer holds while generating, so a sample is at most
+`max_staleness` versions behind the weights it trains.
 """
 
 from __future__ import annotations
@@ -17,90 +19,53 @@ import copy
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 import trio
 
-from rollouts.backends import (
-    TrainingComponents,
-    compute_logprobs,
-    export_weights,
-    forward_backward,
-    optim_step,
-    packed_only,
-    save_checkpoint,
-)
-from rollouts.data import AsyncRolloutManager, DataBuffer, plan_micro_batches, unpack_values
-from rollouts.data.filters import check_reward_nonzero_std
-from rollouts.loops.distributed import (
-    all_gather_arrays,
-    broadcast_json,
-    global_counts,
-    global_sum,
-    rank_world,
-    same_count_on_every_rank,
-)
-from rollouts.loops.sft import CHECKPOINTS_DIR, choose_layout, resume_if_possible
-from rollouts.losses import (
-    group_advantages,
-    kl_penalty,
-    loss_fn_from_config,
-    overlong_penalty,
-    reinforce_pp_advantages,
-    rloo_advantages,
-)
+from rollouts.backends import TrainingComponents, export_weights, save_checkpoint
+from rollouts.data import AsyncRolloutManager, DataBuffer
+from rollouts.loops.distributed import broadcast_json, rank_world
+from rollouts.loops.rl_update import AdvantageFn, check_algorithm, rl_update
+from rollouts.loops.rollout_fns import PromptEncoder, RolloutContext, RolloutFn, group_generator, single_turn_rollout
+from rollouts.loops.run_dir import CHECKPOINTS_DIR, WEIGHTS_DIR, resume_if_possible
+from rollouts.loops.scoring import Reward, check_reward_errors, reward_errors, summarize
+from rollouts.losses import LossFn, overlong_penalty
 from rollouts.types import (
     AlgorithmConfig,
+    FilterFn,
     InferenceEngine,
     MetricsLogger,
-    RewardFn,
     RLConfig,
     RolloutBatch,
     Sample,
-    SamplingParams,
     Status,
     TrainingState,
 )
 
-WEIGHTS_DIR = "weights"
 _MAX_EMPTY_BATCHES = 3  # steps in a row with nothing to train on before the loop gives up
-PromptEncoder = Callable[[Any], Sequence[int]]
-"""Turns a prompt record (from the DataBuffer) into prompt token ids."""
 
 
-def check_algorithm(algorithm: AlgorithmConfig) -> None:
-    """Raise for settings the RL loop cannot run (before any work starts)."""
-    if algorithm.advantage_estimator == "gae":
-        raise ValueError(
-            "AlgorithmConfig.advantage_estimator 'gae' needs a learned value model, which the RL loop does not "
-            "train; use 'grpo', 'rloo' or 'reinforce_pp' (or call rollouts.losses.gae_advantages in your own loop)"
-        )
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RLHooks:
+    """The loop's plug points, each with a built-in default."""
+
+    reward: Reward
+    rollout: RolloutFn = single_turn_rollout
+    filter_fn: FilterFn | None = None
+    """Judges a group: None keeps it, a string is why it was dropped (default: DAPO's non-zero std
+    filter when dynamic_sampling is on, else none)."""
+    advantage_fn: AdvantageFn | None = None
+    """(rewards_N, groups_N) -> advantages_N; default: the configured estimator."""
+    loss_fn: LossFn | None = None
+    """Per micro-batch loss; default: rollouts.losses.loss_fn_from_config(config.algorithm)."""
 
 
-# ---------------------------------------------------------------- rollouts
-
-
-def make_generate_fn(
-    engine: InferenceEngine, encode_prompt: PromptEncoder, sampling: SamplingParams, *, answer_key: str = "answer"
-) -> Callable[[Any, int], Any]:
-    """GenerateFn for the rollout manager: one prompt record -> n Samples carrying the record's metadata."""
-
-    async def generate_group(record: Any, n: int) -> list[Sample]:
-        prompt_ids = list(encode_prompt(record))
-        samples = await engine.generate([prompt_ids], dataclasses.replace(sampling, n=n))
-        metadata = {k: v for k, v in record.items() if k != "prompt"} if isinstance(record, Mapping) else {}
-        prompt = record.get("prompt", "") if isinstance(record, Mapping) else str(record)
-        return [
-            dataclasses.replace(s, prompt=prompt if isinstance(prompt, str) else tuple(prompt),
-                                metadata={**s.metadata, **metadata})
-            for s in samples
-        ]
-
-    return generate_group
+# ---------------------------------------------------------------- one step
 
 
 def with_overlong_penalty(samples: Sequence[Sample], algorithm: AlgorithmConfig, *, max_new_tokens: int) -> list[Sample]:
@@ -109,162 +74,10 @@ def with_overlong_penalty(samples: Sequence[Sample], algorithm: AlgorithmConfig,
         return list(samples)
     buffer = min(algorithm.overlong_buffer_length, max_new_tokens)
     return [
-        s.with_reward(
-            (s.reward or 0.0)
-            + overlong_penalty(s.response_length, max_length=max_new_tokens, buffer_length=buffer,
-                               factor=algorithm.overlong_penalty_factor)
-        )
+        s.with_reward((s.reward or 0.0) + overlong_penalty(
+            s.response_length, max_length=max_new_tokens, buffer_length=buffer, factor=algorithm.overlong_penalty_factor))
         for s in samples
     ]
-
-
-# ---------------------------------------------------------------- advantages
-
-
-def _padded(values: Mapping[int, np.ndarray], num: int) -> torch.Tensor:
-    """[N, T_max] float32 tensor of per-sample token arrays (0-padded on the right)."""
-    width = max(len(v) for v in values.values())
-    out = torch.zeros(num, width)
-    for i, v in values.items():
-        out[i, : len(v)] = torch.as_tensor(v, dtype=torch.float32)
-    return out
-
-
-def token_advantages(
-    samples: Sequence[Sample],
-    algorithm: AlgorithmConfig,
-    *,
-    masks: Mapping[int, np.ndarray],
-    kl: Mapping[int, np.ndarray] | None = None,
-) -> dict[int, np.ndarray]:
-    """Sample index -> [T_i] per-token advantages, from rewards (and per-token KL in the reward)."""
-    rewards_N = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    groups_N = torch.tensor([s.group_index if s.group_index is not None else i for i, s in enumerate(samples)])
-    lengths = [len(masks[i]) for i in range(len(samples))]
-    if algorithm.advantage_estimator == "reinforce_pp":
-        mask_N_T = _padded(masks, len(samples))
-        kl_N_T = _padded(kl, len(samples)) if kl is not None else None
-        adv_N_T = reinforce_pp_advantages(rewards_N, mask_N_T, kl_B_T=kl_N_T, kl_coef=algorithm.kl_coef,
-                                          gamma=algorithm.gamma)
-        return {i: adv_N_T[i, :n].numpy() for i, n in enumerate(lengths)}
-    if kl is not None:  # KL in the reward, at sequence level for the group estimators
-        rewards_N = rewards_N - algorithm.kl_coef * torch.tensor(
-            [float((kl[i] * (masks[i] > 0)).sum()) for i in range(len(samples))]
-        )
-    if algorithm.advantage_estimator == "rloo":
-        adv_N = rloo_advantages(rewards_N, groups_N)
-    else:
-        adv_N = group_advantages(rewards_N, groups_N, scale=algorithm.advantage_scale)
-    return {i: np.full(n, float(adv_N[i]), dtype=np.float32) for i, n in enumerate(lengths)}
-
-
-def scatter_token_values(micro_batches: Sequence[dict[str, np.ndarray]], key: str, values: Mapping[int, np.ndarray]) -> None:
-    """Write each sample's [T_i] values into the micro-batches' `key` array, where its tokens sit."""
-    for mb in micro_batches:
-        out = np.zeros(mb["input_ids"].shape, dtype=np.float32)
-        for s, index in enumerate(mb["sample_indices"]):
-            where = mb["segment_ids"] == s
-            out[where] = values[int(index)]
-        mb[key] = out
-
-
-# ---------------------------------------------------------------- one update
-
-
-def rl_update(
-    components: TrainingComponents,
-    state: TrainingState,
-    samples: Sequence[Sample],
-    config: RLConfig,
-    *,
-    ref_components: TrainingComponents | None = None,
-) -> tuple[TrainingState, dict[str, float]]:
-    """Advantages, log-probs and `num_updates_per_batch` optimizer steps on one batch of samples.
-
-    Under torchrun every rank calls it with the same samples (see `run_rl_training`) and trains its
-    share, samples[rank::world]. Log-probs (old, reference) are computed for the share on its rank;
-    the advantages, which may need the whole batch (group statistics with KL in the reward,
-    REINFORCE++'s batch whitening), come from every rank's per-token masks and KL, gathered as
-    tensors, so each rank computes exactly what one process would.
-    """
-    algorithm = config.algorithm
-    rank, world = rank_world()
-    if len(samples) < world:
-        raise ValueError(f"{len(samples)} samples cannot give each of {world} ranks one")
-    local = list(samples[rank::world])
-    plan = plan_micro_batches(local, max_tokens=config.max_tokens_per_micro_batch, layout=choose_layout(local, packed_only=packed_only(components.model)))
-    real = [dict(mb) for mb in plan.micro_batches]
-    mbs = same_count_on_every_rank(real)  # zero-loss fillers past `real` so FSDP's collectives line up
-    masks = unpack_values(real, [mb["loss_mask"] for mb in real])
-    num_tokens, num_sequences = global_counts(plan.num_loss_tokens, plan.num_sequences)
-    metrics: dict[str, float] = {}
-    need_old = algorithm.num_updates_per_batch > 1 or algorithm.kl_placement == "reward"
-    # The policy trained is the one sampled from: logits / sampling temperature (0 means greedy: 1).
-    temperature = config.rollout.sampling.temperature or 1.0
-    old = compute_logprobs(components, mbs, temperature=temperature) if need_old else None
-    if old is not None and algorithm.num_updates_per_batch > 1:
-        for mb, lp in zip(mbs, old, strict=True):
-            mb["old_logprobs"] = lp
-    kl_local = None
-    if algorithm.needs_reference:
-        if ref_components is None:
-            raise ValueError("the algorithm puts a KL term in the loss or reward but no reference model was given")
-        ref = compute_logprobs(ref_components, mbs, temperature=temperature)
-        for mb, lp in zip(mbs, ref, strict=True):
-            mb["ref_logprobs"] = lp
-        if algorithm.kl_placement == "reward":
-            assert old is not None
-            kl_mbs = [kl_penalty(torch.from_numpy(o), torch.from_numpy(r), kind=algorithm.kl_kind).numpy()
-                      for o, r in zip(old[: len(real)], ref[: len(real)], strict=True)]
-            kl_local = unpack_values(real, kl_mbs)
-    all_masks, all_kl = _whole_batch(masks, kl_local, num_local=len(local))
-    if all_kl is not None:
-        kl_sum = sum(float((all_kl[i] * (all_masks[i] > 0)).sum()) for i in all_masks)
-        metrics["kl_reward"] = kl_sum / max(1, num_tokens)
-    advantages = token_advantages(samples, algorithm, masks=all_masks, kl=all_kl)
-    scatter_token_values(mbs, "advantages", {i: advantages[rank + i * world] for i in range(len(local))})
-    return _updates(components, state, mbs, config, num_tokens=num_tokens, num_sequences=num_sequences,
-                    num_samples=len(samples), temperature=temperature, metrics=metrics)
-
-
-def _whole_batch(
-    masks: dict[int, np.ndarray], kl: dict[int, np.ndarray] | None, *, num_local: int
-) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray] | None]:
-    """Per-sample loss masks (and KL) of the whole batch keyed by global index, from each rank's
-    share (rank r holds global samples r, r + world, ...). The same dicts in one process."""
-    world = rank_world()[1]
-    if world == 1:
-        return masks, kl
-    arrays = [masks[i] for i in range(num_local)] + ([kl[i] for i in range(num_local)] if kl is not None else [])
-    all_masks: dict[int, np.ndarray] = {}
-    all_kl: dict[int, np.ndarray] | None = {} if kl is not None else None
-    for r, theirs in enumerate(all_gather_arrays(arrays)):
-        count = len(theirs) // 2 if kl is not None else len(theirs)
-        for i in range(count):
-            all_masks[r + i * world] = theirs[i]
-            if all_kl is not None:
-                all_kl[r + i * world] = theirs[count + i]
-    return all_masks, all_kl
-
-
-def _updates(
-    components: TrainingComponents, state: TrainingState, mbs: Sequence[dict[str, np.ndarray]], config: RLConfig,
-    *, num_tokens: int, num_sequences: int, num_samples: int, temperature: float, metrics: dict[str, float],
-) -> tuple[TrainingState, dict[str, float]]:
-    """`num_updates_per_batch` forward/backward + optimizer steps on prepared micro-batches (step-wide counts)."""
-    loss_fn = loss_fn_from_config(config.algorithm)
-    for _ in range(config.algorithm.num_updates_per_batch):
-        fb = forward_backward(components, mbs, loss_fn, num_tokens=num_tokens, num_sequences=num_sequences,
-                              temperature=temperature)
-        fb["loss"] = global_sum(fb["loss"])  # the step's loss over all ranks (itself on one process)
-        state, om = optim_step(components, state, config.optimizer, num_tokens=num_tokens,
-                               num_samples=num_samples, loss=fb["loss"])
-        metrics.update(fb)
-        metrics.update(om)
-    return state, metrics
-
-
-# ---------------------------------------------------------------- the loop
 
 
 def rollout_metrics(batch: RolloutBatch, state: TrainingState) -> dict[str, float]:
@@ -273,80 +86,195 @@ def rollout_metrics(batch: RolloutBatch, state: TrainingState) -> dict[str, floa
     rewards = [s.reward or 0.0 for s in samples]
     lengths = [s.response_length for s in samples]
     staleness = [state.weight_version - s.weight_version for s in samples if s.weight_version is not None]
-    meta = batch.metadata
+
+    def mean(values: Sequence[float]) -> float:
+        return float(np.mean(values)) if values else math.nan
+
     out = {
-        "reward_mean": float(np.mean(rewards)) if rewards else math.nan,
+        "reward_mean": mean(rewards),
         "reward_std": float(np.std(rewards)) if rewards else math.nan,
-        "accuracy": float(np.mean([r > 0 for r in rewards])) if rewards else math.nan,
-        "response_length_mean": float(np.mean(lengths)) if lengths else math.nan,
+        "accuracy": mean([r > 0 for r in rewards]),
+        "response_length_mean": mean(lengths),
         "response_length_max": float(max(lengths, default=0)),
-        "truncated_fraction": float(np.mean([s.status is Status.TRUNCATED for s in samples])) if samples else math.nan,
+        "truncated_fraction": mean([s.status is Status.TRUNCATED for s in samples]),
         "staleness_max": float(max(staleness, default=0)),
         "num_samples": float(len(samples)),
         "num_filtered": float(batch.num_filtered),
         "num_failed": float(batch.num_failed),
         "num_carried_over": float(batch.num_carried_over),
+        "num_reward_errors": float(len(reward_errors(samples))),
     }
     for key in ("groups_requested", "num_rounds"):
-        if key in meta:
-            out[key] = float(meta[key])
+        if key in batch.metadata:
+            out[key] = float(batch.metadata[key])
     return out
 
 
-class _Pending:
-    """The result of a background task, awaited once."""
+def rl_step(
+    components: TrainingComponents,
+    state: TrainingState,
+    batch: RolloutBatch,
+    config: RLConfig,
+    *,
+    ref_components: TrainingComponents | None = None,
+    advantage_fn: AdvantageFn | None = None,
+    loss_fn: LossFn | None = None,
+) -> tuple[TrainingState, dict[str, float]]:
+    """Train on one step's rollouts: overlong penalty, staleness filter, update; (state, metrics).
 
-    def __init__(self) -> None:
-        self.done = trio.Event()
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-    async def get(self) -> Any:
-        await self.done.wait()
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-
-def _start(nursery: trio.Nursery, fn: Callable[[], Any]) -> _Pending:
-    pending = _Pending()
-
-    async def run() -> None:
-        try:
-            pending.value = await fn()
-        except Exception as e:  # surfaced to whoever awaits it
-            pending.error = e
-        finally:
-            pending.done.set()
-
-    nursery.start_soon(run)
-    return pending
+    Under torchrun every rank calls it with the same batch. A batch with no fresh sample leaves
+    the state as it is (metrics say why).
+    """
+    samples = with_overlong_penalty(batch.samples, config.algorithm, max_new_tokens=config.rollout.sampling.max_new_tokens)
+    fresh = [s for s in samples
+             if s.weight_version is None or state.weight_version - s.weight_version <= config.max_staleness]
+    metrics = rollout_metrics(batch, state)
+    metrics["num_too_stale"] = float(len(samples) - len(fresh))
+    metrics["num_trained"] = float(len(fresh))
+    if fresh:
+        state, train_metrics = rl_update(components, state, fresh, config, ref_components=ref_components,
+                                         advantage_fn=advantage_fn, loss_fn=loss_fn)
+        metrics.update(train_metrics)
+    return state, metrics
 
 
-async def sync_engine(components: TrainingComponents, engine: InferenceEngine, state: TrainingState,
-                      run_dir: Path, *, shares_model: bool) -> tuple[TrainingState, dict[str, float]]:
-    """Export the weights (unless the engine samples from the training model) and sync the engine."""
-    version = state.weight_version + 1
+def _no_progress_error(batch: RolloutBatch, metrics: dict[str, float], empty_in_a_row: int) -> RuntimeError:
+    causes = list(batch.metadata.get("errors", ())) + reward_errors(batch.samples)
+    return RuntimeError(
+        f"{empty_in_a_row} steps in a row produced no trainable sample (filtered: {dict(batch.filter_reasons)}, "
+        f"failed: {batch.num_failed}, too stale: {int(metrics['num_too_stale'])})"
+        + (f"; causes: {summarize(causes)}" if causes else ""))
+
+
+# ---------------------------------------------------------------- generation and sync
+
+
+def _batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:
+    return {"samples": [s.to_dict() for s in batch.samples], "epoch": batch.epoch, "step": batch.step,
+            "num_filtered": batch.num_filtered, "num_failed": batch.num_failed,
+            "num_carried_over": batch.num_carried_over, "filter_reasons": dict(batch.filter_reasons),
+            "metadata": {k: v for k, v in batch.metadata.items() if k in ("errors", "groups_requested", "num_rounds")}}
+
+
+def _batch_from_dict(data: dict[str, Any]) -> RolloutBatch:
+    return RolloutBatch(**{**data, "samples": tuple(Sample.from_dict(d) for d in data["samples"])})
+
+
+class _Batches:
+    """Rank 0: a producer task generating one batch per request into a channel. Every rank: `next`
+    returns the step's batch, broadcast from rank 0 (a generation error is raised on every rank)."""
+
+    def __init__(self, nursery: trio.Nursery, manager: AsyncRolloutManager | None, lock: trio.Lock,
+                 ahead: RolloutBatch | None) -> None:
+        self.ahead = ahead
+        self._outstanding = False
+        self._requests, requests_rx = trio.open_memory_channel[int](1)
+        self._results_tx, self._results = trio.open_memory_channel[Any](1)
+        if manager is not None:
+            nursery.start_soon(self._produce, manager, lock, requests_rx)
+
+    async def _produce(self, manager: AsyncRolloutManager, lock: trio.Lock, requests: Any) -> None:
+        async for step in requests:
+            async with lock:
+                start = time.perf_counter()
+                try:
+                    result: Any = (await manager.generate_batch(step=step), time.perf_counter() - start)
+                except Exception as error:  # handed to the consumer, which raises it
+                    result = error
+            await self._results_tx.send(result)
+
+    async def request(self, step: int) -> None:
+        if self.ahead is None and not self._outstanding:
+            self._outstanding = True
+            if rank_world()[0] == 0:
+                await self._requests.send(step)
+
+    async def wait_ahead(self) -> RolloutBatch | None:
+        """The batch generated ahead (overlap), received so a checkpoint can hold it; None if none."""
+        if self.ahead is None and self._outstanding:
+            self.ahead = await self._receive()
+        return self.ahead
+
+    async def next(self, step: int) -> tuple[RolloutBatch, float]:
+        await self.request(step)
+        if self.ahead is not None:
+            batch, self.ahead = self.ahead, None
+            return batch, 0.0
+        start = time.perf_counter()
+        return await self._receive(), time.perf_counter() - start
+
+    async def _receive(self) -> RolloutBatch:
+        self._outstanding = False
+        rank, world = rank_world()
+        if rank == 0:
+            result = await self._results.receive()
+            if world == 1:
+                if isinstance(result, Exception):
+                    raise result
+                return result[0]
+            payload = {"error": f"{type(result).__name__}: {result}"} if isinstance(result, Exception) \
+                else {"batch": _batch_to_dict(result[0])}
+        else:
+            payload = None
+        payload = await trio.to_thread.run_sync(broadcast_json, payload)
+        if "error" in payload:
+            raise RuntimeError(f"generation on rank 0 failed: {payload['error']}")
+        return _batch_from_dict(payload["batch"])
+
+
+async def sync_engine(components: TrainingComponents, engine: InferenceEngine | None, state: TrainingState,
+                      run_dir: Path, *, shares_model: bool, lock: trio.Lock, version: int | None = None,
+                      ) -> tuple[TrainingState, dict[str, float]]:
+    """Export the weights (every rank; not when the engine samples from the training model itself)
+    and load them into the engine (rank 0) as `version` (default: the next one)."""
+    version = state.weight_version + 1 if version is None else version
     start = time.perf_counter()
     path = run_dir / WEIGHTS_DIR
     if not shares_model:
-        broadcast_json({"op": "export", "path": str(path)})  # every rank joins the gather
         await trio.to_thread.run_sync(export_weights, components, path)
     export_s = time.perf_counter() - start
-    await engine.update_weights_from_disk(str(path), version)
+    if engine is not None and rank_world()[0] == 0:
+        async with lock:  # never mid-generation
+            await engine.update_weights_from_disk(str(path.resolve()), version)
     return state.with_weight_version(version), {"sync_export_s": export_s, "sync_s": time.perf_counter() - start}
+
+
+# ---------------------------------------------------------------- the loop
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Run:
+    """Everything one run of the loop uses, fixed for its duration."""
+
+    components: TrainingComponents
+    ref_components: TrainingComponents | None
+    buffer: DataBuffer
+    engine: InferenceEngine | None
+    config: RLConfig
+    hooks: RLHooks
+    context: RolloutContext | None
+    logger: MetricsLogger
+    run_dir: Path
+    shares_model: bool
+    resume: bool
+    tokenizer: Any
+    on_step: Callable[[TrainingState, dict[str, float]], None] | None
 
 
 def run_rl_training(
     components: TrainingComponents,
     buffer: DataBuffer,
-    engine: InferenceEngine,
+    engine: InferenceEngine | None,
     config: RLConfig,
     *,
-    reward_fn: RewardFn,
+    reward: Reward | Callable[..., Any],
     encode_prompt: PromptEncoder,
     logger: MetricsLogger,
     run_dir: str | Path,
+    rollout: RolloutFn = single_turn_rollout,
+    filter_fn: FilterFn | None = None,
+    advantage_fn: AdvantageFn | None = None,
+    loss_fn: LossFn | None = None,
     engine_shares_model: bool = False,
     ref_components: TrainingComponents | None = None,
     resume: bool = True,
@@ -355,158 +283,122 @@ def run_rl_training(
 ) -> tuple[TrainingState, list[dict[str, float]]]:
     """Run RL for `config.num_steps` optimizer steps; returns (final state, per-step metrics).
 
-    `engine` is any InferenceEngine (the in-process sampler, a vLLM/SGLang client or a pool).
-    `engine_shares_model` says the engine samples from `components.model` itself (then no weight
-    export is needed, and overlap is refused since training would change weights mid-generation).
-    A reference model for KL is copied from the starting weights when the algorithm needs one
-    and none is given.
+    Call it on every rank (SPMD). `engine` (any InferenceEngine) is used on rank 0 only; other ranks
+    may pass None. `reward` is `reward(sample, record) -> float` (sync or async), a batched reward,
+    or a `Reward` with its error policy (see rollouts.loops.scoring). `engine_shares_model`: the
+    engine samples from `components.model` itself (no export; overlap refused). A KL reference is
+    copied from the starting weights when the algorithm needs one and none is given.
     """
     check_algorithm(config.algorithm)
-    if config.algorithm.loss_aggregation == "seq-mean-token-sum-norm" and config.algorithm.norm_constant is None:
-        # Dr.GRPO divides by a constant; the longest possible response keeps it the same in every
-        # micro-batch (the padded length would differ between micro-batches and steps).
-        algorithm = dataclasses.replace(config.algorithm, norm_constant=float(config.rollout.sampling.max_new_tokens))
-        config = dataclasses.replace(config, algorithm=algorithm)
+    rank, world = rank_world()
     if config.overlap and engine_shares_model:
         raise ValueError("overlap needs an engine with its own copy of the weights; engine_shares_model=True")
-    rank, world = rank_world()
-    if world > 1:
-        if engine_shares_model:
-            raise ValueError("under torchrun the engine needs its own weights (rank 0 samples; the model is sharded)")
-        if config.algorithm.needs_reference and ref_components is None:
-            raise ValueError("under torchrun a KL term needs ref_components on every rank: the starting model, "
-                             "sharded like the trained one (a sharded model cannot be copied here)")
-        if rank != 0:
-            return _follow(components, config, Path(run_dir), resume=resume, tokenizer=tokenizer,
-                           ref_components=ref_components)
+    if rank == 0 and engine is None:
+        raise ValueError("rank 0 generates: it needs an engine")
+    if world > 1 and engine_shares_model:
+        raise ValueError("under torchrun the engine needs its own weights (rank 0 samples; the model is sharded)")
+    if world > 1 and config.algorithm.needs_reference and ref_components is None:
+        raise ValueError("under torchrun a KL term needs ref_components on every rank: the starting model, "
+                         "sharded like the trained one (a sharded model cannot be copied here)")
+    if config.algorithm.needs_reference and ref_components is None:
+        # The starting weights, copied before a resume loads later ones into `components`.
+        ref_components = dataclasses.replace(components, model=copy.deepcopy(components.model).eval())
+    hooks = RLHooks(reward=Reward.of(reward), rollout=rollout, filter_fn=filter_fn, advantage_fn=advantage_fn,
+                    loss_fn=loss_fn)
+    sampling = dataclasses.replace(config.rollout.sampling, n=config.rollout.samples_per_prompt)
+    context = None if engine is None else RolloutContext(engine=engine, sampling=sampling,
+                                                         encode_prompt=encode_prompt, tokenizer=tokenizer)
+    run = _Run(components=components, ref_components=ref_components, buffer=buffer, engine=engine, config=config,
+               hooks=hooks, context=context, logger=logger, run_dir=Path(run_dir), shares_model=engine_shares_model,
+               resume=resume, tokenizer=tokenizer, on_step=on_step)
     try:
-        return trio.run(
-            _rl_main, components, buffer, engine, config, reward_fn, encode_prompt, logger, Path(run_dir),
-            engine_shares_model, ref_components, resume, tokenizer, on_step,
-        )
+        return trio.run(_rl_main, run)
     except BaseExceptionGroup as group:  # the loop's nursery wraps even a lone error: raise that one
         if len(group.exceptions) == 1:
             raise group.exceptions[0] from None
         raise
-    finally:
-        if world > 1:
-            broadcast_json({"op": "stop"})
 
 
-def _follow(components: TrainingComponents, config: RLConfig, run_dir: Path, *, resume: bool,
-            tokenizer: Any, ref_components: TrainingComponents | None) -> tuple[TrainingState, list[dict[str, float]]]:
-    """A rank other than 0 under torchrun: join each collective rank 0 announces, until it stops."""
-    state, _, _ = resume_if_possible(components, run_dir, resume=resume)
-    while True:
-        command = broadcast_json()
-        if command["op"] == "update":
-            samples = [Sample.from_dict(d) for d in command["samples"]]
-            state, _ = rl_update(components, state, samples, config, ref_components=ref_components)
-        elif command["op"] == "export":
-            export_weights(components, command["path"])
-        elif command["op"] == "checkpoint":
-            save_checkpoint(components, state, run_dir / CHECKPOINTS_DIR, keep_last=config.checkpoint.keep_last,
-                            save_optimizer=config.checkpoint.save_optimizer, tokenizer=tokenizer)
-        elif command["op"] == "stop":
-            return state, []
-        else:
-            raise ValueError(f"unknown command from rank 0: {command['op']!r}")
-
-
-async def _rl_main(components, buffer, engine, config, reward_fn, encode_prompt, logger, run_dir,
-                   shares_model, ref_components, resume, tokenizer, on_step):
-    updates = config.algorithm.num_updates_per_batch
-    if config.algorithm.needs_reference and ref_components is None:
-        # The starting weights, copied before a resume loads later ones into `components`.
-        ref_components = dataclasses.replace(components, model=copy.deepcopy(components.model).eval())
-    state, extra, _ = resume_if_possible(components, run_dir, resume=resume)
-    filter_fn = check_reward_nonzero_std() if config.rollout.dynamic_sampling else None
-    sampling = dataclasses.replace(config.rollout.sampling, n=config.rollout.samples_per_prompt)
-    manager = AsyncRolloutManager(buffer, config.rollout, make_generate_fn(engine, encode_prompt, sampling),
-                                  reward_fn=reward_fn, filter_fn=filter_fn)
-    if "buffer" in extra:
-        buffer.load_state_dict(extra["buffer"])
-    if "manager" in extra:
-        manager.load_state_dict(extra["manager"])
-    if state.step > 0:  # a resumed run: the engine must serve the restored weights
-        state, _ = await sync_engine(components, engine, state, run_dir, shares_model=shares_model)
-    history: list[dict[str, float]] = []
+async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:
+    config, updates, lock = run.config, run.config.algorithm.num_updates_per_batch, trio.Lock()
     total = config.num_steps * updates
-
-    def generate(step: int):
-        async def go() -> tuple[RolloutBatch, float]:
-            start = time.perf_counter()
-            batch = await manager.generate_batch(step=step)
-            return batch, time.perf_counter() - start
-        return go
-
+    state, extra, _ = resume_if_possible(run.components, run.run_dir, resume=run.resume)
+    manager = _manager(run, extra)
+    ahead = RolloutBatch(samples=[Sample.from_dict(d) for d in extra["pending_batch"]], step=state.step // updates) \
+        if "pending_batch" in extra else None
+    if state.step > 0:  # a resumed run: the engine serves the restored weights, under their own version
+        state, _ = await sync_engine(run.components, run.engine, state, run.run_dir, shares_model=run.shares_model,
+                                     lock=lock, version=state.weight_version)
+    history: list[dict[str, float]] = []
     empty_in_a_row = 0
     async with trio.open_nursery() as nursery:
-        if "pending_batch" in extra:  # generated before the checkpoint for the step after it
-            pending = _Pending()
-            pending.value = (RolloutBatch(samples=[Sample.from_dict(d) for d in extra["pending_batch"]],
-                                          step=state.step // updates), 0.0)
-            pending.done.set()
-        else:
-            pending = _start(nursery, generate(state.step // updates))
+        batches = _Batches(nursery, manager, lock, ahead)
         while state.step < total:
             step_start = time.perf_counter()
-            batch, generate_s = await pending.get()
-            wait_s = time.perf_counter() - step_start
-            pending = None
-            next_step = state.step // updates + 1
-            if config.overlap and next_step * updates < total:
-                pending = _start(nursery, generate(next_step))
-            samples = with_overlong_penalty(batch.samples, config.algorithm,
-                                            max_new_tokens=config.rollout.sampling.max_new_tokens)
-            fresh = [s for s in samples if s.weight_version is None
-                     or state.weight_version - s.weight_version <= config.max_staleness]
-            metrics = rollout_metrics(batch, state)
-            metrics["num_too_stale"] = float(len(samples) - len(fresh))
-            empty_in_a_row = 0 if fresh else empty_in_a_row + 1
+            batch, wait_s = await batches.next(state.step // updates)
+            if config.overlap and (state.step // updates + 1) * updates < total:
+                await batches.request(state.step // updates + 1)
+            check_reward_errors(batch.samples, run.hooks.reward.on_error)
+            state, metrics = await _train(run, state, batch, lock, batches)
+            empty_in_a_row = 0 if metrics["num_trained"] else empty_in_a_row + 1
             if empty_in_a_row > _MAX_EMPTY_BATCHES:
-                raise RuntimeError(
-                    f"{empty_in_a_row} steps in a row produced no trainable sample (filtered: "
-                    f"{dict(batch.filter_reasons)}, failed: {batch.num_failed}, too stale: {len(samples) - len(fresh)})"
-                )
-            train_start = time.perf_counter()
-            if fresh:
-                broadcast_json({"op": "update", "samples": [s.to_dict() for s in fresh]})
-                state, train_metrics = await trio.to_thread.run_sync(
-                    lambda: rl_update(components, state, fresh, config, ref_components=ref_components))
-                metrics.update(train_metrics)
-            train_s = time.perf_counter() - train_start
-            sync_s = 0.0
-            if state.step % (config.sync_every_steps * updates) == 0 or state.step >= total:
-                if pending is not None:
-                    await pending.done.wait()  # never change an engine's weights mid-generation
-                state, sync_metrics = await sync_engine(components, engine, state, run_dir, shares_model=shares_model)
-                metrics.update(sync_metrics)
-                sync_s = sync_metrics["sync_s"]
-            if pending is None and state.step < total:
-                pending = _start(nursery, generate(state.step // updates))
-            metrics.update(
-                generate_s=generate_s, generate_wait_s=wait_s, train_s=train_s, sync_s=sync_s,
-                step_time_s=time.perf_counter() - step_start, weight_version=float(state.weight_version),
-            )
+                raise _no_progress_error(batch, metrics, empty_in_a_row)
+            metrics.update(generate_wait_s=wait_s, step_time_s=time.perf_counter() - step_start)
             history.append(metrics)
-            if state.step % config.log_every == 0 or state.step >= total:
-                logger.log(state.step, metrics)
-            if on_step is not None:  # in a worker thread: a callback may block, or run trio itself
-                await trio.to_thread.run_sync(on_step, state, metrics)
-            ckpt = config.checkpoint
-            if (ckpt.every_steps > 0 and state.step % ckpt.every_steps == 0) or state.step >= total:
-                extra = {}
-                if pending is not None:  # saved with its samples, and with the buffer and carry-over after it
-                    await pending.done.wait()
-                    if pending.error is None:
-                        extra["pending_batch"] = [s.to_dict() for s in pending.value[0].samples]
-                extra.update(buffer=buffer.state_dict(), manager=manager.state_dict())
-                broadcast_json({"op": "checkpoint"})
-                await trio.to_thread.run_sync(lambda: save_checkpoint(
-                    components, state, run_dir / CHECKPOINTS_DIR, extra=extra,
-                    keep_last=ckpt.keep_last, save_optimizer=ckpt.save_optimizer, tokenizer=tokenizer,
-                    wait=state.step >= total))  # earlier ones flush while training goes on
-        if pending is not None:
-            nursery.cancel_scope.cancel()
+            await _after_step(run, state, metrics, manager, batches)
+        nursery.cancel_scope.cancel()  # the producer waits for requests that will not come
     return state, history
+
+
+def _manager(run: _Run, extra: dict[str, Any]) -> AsyncRolloutManager | None:
+    """Rank 0's rollout manager, restored from a checkpoint's extra; None on other ranks."""
+    if run.context is None or rank_world()[0] != 0:
+        return None
+    generate = group_generator(run.hooks.rollout, run.context, run.hooks.reward)
+    manager = AsyncRolloutManager(run.buffer, run.config.rollout, generate, filter_fn=run.hooks.filter_fn)
+    if "buffer" in extra:
+        run.buffer.load_state_dict(extra["buffer"])
+    if "manager" in extra:
+        manager.load_state_dict(extra["manager"])
+    return manager
+
+
+async def _train(run: _Run, state: TrainingState, batch: RolloutBatch, lock: trio.Lock,
+                 batches: _Batches) -> tuple[TrainingState, dict[str, float]]:
+    """rl_step in a worker thread (the producer keeps generating), then the sync when it is due."""
+    config, updates = run.config, run.config.algorithm.num_updates_per_batch
+    start = time.perf_counter()
+    state, metrics = await trio.to_thread.run_sync(lambda: rl_step(
+        run.components, state, batch, config, ref_components=run.ref_components,
+        advantage_fn=run.hooks.advantage_fn, loss_fn=run.hooks.loss_fn))
+    metrics["train_s"] = time.perf_counter() - start
+    metrics["sync_s"] = 0.0
+    if state.step % (config.sync_every_steps * updates) == 0 or state.step >= config.num_steps * updates:
+        state, sync_metrics = await sync_engine(run.components, run.engine, state, run.run_dir,
+                                                shares_model=run.shares_model, lock=lock)
+        metrics.update(sync_metrics)
+    metrics["weight_version"] = float(state.weight_version)
+    return state, metrics
+
+
+async def _after_step(run: _Run, state: TrainingState, metrics: dict[str, float],
+                      manager: AsyncRolloutManager | None, batches: _Batches) -> None:
+    """Log, call on_step, and checkpoint when due (with the batch generated ahead, if any)."""
+    config, total = run.config, run.config.num_steps * run.config.algorithm.num_updates_per_batch
+    if state.step % config.log_every == 0 or state.step >= total:
+        run.logger.log(state.step, metrics)
+    if run.on_step is not None:  # in a worker thread: a callback may block, or run trio itself
+        await trio.to_thread.run_sync(run.on_step, state, metrics)
+    ckpt = config.checkpoint
+    if not ((ckpt.every_steps > 0 and state.step % ckpt.every_steps == 0) or state.step >= total):
+        return
+    extra: dict[str, Any] = {}
+    ahead = await batches.wait_ahead() if state.step < total else None
+    if ahead is not None:  # saved with its samples, and with the buffer and carry-over after it
+        extra["pending_batch"] = [s.to_dict() for s in ahead.samples]
+    if manager is not None:
+        extra.update(buffer=run.buffer.state_dict(), manager=manager.state_dict())
+    await trio.to_thread.run_sync(lambda: save_checkpoint(
+        run.components, state, run.run_dir / CHECKPOINTS_DIR, extra=extra, keep_last=ckpt.keep_last,
+        save_optimizer=ckpt.save_optimizer, tokenizer=run.tokenizer,
+        wait=state.step >= total))  # earlier ones flush while training goes on

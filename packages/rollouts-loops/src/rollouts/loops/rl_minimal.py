@@ -17,7 +17,7 @@ import trio
 from rollouts.backends import TrainingComponents, forward_backward, optim_step
 from rollouts.data import DataBuffer, plan_micro_batches
 from rollouts.losses import group_advantages, loss_fn_from_config
-from rollouts.types import AlgorithmConfig, InferenceEngine, OptimizerConfig, RewardFn, SamplingParams, TrainingState
+from rollouts.types import AlgorithmConfig, InferenceEngine, OptimizerConfig, Sample, SamplingParams, TrainingState
 
 
 def grpo_minimal(
@@ -26,7 +26,7 @@ def grpo_minimal(
     prompts: DataBuffer,
     *,
     encode_prompt: Callable[[Any], Sequence[int]],
-    reward_fn: RewardFn,
+    reward: Callable[[Sample, Any], float],
     num_steps: int,
     prompts_per_step: int,
     samples_per_prompt: int,
@@ -48,7 +48,7 @@ def grpo_minimal(
         samples = trio.run(engine.generate, [list(encode_prompt(r)) for r in records], params)
         # 2. rewards (the record's fields, e.g. the answer, ride along in metadata)
         samples = [s.with_metadata(**records[i // samples_per_prompt]) for i, s in enumerate(samples)]
-        samples = [s.with_reward(float(reward_fn(s))) for s in samples]
+        samples = [s.with_reward(float(reward(s, records[i // samples_per_prompt]))) for i, s in enumerate(samples)]
         # 3. advantages: (r - group mean) / group std
         rewards = torch.tensor([s.reward for s in samples])
         groups = torch.arange(len(records)).repeat_interleave(samples_per_prompt)

@@ -8,78 +8,31 @@ the newest complete checkpoint exactly where the killed one was.
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rollouts.backends import (
-    TrainingComponents,
-    forward_backward,
-    has_optimizer_state,
-    latest_checkpoint,
-    load_checkpoint,
-    optim_step,
-    packed_only,
-    save_checkpoint,
-)
-from rollouts.data import DataBuffer, plan_micro_batches
-from rollouts.loops.distributed import global_counts, global_sum, rank_world, same_count_on_every_rank
+from rollouts.backends import TrainingComponents, forward_backward, optim_step, save_checkpoint
+from rollouts.data import DataBuffer
+from rollouts.loops.distributed import global_sum
+from rollouts.loops.micro_batches import plan_shard
+from rollouts.loops.run_dir import CHECKPOINTS_DIR, resume_if_possible
 from rollouts.losses import sft_loss_fn
 from rollouts.types import MetricsLogger, Sample, SFTConfig, TrainingState
-
-CHECKPOINTS_DIR = "checkpoints"
-_PADDED_MIN_FILL = 0.9
-"""Use the padded layout when padding would waste under 10% of the tokens: packing many short
-sequences into one row costs attention over the whole row (block-diagonal mask), padding does not."""
-
-
-def choose_layout(samples: Sequence[Sample], *, packed_only: bool = False) -> str:
-    """'padded' for near-uniform lengths, else 'packed' (minimal padding for long-tailed lengths).
-
-    `packed_only`: the model's attention takes no padding mask (flash kernels; see
-    rollouts.backends.packed_only), so always 'packed'.
-    """
-    if packed_only:
-        return "packed"
-    lengths = [len(s.tokens) for s in samples]
-    fill = sum(lengths) / (max(lengths) * len(lengths)) if lengths else 1.0
-    return "padded" if fill >= _PADDED_MIN_FILL else "packed"
-
-
-def resume_if_possible(
-    components: TrainingComponents, run_dir: str | Path | None, *, resume: bool
-) -> tuple[TrainingState, dict[str, Any], Path | None]:
-    """(state, extra, checkpoint path) from the newest complete checkpoint under run_dir, or a fresh state."""
-    if run_dir is None or not resume:
-        return TrainingState(), {}, None
-    path = latest_checkpoint(Path(run_dir) / CHECKPOINTS_DIR)
-    if path is None:
-        return TrainingState(), {}, None
-    saved_optimizer = has_optimizer_state(path)
-    if not saved_optimizer:
-        warnings.warn(f"{path} holds no optimizer state (save_optimizer=False): resuming with fresh optimizer "
-                      "moments, so the run does not continue exactly as it would have", stacklevel=2)
-    state, extra = load_checkpoint(components, path, load_optimizer=saved_optimizer)
-    return state, extra, path
 
 
 def sft_step(
     components: TrainingComponents, state: TrainingState, samples: Sequence[Sample], config: SFTConfig
 ) -> tuple[TrainingState, dict[str, float]]:
     """One optimizer step of SFT on `samples`; returns the new state and the step's metrics."""
-    rank, world = rank_world()
-    if len(samples) < world:
-        raise ValueError(f"batch_size ({len(samples)}) must be >= the number of ranks ({world}): every rank needs a sample")
-    local = samples[rank::world]  # each rank trains its share; the denominators are global
-    plan = plan_micro_batches(local, max_tokens=config.max_tokens_per_micro_batch, layout=choose_layout(local, packed_only=packed_only(components.model)))
-    num_tokens, num_sequences = global_counts(plan.num_loss_tokens, plan.num_sequences)
+    shard = plan_shard(components, samples, max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
+                       what="batch_size")
+    num_tokens, num_sequences = shard.num_tokens, shard.num_sequences
     # Dr.GRPO-style normalization divides by a constant; the longest possible sample keeps it the
     # same in every micro-batch (each one's padded length would make the gradient split-dependent).
     norm = float(config.max_length) if config.loss_aggregation == "seq-mean-token-sum-norm" else None
     loss_fn = sft_loss_fn(mode=config.loss_aggregation, norm_constant=norm)
-    micro_batches = same_count_on_every_rank(list(plan.micro_batches))
-    metrics = forward_backward(components, micro_batches, loss_fn, num_tokens=num_tokens, num_sequences=num_sequences)
+    metrics = forward_backward(components, list(shard.micro_batches), loss_fn, num_tokens=num_tokens, num_sequences=num_sequences)
     loss = global_sum(metrics["loss"])
     state, step_metrics = optim_step(
         components, state, config.optimizer, num_tokens=num_tokens, num_samples=len(samples), loss=loss,

@@ -1,0 +1,114 @@
+"""Rollout functions: one prompt record -> a group of Samples, using any InferenceEngine.
+
+A rollout function is `rollout(record, ctx) -> Sequence[Sample]` (sync or async), where `ctx` is a
+RolloutContext: the engine, the sampling parameters (with n = samples per prompt), the tokenizer and
+the prompt encoder. The loop scores the group with the run's reward and hands it to the rollout
+manager (retries, over-sampling, filters, carry-over). Built in: `single_turn_rollout` (the default)
+and `tool_rollout` (multi-turn, token-in/token-out, tool output masked out of the loss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from rollouts.loops.multiturn import ToolExecutor, ToolParser, run_tool_rollout
+from rollouts.loops.scoring import Reward, score_group
+from rollouts.types import InferenceEngine, Sample, SamplingParams
+
+PromptEncoder = Callable[[Any], Sequence[int]]
+"""Turns a prompt record (from the DataBuffer) into prompt token ids."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RolloutContext:
+    """What a rollout function may use."""
+
+    engine: InferenceEngine
+    sampling: SamplingParams
+    """Sampling parameters; `n` is the number of samples the group must hold."""
+    encode_prompt: PromptEncoder
+    tokenizer: Any = None
+
+
+RolloutFn = Callable[[Any, RolloutContext], "Sequence[Sample] | Awaitable[Sequence[Sample]]"]
+
+
+def record_metadata(record: Any) -> dict[str, Any]:
+    """The record's fields other than the prompt (answer, tests, ...), carried on each Sample."""
+    return {k: v for k, v in record.items() if k != "prompt"} if isinstance(record, Mapping) else {}
+
+
+def _with_record(samples: Sequence[Sample], record: Any) -> list[Sample]:
+    prompt = record.get("prompt", "") if isinstance(record, Mapping) else str(record)
+    prompt = prompt if isinstance(prompt, str) else tuple(prompt)
+    metadata = record_metadata(record)
+    return [dataclasses.replace(s, prompt=prompt, metadata={**s.metadata, **metadata}) for s in samples]
+
+
+async def single_turn_rollout(record: Any, ctx: RolloutContext) -> list[Sample]:
+    """The default: n completions of the encoded prompt in one engine call."""
+    return await ctx.engine.generate([list(ctx.encode_prompt(record))], ctx.sampling)
+
+
+def tool_rollout(
+    *,
+    tool_parser: ToolParser,
+    tool_executor: ToolExecutor,
+    format_tool_output: Callable[[str], str] = lambda text: text,
+    max_turns: int = 4,
+    max_total_tokens: int = 4096,
+    tool_timeout_s: float = 30.0,
+) -> RolloutFn:
+    """A rollout function running n multi-turn tool trajectories concurrently (see run_tool_rollout).
+
+    Each tool call is bounded by `tool_timeout_s`: a hung tool fails that trajectory's group (which
+    the rollout manager retries and counts), never the run.
+    """
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+
+    async def bounded_executor(call: Any) -> str:
+        with trio.fail_after(tool_timeout_s):
+            if inspect.iscoroutinefunction(tool_executor):
+                return await tool_executor(call)
+            result = await trio.to_thread.run_sync(lambda: tool_executor(call), abandon_on_cancel=True)
+            return await result if inspect.isawaitable(result) else result
+
+    async def rollout(record: Any, ctx: RolloutContext) -> list[Sample]:
+        if ctx.tokenizer is None:
+            raise ValueError("tool_rollout needs a tokenizer in the RolloutContext (to encode tool output)")
+        prompt_ids = list(ctx.encode_prompt(record))
+        results: list[Sample | None] = [None] * ctx.sampling.n
+
+        async def one(i: int) -> None:
+            results[i] = await run_tool_rollout(
+                ctx.engine, ctx.tokenizer, prompt_ids, ctx.sampling, tool_parser=tool_parser,
+                tool_executor=bounded_executor, format_tool_output=format_tool_output,
+                max_turns=max_turns, max_total_tokens=max_total_tokens)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(ctx.sampling.n):
+                nursery.start_soon(one, i)
+        return [s for s in results if s is not None]
+
+    return rollout
+
+
+def group_generator(rollout: RolloutFn, ctx: RolloutContext, reward: Reward) -> Callable[[Any, int], Awaitable[list[Sample]]]:
+    """The rollout manager's GenerateFn: (record, n) -> n scored Samples carrying the record's fields."""
+
+    async def generate_group(record: Any, n: int) -> list[Sample]:
+        group_ctx = ctx if ctx.sampling.n == n else dataclasses.replace(ctx, sampling=dataclasses.replace(ctx.sampling, n=n))
+        result = rollout(record, group_ctx)
+        samples = await result if inspect.isawaitable(result) else result
+        if not isinstance(samples, Sequence) or len(samples) != n or not all(isinstance(s, Sample) for s in samples):
+            raise TypeError(f"the rollout function must return {n} Samples, got {samples!r:.120}")
+        return await score_group(reward, _with_record(samples, record), record)
+
+    return generate_group

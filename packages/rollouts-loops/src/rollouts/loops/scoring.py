@@ -1,0 +1,141 @@
+"""Rewards as users write them: per sample or batched, sync or async, with an error policy.
+
+A reward function is one of
+  per sample:  reward(sample, record) -> float            (or an awaitable of one)
+  batched:     reward(samples, records) -> list[float]    (marked with `batched_reward`, or
+                                                           `batched = true` in the config)
+where `record` is the prompt record the samples were generated from (its answer, tests, ...).
+A reward that raises, times out, or returns a non-number or a non-finite value is a *reward error*:
+with on_error="raise" the step stops with the first error's message and the count; with "zero"
+the sample scores 0.0 and carries the error in metadata["reward_error"], counted in the step's
+metrics. Errors are never retried (a deterministic grader fails the same way again).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import trio
+
+from rollouts.types import Sample
+
+OnError = Literal["raise", "zero"]
+REWARD_ERROR_KEY = "reward_error"
+"""Sample.metadata key holding '<ExceptionType>: <message>' of a failed reward."""
+
+
+def batched_reward(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark `fn(samples, records) -> list[float]` as a batched reward (one call per group)."""
+    fn.batched = True  # type: ignore[attr-defined]
+    return fn
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reward:
+    """A reward function with its calling convention and error policy."""
+
+    fn: Callable[..., Any]
+    batched: bool = False
+    """fn(samples, records) -> list[float] for a whole group, instead of fn(sample, record) -> float."""
+    on_error: OnError = "raise"
+    timeout_s: float = 60.0
+    """Bound on one call (a hung grader or sandbox fails that call, not the run)."""
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise TypeError(f"Reward.fn must be callable, got {type(self.fn).__name__}")
+        if self.on_error not in ("raise", "zero"):
+            raise ValueError(f"Reward.on_error must be 'raise' or 'zero', got {self.on_error!r}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"Reward.timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any] | Reward, **options: Any) -> Reward:
+        """`fn` as a Reward (a function marked with `batched_reward` is batched)."""
+        if isinstance(fn, Reward):
+            return fn
+        return cls(fn=fn, batched=bool(getattr(fn, "batched", False)), **options)
+
+
+class RewardError(RuntimeError):
+    """A reward failed with on_error="raise"."""
+
+
+async def _call(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
+    with trio.fail_after(timeout_s):
+        if inspect.iscoroutinefunction(fn):
+            return await fn(*args)
+        result = await trio.to_thread.run_sync(lambda: fn(*args), abandon_on_cancel=True)
+        return await result if inspect.isawaitable(result) else result
+
+
+def _as_reward(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
+        raise TypeError(f"the reward returned {value!r} ({type(value).__name__}), not a number")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"the reward returned {number}, not a finite number")
+    return number
+
+
+def _error_text(error: BaseException, timeout_s: float) -> str:
+    if isinstance(error, trio.TooSlowError):
+        return f"TimeoutError: the reward took longer than {timeout_s} s"
+    return f"{type(error).__name__}: {error}"
+
+
+async def score_group(reward: Reward, samples: Sequence[Sample], record: Mapping[str, Any] | Any) -> list[Sample]:
+    """The group's samples with rewards; failed ones per the error policy (see the module docstring)."""
+    if reward.batched:
+        try:
+            values = await _call(reward.fn, list(samples), [record] * len(samples), timeout_s=reward.timeout_s)
+            if not isinstance(values, Sequence) or len(values) != len(samples):
+                raise TypeError(f"a batched reward must return {len(samples)} numbers, got {values!r:.80}")
+            results: list[float | str] = []
+            for v in values:
+                try:
+                    results.append(_as_reward(v))
+                except (TypeError, ValueError) as e:
+                    results.append(_error_text(e, reward.timeout_s))
+        except Exception as e:
+            results = [_error_text(e, reward.timeout_s)] * len(samples)
+    else:
+        results = []
+        for sample in samples:
+            try:
+                results.append(_as_reward(await _call(reward.fn, sample, record, timeout_s=reward.timeout_s)))
+            except Exception as e:
+                results.append(_error_text(e, reward.timeout_s))
+    out = []
+    for sample, result in zip(samples, results, strict=True):
+        if isinstance(result, str):
+            out.append(sample.with_reward(0.0).with_metadata(**{REWARD_ERROR_KEY: result}))
+        else:
+            out.append(sample.with_reward(result))
+    return out
+
+
+def reward_errors(samples: Sequence[Sample]) -> list[str]:
+    """The reward errors carried by `samples`, in order."""
+    return [str(s.metadata[REWARD_ERROR_KEY]) for s in samples if REWARD_ERROR_KEY in s.metadata]
+
+
+def check_reward_errors(samples: Sequence[Sample], on_error: OnError) -> None:
+    """Raise RewardError quoting the first errors when on_error="raise" and any sample failed."""
+    errors = reward_errors(samples)
+    if errors and on_error == "raise":
+        raise RewardError(f"{len(errors)} of {len(samples)} rewards failed; first: {summarize(errors)} "
+                          "(set on_error = \"zero\" to score failures 0 and go on)")
+
+
+def summarize(errors: Sequence[str], *, limit: int = 3) -> str:
+    """The most common errors with their counts, most common first: "'E: m' x3; 'F: n' x1"."""
+    counts: dict[str, int] = {}
+    for e in errors:
+        counts[e] = counts.get(e, 0) + 1
+    top = sorted(counts.items(), key=lambda kv: -kv[1])[:limit]
+    return "; ".join(f"{text[:200]!r} x{n}" for text, n in top)

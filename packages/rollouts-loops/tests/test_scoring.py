@@ -1,0 +1,124 @@
+"""Rewards as users write them (per sample, batched, sync, async), their error policy, and plugin paths."""
+
+import math
+
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollouts.loops.plugins import PluginError, load_object, resolve_function
+from rollouts.loops.scoring import (
+    REWARD_ERROR_KEY,
+    Reward,
+    RewardError,
+    batched_reward,
+    check_reward_errors,
+    score_group,
+    summarize,
+)
+from rollouts.types import Sample
+
+
+def _group(n=3):
+    return [Sample(tokens=(1, 2, 3 + i), num_prompt_tokens=2, loss_mask=(0.0, 0.0, 1.0), response=str(i)) for i in range(n)]
+
+
+def _score(reward, samples=None, record=None):
+    return trio.run(score_group, reward, samples or _group(), record or {"answer": "1"})
+
+
+def test_per_sample_sync_and_async_rewards_see_the_sample_and_its_record():
+    def sync(sample, record):
+        return float(sample.response == record["answer"])
+
+    async def async_(sample, record):
+        await trio.sleep(0)
+        return float(sample.response == record["answer"])
+
+    for fn in (sync, async_):
+        assert [s.reward for s in _score(Reward.of(fn))] == [0.0, 1.0, 0.0]
+
+
+def test_a_batched_reward_is_called_once_per_group():
+    calls = []
+
+    @batched_reward
+    def lengths(samples, records):
+        calls.append(len(samples))
+        assert len(records) == len(samples)
+        return [len(s.tokens) for s in samples]
+
+    assert [s.reward for s in _score(Reward.of(lengths))] == [3.0, 3.0, 3.0] and calls == [3]
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda s, r: 1 / 0, "ZeroDivisionError: division by zero"),
+    (lambda s, r: "1.0", "not a number"),
+    (lambda s, r: None, "not a number"),
+    (lambda s, r: math.nan, "not a finite number"),
+    (lambda s, r: math.inf, "not a finite number"),
+])
+def test_reward_errors_score_zero_and_say_why(bad, message):
+    scored = _score(Reward(fn=bad, on_error="zero"))
+    assert [s.reward for s in scored] == [0.0] * 3
+    assert all(message in s.metadata[REWARD_ERROR_KEY] for s in scored)
+    check_reward_errors(scored, "zero")  # counted, not raised
+    with pytest.raises(RewardError, match=f"3 of 3 rewards failed; first: .*{message.split(':')[0]}"):
+        check_reward_errors(scored, "raise")
+
+
+def test_a_hung_reward_times_out_within_its_bound():
+    async def hangs(sample, record):
+        await trio.sleep(3600)
+
+    scored = _score(Reward(fn=hangs, timeout_s=0.05, on_error="zero"), samples=_group(1))
+    assert "took longer than 0.05 s" in scored[0].metadata[REWARD_ERROR_KEY]
+
+
+def test_a_batched_reward_of_the_wrong_length_fails_the_group():
+    scored = _score(Reward(fn=lambda s, r: [1.0], batched=True, on_error="zero"))
+    assert all("must return 3 numbers" in s.metadata[REWARD_ERROR_KEY] for s in scored)
+
+
+@settings(deadline=None, max_examples=50)
+@given(st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32), st.text(max_size=3),
+                          st.none()), min_size=1, max_size=6))
+def test_every_value_becomes_a_finite_reward_or_a_named_error(values):
+    samples = _group(len(values))
+    it = iter(values)
+    scored = _score(Reward(fn=lambda s, r: next(it), on_error="zero"), samples=samples)
+    for value, sample in zip(values, scored, strict=True):
+        ok = isinstance(value, float) and math.isfinite(value)
+        assert sample.reward == (value if ok else 0.0)
+        assert (REWARD_ERROR_KEY in sample.metadata) == (not ok)
+
+
+def test_summarize_counts_the_most_common_errors_first():
+    assert summarize(["A: x", "B: y", "A: x"]) == "'A: x' x2; 'B: y' x1"
+
+
+def test_plugins_resolve_by_module_path_and_by_file(tmp_path):
+    assert load_object("math:sqrt", key="k") is math.sqrt
+    plugin = tmp_path / "my_reward.py"
+    plugin.write_text("def reward(sample, record):\n    return 1.0\nNOT_A_FUNCTION = 3\n")
+    fn = resolve_function(f"{plugin}:reward", key="reward.fn", num_positional=2, what="reward(sample, record)")
+    assert fn(None, None) == 1.0
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("no_such_module_xyz:f", "module 'no_such_module_xyz' does not import: ModuleNotFoundError"),
+    ("math:no_such_name", "'math' has no 'no_such_name'"),
+    ("math", "must look like 'package.module:name'"),
+    ("/nope/reward.py:f", "no such file"),
+    ("FILE:NOT_A_FUNCTION", "is a int, not a function"),
+    ("FILE:one_arg", "cannot be called with 2 positional argument(s)"),
+    ("BROKEN:f", "does not import: SyntaxError"),
+])
+def test_bad_plugin_specs_name_the_key_and_the_reason(tmp_path, spec, message):
+    (tmp_path / "plugin.py").write_text("NOT_A_FUNCTION = 3\ndef one_arg(sample):\n    return 0.0\n")
+    (tmp_path / "broken.py").write_text("def f(:\n")
+    spec = spec.replace("FILE", str(tmp_path / "plugin.py")).replace("BROKEN", str(tmp_path / "broken.py"))
+    with pytest.raises(PluginError) as info:
+        resolve_function(spec, key="reward.fn", num_positional=2, what="reward(sample, record)")
+    assert str(info.value).startswith("reward.fn") and message in str(info.value)

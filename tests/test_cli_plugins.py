@@ -1,0 +1,84 @@
+"""User functions named in the run config drive `rollouts rl`: rewards (async, batched, failing),
+a rollout function, and the errors a bad name gets before any work."""
+
+import pytest
+
+from rollouts.loops.cli import main
+from rollouts.loops.loggers import read_jsonl
+from run_configs import rl_toml
+
+_USER_CODE = '''
+import trio
+
+CALLS = []
+
+
+async def async_reward(sample, record):
+    await trio.sleep(0)
+    return 1.0 if sample.response.strip() == record["answer"] else 0.0
+
+
+def batched_reward(samples, records):
+    """Scores each sample with the size of the batch it was given: one whole group."""
+    assert len(records) == len(samples)
+    return [float(len(samples))] * len(samples)
+
+
+def failing_reward(sample, record):
+    raise KeyError("solution")
+
+
+async def rollout(record, ctx):
+    """The default rollout plus a marker: proves the loop called this function."""
+    samples = await ctx.engine.generate([list(ctx.encode_prompt(record))], ctx.sampling)
+    return [s.with_metadata(custom_rollout=True) for s in samples]
+
+
+def reward_of_custom_rollouts(sample, record):
+    return 1.0 if sample.metadata.get("custom_rollout") else 0.0
+'''
+
+
+@pytest.fixture
+def user_file(tmp_path):
+    path = tmp_path / "user_code.py"
+    path.write_text(_USER_CODE)
+    return path
+
+
+def _rl(tiny_run_inputs, tmp_path, name, *sets):
+    config = rl_toml(tiny_run_inputs, tmp_path / name, tiny_run_inputs / "model")
+    return main(["rl", "--config", str(config), "--set", "rl.num_steps=2", *(x for s in sets for x in ("--set", s))])
+
+
+def test_an_async_reward_and_a_rollout_function_from_a_user_file_drive_the_run(tiny_run_inputs, tmp_path, user_file):
+    sets = [f"reward.fn='{user_file}:reward_of_custom_rollouts'", f"hooks.rollout='{user_file}:rollout'"]
+    assert _rl(tiny_run_inputs, tmp_path, "custom", *sets) == 0
+    records = read_jsonl(tmp_path / "custom" / "metrics_rl.jsonl")
+    assert [r["reward_mean"] for r in records] == [1.0, 1.0]  # every sample came from the user's rollout
+    assert _rl(tiny_run_inputs, tmp_path, "async", f"reward.fn='{user_file}:async_reward'") == 0
+
+
+def test_a_batched_reward_scores_whole_groups(tiny_run_inputs, tmp_path, user_file):
+    assert _rl(tiny_run_inputs, tmp_path, "batched", f"reward.fn='{user_file}:batched_reward'", "reward.batched=true") == 0
+    records = read_jsonl(tmp_path / "batched" / "metrics_rl.jsonl")
+    assert [r["reward_mean"] for r in records] == [4.0, 4.0]  # called with whole groups of samples_per_prompt=4
+
+
+def test_a_failing_reward_names_its_error_in_the_run_error_or_the_metrics(tiny_run_inputs, tmp_path, user_file):
+    with pytest.raises(RuntimeError, match=r"16 of 16 rewards failed; first: \"KeyError: 'solution'\" x16"):
+        _rl(tiny_run_inputs, tmp_path, "raise", f"reward.fn='{user_file}:failing_reward'")
+    assert _rl(tiny_run_inputs, tmp_path, "zero", f"reward.fn='{user_file}:failing_reward'", "reward.on_error='zero'") == 0
+    records = read_jsonl(tmp_path / "zero" / "metrics_rl.jsonl")
+    assert [r["num_reward_errors"] for r in records] == [16.0, 16.0]
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("reward.fn='no_such_module_xyz:f'", "reward.fn 'no_such_module_xyz:f': module 'no_such_module_xyz' does not import"),
+    ("hooks.rollout='FILE:CALLS'", "hooks.rollout: [] is a list, not a function"),
+    ("hooks.filter='FILE:async_reward'", "cannot be called with 1 positional argument(s)"),
+])
+def test_a_bad_plugin_is_a_config_error_before_any_work(tiny_run_inputs, tmp_path, user_file, capsys, setting, message):
+    assert _rl(tiny_run_inputs, tmp_path, "bad", setting.replace("FILE", str(user_file))) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
