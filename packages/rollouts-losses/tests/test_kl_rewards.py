@@ -7,7 +7,6 @@ from hypothesis import strategies as st
 from rollouts.losses import (
     clip_rewards,
     combine_rewards,
-    extract_answer,
     format_reward,
     importance_weights,
     kl_penalty,
@@ -65,13 +64,19 @@ def test_importance_weights_token_and_sequence():
 @pytest.mark.parametrize(
     ("response", "answer", "score"),
     [
+        # the answer forms a hand-written grader misses and math-verify accepts
+        ("-\\frac{3}{4}", "-0.75", 1.0),
+        ("\\dfrac12", "0.5", 1.0),
+        ("x=2", "2", 1.0),
+        ("$50\\%$", "50\\%", 1.0),
+        ("\\pi/2", "\\frac{\\pi}{2}", 1.0),
+        ("The final answer is 7.", "7", 1.0),
+        ("The final answer is 8.", "7", 0.0),
         ("so the result is \\boxed{\\frac{1}{2}}.", "0.5", 1.0),
-        ("\\boxed{{a}+1} then \\boxed{42}", "42", 1.0),
         ("The answer is 1,234.", "1234", 1.0),
         ("The answer is: $-3/4$", "-0.75", 1.0),
         ("we get 3 apples and then 7", "7", 1.0),
         ("we get 3 apples and then 7", "3", 0.0),
-        ("The answer is \\text{Paris}", "paris", 1.0),
         ("no numbers here", "1", 0.0),
         ("\\boxed{50\\%}", "0.5", 1.0),
         ("So we get 12, which is the final result", "12", 1.0),
@@ -83,19 +88,17 @@ def test_score_math_answer(response, answer, score):
     assert score_math_answer(response, answer) == score
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(value=st.integers(-10**9, 10**9), grouped=st.booleans(), after=st.sampled_from(["", ".", ",", ";", "!", ", so", " apples"]))
 def test_the_last_number_is_read_whole_whatever_punctuation_follows(value, grouped, after):
     written = f"{value:,}" if grouped else str(value)
-    assert extract_answer(f"first 7, then {written}{after}") == written
-    assert score_math_answer(f"we find {written}{after}", str(value)) == 1.0
+    assert score_math_answer(f"first 7, then {written}{after}", str(value)) == 1.0
+    assert score_math_answer(f"first 7, then {written}{after}", str(value + 1)) == 0.0
 
 
-def test_extract_answer_order():
-    assert extract_answer("answer is 3. \\boxed{4} 5") == "4"
-    assert extract_answer("the answer is 12 and later 13") == "12 and later 13"
-    assert extract_answer("x = 2, y = 9") == "9"
-    assert extract_answer("nothing") is None
+def test_an_unparseable_reference_answer_is_an_error_naming_it():
+    with pytest.raises(ValueError, match="reference answer '' cannot be parsed"):
+        score_math_answer("7", "")
 
 
 def test_reward_fns_on_samples():

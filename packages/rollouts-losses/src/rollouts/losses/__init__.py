@@ -16,7 +16,6 @@ from rollouts.losses.policy import cispo_loss, gspo_loss, pg_loss, ppo_clip_loss
 from rollouts.losses.rewards import (
     clip_rewards,
     combine_rewards,
-    extract_answer,
     format_reward,
     math_answer_reward,
     normalize_rewards,
@@ -39,7 +38,6 @@ __all__ = [
     "cispo_loss",
     "clip_rewards",
     "combine_rewards",
-    "extract_answer",
     "format_reward",
     "fused_token_logprobs",
     "gae_advantages",

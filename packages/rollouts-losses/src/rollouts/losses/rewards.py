@@ -2,19 +2,20 @@
 
 Legend: B samples. Reward functions follow rollouts.types.RewardFn: Sample -> float.
 
-`math_answer_reward` reads the reference answer from `sample.metadata["answer"]` (the key is an
-option) and extracts the response's final answer in this order: the last \\boxed{...}, the text
-after the last "answer is", else the last number. Answers compare numerically when both parse as
-numbers (integers, decimals, thousands separators, a/b and \\frac{a}{b}, a trailing %), else as
-normalized strings.
+`math_answer_reward` grades with math-verify (the `math` extra: `pip install rollouts-losses[math]`),
+which extracts the response's final answer (\\boxed{}, "the final answer is", LaTeX or plain
+expressions) and compares it with the reference symbolically: -\\frac{3}{4} equals -0.75, x=2
+equals 2, \\pi/2 equals \\frac{\\pi}{2}. The reference is read as LaTeX first (so "\\frac{1}{2}"
+and "0.5" both work), then as plain text.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import re
+import threading
 from collections.abc import Callable, Sequence
-from fractions import Fraction
 
 import torch
 from rollouts.types import RewardFn, Sample
@@ -23,7 +24,6 @@ from torch import Tensor
 __all__ = [
     "clip_rewards",
     "combine_rewards",
-    "extract_answer",
     "format_reward",
     "math_answer_reward",
     "normalize_rewards",
@@ -32,82 +32,41 @@ __all__ = [
     "score_math_answer",
 ]
 
-ANSWER_REL_TOL = 1e-6
-"""Relative tolerance of a numeric answer match: 0.333333 counts as 1/3, 0.33 does not."""
-ANSWER_ABS_TOL = 1e-9
-"""Absolute tolerance of a numeric answer match, for answers equal to 0."""
+MATH_VERIFY_TIMEOUT_S = 5
+"""math-verify's own bound on parsing and on comparing one answer (it uses SIGALRM, so it applies
+only on the main thread; elsewhere the caller bounds the call, as rollouts-loops' Reward does)."""
 NORMALIZE_EPS = 1e-6
 """Added to the batch std in normalize_rewards: a batch whose rewards all agree normalizes to 0."""
 
-# Thousands groups only as d,ddd: a comma after a number ("12, so") is punctuation, not part of it.
-_NUMBER = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?|-?\d+(?:\.\d+)?|-?\.\d+")
-_ANSWER_IS = re.compile(r"answer\s+is\s*:?\s*(.+)", re.IGNORECASE)
-_FRAC = re.compile(r"^\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}$")
-_TEXT = re.compile(r"\\(?:text|mathrm|textbf)\{([^{}]*)\}")
+
+class _NoTimeoutWarning(logging.Filter):
+    """Off the main thread math-verify's SIGALRM timeout cannot work and it says so on every call."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
 
 
-def _last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} (or \\fbox{...}), with nested braces matched; None if absent."""
-    start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-    if start < 0:
-        return None
-    i = text.index("{", start) + 1
-    depth = 1
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
-    return None
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer in a response: last \\boxed{}, else after the last "answer is", else the last number."""
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    matches = list(_ANSWER_IS.finditer(text))
-    if matches:
-        tail = matches[-1].group(1).strip().split("\n")[0]
-        tail = re.sub(r"[.\s]+$", "", tail).strip("$ ")
-        if tail:
-            return tail
-    numbers = _NUMBER.findall(text)
-    return numbers[-1] if numbers else None
-
-
-def _normalize(answer: str) -> str:
-    """Strip markup that does not change the answer: $, \\text{}, \\left/\\right, spaces, a final period."""
-    s = _TEXT.sub(r"\1", answer.strip())
-    s = s.replace("$", "").replace("\\left", "").replace("\\right", "").replace("\\!", "").replace("\\,", "")
-    s = re.sub(r"\s+", "", s).rstrip(".")
-    return s.lower()
-
-
-def _as_number(answer: str) -> float | None:
-    """The answer as a number (1,000 / 2.5 / -3/4 / \\frac{3}{4} / 50%), or None."""
-    s = _normalize(answer)
-    percent = s.endswith("\\%") or s.endswith("%")
-    s = s.removesuffix("\\%").removesuffix("%")
-    frac = _FRAC.match(s)
-    if frac:
-        s = f"{frac.group(1)}/{frac.group(2)}"
-    s = s.replace(",", "") if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s) else s
+def _math_verify():
     try:
-        value = float(Fraction(s))
-    except (ValueError, ZeroDivisionError):
-        return None
-    return value / 100.0 if percent else value
+        import math_verify
+    except ImportError as e:
+        raise ImportError("math_answer_reward needs math-verify: pip install 'rollouts-losses[math]'") from e
+    for name in ("math_verify", "math_verify.parser", "math_verify.grader"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoTimeoutWarning) for f in logger.filters):
+            logger.addFilter(_NoTimeoutWarning())
+    return math_verify
 
 
 def score_math_answer(response: str, answer: str) -> float:
-    """1.0 when the response's final answer equals the reference answer (numerically when both are numbers), else 0.0."""
-    predicted = extract_answer(response)
-    if predicted is None:
-        return 0.0
-    a, b = _as_number(predicted), _as_number(answer)
-    if a is not None and b is not None:
-        return float(math.isclose(a, b, rel_tol=ANSWER_REL_TOL, abs_tol=ANSWER_ABS_TOL))
-    return float(_normalize(predicted) == _normalize(answer))
+    """1.0 when the response's final answer equals the reference answer (math-verify), else 0.0."""
+    mv = _math_verify()
+    timeout = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    gold = mv.parse(f"${answer}$", parsing_timeout=timeout) or mv.parse(answer, parsing_timeout=timeout)
+    if not gold:
+        raise ValueError(f"the reference answer {answer!r} cannot be parsed as math: fix the data's answer field")
+    predicted = mv.parse(response, parsing_timeout=timeout) or mv.parse(f"${response}$", parsing_timeout=timeout)
+    return float(bool(predicted) and mv.verify(gold, predicted, timeout_seconds=timeout))
 
 
 def math_answer_reward(sample: Sample, *, answer_key: str = "answer") -> float:
