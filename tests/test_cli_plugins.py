@@ -1,6 +1,8 @@
 """User functions named in the run config drive `rollouts rl`: rewards (async, batched, failing),
 a rollout function, and the errors a bad name gets before any work."""
 
+import json
+
 import pytest
 
 from rollouts.loops.cli import main
@@ -82,3 +84,26 @@ def test_a_bad_plugin_is_a_config_error_before_any_work(tiny_run_inputs, tmp_pat
     assert _rl(tiny_run_inputs, tmp_path, "bad", setting.replace("FILE", str(user_file))) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_evaluation_during_training_and_of_a_saved_checkpoint(tiny_run_inputs, tmp_path, capsys):
+    prompts = tiny_run_inputs / "prompts.jsonl"
+    evaluation = [f"data.eval_path='{prompts}'", "data.num_eval=8", "eval.every_steps=2",
+                  "eval.samples_per_prompt=4", "eval.temperature=1.0"]
+    config = rl_toml(tiny_run_inputs, tmp_path / "eval", tiny_run_inputs / "model")
+    assert main(["rl", "--config", str(config), *(x for s in evaluation for x in ("--set", s))]) == 0
+    records = read_jsonl(tmp_path / "eval" / "metrics_rl.jsonl")
+    assert [r["step"] for r in records if "eval_pass@1" in r] == [2, 3]  # every 2 steps and after the last
+    for r in records[1:]:
+        assert 0.0 <= r["eval_pass@1"] <= r["eval_pass@4"] <= 1.0 and 0.0 <= r["eval_maj@4"] <= 1.0
+    capsys.readouterr()
+    checkpoint = tmp_path / "eval" / "checkpoints" / "step_3"
+    assert main(["eval", "--config", str(config), "--checkpoint", str(checkpoint),
+                 *(x for s in evaluation for x in ("--set", s))]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed["num_eval"] == 8.0 and set(printed) >= {"eval_reward_mean", "eval_pass@1", "eval_pass@4", "eval_maj@4"}
+
+
+def test_evaluation_without_an_eval_file_is_a_config_error(tiny_run_inputs, tmp_path, capsys):
+    assert _rl(tiny_run_inputs, tmp_path, "noeval", "eval.every_steps=1") == 2
+    assert "eval.every_steps > 0 needs data.eval_path" in capsys.readouterr().err

@@ -122,3 +122,40 @@ def test_bad_plugin_specs_name_the_key_and_the_reason(tmp_path, spec, message):
     with pytest.raises(PluginError) as info:
         resolve_function(spec, key="reward.fn", num_positional=2, what="reward(sample, record)")
     assert str(info.value).startswith("reward.fn") and message in str(info.value)
+
+
+# ---------------------------------------------------------------- evaluation metrics
+
+from itertools import combinations  # noqa: E402
+
+from rollouts.loops.evaluate import group_metrics, majority_correct, pass_at_k  # noqa: E402
+
+
+@settings(deadline=None, max_examples=200)
+@given(st.lists(st.booleans(), min_size=1, max_size=8), st.data())
+def test_pass_at_k_is_the_fraction_of_k_subsets_with_a_correct_sample(correct, data):
+    n, c = len(correct), sum(correct)
+    k = data.draw(st.integers(1, n))
+    subsets = list(combinations(correct, k))
+    assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets), abs=1e-12)
+
+
+def _scored(responses, rewards):
+    return [Sample(tokens=(1, 2), num_prompt_tokens=1, loss_mask=(0.0, 1.0), response=r, reward=w)
+            for r, w in zip(responses, rewards, strict=True)]
+
+
+def test_group_metrics_on_hand_made_groups():
+    groups = [
+        _scored(["7", "7", "8", "9"], [1.0, 1.0, 0.0, 0.0]),  # majority right, 2 of 4 right
+        _scored(["1", "2", "2", "5"], [0.0, 0.0, 0.0, 1.0]),  # majority wrong, 1 of 4 right
+        _scored(["0", "0", "0", "0"], [0.0, 0.0, 0.0, 0.0]),  # all wrong
+    ]
+    metrics = group_metrics(groups)
+    assert metrics["eval_reward_mean"] == pytest.approx(3 / 12)
+    assert metrics["eval_pass@1"] == pytest.approx((2 / 4 + 1 / 4 + 0) / 3)
+    assert metrics["eval_pass@4"] == pytest.approx(2 / 3)
+    assert metrics["eval_maj@4"] == pytest.approx(1 / 3)
+    assert majority_correct(_scored(["a", "b"], [1.0, 0.0]))  # a tie goes to the first seen
+    with pytest.raises(ValueError, match="k=5"):
+        pass_at_k(4, 1, 5)

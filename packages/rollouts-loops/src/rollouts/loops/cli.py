@@ -195,6 +195,24 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
                             max_prompts_per_call=run.rl.rollout.batch_size)
 
 
+def _evaluation(run: RLRun) -> Any:
+    """The run's Evaluation from [eval] and data.eval_path, or None."""
+    import dataclasses as dc
+
+    from rollouts.data import load_prompts
+    from rollouts.loops.evaluate import Evaluation
+
+    if run.eval.every_steps == 0:
+        return None
+    if not run.data.eval_path:
+        raise ConfigError("eval.every_steps > 0 needs data.eval_path")
+    records = load_prompts(run.data.eval_path, field=run.data.prompt_key)[: run.data.num_eval]
+    if run.data.prompt_key != "prompt":
+        records = [{**r, "prompt": r[run.data.prompt_key]} for r in records]
+    sampling = dc.replace(run.rl.rollout.sampling, n=run.eval.samples_per_prompt, temperature=run.eval.temperature)
+    return Evaluation(records=tuple(records), every_steps=run.eval.every_steps, sampling=sampling)
+
+
 def cmd_rl(run: RLRun, source: str) -> Path:
     """RL from the configured model against the configured engine(s); returns the checkpoint root."""
     _check_paths(run, source)
@@ -208,6 +226,10 @@ def cmd_rl(run: RLRun, source: str) -> Path:
     except ValueError as e:
         raise ConfigError(f"{source}: {e}") from e
     hooks = resolve_hooks(run, source)
+    try:
+        evaluation = _evaluation(run)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from e
     rank, world = _distributed()
     out = Path(run.run.out_dir)
     _write_resolved(run, out)
@@ -226,13 +248,35 @@ def cmd_rl(run: RLRun, source: str) -> Path:
         state, _ = run_rl_training(
             components, DataBuffer(records, seed=run.rl.seed), _rl_engine(run, components, tokenizer, shares=shares),
             run.rl, encode_prompt=_encoder(tokenizer), logger=logger, run_dir=out, engine_shares_model=shares,
-            resume=run.run.resume, tokenizer=tokenizer, ref_components=ref_components, **hooks,
+            resume=run.run.resume, tokenizer=tokenizer, ref_components=ref_components, evaluation=evaluation, **hooks,
         )
     finally:
         logger.close()
     print(f"rl: finished at step {state.step}, weight version {state.weight_version}; "
           f"checkpoints in {out / CHECKPOINTS_DIR}", file=sys.stderr)
     return out / CHECKPOINTS_DIR
+
+
+def cmd_eval(run: RLRun, source: str, checkpoint: str) -> dict[str, float]:
+    """Evaluate a saved model on data.eval_path with [eval] and [reward]; prints and returns the metrics."""
+    import trio
+
+    from rollouts.backends import InProcessEngine, load_hf_model
+    from rollouts.loops.evaluate import evaluate_groups, group_metrics
+
+    if not (Path(checkpoint) / "config.json").is_file():
+        raise ConfigError(f"--checkpoint {checkpoint!r} must be an HF-format model directory (config.json)")
+    run = dataclasses.replace(run, model=dataclasses.replace(run.model, path=checkpoint),
+                              eval=dataclasses.replace(run.eval, every_steps=max(1, run.eval.every_steps)))
+    _check_paths(run, source)
+    evaluation = _evaluation(run)
+    reward = resolve_hooks(run, source)["reward"]
+    tokenizer = _tokenizer(run)
+    engine = InProcessEngine(load_hf_model(checkpoint, device=run.model.device), tokenizer=tokenizer)
+    groups = trio.run(evaluate_groups, engine, evaluation.records, _encoder(tokenizer), reward, evaluation.sampling)
+    metrics = {**group_metrics(groups), "num_eval": float(len(groups))}
+    print(json.dumps(metrics))
+    return metrics
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -242,6 +286,10 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=what)
         p.add_argument("--config", required=True, help="TOML run file")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    p = sub.add_parser("eval", help="evaluate a saved model: mean reward, pass@1, pass@k, maj@k (JSON)")
+    p.add_argument("--config", required=True, help="TOML RL run file ([data] eval_path, [reward], [eval])")
+    p.add_argument("--checkpoint", required=True, help="HF-format model directory, e.g. a run's checkpoints/step_N")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     p = sub.add_parser("pipeline", help="SFT, then RL from SFT's last checkpoint")
     p.add_argument("--sft-config", required=True)
     p.add_argument("--rl-config", required=True)
@@ -266,6 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd_sft(load_run(SFTRun, args.config, args.set), args.config)
         elif args.command == "rl":
             cmd_rl(load_run(RLRun, args.config, args.set), args.config)
+        elif args.command == "eval":
+            cmd_eval(load_run(RLRun, args.config, args.set), args.config, args.checkpoint)
         elif args.command == "pipeline":
             sft = load_run(SFTRun, args.sft_config, args.set_sft)
             rl = load_run(RLRun, args.rl_config, args.set_rl)

@@ -127,6 +127,26 @@ class RewardSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class EvalSpec:
+    """Evaluation during RL on data.eval_path (its first data.num_eval records)."""
+
+    every_steps: int = 0
+    """Evaluate after every this many steps and after the last; 0: never."""
+    samples_per_prompt: int = 1
+    """k of pass@k and maj@k (1: pass@1 only)."""
+    temperature: float = 0.0
+    """0: greedy (then use samples_per_prompt = 1)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        require(self.every_steps >= 0, "EvalSpec.every_steps", self.every_steps, "be >= 0")
+        require(self.samples_per_prompt >= 1, "EvalSpec.samples_per_prompt", self.samples_per_prompt, "be >= 1")
+        require(self.temperature >= 0, "EvalSpec.temperature", self.temperature, "be >= 0")
+        require(self.temperature > 0 or self.samples_per_prompt == 1, "EvalSpec.samples_per_prompt",
+                self.samples_per_prompt, "be 1 with temperature 0 (greedy samples are all the same)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class HooksSpec:
     """The RL loop's other plug points, by import path; empty: the built-in."""
 
@@ -166,6 +186,7 @@ class RLRun:
     run: RunSpec = field(default_factory=RunSpec)
     reward: RewardSpec = field(default_factory=RewardSpec)
     hooks: HooksSpec = field(default_factory=HooksSpec)
+    eval: EvalSpec = field(default_factory=EvalSpec)
     preset: str = ""
     """Name of an algorithm preset (grpo, drgrpo, dapo, gspo, cispo, rloo, reinforce_pp, ppo)."""
     rl: RLConfig = field(default_factory=RLConfig)

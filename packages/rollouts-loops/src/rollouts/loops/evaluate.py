@@ -1,45 +1,117 @@
-"""Held-out evaluation through any InferenceEngine: greedy (or sampled) answers scored by a reward."""
+"""Held-out evaluation through any InferenceEngine: mean reward, pass@1, pass@k and maj@k.
+
+k = samples per prompt. pass@k is the unbiased estimator of Chen et al. (2021) from n samples of
+which c are correct, 1 - C(n-c, k) / C(n, k), here with n = k; maj@k scores the most common
+response of the k (ties: the first seen). A sample counts as correct when its reward is > 0.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import trio
 
-from rollouts.types import InferenceEngine, RewardFn, Sample, SamplingParams
+from rollouts.loops.rollout_fns import PromptEncoder, record_metadata
+from rollouts.loops.scoring import Reward, score_group
+from rollouts.types import InferenceEngine, Sample, SamplingParams
 
 _EVAL_CHUNK_PROMPTS = 256  # prompts per generate call: bounds memory of the in-process sampler
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k samples drawn from n (c of them correct) is correct."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def majority_correct(samples: Sequence[Sample]) -> bool:
+    """Whether the most common response (stripped; ties: first seen) of a group is correct."""
+    if not samples:
+        raise ValueError("majority_correct needs at least one sample")
+    counts = Counter(s.response.strip() for s in samples)
+    top = max(counts.values())
+    winner = next(s for s in samples if counts[s.response.strip()] == top)
+    return (winner.reward or 0.0) > 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Evaluation:
+    """What to evaluate during a run, and how often."""
+
+    records: tuple[Mapping[str, Any], ...]
+    every_steps: int
+    """Evaluate after every this many optimizer steps (and after the last)."""
+    sampling: SamplingParams
+    """Sampling for evaluation; `n` is k (1: greedy pass@1 with temperature 0)."""
+
+    def __post_init__(self) -> None:
+        if not self.records:
+            raise ValueError("Evaluation.records is empty: nothing to evaluate on")
+        if self.every_steps < 1:
+            raise ValueError(f"Evaluation.every_steps must be >= 1, got {self.every_steps}")
+
+
+def group_metrics(groups: Sequence[Sequence[Sample]], *, prefix: str = "eval_") -> dict[str, float]:
+    """Mean reward, pass@1, pass@k and maj@k (k = group size) over scored groups."""
+    k = len(groups[0])
+    correct = [sum((s.reward or 0.0) > 0 for s in g) for g in groups]
+    out = {
+        f"{prefix}reward_mean": sum(s.reward or 0.0 for g in groups for s in g) / (k * len(groups)),
+        f"{prefix}pass@1": sum(pass_at_k(k, c, 1) for c in correct) / len(groups),
+    }
+    if k > 1:
+        out[f"{prefix}pass@{k}"] = sum(pass_at_k(k, c, k) for c in correct) / len(groups)
+        out[f"{prefix}maj@{k}"] = sum(majority_correct(g) for g in groups) / len(groups)
+    return out
+
+
+async def evaluate_groups(
+    engine: InferenceEngine,
+    records: Sequence[Mapping[str, Any]],
+    encode_prompt: PromptEncoder,
+    reward: Reward,
+    params: SamplingParams,
+) -> list[list[Sample]]:
+    """`params.n` scored responses per record (reward errors score 0)."""
+    if not records:
+        raise ValueError("evaluate needs at least one record")
+    groups: list[list[Sample]] = []
+    for start in range(0, len(records), _EVAL_CHUNK_PROMPTS):
+        chunk = records[start : start + _EVAL_CHUNK_PROMPTS]
+        samples = await engine.generate([list(encode_prompt(r)) for r in chunk], params)
+        for i, record in enumerate(chunk):
+            group = [s.with_metadata(**record_metadata(record)) for s in samples[i * params.n : (i + 1) * params.n]]
+            groups.append(await score_group(dataclasses.replace(reward, on_error="zero"), group, record))
+    return groups
 
 
 async def evaluate_async(
     engine: InferenceEngine,
     records: Sequence[Mapping[str, Any]],
-    encode_prompt: Any,
-    reward_fn: RewardFn,
+    encode_prompt: PromptEncoder,
+    reward: Any,
     params: SamplingParams,
 ) -> tuple[float, list[Sample]]:
-    """(mean reward, scored samples) of one response per record; reward > 0 counts as correct."""
-    if not records:
-        raise ValueError("evaluate needs at least one record")
-    params = dataclasses.replace(params, n=1)
-    scored: list[Sample] = []
-    for start in range(0, len(records), _EVAL_CHUNK_PROMPTS):
-        chunk = records[start : start + _EVAL_CHUNK_PROMPTS]
-        samples = await engine.generate([list(encode_prompt(r)) for r in chunk], params)
-        for record, sample in zip(chunk, samples, strict=True):
-            sample = sample.with_metadata(**{k: v for k, v in record.items() if k != "prompt"})
-            scored.append(sample.with_reward(float(reward_fn(sample))))
-    return sum(s.reward for s in scored) / len(scored), scored
+    """(mean reward, scored samples) of one response per record; `reward(sample, record)` or a Reward."""
+    groups = await evaluate_groups(engine, records, encode_prompt, Reward.of(reward), dataclasses.replace(params, n=1))
+    scored = [g[0] for g in groups]
+    return sum(s.reward or 0.0 for s in scored) / len(scored), scored
 
 
 def evaluate(
     engine: InferenceEngine,
     records: Sequence[Mapping[str, Any]],
-    encode_prompt: Any,
-    reward_fn: RewardFn,
+    encode_prompt: PromptEncoder,
+    reward: Any,
     params: SamplingParams,
 ) -> tuple[float, list[Sample]]:
     """Synchronous `evaluate_async` (runs its own trio loop)."""
-    return trio.run(evaluate_async, engine, records, encode_prompt, reward_fn, params)
+    return trio.run(evaluate_async, engine, records, encode_prompt, reward, params)

@@ -30,6 +30,7 @@ import trio
 from rollouts.backends import TrainingComponents, export_weights, save_checkpoint
 from rollouts.data import AsyncRolloutManager, DataBuffer
 from rollouts.loops.distributed import broadcast_json, rank_world
+from rollouts.loops.evaluate import Evaluation, evaluate_groups, group_metrics
 from rollouts.loops.rl_update import AdvantageFn, check_algorithm, rl_update
 from rollouts.loops.rollout_fns import PromptEncoder, RolloutContext, RolloutFn, group_generator, single_turn_rollout
 from rollouts.loops.run_dir import CHECKPOINTS_DIR, WEIGHTS_DIR, resume_if_possible
@@ -259,6 +260,7 @@ class _Run:
     resume: bool
     tokenizer: Any
     on_step: Callable[[TrainingState, dict[str, float]], None] | None
+    evaluation: Evaluation | None
 
 
 def run_rl_training(
@@ -280,6 +282,7 @@ def run_rl_training(
     resume: bool = True,
     tokenizer: Any = None,
     on_step: Callable[[TrainingState, dict[str, float]], None] | None = None,
+    evaluation: Evaluation | None = None,
 ) -> tuple[TrainingState, list[dict[str, float]]]:
     """Run RL for `config.num_steps` optimizer steps; returns (final state, per-step metrics).
 
@@ -287,7 +290,9 @@ def run_rl_training(
     may pass None. `reward` is `reward(sample, record) -> float` (sync or async), a batched reward,
     or a `Reward` with its error policy (see rollouts.loops.scoring). `engine_shares_model`: the
     engine samples from `components.model` itself (no export; overlap refused). A KL reference is
-    copied from the starting weights when the algorithm needs one and none is given.
+    copied from the starting weights when the algorithm needs one and none is given. With
+    `evaluation`, rank 0 evaluates the engine's weights every `evaluation.every_steps` steps and
+    logs eval_reward_mean, eval_pass@1 (and pass@k, maj@k for k > 1) with the step.
     """
     check_algorithm(config.algorithm)
     rank, world = rank_world()
@@ -310,7 +315,7 @@ def run_rl_training(
                                                          encode_prompt=encode_prompt, tokenizer=tokenizer)
     run = _Run(components=components, ref_components=ref_components, buffer=buffer, engine=engine, config=config,
                hooks=hooks, context=context, logger=logger, run_dir=Path(run_dir), shares_model=engine_shares_model,
-               resume=resume, tokenizer=tokenizer, on_step=on_step)
+               resume=resume, tokenizer=tokenizer, on_step=on_step, evaluation=evaluation)
     try:
         return trio.run(_rl_main, run)
     except BaseExceptionGroup as group:  # the loop's nursery wraps even a lone error: raise that one
@@ -345,7 +350,7 @@ async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:
                 raise _no_progress_error(batch, metrics, empty_in_a_row)
             metrics.update(generate_wait_s=wait_s, step_time_s=time.perf_counter() - step_start)
             history.append(metrics)
-            await _after_step(run, state, metrics, manager, batches)
+            await _after_step(run, state, metrics, manager, batches, lock)
         nursery.cancel_scope.cancel()  # the producer waits for requests that will not come
     return state, history
 
@@ -382,9 +387,16 @@ async def _train(run: _Run, state: TrainingState, batch: RolloutBatch, lock: tri
 
 
 async def _after_step(run: _Run, state: TrainingState, metrics: dict[str, float],
-                      manager: AsyncRolloutManager | None, batches: _Batches) -> None:
-    """Log, call on_step, and checkpoint when due (with the batch generated ahead, if any)."""
+                      manager: AsyncRolloutManager | None, batches: _Batches, lock: trio.Lock) -> None:
+    """Evaluate, log, call on_step, and checkpoint when due (with the batch generated ahead, if any)."""
     config, total = run.config, run.config.num_steps * run.config.algorithm.num_updates_per_batch
+    evaluation = run.evaluation
+    if evaluation is not None and run.context is not None and (state.step % evaluation.every_steps == 0 or state.step >= total):
+        start = time.perf_counter()
+        async with lock:  # the engine's current weights, not mid-sync
+            groups = await evaluate_groups(run.context.engine, evaluation.records, run.context.encode_prompt,
+                                           run.hooks.reward, evaluation.sampling)
+        metrics.update(group_metrics(groups), eval_s=time.perf_counter() - start)
     if state.step % config.log_every == 0 or state.step >= total:
         run.logger.log(state.step, metrics)
     if run.on_step is not None:  # in a worker thread: a callback may block, or run trio itself
