@@ -6,6 +6,12 @@ Each preset follows its paper's defaults where they are settings of our configs;
 - ppo: there is no critic in rollouts-backends, so advantages are REINFORCE++-style (batch-
   normalized returns) rather than GAE over a learned value; the clipped surrogate, KL in the loss
   and truncated importance weights (engine vs trainer log-probs) are PPO's.
+- sapo, gmpo, clip_cov, kl_cov: GRPO advantages with the paper's loss and verl's defaults
+  (rollouts.losses.policy_variants names the peer file of each).
+- dppo: prime-rl's default loss (binary-TV trust region 0.2 around the engine's policy, plus
+  1e-3 (log pi - log pi_rollout)^2); dppo_kl: the binary-KL variant, whose threshold 0.05 is our
+  choice (a probability move of 0.2 from p = 0.2 to 0.5 has binary KL about 0.09).
+- kl_cov: the Entropy-Mechanism recipe's 2e-3 of tokens (clip_cov keeps verl's 2e-4).
 """
 
 from __future__ import annotations
@@ -48,6 +54,30 @@ ALGORITHMS: Mapping[str, AlgorithmConfig] = MappingProxyType(
         "ppo": AlgorithmConfig(
             advantage_estimator="reinforce_pp", policy_loss="ppo_clip", loss_aggregation="token-mean",
             kl_kind="low_var_kl", kl_coef=0.001, kl_placement="loss", is_cap=2.0, dual_clip_c=3.0,
+        ),
+        "sapo": AlgorithmConfig(
+            advantage_estimator="grpo", policy_loss="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05,
+            loss_aggregation="seq-mean-token-mean",
+        ),
+        "gmpo": AlgorithmConfig(
+            advantage_estimator="grpo", policy_loss="gmpo", eps_low=0.4, eps_high=0.4,
+            loss_aggregation="seq-mean-token-mean",
+        ),
+        "dppo": AlgorithmConfig(
+            advantage_estimator="grpo", policy_loss="dppo_tv", eps_low=0.2, eps_high=0.2, log_ratio_sq_coef=1e-3,
+            loss_aggregation="token-mean",
+        ),
+        "dppo_kl": AlgorithmConfig(
+            advantage_estimator="grpo", policy_loss="dppo_kl", eps_low=0.05, eps_high=0.05, log_ratio_sq_coef=1e-3,
+            loss_aggregation="token-mean",
+        ),
+        "clip_cov": AlgorithmConfig(
+            advantage_estimator="grpo", policy_loss="clip_cov", eps_low=0.2, eps_high=0.2, cov_fraction=2e-4,
+            clip_cov_bounds=(1.0, 5.0), loss_aggregation="token-mean",
+        ),
+        "kl_cov": AlgorithmConfig(
+            advantage_estimator="grpo", policy_loss="kl_cov", cov_fraction=2e-3, kl_cov_coef=1.0,
+            loss_aggregation="token-mean",
         ),
     }
 )

@@ -3,16 +3,26 @@
 from rollouts.losses.advantages import (
     broadcast_to_tokens,
     gae_advantages,
+    gpg_advantages,
     group_advantages,
     masked_whiten,
+    passk_advantages,
     reinforce_pp_advantages,
+    remax_advantages,
     rloo_advantages,
 )
 from rollouts.losses.aggregate import AGGREGATION_MODES, Aggregation, aggregate
-from rollouts.losses.kl import KL_KINDS, importance_weights, kl_penalty
+from rollouts.losses.correction import (
+    high_entropy_mask,
+    off_policy_diagnostics,
+    off_policy_sequence_mask,
+    rejection_mask,
+)
+from rollouts.losses.kl import KL_KINDS, KLControllerState, adaptive_kl_update, importance_weights, kl_penalty
 from rollouts.losses.logprobs import fused_token_logprobs, token_entropy, token_logprobs
 from rollouts.losses.loss_fn import LossFn, PolicyLossFn, SFTLossFn, loss_fn_from_config, sft_loss_fn
 from rollouts.losses.policy import cispo_loss, gspo_loss, pg_loss, ppo_clip_loss, sft_loss, value_loss
+from rollouts.losses.policy_variants import clip_cov_loss, dppo_loss, gmpo_loss, kl_cov_loss, sapo_loss
 from rollouts.losses.rewards import (
     clip_rewards,
     combine_rewards,
@@ -29,32 +39,46 @@ __version__ = "0.1.0"
 __all__ = [
     "AGGREGATION_MODES",
     "Aggregation",
+    "KLControllerState",
     "KL_KINDS",
     "LossFn",
     "PolicyLossFn",
     "SFTLossFn",
+    "adaptive_kl_update",
     "aggregate",
     "broadcast_to_tokens",
     "cispo_loss",
+    "clip_cov_loss",
     "clip_rewards",
     "combine_rewards",
+    "dppo_loss",
     "format_reward",
     "fused_token_logprobs",
     "gae_advantages",
+    "gmpo_loss",
+    "gpg_advantages",
     "group_advantages",
     "gspo_loss",
+    "high_entropy_mask",
     "importance_weights",
+    "kl_cov_loss",
     "kl_penalty",
     "loss_fn_from_config",
     "masked_whiten",
     "math_answer_reward",
     "normalize_rewards",
+    "off_policy_diagnostics",
+    "off_policy_sequence_mask",
     "overlong_penalty",
     "overlong_reward",
+    "passk_advantages",
     "pg_loss",
     "ppo_clip_loss",
     "reinforce_pp_advantages",
+    "rejection_mask",
+    "remax_advantages",
     "rloo_advantages",
+    "sapo_loss",
     "score_math_answer",
     "sft_loss",
     "sft_loss_fn",

@@ -1,4 +1,4 @@
-"""Advantage estimators: GRPO (and Dr.GRPO), RLOO, REINFORCE++, GAE, and their token broadcast.
+"""Advantage estimators: GRPO (and Dr.GRPO), RLOO, REINFORCE++, GAE, GPG, ReMax, pass@k GRPO, and their token broadcast.
 
 Legend: B samples (one sequence each, padded rows), T tokens. Per-sample inputs are [B];
 per-token ones [B, T], token-aligned, with the loss mask selecting the trained tokens.
@@ -7,6 +7,17 @@ Conventions follow verl: a GRPO group of one sample has mean 0 and std 1 (its ad
 reward), an RLOO group of one keeps its reward, and stds are unbiased. Departures: REINFORCE++
 returns and GAE skip tokens outside the mask (tool or user turns inside a response) instead of
 resetting at them, so one sample's reward reaches all its trained tokens.
+
+The 2025 estimators, each checked against verl `verl/trainer/ppo/core_algos.py` (read 2026-01-29):
+- GPG (Chu et al. 2025, arXiv 2504.02546): alpha (r - group mean), alpha = B / (B - M) rescaling
+  for the M samples that carry no gradient. Departure from verl, with the paper: M counts samples
+  whose centered reward is 0 (uniform groups); verl divides by the number of non-zero rewards.
+  F_norm is 1 (the paper's default; no std division).
+- ReMax (Li et al. 2023, arXiv 2310.10505): r - r(greedy response to the same prompt); the loop
+  generates the greedy response, this function only subtracts.
+- pass@k GRPO (verl "grpo_passk", after arXiv 2503.19595): only each group's best sample gets an
+  advantage, r_max - r_second_max (divided by the group std + eps with scale "group"); on ties the
+  first best sample (lowest index) is the one, so the advantage is 0.
 """
 
 from __future__ import annotations
@@ -22,9 +33,12 @@ from rollouts.losses.aggregate import check_same_shape
 __all__ = [
     "broadcast_to_tokens",
     "gae_advantages",
+    "gpg_advantages",
     "group_advantages",
     "masked_whiten",
+    "passk_advantages",
     "reinforce_pp_advantages",
+    "remax_advantages",
     "rloo_advantages",
 ]
 
@@ -92,6 +106,58 @@ def rloo_advantages(rewards_B: Tensor, group_ids_B: Tensor) -> Tensor:
     count_B, sum_B, _ = _group_stats(rewards_B, group_ids_B)
     others_mean_B = (sum_B - rewards_B) / (count_B - 1).clamp(min=1)
     return torch.where(count_B > 1, rewards_B - others_mean_B, rewards_B)
+
+
+def gpg_advantages(rewards_B: Tensor, group_ids_B: Tensor) -> Tensor:
+    """[B] rewards, [B] group ids -> [B] GPG advantages alpha (r - group mean), alpha = B / (number of samples
+    whose centered reward is not 0); a group of one has mean 0, as in GRPO. All-zero: advantages 0."""
+    centered_B = group_advantages(rewards_B, group_ids_B, scale="none")
+    num_valid = (centered_B != 0).sum().clamp(min=1)
+    return centered_B * (rewards_B.numel() / num_valid).to(rewards_B.dtype)
+
+
+def remax_advantages(rewards_B: Tensor, greedy_rewards_B: Tensor, *, group_ids_B: Tensor | None = None) -> Tensor:
+    """[B] rewards, [B] reward of the greedy response to each sample's prompt -> [B] ReMax advantages r - r_greedy.
+
+    With group_ids_B, every sample of a group must carry the same greedy reward (one greedy rollout per prompt).
+    """
+    _check_rewards(rewards_B, group_ids_B)
+    _check_rewards(greedy_rewards_B)
+    if greedy_rewards_B.shape != rewards_B.shape:
+        raise ValueError(f"greedy_rewards_B must be [B] like rewards, got {tuple(greedy_rewards_B.shape)} and {tuple(rewards_B.shape)}")
+    if group_ids_B is not None:
+        _, inverse_B = torch.unique(group_ids_B, return_inverse=True)
+        first_G = torch.full((int(inverse_B.max()) + 1 if inverse_B.numel() else 0,), torch.nan,
+                             dtype=greedy_rewards_B.dtype, device=greedy_rewards_B.device)
+        first_G = first_G.scatter(0, inverse_B.flip(0), greedy_rewards_B.flip(0))  # the first sample's value wins
+        if not bool((first_G[inverse_B] == greedy_rewards_B).all()):
+            raise ValueError(
+                f"greedy_rewards_B must be one value per group (the greedy response to that prompt), got "
+                f"{greedy_rewards_B.tolist()[:16]} for groups {group_ids_B.tolist()[:16]}"
+            )
+    return rewards_B - greedy_rewards_B
+
+
+def passk_advantages(
+    rewards_B: Tensor, group_ids_B: Tensor, *, scale: AdvantageScale = "group", eps: float = DEFAULT_EPS
+) -> Tensor:
+    """[B] rewards, [B] group ids -> [B] pass@k advantages: r_max - r_second_max on each group's best sample
+    (the first one on ties), 0 on every other; divided by the group's unbiased std + eps with scale "group"."""
+    _check_rewards(rewards_B, group_ids_B)
+    _check_eps(eps)
+    if scale not in ("group", "none"):
+        raise ValueError(f"scale must be 'group' or 'none' for pass@k advantages, got {scale!r}")
+    count_B, _, std_B = _group_stats(rewards_B, group_ids_B)
+    if bool((count_B < 2).any()):
+        raise ValueError(f"pass@k advantages need >= 2 samples per group, got group sizes {count_B.tolist()[:16]}")
+    advantages_B = torch.zeros_like(rewards_B)
+    for group in torch.unique(group_ids_B):
+        index_K = torch.nonzero(group_ids_B == group).squeeze(-1)
+        top2 = torch.topk(rewards_B[index_K], 2, sorted=True).values
+        best = index_K[(rewards_B[index_K] == top2[0]).nonzero()[0, 0]]  # the first best sample, whatever topk picks
+        gap = top2[0] - top2[1]
+        advantages_B[best] = gap / (std_B[best] + eps) if scale == "group" else gap
+    return advantages_B
 
 
 def masked_whiten(x_B_T: Tensor, mask_B_T: Tensor, *, eps: float = DEFAULT_EPS) -> Tensor:

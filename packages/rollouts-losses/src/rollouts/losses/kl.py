@@ -5,6 +5,16 @@ Legend: B rows, T tokens per row, S sequences. Per-token tensors are [B, T] and 
 KL estimators (Schulman's k1/k2/k3) of KL(pi || pi_ref) from samples of pi:
   k1 = log pi - log pi_ref;  abs = |k1|;  k2 = 0.5 k1^2;
   k3 = low_var_kl = exp(d) - d - 1 with d = log pi_ref - log pi (clamped to [0, 10]; verl's upper clamp).
+  k1+, k3+ = straight-through: the value of k1 (k3), the gradient of k2. k1 and k3 are unbiased
+  estimates of the KL's value but not of its gradient; k2's gradient, (log pi - log pi_ref) grad log pi,
+  is the KL's gradient in expectation (verl `core_algos.py` kl_penalty, "k1+"/"k3+", read 2026-01-29).
+Whether the penalty goes into the loss or into the reward is the loop's choice.
+
+The adaptive KL controller (Ziegler et al. 2019, "Fine-Tuning Language Models from Human
+Preferences", section 2.2; verl `AdaptiveKLController`, same file) is a pure function here:
+`adaptive_kl_update(state, observed_kl=..., ...)` returns the next `KLControllerState`, which the
+loop keeps (and checkpoints) with the rest of its state:
+  coef <- coef * (1 + clip(KL / target - 1, -0.2, 0.2) * num_steps / horizon).
 Whether the penalty goes into the loss or into the reward is the loop's choice.
 
 Importance weights correct for the inference engine sampling from a slightly different policy
@@ -15,6 +25,8 @@ w = pi_trainer_old / pi_engine per token, or its product over a sequence, capped
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -24,9 +36,12 @@ from torch import Tensor
 from rollouts.losses.aggregate import check_same_shape, masked_mean, sequence_sums, to_tokens
 from rollouts.losses.policy import metrics_to_floats
 
-__all__ = ["KL_KINDS", "importance_weights", "kl_penalty"]
+__all__ = ["KL_KINDS", "KLControllerState", "adaptive_kl_update", "importance_weights", "kl_penalty"]
 
-KL_KINDS: tuple[str, ...] = ("k1", "abs", "k2", "k3", "low_var_kl")
+KL_KINDS: tuple[str, ...] = ("k1", "abs", "k2", "k3", "low_var_kl", "k1+", "k3+")
+KL_CONTROLLER_MAX_ERROR = 0.2
+"""Clip on the controller's proportional error KL / target - 1 (Ziegler et al.): one noisy KL
+measurement moves the coefficient by at most 20% x num_steps / horizon."""
 MAX_KL_LOG_RATIO = 20.0
 """Clamp on log(pi_ref / pi) before exp() in k3, so an unlikely token cannot overflow the estimate."""
 MAX_K3 = 10.0
@@ -49,7 +64,45 @@ def kl_penalty(logprobs_B_T: Tensor, ref_logprobs_B_T: Tensor, *, kind: KLKind) 
         d_B_T = torch.clamp(-diff_B_T, -MAX_KL_LOG_RATIO, MAX_KL_LOG_RATIO)
         # exp(d) - d - 1 >= 0, but for |d| near float epsilon rounding can give -6e-8: clamp at 0.
         return torch.clamp(torch.exp(d_B_T) - d_B_T - 1.0, 0.0, MAX_K3)
+    if kind in ("k1+", "k3+"):
+        value_B_T = kl_penalty(logprobs_B_T, ref_logprobs_B_T, kind="k1" if kind == "k1+" else "k3")
+        k2_B_T = 0.5 * diff_B_T.square()
+        return k2_B_T - k2_B_T.detach() + value_B_T.detach()
     raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KLControllerState:
+    """The adaptive KL controller's state: the coefficient to use for the next step."""
+
+    coef: float
+    """Current KL coefficient (AlgorithmConfig.kl_coef at the start of a run)."""
+
+
+def adaptive_kl_update(
+    state: KLControllerState, *, observed_kl: float, target_kl: float, horizon: int, num_steps: int = 1
+) -> KLControllerState:
+    """The controller's next state after `num_steps` steps whose mean KL was `observed_kl`.
+
+    coef * (1 + clip(observed_kl / target_kl - 1, -0.2, 0.2) * num_steps / horizon): the coefficient
+    grows while the KL is above target and shrinks while it is below.
+    """
+    if not (math.isfinite(state.coef) and state.coef > 0):
+        raise ValueError(f"state.coef must be a finite number > 0 (a multiplicative update keeps 0 at 0), got {state.coef!r}")
+    if not (math.isfinite(observed_kl) and observed_kl >= 0):
+        raise ValueError(f"observed_kl must be a finite number >= 0 (a KL estimate), got {observed_kl!r}")
+    if not (math.isfinite(target_kl) and target_kl > 0):
+        raise ValueError(f"target_kl must be a finite number > 0, got {target_kl!r}")
+    for name, count in (("horizon", horizon), ("num_steps", num_steps)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {count!r}")
+    if num_steps > horizon:
+        raise ValueError(
+            f"num_steps ({num_steps}) must be <= horizon ({horizon}): beyond 5 x horizon one update could make the "
+            "coefficient negative"
+        )
+    error = min(max(observed_kl / target_kl - 1.0, -KL_CONTROLLER_MAX_ERROR), KL_CONTROLLER_MAX_ERROR)
+    return KLControllerState(coef=state.coef * (1.0 + error * num_steps / horizon))
 
 
 def importance_weights(

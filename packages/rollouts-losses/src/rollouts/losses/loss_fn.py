@@ -3,7 +3,13 @@
 Legend: B rows, T tokens per row. The batch holds the micro-batch tensors (all [B, T], token-aligned):
   loss_mask (required), segment_ids (packed rows; -1 on padding), advantages (RL),
   old_logprobs (absent: the current log-probs detached, i.e. on-policy ratio 1),
-  ref_logprobs (needed when the KL goes in the loss), rollout_logprobs (needed when is_cap is set).
+  ref_logprobs (needed when the KL goes in the loss), rollout_logprobs (needed when
+  AlgorithmConfig.needs_rollout_logprobs: IS weights, rejection, the off-policy sequence mask).
+When the batch has rollout_logprobs, the off-policy diagnostics (ESS, chi-square, log-prob drift)
+are in the metrics. IS weights, rejection masks, the off-policy sequence mask and the high-entropy
+token mask all multiply the per-token loss; the denominators (step-wide counts) stay as they are.
+DPPO's trust region is around the engine's policy (prime-rl): its ratio uses rollout_logprobs
+when the batch has them, else old_logprobs (Stable-RL's "recompute" variant).
 `num_tokens` and `num_sequences` are the counts for the whole optimizer step, so the losses of a
 step's micro-batches, each backpropagated, add up to the loss of the step as one batch.
 """
@@ -15,11 +21,19 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from rollouts.types.configs import AlgorithmConfig
+import torch
 from torch import Tensor
 
 from rollouts.losses.aggregate import AGGREGATION_MODES, Aggregation, aggregate, check_mode, masked_mean
+from rollouts.losses.correction import (
+    high_entropy_mask,
+    off_policy_diagnostics,
+    off_policy_sequence_mask,
+    rejection_mask,
+)
 from rollouts.losses.kl import importance_weights, kl_penalty
 from rollouts.losses.policy import cispo_loss, gspo_loss, metrics_to_floats, pg_loss, ppo_clip_loss, sft_loss
+from rollouts.losses.policy_variants import clip_cov_loss, dppo_loss, gmpo_loss, kl_cov_loss, sapo_loss
 
 __all__ = ["LossFn", "PolicyLossFn", "SFTLossFn", "loss_fn_from_config", "sft_loss_fn"]
 
@@ -86,16 +100,90 @@ def sft_loss_fn(*, mode: Aggregation = "token-mean", norm_constant: float | None
     return SFTLossFn(mode=mode, norm_constant=norm_constant)
 
 
+def _times(weights_B_T: Tensor | None, factor_B_T: Tensor) -> Tensor:
+    """weights * factor, where None weights mean 1."""
+    return factor_B_T if weights_B_T is None else weights_B_T * factor_B_T
+
+
+def _token_weights(
+    cfg: AlgorithmConfig, logprobs_B_T: Tensor, old_B_T: Tensor, batch: Mapping[str, Tensor],
+    entropy_B_T: Tensor | None,
+) -> tuple[Tensor | None, dict[str, float]]:
+    """The per-token loss multiplier (IS weights x rejection x off-policy mask x entropy mask; None: 1) and metrics."""
+    mask_B_T, segment_ids_B_T = batch["loss_mask"], batch.get("segment_ids")
+    rollout_B_T = batch.get("rollout_logprobs")
+    if cfg.needs_rollout_logprobs:
+        rollout_B_T = _require(batch, "rollout_logprobs", "IS weights, rejection and the off-policy mask need")
+    weights_B_T, metrics = None, {}
+    if rollout_B_T is not None:
+        metrics |= off_policy_diagnostics(old_B_T, rollout_B_T, mask_B_T, segment_ids_B_T=segment_ids_B_T)
+    if cfg.is_cap is not None:
+        weights_B_T, is_metrics = importance_weights(
+            old_B_T, rollout_B_T, mask_B_T, cap=cfg.is_cap, level=cfg.is_level, mode=cfg.is_mode,
+            segment_ids_B_T=segment_ids_B_T,
+        )
+        metrics |= is_metrics
+    if cfg.rs_level != "none":
+        keep_B_T, rs_metrics = rejection_mask(
+            old_B_T, rollout_B_T, mask_B_T, estimator=cfg.rs_estimator, level=cfg.rs_level, low=cfg.rs_low,
+            high=cfg.rs_high, segment_ids_B_T=segment_ids_B_T,
+        )
+        weights_B_T, metrics = _times(weights_B_T, keep_B_T), metrics | rs_metrics
+    if cfg.off_policy_mask_threshold is not None:
+        keep_B_T, opm_metrics = off_policy_sequence_mask(
+            logprobs_B_T, rollout_B_T, batch["advantages"], mask_B_T, threshold=cfg.off_policy_mask_threshold,
+            segment_ids_B_T=segment_ids_B_T,
+        )
+        weights_B_T, metrics = _times(weights_B_T, keep_B_T), metrics | opm_metrics
+    if cfg.top_entropy_quantile < 1.0:
+        if entropy_B_T is None:
+            raise ValueError(
+                f"top_entropy_quantile ({cfg.top_entropy_quantile}) < 1 needs entropy_B_T: the trainer must compute "
+                "it when loss_fn.needs_entropy is True"
+            )
+        keep_B_T = high_entropy_mask(entropy_B_T, mask_B_T, top_quantile=cfg.top_entropy_quantile)
+        weights_B_T = _times(weights_B_T, keep_B_T)
+        metrics |= metrics_to_floats(entropy_mask_frac=masked_mean(keep_B_T, mask_B_T))
+    return weights_B_T, metrics
+
+
+def _policy_loss(
+    cfg: AlgorithmConfig, logprobs_B_T: Tensor, old_B_T: Tensor, batch: Mapping[str, Tensor],
+    is_weights: Tensor | None, agg: dict[str, Any],
+) -> tuple[Tensor, dict[str, float]]:
+    """The configured policy loss on one micro-batch."""
+    args = (logprobs_B_T, old_B_T, batch["advantages"], batch["loss_mask"])
+    clip = {"eps_low": cfg.eps_low, "eps_high": cfg.eps_high}
+    loss = cfg.policy_loss
+    if loss == "ppo_clip":
+        return ppo_clip_loss(*args, dual_clip_c=cfg.dual_clip_c, is_weights=is_weights, **clip, **agg)
+    if loss in ("gspo", "cispo", "gmpo"):
+        fn = {"gspo": gspo_loss, "cispo": cispo_loss, "gmpo": gmpo_loss}[loss]
+        return fn(*args, is_weights=is_weights, **clip, **agg)
+    if loss == "sapo":
+        return sapo_loss(*args, tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg, is_weights=is_weights, **agg)
+    if loss in ("dppo_tv", "dppo_kl"):
+        return dppo_loss(*args, divergence="tv" if loss == "dppo_tv" else "kl", is_weights=is_weights, **clip, **agg)
+    if loss == "clip_cov":
+        return clip_cov_loss(*args, cov_fraction=cfg.cov_fraction, cov_bounds=cfg.clip_cov_bounds,
+                             is_weights=is_weights, **clip, **agg)
+    if loss == "kl_cov":
+        return kl_cov_loss(*args, cov_fraction=cfg.cov_fraction, kl_coef=cfg.kl_cov_coef, is_weights=is_weights, **agg)
+    assert loss == "pg", loss
+    return pg_loss(logprobs_B_T, batch["advantages"], batch["loss_mask"], is_weights=is_weights, **agg)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PolicyLossFn:
-    """The RL loss an AlgorithmConfig describes: policy loss + KL-in-loss - entropy bonus, with IS correction."""
+    """The RL loss an AlgorithmConfig describes: policy loss + KL-in-loss - entropy bonus, with IS correction,
+    rejection, the off-policy sequence mask and the high-entropy token mask."""
 
     algorithm: AlgorithmConfig
 
     @property
     def needs_entropy(self) -> bool:
-        """Entropy is needed when the loss carries an entropy bonus."""
-        return self.algorithm.entropy_coef > 0.0
+        """Entropy is needed for an entropy bonus or the high-entropy token mask."""
+        return self.algorithm.entropy_coef > 0.0 or self.algorithm.top_entropy_quantile < 1.0
 
     def __call__(
         self,
@@ -109,39 +197,23 @@ class PolicyLossFn:
         """[B, T] log-probs, micro-batch -> (policy loss with step-wide denominators, metrics)."""
         cfg = self.algorithm
         mask_B_T = _require(batch, "loss_mask", "every loss needs")
-        advantages_B_T = _require(batch, "advantages", "policy losses need")
+        _require(batch, "advantages", "policy losses need")
         old_B_T = batch.get("old_logprobs")
         old_B_T = logprobs_B_T.detach() if old_B_T is None else old_B_T
         agg: dict[str, Any] = {
             "mode": cfg.loss_aggregation, "norm_constant": cfg.norm_constant,
             "segment_ids_B_T": batch.get("segment_ids"), "num_tokens": num_tokens, "num_sequences": num_sequences,
         }
-        metrics: dict[str, float] = {}
-        is_weights = None
-        if cfg.is_cap is not None:
-            rollout_B_T = _require(batch, "rollout_logprobs", f"importance weights need (is_cap={cfg.is_cap})")
-            is_weights, is_metrics = importance_weights(
-                old_B_T, rollout_B_T, mask_B_T, cap=cfg.is_cap, level=cfg.is_level, mode=cfg.is_mode,
-                segment_ids_B_T=agg["segment_ids_B_T"],
-            )
-            metrics |= is_metrics
-        clip = {"eps_low": cfg.eps_low, "eps_high": cfg.eps_high}
-        if cfg.policy_loss == "ppo_clip":
-            loss, pg_metrics = ppo_clip_loss(
-                logprobs_B_T, old_B_T, advantages_B_T, mask_B_T, dual_clip_c=cfg.dual_clip_c, is_weights=is_weights,
-                **clip, **agg,
-            )
-        elif cfg.policy_loss == "gspo":
-            loss, pg_metrics = gspo_loss(
-                logprobs_B_T, old_B_T, advantages_B_T, mask_B_T, is_weights=is_weights, **clip, **agg
-            )
-        elif cfg.policy_loss == "cispo":
-            loss, pg_metrics = cispo_loss(
-                logprobs_B_T, old_B_T, advantages_B_T, mask_B_T, is_weights=is_weights, **clip, **agg
-            )
-        else:
-            loss, pg_metrics = pg_loss(logprobs_B_T, advantages_B_T, mask_B_T, is_weights=is_weights, **agg)
+        is_weights, metrics = _token_weights(cfg, logprobs_B_T, old_B_T, batch, entropy_B_T)
+        ratio_base_B_T = old_B_T
+        if cfg.policy_loss in ("dppo_tv", "dppo_kl") and batch.get("rollout_logprobs") is not None:
+            ratio_base_B_T = batch["rollout_logprobs"]
+        loss, pg_metrics = _policy_loss(cfg, logprobs_B_T, ratio_base_B_T, batch, is_weights, agg)
         metrics |= pg_metrics
+        if cfg.log_ratio_sq_coef > 0.0:
+            selected_B_T = mask_B_T > 0
+            log_ratio_B_T = torch.where(selected_B_T, logprobs_B_T, 0.0) - torch.where(selected_B_T, ratio_base_B_T.detach(), 0.0)
+            loss = loss + cfg.log_ratio_sq_coef * aggregate(log_ratio_B_T.square(), mask_B_T, **agg)
         ref_B_T = batch.get("ref_logprobs")
         if cfg.kl_placement == "loss" and cfg.kl_coef > 0.0:
             ref_B_T = _require(batch, "ref_logprobs", f"the KL in the loss needs (kl_coef={cfg.kl_coef})")
