@@ -20,12 +20,12 @@ import torch
 
 from rollouts.backends import InProcessEngine, build_components
 from rollouts.data import DataBuffer
-from rollouts.loops.demo import DemoConfig
+from rollouts.loops.app.demo import DemoConfig
 from rollouts.loops.engines import CoalescingEngine
 from rollouts.loops.loggers import NullLogger
 from rollouts.loops.rl import run_rl_training
-from rollouts.loops.tasks import addition_problems, exact_answer_reward
-from rollouts.loops.tiny import build_tiny_model, build_tokenizer
+from rollouts.loops.app.tasks import addition_problems, exact_answer_reward
+from rollouts.loops.app.tiny import build_tiny_model, build_tokenizer
 from rollouts.types import AlgorithmConfig, CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams
 
 

@@ -8,7 +8,7 @@ import numpy as np
 from rollouts.backends import build_components
 from rollouts.backends.distributed import shard_model
 from rollouts.loops.algorithms import ALGORITHMS
-from rollouts.loops.tiny import build_tiny_model
+from rollouts.loops.app.tiny import build_tiny_model
 from rollouts.types import AlgorithmConfig, OptimizerConfig, RLConfig, RolloutConfig, Sample, SamplingParams
 
 VOCAB = 64

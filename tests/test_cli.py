@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.numpy import load_file
 
-from rollouts.loops.cli import main
+from rollouts.loops.app.cli import main
 from rollouts.loops.loggers import read_jsonl
 from run_configs import rl_toml
 
@@ -67,7 +67,7 @@ def test_kill_and_resume_of_rollouts_sft_is_bit_identical(tiny_run_inputs, tmp_p
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert main(["sft", "--config", str(_sft_toml(tiny_run_inputs, straight, steps=8, every=2))]) == 0
     config = _sft_toml(tiny_run_inputs, resumed, steps=8, every=2)
-    command = [sys.executable, "-m", "rollouts.loops.cli", "sft", "--config", str(config)]
+    command = [sys.executable, "-m", "rollouts.loops.app.cli", "sft", "--config", str(config)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     # The event: step 5's metrics line, written after step 4's checkpoint was saved. (Not the step_4
@@ -134,7 +134,7 @@ def test_rollouts_sft_under_torchrun_uses_fsdp2(tiny_run_inputs, tmp_path):
     out = tmp_path / "fsdp"
     config = _sft_toml(tiny_run_inputs, out, steps=3, every=0)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "-m", "rollouts.loops.cli", "sft", "--config", str(config),
+               "-m", "rollouts.loops.app.cli", "sft", "--config", str(config),
                # 7 samples over 2 ranks in micro-batches of ~3: the ranks run different numbers of
                # micro-batches, which FSDP's collectives must survive
                "--set", "sft.batch_size=7", "--set", "sft.max_tokens_per_micro_batch=32"]
@@ -156,7 +156,7 @@ def test_rollouts_rl_under_torchrun(tiny_run_inputs, tmp_path, preset):
     out = tmp_path / "rl_fsdp"
     config = rl_toml(tiny_run_inputs, out, tiny_run_inputs / "model")
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "-m", "rollouts.loops.cli", "rl", "--config", str(config), "--set", f"preset={preset}",
+               "-m", "rollouts.loops.app.cli", "rl", "--config", str(config), "--set", f"preset={preset}",
                "--set", "rl.checkpoint.every_steps=2", "--set", "rl.rollout.batch_size=3"]
     done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=_KILL_WAIT_S)

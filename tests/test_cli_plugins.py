@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from rollouts.loops.cli import main
+from rollouts.loops.app.cli import main
 from rollouts.loops.loggers import read_jsonl
 from run_configs import rl_toml
 

@@ -2,7 +2,7 @@
 
 import json
 
-from rollouts.loops.cli import main
+from rollouts.loops.app.cli import main
 from rollouts.loops.loggers import read_jsonl
 
 

@@ -33,7 +33,7 @@ def _plant(tree: Path, package: str, code: str) -> None:
     [
         ("losses", "from rollouts.backends import x\n", "imports go only downward"),
         ("data", "import rollouts.sync\n", "imports go only downward"),  # same floor
-        ("backends", "def f():\n    from rollouts.loops.cli import main\n", "imports go only downward"),
+        ("backends", "def f():\n    from rollouts.loops.app.cli import main\n", "imports go only downward"),
         ("data", "import torch.nn\n", "rollouts-data must not need torch"),
         ("sync", "from torch import nn\n", "rollouts-sync must not need torch"),
         ("types", "import numpy as np\n", "rollouts-types uses the standard library only"),

@@ -136,7 +136,7 @@ class _EchoEngine:
 def test_a_resumed_run_trains_the_same_prompts_as_an_uninterrupted_one(tmp_path, monkeypatch, overlap):
     """Every checkpoint holds the batch generated ahead of it together with the buffer after it."""
     import rollouts.loops.rl as rl
-    from rollouts.loops.tiny import build_tiny_model
+    from rollouts.loops.app.tiny import build_tiny_model
 
     class Crash(Exception):
         pass

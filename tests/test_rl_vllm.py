@@ -3,7 +3,7 @@
 import pytest
 import trio
 
-from rollouts.loops.cli import main
+from rollouts.loops.app.cli import main
 from rollouts.loops.loggers import read_jsonl
 from run_configs import rl_toml
 from rollouts.sync import VLLMEngine

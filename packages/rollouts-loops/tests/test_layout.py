@@ -11,7 +11,7 @@ from rollouts.backends import micro_batch_to_torch, packed_only
 from rollouts.backends.train import _model_inputs
 from rollouts.data import plan_micro_batches
 from rollouts.loops.micro_batches import choose_layout
-from rollouts.loops.tiny import build_tiny_model
+from rollouts.loops.app.tiny import build_tiny_model
 from rollouts.types import Sample
 
 

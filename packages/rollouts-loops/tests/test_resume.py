@@ -6,7 +6,7 @@ import pytest
 
 from rollouts.backends import build_components, save_checkpoint
 from rollouts.loops.run_dir import CHECKPOINTS_DIR, resume_if_possible
-from rollouts.loops.tiny import build_tiny_model
+from rollouts.loops.app.tiny import build_tiny_model
 from rollouts.types import OptimizerConfig, TrainingState
 
 

@@ -9,7 +9,7 @@ import torch
 
 from rollouts.backends import build_components
 from rollouts.loops.sft import sft_step
-from rollouts.loops.tiny import build_tiny_model
+from rollouts.loops.app.tiny import build_tiny_model
 from rollouts.types import OptimizerConfig, Sample, SFTConfig, TrainingState
 from rollouts.types.configs import LossAggregation
 

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from rollouts.loops.loggers import read_jsonl
+from rollouts.loops import read_jsonl
 
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loss", ("loss", "sft/loss", "rl/loss")),

@@ -24,12 +24,12 @@ import torch
 
 from rollouts.backends import InProcessEngine, build_components, export_weights
 from rollouts.data import DataBuffer, tokenize_conversation
-from rollouts.loops.evaluate import evaluate
-from rollouts.loops.loggers import ConsoleLogger, JsonlLogger, MultiLogger
-from rollouts.loops.rl import run_rl_training
-from rollouts.loops.sft import run_sft_training
-from rollouts.loops.tasks import addition_problems, as_conversation, exact_answer_reward, sloppy_teacher
-from rollouts.loops.tiny import build_tiny_model, build_tokenizer, save_model
+from rollouts.loops import evaluate
+from rollouts.loops import ConsoleLogger, JsonlLogger, MultiLogger
+from rollouts.loops import run_rl_training
+from rollouts.loops import run_sft_training
+from rollouts.loops.app.tasks import addition_problems, as_conversation, exact_answer_reward, sloppy_teacher
+from rollouts.loops.app.tiny import build_tiny_model, build_tokenizer, save_model
 from rollouts.types import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -154,7 +154,7 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
         max_tokens_per_micro_batch=4096, seed=config.seed,
     )
     rl_components = build_components(model, rl.optimizer, num_training_steps=rl.num_steps)
-    from rollouts.loops.engines import CoalescingEngine
+    from rollouts.loops import CoalescingEngine
 
     rl_engine = CoalescingEngine(engine, max_prompts_per_call=config.rl_prompts_per_step)
     rl_logger = MultiLogger([JsonlLogger(out / "metrics_rl.jsonl")]
@@ -180,7 +180,7 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
         "config": dataclasses.asdict(config),
     }
     try:
-        from rollouts.loops.plot import plot_run
+        from rollouts.loops.app.plot import plot_run
 
         summary["plot"] = str(plot_run(out))
     except ImportError as e:

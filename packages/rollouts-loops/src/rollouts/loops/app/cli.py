@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from rollouts.loops.config import ConfigError, RLRun, SFTRun, load_run, to_toml
+from rollouts.loops.app.config import ConfigError, RLRun, SFTRun, load_run, to_toml
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -41,7 +41,7 @@ def _check_paths(run: Any, source: str, *, model: bool = True) -> None:
 
 
 def _distributed() -> tuple[int, int]:
-    from rollouts.loops.distributed import init_distributed
+    from rollouts.loops import init_distributed
 
     return init_distributed()
 
@@ -85,7 +85,7 @@ def _tokenizer(run: Any):
 
 
 def _loggers(out: Path, name: str, total: int, *, rank: int = 0):
-    from rollouts.loops.loggers import ConsoleLogger, JsonlLogger, MultiLogger, NullLogger
+    from rollouts.loops import ConsoleLogger, JsonlLogger, MultiLogger, NullLogger
 
     if rank != 0:
         return NullLogger()
@@ -96,8 +96,8 @@ def cmd_sft(run: SFTRun, source: str) -> Path:
     """Tokenize conversations with the model's chat template and train; returns the checkpoint root."""
     _check_paths(run, source)
     from rollouts.data import load_conversations, tokenize_conversation
-    from rollouts.loops.run_dir import CHECKPOINTS_DIR
-    from rollouts.loops.sft import run_sft_training
+    from rollouts.loops import CHECKPOINTS_DIR
+    from rollouts.loops import run_sft_training
 
     out = Path(run.run.out_dir)
     _write_resolved(run, out)
@@ -129,7 +129,7 @@ def _encoder(tokenizer):
 
 
 def _builtin_reward(name: str, answer_key: str) -> Any:
-    from rollouts.loops.tasks import exact_answer_reward
+    from rollouts.loops.app.tasks import exact_answer_reward
     from rollouts.losses import math_answer_reward
 
     if name == "math_answer":
@@ -143,9 +143,9 @@ def _builtin_reward(name: str, answer_key: str) -> Any:
 
 def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
     """run_rl_training's plug-point arguments from [reward] and [hooks], checked before any work."""
-    from rollouts.loops.config import BUILTIN_REWARDS
-    from rollouts.loops.plugins import PluginError, resolve_function
-    from rollouts.loops.scoring import Reward
+    from rollouts.loops.app.config import BUILTIN_REWARDS
+    from rollouts.loops import PluginError, resolve_function
+    from rollouts.loops import Reward
 
     spec = run.reward
     try:
@@ -176,7 +176,7 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
 
     from rollouts.backends import InProcessEngine, load_hf_model
     from rollouts.loops.distributed import rank_world
-    from rollouts.loops.engines import CoalescingEngine, remote_engine
+    from rollouts.loops import CoalescingEngine, remote_engine
 
     rank, world = rank_world()
     if rank != 0:
@@ -200,7 +200,7 @@ def _evaluation(run: RLRun) -> Any:
     import dataclasses as dc
 
     from rollouts.data import load_prompts
-    from rollouts.loops.evaluate import Evaluation
+    from rollouts.loops import Evaluation
 
     if run.eval.every_steps == 0:
         return None
@@ -217,9 +217,9 @@ def cmd_rl(run: RLRun, source: str) -> Path:
     """RL from the configured model against the configured engine(s); returns the checkpoint root."""
     _check_paths(run, source)
     from rollouts.data import DataBuffer, load_prompts
-    from rollouts.loops.rl import run_rl_training
+    from rollouts.loops import run_rl_training
     from rollouts.loops.rl_update import check_algorithm
-    from rollouts.loops.run_dir import CHECKPOINTS_DIR
+    from rollouts.loops import CHECKPOINTS_DIR
 
     try:
         check_algorithm(run.rl.algorithm)
@@ -262,7 +262,7 @@ def cmd_eval(run: RLRun, source: str, checkpoint: str) -> dict[str, float]:
     import trio
 
     from rollouts.backends import InProcessEngine, load_hf_model
-    from rollouts.loops.evaluate import evaluate_groups, group_metrics
+    from rollouts.loops import evaluate_groups, group_metrics
 
     if not (Path(checkpoint) / "config.json").is_file():
         raise ConfigError(f"--checkpoint {checkpoint!r} must be an HF-format model directory (config.json)")
@@ -329,11 +329,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                   tokenizer_path=rl.model.tokenizer_path or str(checkpoint)))
             cmd_rl(rl, args.rl_config)
         elif args.command == "plot":
-            from rollouts.loops.plot import plot_run
+            from rollouts.loops.app.plot import plot_run
 
             print(plot_run(args.run_dir, out=args.out))
         elif args.command == "demo":
-            from rollouts.loops.demo import DemoConfig, run_demo
+            from rollouts.loops.app.demo import DemoConfig, run_demo
 
             config = DemoConfig.quick() if args.quick else DemoConfig()
             config = dataclasses.replace(config, seed=args.seed)
@@ -345,7 +345,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     finally:
         if "torch" in sys.modules:  # only a run that imported torch can have a process group
-            from rollouts.loops.distributed import close_distributed
+            from rollouts.loops import close_distributed
 
             close_distributed(clean=clean)
     return 0
