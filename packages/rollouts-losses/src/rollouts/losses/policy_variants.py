@@ -155,6 +155,8 @@ def dppo_mask(
 ) -> Tensor:
     """[B, T] bool: tokens outside DPPO's trust region in the direction of their advantage (no gradient there)."""
     with torch.no_grad():
+        # a log-prob above 0 (an engine's rounding) would give a probability above 1 and a NaN binary KL
+        logprobs_B_T, old_logprobs_B_T = logprobs_B_T.clamp(max=0.0), old_logprobs_B_T.clamp(max=0.0)
         p_B_T, p_old_B_T = torch.exp(logprobs_B_T), torch.exp(old_logprobs_B_T)
         if divergence == "tv":
             rose_B_T = p_B_T - p_old_B_T > eps_high
