@@ -112,8 +112,8 @@ def gpg_advantages(rewards_B: Tensor, group_ids_B: Tensor) -> Tensor:
     """[B] rewards, [B] group ids -> [B] GPG advantages alpha (r - group mean), alpha = B / (number of samples
     whose centered reward is not 0); a group of one has mean 0, as in GRPO. All-zero: advantages 0."""
     centered_B = group_advantages(rewards_B, group_ids_B, scale="none")
-    num_valid = (centered_B != 0).sum().clamp(min=1)
-    return centered_B * (rewards_B.numel() / num_valid).to(rewards_B.dtype)
+    num_valid = (centered_B != 0).sum().clamp(min=1).to(rewards_B.dtype)  # alpha in the rewards' precision
+    return centered_B * (rewards_B.numel() / num_valid)
 
 
 def remax_advantages(rewards_B: Tensor, greedy_rewards_B: Tensor, *, group_ids_B: Tensor | None = None) -> Tensor:
