@@ -13,7 +13,7 @@ from typing import Any
 
 _EXPORTS = {
     # the loops and their steps
-    "run_rl_training": "rl", "rl_step": "rl", "RLHooks": "rl", "sync_engine": "rl",
+    "run_rl_training": "rl", "rl_step": "rl", "RLHooks": "rl", "sync_engine": "generation", "BatchSource": "generation",
     "rl_update": "rl_update", "token_advantages": "rl_update", "default_loss_fn": "rl_update",
     "AdvantageFn": "rl_update",
     "run_sft_training": "sft", "sft_step": "sft",
@@ -22,6 +22,7 @@ _EXPORTS = {
     "Reward": "scoring", "RewardError": "scoring", "batched_reward": "scoring",
     "RolloutContext": "rollout_fns", "RolloutFn": "rollout_fns", "single_turn_rollout": "rollout_fns",
     "tool_rollout": "rollout_fns", "run_tool_rollout": "multiturn",
+    "environment_rollout": "environments", "environment_reward": "environments", "CalculatorEnv": "environments",
     "load_object": "plugins", "resolve_function": "plugins", "PluginError": "plugins",
     "ALGORITHMS": "algorithms", "algorithm_preset": "algorithms",
     # evaluation

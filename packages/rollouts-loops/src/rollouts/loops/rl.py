@@ -27,13 +27,14 @@ from typing import Any
 import numpy as np
 import trio
 
-from rollouts.backends import TrainingComponents, export_weights, save_checkpoint
+from rollouts.backends import TrainingComponents, save_checkpoint
 from rollouts.data import AsyncRolloutManager, DataBuffer
-from rollouts.loops.distributed import broadcast_json, rank_world
+from rollouts.loops.distributed import rank_world
 from rollouts.loops.evaluate import Evaluation, evaluate_groups, group_metrics
+from rollouts.loops.generation import BatchSource, sync_engine
 from rollouts.loops.rl_update import AdvantageFn, check_algorithm, rl_update
 from rollouts.loops.rollout_fns import PromptEncoder, RolloutContext, RolloutFn, group_generator, single_turn_rollout
-from rollouts.loops.run_dir import CHECKPOINTS_DIR, WEIGHTS_DIR, resume_if_possible
+from rollouts.loops.run_dir import CHECKPOINTS_DIR, resume_if_possible
 from rollouts.loops.scoring import Reward, check_reward_errors, reward_errors, summarize
 from rollouts.losses import LossFn, overlong_penalty
 from rollouts.types import (
@@ -147,99 +148,6 @@ def _no_progress_error(batch: RolloutBatch, metrics: dict[str, float], empty_in_
         + (f"; causes: {summarize(causes)}" if causes else ""))
 
 
-# ---------------------------------------------------------------- generation and sync
-
-
-def _batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:
-    return {"samples": [s.to_dict() for s in batch.samples], "epoch": batch.epoch, "step": batch.step,
-            "num_filtered": batch.num_filtered, "num_failed": batch.num_failed,
-            "num_carried_over": batch.num_carried_over, "filter_reasons": dict(batch.filter_reasons),
-            "metadata": {k: v for k, v in batch.metadata.items() if k in ("errors", "groups_requested", "num_rounds")}}
-
-
-def _batch_from_dict(data: dict[str, Any]) -> RolloutBatch:
-    return RolloutBatch(**{**data, "samples": tuple(Sample.from_dict(d) for d in data["samples"])})
-
-
-class _Batches:
-    """Rank 0: a producer task generating one batch per request into a channel. Every rank: `next`
-    returns the step's batch, broadcast from rank 0 (a generation error is raised on every rank)."""
-
-    def __init__(self, nursery: trio.Nursery, manager: AsyncRolloutManager | None, lock: trio.Lock,
-                 ahead: RolloutBatch | None) -> None:
-        self.ahead = ahead
-        self._outstanding = False
-        self._requests, requests_rx = trio.open_memory_channel[int](1)
-        self._results_tx, self._results = trio.open_memory_channel[Any](1)
-        if manager is not None:
-            nursery.start_soon(self._produce, manager, lock, requests_rx)
-
-    async def _produce(self, manager: AsyncRolloutManager, lock: trio.Lock, requests: Any) -> None:
-        async for step in requests:
-            async with lock:
-                start = time.perf_counter()
-                try:
-                    result: Any = (await manager.generate_batch(step=step), time.perf_counter() - start)
-                except Exception as error:  # handed to the consumer, which raises it
-                    result = error
-            await self._results_tx.send(result)
-
-    async def request(self, step: int) -> None:
-        if self.ahead is None and not self._outstanding:
-            self._outstanding = True
-            if rank_world()[0] == 0:
-                await self._requests.send(step)
-
-    async def wait_ahead(self) -> RolloutBatch | None:
-        """The batch generated ahead (overlap), received so a checkpoint can hold it; None if none."""
-        if self.ahead is None and self._outstanding:
-            self.ahead = await self._receive()
-        return self.ahead
-
-    async def next(self, step: int) -> tuple[RolloutBatch, float]:
-        await self.request(step)
-        if self.ahead is not None:
-            batch, self.ahead = self.ahead, None
-            return batch, 0.0
-        start = time.perf_counter()
-        return await self._receive(), time.perf_counter() - start
-
-    async def _receive(self) -> RolloutBatch:
-        self._outstanding = False
-        rank, world = rank_world()
-        if rank == 0:
-            result = await self._results.receive()
-            if world == 1:
-                if isinstance(result, Exception):
-                    raise result
-                return result[0]
-            payload = {"error": f"{type(result).__name__}: {result}"} if isinstance(result, Exception) \
-                else {"batch": _batch_to_dict(result[0])}
-        else:
-            payload = None
-        payload = await trio.to_thread.run_sync(broadcast_json, payload)
-        if "error" in payload:
-            raise RuntimeError(f"generation on rank 0 failed: {payload['error']}")
-        return _batch_from_dict(payload["batch"])
-
-
-async def sync_engine(components: TrainingComponents, engine: InferenceEngine | None, state: TrainingState,
-                      run_dir: Path, *, shares_model: bool, lock: trio.Lock, version: int | None = None,
-                      ) -> tuple[TrainingState, dict[str, float]]:
-    """Export the weights (every rank; not when the engine samples from the training model itself)
-    and load them into the engine (rank 0) as `version` (default: the next one)."""
-    version = state.weight_version + 1 if version is None else version
-    start = time.perf_counter()
-    path = run_dir / WEIGHTS_DIR
-    if not shares_model:
-        await trio.to_thread.run_sync(export_weights, components, path)
-    export_s = time.perf_counter() - start
-    if engine is not None and rank_world()[0] == 0:
-        async with lock:  # never mid-generation
-            await engine.update_weights_from_disk(str(path.resolve()), version)
-    return state.with_weight_version(version), {"sync_export_s": export_s, "sync_s": time.perf_counter() - start}
-
-
 # ---------------------------------------------------------------- the loop
 
 
@@ -337,7 +245,7 @@ async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:
     history: list[dict[str, float]] = []
     empty_in_a_row = 0
     async with trio.open_nursery() as nursery:
-        batches = _Batches(nursery, manager, lock, ahead)
+        batches = BatchSource(nursery, manager, lock, ahead)
         while state.step < total:
             step_start = time.perf_counter()
             batch, wait_s = await batches.next(state.step // updates)
@@ -369,7 +277,7 @@ def _manager(run: _Run, extra: dict[str, Any]) -> AsyncRolloutManager | None:
 
 
 async def _train(run: _Run, state: TrainingState, batch: RolloutBatch, lock: trio.Lock,
-                 batches: _Batches) -> tuple[TrainingState, dict[str, float]]:
+                 batches: BatchSource) -> tuple[TrainingState, dict[str, float]]:
     """rl_step in a worker thread (the producer keeps generating), then the sync when it is due."""
     config, updates = run.config, run.config.algorithm.num_updates_per_batch
     start = time.perf_counter()
@@ -387,7 +295,7 @@ async def _train(run: _Run, state: TrainingState, batch: RolloutBatch, lock: tri
 
 
 async def _after_step(run: _Run, state: TrainingState, metrics: dict[str, float],
-                      manager: AsyncRolloutManager | None, batches: _Batches, lock: trio.Lock) -> None:
+                      manager: AsyncRolloutManager | None, batches: BatchSource, lock: trio.Lock) -> None:
     """Evaluate, log, call on_step, and checkpoint when due (with the batch generated ahead, if any)."""
     config, total = run.config, run.config.num_steps * run.config.algorithm.num_updates_per_batch
     evaluation = run.evaluation

@@ -12,7 +12,16 @@ from rollouts.types.configs import (
     SFTConfig,
     from_dict,
 )
-from rollouts.types.protocols import FilterFn, GenerateFn, InferenceEngine, MetricsLogger, RewardFn, Tokenizer
+from rollouts.types.protocols import (
+    EnvStep,
+    Environment,
+    FilterFn,
+    GenerateFn,
+    InferenceEngine,
+    MetricsLogger,
+    RewardFn,
+    Tokenizer,
+)
 from rollouts.types.samples import Prompt, RolloutBatch, Sample, Status
 from rollouts.types.state import TrainingState
 
@@ -21,6 +30,8 @@ __version__ = "0.1.0"
 __all__ = [
     "AlgorithmConfig",
     "CheckpointConfig",
+    "EnvStep",
+    "Environment",
     "FilterFn",
     "GenerateFn",
     "InferenceEngine",

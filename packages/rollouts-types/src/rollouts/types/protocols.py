@@ -6,7 +6,9 @@ the same way.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from rollouts.types.configs import SamplingParams
@@ -85,3 +87,42 @@ FilterFn = Callable[[Sequence[Sample]], "str | None"]
 
 GenerateFn = Callable[[Any, int], "Sequence[Sample] | Awaitable[Sequence[Sample]]"]
 """Generates one group: (prompt record, samples per prompt) -> that many Samples (sync or async)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EnvStep:
+    """What an Environment answers to one action."""
+
+    observation: str | tuple[int, ...] = ""
+    """Text or token ids shown to the model next (masked out of the loss); empty when done."""
+    reward: float = 0.0
+    """Reward for this step; a trajectory's reward is the sum over its steps."""
+    done: bool = False
+    """The episode ended: the model gets no further turn."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.observation, (list, tuple)):
+            object.__setattr__(self, "observation", tuple(self.observation))
+            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.observation):
+                raise TypeError(f"EnvStep.observation token ids must be non-negative ints, got {self.observation!r:.80}")
+        elif not isinstance(self.observation, str):
+            raise TypeError(f"EnvStep.observation must be text or token ids, got {type(self.observation).__name__}")
+        if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):
+            raise ValueError(f"EnvStep.reward must be a finite number, got {self.reward!r}")
+        if not isinstance(self.done, bool):
+            raise TypeError(f"EnvStep.done must be a bool, got {type(self.done).__name__}")
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """A multi-turn task, run token-in/token-out: the model acts, the environment observes and scores.
+
+    One instance per episode. `reset(record)` returns the first observation (the prompt: text, or token
+    ids); each `step(action_text, action_ids)` gets the model's turn and returns an EnvStep. Both may be
+    sync or async. Environment tokens are masked out of the loss; the model's tokens keep their
+    log-probs per turn.
+    """
+
+    def reset(self, record: Any) -> str | Sequence[int] | Awaitable[str | Sequence[int]]: ...
+
+    def step(self, action_text: str, action_ids: Sequence[int]) -> EnvStep | Awaitable[EnvStep]: ...

@@ -1,0 +1,110 @@
+"""The generation side of the SPMD RL loop: rank 0's rollout producer, the broadcast of each step's
+batch to the other ranks, and the engine sync (export on every rank, load on rank 0).
+
+Collectives run in worker threads so rank 0's event loop keeps generating while it waits; their
+order is the same on every rank because only the loop's one consumer task calls them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from rollouts.backends import TrainingComponents, export_weights
+from rollouts.data import AsyncRolloutManager
+from rollouts.loops.distributed import broadcast_json, rank_world
+from rollouts.loops.run_dir import WEIGHTS_DIR
+from rollouts.types import InferenceEngine, RolloutBatch, Sample, TrainingState
+
+
+def _batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:
+    return {"samples": [s.to_dict() for s in batch.samples], "epoch": batch.epoch, "step": batch.step,
+            "num_filtered": batch.num_filtered, "num_failed": batch.num_failed,
+            "num_carried_over": batch.num_carried_over, "filter_reasons": dict(batch.filter_reasons),
+            "metadata": {k: v for k, v in batch.metadata.items() if k in ("errors", "groups_requested", "num_rounds")}}
+
+
+def _batch_from_dict(data: dict[str, Any]) -> RolloutBatch:
+    return RolloutBatch(**{**data, "samples": tuple(Sample.from_dict(d) for d in data["samples"])})
+
+
+class BatchSource:
+    """Rank 0: a producer task generating one batch per request into a channel. Every rank: `next`
+    returns the step's batch, broadcast from rank 0 (a generation error is raised on every rank)."""
+
+    def __init__(self, nursery: trio.Nursery, manager: AsyncRolloutManager | None, lock: trio.Lock,
+                 ahead: RolloutBatch | None) -> None:
+        self.ahead = ahead
+        self._outstanding = False
+        self._requests, requests_rx = trio.open_memory_channel[int](1)
+        self._results_tx, self._results = trio.open_memory_channel[Any](1)
+        if manager is not None:
+            nursery.start_soon(self._produce, manager, lock, requests_rx)
+
+    async def _produce(self, manager: AsyncRolloutManager, lock: trio.Lock, requests: Any) -> None:
+        async for step in requests:
+            async with lock:
+                start = time.perf_counter()
+                try:
+                    result: Any = (await manager.generate_batch(step=step), time.perf_counter() - start)
+                except Exception as error:  # handed to the consumer, which raises it
+                    result = error
+            await self._results_tx.send(result)
+
+    async def request(self, step: int) -> None:
+        if self.ahead is None and not self._outstanding:
+            self._outstanding = True
+            if rank_world()[0] == 0:
+                await self._requests.send(step)
+
+    async def wait_ahead(self) -> RolloutBatch | None:
+        """The batch generated ahead (overlap), received so a checkpoint can hold it; None if none."""
+        if self.ahead is None and self._outstanding:
+            self.ahead = await self._receive()
+        return self.ahead
+
+    async def next(self, step: int) -> tuple[RolloutBatch, float]:
+        await self.request(step)
+        if self.ahead is not None:
+            batch, self.ahead = self.ahead, None
+            return batch, 0.0
+        start = time.perf_counter()
+        return await self._receive(), time.perf_counter() - start
+
+    async def _receive(self) -> RolloutBatch:
+        self._outstanding = False
+        rank, world = rank_world()
+        if rank == 0:
+            result = await self._results.receive()
+            if world == 1:
+                if isinstance(result, Exception):
+                    raise result
+                return result[0]
+            payload = {"error": f"{type(result).__name__}: {result}"} if isinstance(result, Exception) \
+                else {"batch": _batch_to_dict(result[0])}
+        else:
+            payload = None
+        payload = await trio.to_thread.run_sync(broadcast_json, payload)
+        if "error" in payload:
+            raise RuntimeError(f"generation on rank 0 failed: {payload['error']}")
+        return _batch_from_dict(payload["batch"])
+
+
+async def sync_engine(components: TrainingComponents, engine: InferenceEngine | None, state: TrainingState,
+                      run_dir: Path, *, shares_model: bool, lock: trio.Lock, version: int | None = None,
+                      ) -> tuple[TrainingState, dict[str, float]]:
+    """Export the weights (every rank; not when the engine samples from the training model itself)
+    and load them into the engine (rank 0) as `version` (default: the next one)."""
+    version = state.weight_version + 1 if version is None else version
+    start = time.perf_counter()
+    path = run_dir / WEIGHTS_DIR
+    if not shares_model:
+        await trio.to_thread.run_sync(export_weights, components, path)
+    export_s = time.perf_counter() - start
+    if engine is not None and rank_world()[0] == 0:
+        async with lock:  # never mid-generation
+            await engine.update_weights_from_disk(str(path.resolve()), version)
+    return state.with_weight_version(version), {"sync_export_s": export_s, "sync_s": time.perf_counter() - start}

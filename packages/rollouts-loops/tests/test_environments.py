@@ -1,0 +1,105 @@
+"""Environments run token-in/token-out: masks, per-turn log-probs, bounds, and the calculator example."""
+
+import math
+
+import pytest
+import trio
+
+from rollouts.loops.environments import CalculatorEnv, environment_reward, environment_rollout, safe_arithmetic
+from rollouts.loops.rollout_fns import RolloutContext
+from rollouts.types import EnvStep, Sample, SamplingParams, Status
+
+
+class CharTokenizer:
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+class ScriptedEngine:
+    """Answers each call with the next scripted turn; log-prob -0.5 per token."""
+
+    def __init__(self, turns):
+        self.turns, self.prompts = list(turns), []
+
+    async def generate(self, prompts, params):
+        (prompt,) = prompts
+        self.prompts.append(list(prompt))
+        text = self.turns.pop(0)
+        ids = [ord(c) for c in text]
+        return [Sample(tokens=(*prompt, *ids), num_prompt_tokens=len(prompt), loss_mask=[0.0] * len(prompt) + [1.0] * len(ids),
+                       response=text, rollout_logprobs=[-0.5] * len(ids), weight_version=3)]
+
+
+def _run(env_factory, turns, *, max_turns=4, step_timeout_s=5.0, record=None):
+    tok = CharTokenizer()
+    ctx = RolloutContext(engine=ScriptedEngine(turns), sampling=SamplingParams(n=1, max_new_tokens=16),
+                         encode_prompt=lambda r: tok.encode(r["prompt"]), tokenizer=tok)
+    rollout = environment_rollout(env_factory, max_turns=max_turns, step_timeout_s=step_timeout_s)
+    (sample,) = trio.run(rollout, record or {"prompt": "Q:", "answer": "36"}, ctx)
+    return sample, ctx.engine
+
+
+def test_the_calculator_episode_masks_tool_output_and_keeps_turn_log_probs():
+    sample, engine = _run(CalculatorEnv, ["calc: 12*3", "answer: 36"])
+    assert sample.status is Status.COMPLETED and environment_reward(sample, {}) == 1.0
+    text = "".join(chr(t) for t in sample.tokens)
+    assert text == "Q:calc: 12*3\n= 36\nanswer: 36"
+    mask = {c: m for c, m in zip(text, sample.loss_mask, strict=True)}
+    observation = "\n= 36\n"
+    start = text.index(observation)
+    assert sample.loss_mask[start:start + len(observation)] == (0.0,) * len(observation)
+    assert sample.loss_mask[:2] == (0.0, 0.0) and mask["a"] == 1.0
+    trained = [lp for lp, m in zip(sample.rollout_logprobs, sample.loss_mask[2:], strict=True) if m]
+    assert trained == [-0.5] * len("calc: 12*3answer: 36")
+    assert engine.prompts[1] == [ord(c) for c in "Q:calc: 12*3\n= 36\n"]  # continued from the exact ids
+
+
+def test_a_wrong_answer_scores_zero_and_a_tool_error_is_shown_not_raised():
+    sample, _ = _run(CalculatorEnv, ["calc: __import__('os')", "answer: 35"])
+    assert environment_reward(sample, {}) == 0.0 and "error: only numbers" in "".join(chr(t) for t in sample.tokens)
+
+
+def test_an_environment_that_never_ends_is_truncated_at_max_turns():
+    class Endless:
+        def reset(self, record):
+            return "go"
+
+        def step(self, text, ids):
+            return EnvStep(observation="!", reward=0.25)
+
+    sample, _ = _run(Endless, ["a", "b", "c", "d", "e"], max_turns=3)
+    assert sample.status is Status.TRUNCATED and sample.metadata["turns"] == 3
+    assert environment_reward(sample, {}) == 0.75
+
+
+def test_a_hung_environment_fails_within_its_timeout():
+    class Hangs:
+        def reset(self, record):
+            return "go"
+
+        async def step(self, text, ids):
+            await trio.sleep(3600)
+
+    with pytest.raises(TimeoutError, match="Hangs.step took longer than 0.05 s"):
+        _run(Hangs, ["a"], step_timeout_s=0.05)
+
+
+@pytest.mark.parametrize("expression, value", [("12*3", 36), ("(1+2)/4", 0.75), ("-7//2", -4), ("10 % 4", 2)])
+def test_safe_arithmetic(expression, value):
+    assert math.isclose(safe_arithmetic(expression), value)
+
+
+@pytest.mark.parametrize("expression", ["2**100", "__import__('os')", "a+1", "1/0", "9" * 300, "10**13", "99999999*99999999"])
+def test_safe_arithmetic_refuses_everything_else(expression):
+    with pytest.raises(ValueError):
+        safe_arithmetic(expression)
+
+
+def test_env_step_checks_its_fields():
+    with pytest.raises(ValueError, match="finite"):
+        EnvStep(reward=math.nan)
+    with pytest.raises(TypeError, match="token ids"):
+        EnvStep(observation=[1, -2])
