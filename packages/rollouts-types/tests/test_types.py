@@ -62,7 +62,11 @@ def _valid_config(cls, draw):
     if cls is AlgorithmConfig:
         placement = draw(st.sampled_from(["none", "loss", "reward"]))
         return AlgorithmConfig(
-            policy_loss=draw(st.sampled_from(["ppo_clip", "gspo", "cispo", "pg"])),
+            policy_loss=draw(st.sampled_from(["ppo_clip", "gspo", "cispo", "pg", "sapo", "gmpo", "dppo_tv", "dppo_kl",
+                                              "clip_cov", "kl_cov"])),
+            rs_level=draw(st.sampled_from(["none", "token", "seq_sum", "seq_mean", "seq_max"])),
+            rs_high=draw(st.floats(0.01, 10.0)),
+            top_entropy_quantile=draw(st.floats(0.01, 1.0)),
             eps_low=draw(st.floats(0.0, 0.99)),
             eps_high=draw(st.floats(0.0, 5.0)),
             dual_clip_c=draw(st.none() | st.floats(1.01, 10.0)),
