@@ -129,3 +129,21 @@ def test_adaptive_kl_controller_refuses_bad_input(kw, match):
         adaptive_kl_update(KLControllerState(coef=0.1), **args)
     with pytest.raises(ValueError, match="state.coef"):
         adaptive_kl_update(KLControllerState(coef=0.0), observed_kl=0.1, target_kl=0.1, horizon=10)
+
+
+def test_sample_advantages_dispatches_by_name():
+    from rollouts.losses import group_advantages, rloo_advantages, sample_advantages
+
+    rewards, groups = torch.tensor([1.0, 0.0, 0.5, 0.25]), torch.tensor([0, 0, 1, 1])
+    greedy = torch.tensor([0.5, 0.5, 0.0, 0.0])
+    expected = {
+        "grpo": group_advantages(rewards, groups), "rloo": rloo_advantages(rewards, groups),
+        "gpg": gpg_advantages(rewards, groups), "grpo_passk": passk_advantages(rewards, groups),
+        "remax": remax_advantages(rewards, greedy),
+    }
+    for name, want in expected.items():
+        torch.testing.assert_close(sample_advantages(rewards, groups, estimator=name, greedy_rewards_B=greedy), want)
+    with pytest.raises(ValueError, match="greedy_rewards_B"):
+        sample_advantages(rewards, groups, estimator="remax")
+    with pytest.raises(ValueError, match="per-token"):
+        sample_advantages(rewards, groups, estimator="gae")

@@ -10,6 +10,7 @@ from rollouts.losses.advantages import (
     reinforce_pp_advantages,
     remax_advantages,
     rloo_advantages,
+    sample_advantages,
 )
 from rollouts.losses.aggregate import AGGREGATION_MODES, Aggregation, aggregate
 from rollouts.losses.correction import (
@@ -78,6 +79,7 @@ __all__ = [
     "rejection_mask",
     "remax_advantages",
     "rloo_advantages",
+    "sample_advantages",
     "sapo_loss",
     "score_math_answer",
     "sft_loss",

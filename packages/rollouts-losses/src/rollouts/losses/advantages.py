@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
-from rollouts.types.configs import AdvantageScale
+from rollouts.types.configs import AdvantageEstimator, AdvantageScale
 from torch import Tensor
 
 from rollouts.losses.aggregate import check_same_shape
@@ -40,6 +40,7 @@ __all__ = [
     "reinforce_pp_advantages",
     "remax_advantages",
     "rloo_advantages",
+    "sample_advantages",
 ]
 
 DEFAULT_EPS = 1e-6
@@ -158,6 +159,34 @@ def passk_advantages(
         gap = top2[0] - top2[1]
         advantages_B[best] = gap / (std_B[best] + eps) if scale == "group" else gap
     return advantages_B
+
+
+def sample_advantages(
+    rewards_B: Tensor,
+    group_ids_B: Tensor,
+    *,
+    estimator: AdvantageEstimator,
+    scale: AdvantageScale = "group",
+    greedy_rewards_B: Tensor | None = None,
+) -> Tensor:
+    """[B] rewards, [B] group ids -> [B] one advantage per sample by the named estimator (the group ones:
+    grpo, rloo, gpg, grpo_passk, and remax with greedy_rewards_B). reinforce_pp and gae are per token: refused."""
+    if estimator == "grpo":
+        return group_advantages(rewards_B, group_ids_B, scale=scale)
+    if estimator == "rloo":
+        return rloo_advantages(rewards_B, group_ids_B)
+    if estimator == "gpg":
+        return gpg_advantages(rewards_B, group_ids_B)
+    if estimator == "grpo_passk":
+        return passk_advantages(rewards_B, group_ids_B, scale="none" if scale == "none" else "group")
+    if estimator == "remax":
+        if greedy_rewards_B is None:
+            raise ValueError("estimator 'remax' needs greedy_rewards_B: the reward of a greedy response to each prompt")
+        return remax_advantages(rewards_B, greedy_rewards_B, group_ids_B=group_ids_B)
+    raise ValueError(
+        f"estimator {estimator!r} is not a per-sample estimator; use one of 'grpo', 'rloo', 'gpg', 'grpo_passk', "
+        "'remax' (reinforce_pp_advantages and gae_advantages give per-token advantages)"
+    )
 
 
 def masked_whiten(x_B_T: Tensor, mask_B_T: Tensor, *, eps: float = DEFAULT_EPS) -> Tensor:
