@@ -120,7 +120,7 @@ def test_high_entropy_mask_needs_entropy_and_trains_only_those_tokens():
     _, metrics, grad = _call(fn, batch, num_tokens=None, num_sequences=None)
     assert 0 < metrics["entropy_mask_frac"] < 0.5
     selected = batch["loss_mask"][batch["segment_ids"] >= 0] > 0
-    assert 0 < int((grad != 0).sum()) <= int(round(0.3 * int(selected.sum()))) + 1
+    assert 0 < int((grad != 0).sum()) <= round(0.3 * int(selected.sum())) + 1
 
 
 @pytest.mark.parametrize("cfg", [

@@ -39,9 +39,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AGGREGATION_MODES",
+    "KL_KINDS",
     "Aggregation",
     "KLControllerState",
-    "KL_KINDS",
     "LossFn",
     "PolicyLossFn",
     "SFTLossFn",

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from rollouts.types.configs import AlgorithmConfig
 import torch
+from rollouts.types.configs import AlgorithmConfig
 from torch import Tensor
 
 from rollouts.losses.aggregate import AGGREGATION_MODES, Aggregation, aggregate, check_mode, masked_mean
