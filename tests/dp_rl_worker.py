@@ -13,7 +13,7 @@ import torch.distributed as dist
 from dp_rl_cases import CASES, NUM_STEPS, batch, components, config
 from rollouts.backends import export_weights
 from rollouts.loops.distributed import close_distributed
-from rollouts.loops.rl_update import rl_update
+from rollouts.loops.policy_update import rl_update
 from rollouts.types import TrainingState
 
 

@@ -12,7 +12,7 @@ import torch
 from dp_rl_cases import CASES, NUM_STEPS, batch, components, config
 from rollouts.backends import read_weights
 from rollouts.loops.distributed import all_gather_arrays
-from rollouts.loops.rl_update import rl_update
+from rollouts.loops.policy_update import rl_update
 from rollouts.types import TrainingState
 
 _TORCHRUN_TIMEOUT_S = 600

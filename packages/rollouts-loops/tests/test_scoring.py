@@ -128,7 +128,7 @@ def test_bad_plugin_specs_name_the_key_and_the_reason(tmp_path, spec, message):
 
 from itertools import combinations  # noqa: E402
 
-from rollouts.loops.evaluate import group_metrics, majority_correct, pass_at_k  # noqa: E402
+from rollouts.loops.evaluation import group_metrics, majority_correct, pass_at_k  # noqa: E402
 
 
 @settings(deadline=None, max_examples=200)

@@ -14,8 +14,8 @@ from typing import Any
 _EXPORTS = {
     # the loops and their steps
     "run_rl_training": "rl", "rl_step": "rl", "RLHooks": "rl", "sync_engine": "generation", "BatchSource": "generation",
-    "rl_update": "rl_update", "token_advantages": "rl_update", "default_loss_fn": "rl_update",
-    "AdvantageFn": "rl_update",
+    "rl_update": "policy_update", "token_advantages": "policy_update", "default_loss_fn": "policy_update",
+    "AdvantageFn": "policy_update",
     "run_sft_training": "sft", "sft_step": "sft",
     "grpo_minimal": "rl_minimal",
     # plug points and their built-ins
@@ -26,8 +26,8 @@ _EXPORTS = {
     "load_object": "plugins", "resolve_function": "plugins", "PluginError": "plugins",
     "ALGORITHMS": "algorithms", "algorithm_preset": "algorithms",
     # evaluation
-    "Evaluation": "evaluate", "evaluate": "evaluate", "evaluate_groups": "evaluate", "group_metrics": "evaluate",
-    "pass_at_k": "evaluate",
+    "Evaluation": "evaluation", "evaluate": "evaluation", "evaluate_groups": "evaluation", "group_metrics": "evaluation",
+    "pass_at_k": "evaluation",
     # engines, run directories, processes
     "CoalescingEngine": "engines", "remote_engine": "engines",
     "resume_if_possible": "run_dir", "CHECKPOINTS_DIR": "run_dir", "WEIGHTS_DIR": "run_dir",

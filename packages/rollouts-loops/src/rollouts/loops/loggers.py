@@ -17,8 +17,10 @@ _CONSOLE_KEYS = ("loss", "reward_mean", "accuracy", "kl", "entropy", "grad_norm"
 """Metrics shown on the console progress line, when present (all go to the JSONL file)."""
 
 
-def _scalar(value: Any) -> float | int | None:
-    """A JSON-safe scalar: NaN and infinities become None (JSON has no NaN)."""
+def _scalar(value: Any) -> float | int | str | None:
+    """A JSON-safe scalar: NaN and infinities become None (JSON has no NaN); text stays text."""
+    if isinstance(value, str):
+        return value
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, int):
@@ -69,25 +71,38 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 
 class ConsoleLogger:
-    """A progress bar with ETA (tqdm) whose postfix shows the latest key metrics."""
+    """A progress bar with ETA (tqdm) whose postfix shows the latest key metrics; on a stream that is
+    not a terminal (a log file, CI), plain lines instead: one every `plain_every_s` and the last."""
 
-    def __init__(self, total_steps: int, *, desc: str = "train", initial_step: int = 0, stream: TextIO | None = None) -> None:
+    def __init__(self, total_steps: int, *, desc: str = "train", initial_step: int = 0, stream: TextIO | None = None,
+                 plain_every_s: float = 10.0) -> None:
         from tqdm import tqdm
 
-        self._bar = tqdm(
-            total=total_steps, initial=initial_step, desc=desc, file=stream or sys.stderr,
-            dynamic_ncols=True, mininterval=0.5,
+        self._stream = stream or sys.stderr
+        self._plain = not (hasattr(self._stream, "isatty") and self._stream.isatty())
+        self._desc, self._total, self._every_s = desc, total_steps, plain_every_s
+        self._start = self._last_line = time.monotonic()
+        self._bar = None if self._plain else tqdm(
+            total=total_steps, initial=initial_step, desc=desc, file=self._stream, dynamic_ncols=True, mininterval=0.5,
         )
         self._last_step = initial_step
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        shown = {k: f"{metrics[k]:.4g}" for k in _CONSOLE_KEYS if k in metrics}
-        self._bar.set_postfix(shown, refresh=False)
-        self._bar.update(max(0, step - self._last_step))
+        shown = {k: f"{metrics[k]:.4g}" for k in _CONSOLE_KEYS if isinstance(metrics.get(k), (int, float))}
+        if self._bar is not None:
+            self._bar.set_postfix(shown, refresh=False)
+            self._bar.update(max(0, step - self._last_step))
+        elif step >= self._total or time.monotonic() - self._last_line >= self._every_s:
+            elapsed = time.monotonic() - self._start
+            fields = " ".join(f"{k}={v}" for k, v in shown.items())
+            self._stream.write(f"{self._desc}: step {step}/{self._total} ({elapsed:.0f} s) {fields}\n")
+            self._stream.flush()
+            self._last_line = time.monotonic()
         self._last_step = max(self._last_step, step)
 
     def close(self) -> None:
-        self._bar.close()
+        if self._bar is not None:
+            self._bar.close()
 
 
 class WandbLogger:
@@ -119,7 +134,8 @@ class TensorboardLogger:
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         for key, value in metrics.items():
-            self._writer.add_scalar(key, value, global_step=step)
+            if isinstance(value, (int, float)):
+                self._writer.add_scalar(key, value, global_step=step)
         self._writer.flush()
 
     def close(self) -> None:

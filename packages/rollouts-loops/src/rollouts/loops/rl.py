@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -30,9 +31,9 @@ import trio
 from rollouts.backends import TrainingComponents, save_checkpoint
 from rollouts.data import AsyncRolloutManager, DataBuffer
 from rollouts.loops.distributed import rank_world
-from rollouts.loops.evaluate import Evaluation, evaluate_groups, group_metrics
+from rollouts.loops.evaluation import Evaluation, evaluate_groups, group_metrics
 from rollouts.loops.generation import BatchSource, sync_engine
-from rollouts.loops.rl_update import AdvantageFn, check_algorithm, rl_update
+from rollouts.loops.policy_update import AdvantageFn, check_algorithm, rl_update
 from rollouts.loops.rollout_fns import PromptEncoder, RolloutContext, RolloutFn, group_generator, single_turn_rollout
 from rollouts.loops.run_dir import CHECKPOINTS_DIR, resume_if_possible
 from rollouts.loops.scoring import Reward, check_reward_errors, reward_errors, summarize
@@ -49,6 +50,7 @@ from rollouts.types import (
     TrainingState,
 )
 
+log = logging.getLogger(__name__)
 _MAX_EMPTY_BATCHES = 3  # steps in a row with nothing to train on before the loop gives up
 
 
@@ -133,6 +135,9 @@ def rl_step(
     metrics = rollout_metrics(batch, state)
     metrics["num_too_stale"] = float(len(samples) - len(fresh))
     metrics["num_trained"] = float(len(fresh))
+    causes = failure_causes(batch)
+    if causes:  # text in the JSONL record: what failed this step, most common first
+        metrics["failure_causes"] = summarize(causes)  # type: ignore[assignment]
     if fresh:
         state, train_metrics = rl_update(components, state, fresh, config, ref_components=ref_components,
                                          advantage_fn=advantage_fn, loss_fn=loss_fn)
@@ -140,8 +145,14 @@ def rl_step(
     return state, metrics
 
 
+def failure_causes(batch: RolloutBatch) -> list[str]:
+    """Every generation error (engine, URL, status, message as the engine client reported it) and
+    reward error of a step's batch."""
+    return [str(e) for e in batch.metadata.get("errors", ())] + reward_errors(batch.samples)
+
+
 def _no_progress_error(batch: RolloutBatch, metrics: dict[str, float], empty_in_a_row: int) -> RuntimeError:
-    causes = list(batch.metadata.get("errors", ())) + reward_errors(batch.samples)
+    causes = failure_causes(batch)
     return RuntimeError(
         f"{empty_in_a_row} steps in a row produced no trainable sample (filtered: {dict(batch.filter_reasons)}, "
         f"failed: {batch.num_failed}, too stale: {int(metrics['num_too_stale'])})"
@@ -169,6 +180,7 @@ class _Run:
     tokenizer: Any
     on_step: Callable[[TrainingState, dict[str, float]], None] | None
     evaluation: Evaluation | None
+    num_logged_completions: int
 
 
 def run_rl_training(
@@ -191,6 +203,7 @@ def run_rl_training(
     tokenizer: Any = None,
     on_step: Callable[[TrainingState, dict[str, float]], None] | None = None,
     evaluation: Evaluation | None = None,
+    num_logged_completions: int = 2,
 ) -> tuple[TrainingState, list[dict[str, float]]]:
     """Run RL for `config.num_steps` optimizer steps; returns (final state, per-step metrics).
 
@@ -223,7 +236,8 @@ def run_rl_training(
                                                          encode_prompt=encode_prompt, tokenizer=tokenizer)
     run = _Run(components=components, ref_components=ref_components, buffer=buffer, engine=engine, config=config,
                hooks=hooks, context=context, logger=logger, run_dir=Path(run_dir), shares_model=engine_shares_model,
-               resume=resume, tokenizer=tokenizer, on_step=on_step, evaluation=evaluation)
+               resume=resume, tokenizer=tokenizer, on_step=on_step, evaluation=evaluation,
+               num_logged_completions=num_logged_completions)
     try:
         return trio.run(_rl_main, run)
     except BaseExceptionGroup as group:  # the loop's nursery wraps even a lone error: raise that one
@@ -252,6 +266,7 @@ async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:
             if config.overlap and (state.step // updates + 1) * updates < total:
                 await batches.request(state.step // updates + 1)
             check_reward_errors(batch.samples, run.hooks.reward.on_error)
+            _log_completions(batch, state.step + 1, run.num_logged_completions)
             state, metrics = await _train(run, state, batch, lock, batches)
             empty_in_a_row = 0 if metrics["num_trained"] else empty_in_a_row + 1
             if empty_in_a_row > _MAX_EMPTY_BATCHES:
@@ -261,6 +276,15 @@ async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:
             await _after_step(run, state, metrics, manager, batches, lock)
         nursery.cancel_scope.cancel()  # the producer waits for requests that will not come
     return state, history
+
+
+def _log_completions(batch: RolloutBatch, step: int, num: int) -> None:
+    """A few of the step's completions at INFO level (rank 0): prompt, response and reward."""
+    if rank_world()[0] != 0:
+        return
+    for sample in batch.samples[:num]:
+        log.info("step %d completion: prompt=%.200r response=%.300r reward=%s", step, sample.prompt,
+                 sample.response, sample.reward)
 
 
 def _manager(run: _Run, extra: dict[str, Any]) -> AsyncRolloutManager | None:

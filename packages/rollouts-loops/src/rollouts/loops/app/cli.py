@@ -27,6 +27,51 @@ def _write_resolved(run: Any, out: Path) -> None:
     (out / "resolved_config.json").write_text(json.dumps(dataclasses.asdict(run), indent=2) + "\n")
 
 
+def _default_out_dir(command: str) -> str:
+    """runs/<command>-<date>-<time>, the same on every rank (rank 0's clock, broadcast)."""
+    from rollouts.loops.distributed import broadcast_json, rank_world
+
+    name = f"runs/{command}-{datetime.now():%Y%m%d-%H%M%S}" if rank_world()[0] == 0 else None
+    return broadcast_json(name)
+
+
+def _model_fingerprint(path: str) -> str:
+    """Cheap identity of a model directory: its JSON files' bytes, its weight files' names and sizes."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for p in sorted(Path(path).iterdir()):
+        if p.suffix == ".json" and p.name != "state.json":
+            digest.update(p.name.encode() + p.read_bytes())
+        elif p.suffix == ".safetensors":
+            digest.update(f"{p.name}:{p.stat().st_size}".encode())
+    return digest.hexdigest()
+
+
+def _prepare_run(run: Any, command: str, source: str) -> tuple[Any, bool]:
+    """The run with its out_dir decided, and whether it resumes (announced); a refused resume is a ConfigError."""
+    from rollouts.loops.distributed import broadcast_json, rank_world
+    from rollouts.loops.run_dir import check_resume, file_fingerprint
+
+    run = dataclasses.replace(run, run=dataclasses.replace(run.run, out_dir=run.run.out_dir or _default_out_dir(command)))
+    out = Path(run.run.out_dir)
+    verdict: dict[str, Any] | None = None
+    if rank_world()[0] == 0:
+        inputs = {"model": _model_fingerprint(run.model.path), "train_data": file_fingerprint(run.data.train_path)}
+        identity = {"config": {k: v for k, v in dataclasses.asdict(run).items() if k != "run"}, "inputs": inputs}
+        try:
+            verdict = {"resume": check_resume(out, identity, mode=run.run.resume)}
+        except ValueError as e:
+            verdict = {"error": f"{source}: {e}"}
+    verdict = broadcast_json(verdict)
+    if "error" in verdict:
+        raise ConfigError(verdict["error"])
+    if rank_world()[0] == 0:
+        _write_resolved(run, out)
+        print(f"{command}: {'resuming the run in' if verdict['resume'] else 'new run in'} {out}", file=sys.stderr)
+    return run, bool(verdict["resume"])
+
+
 def _check_paths(run: Any, source: str, *, model: bool = True) -> None:
     """File-system checks that belong to config validation: fail before loading anything big.
 
@@ -84,12 +129,19 @@ def _tokenizer(run: Any):
     return AutoTokenizer.from_pretrained(run.model.tokenizer_path or run.model.path, local_files_only=True)
 
 
-def _loggers(out: Path, name: str, total: int, *, rank: int = 0):
-    from rollouts.loops import ConsoleLogger, JsonlLogger, MultiLogger, NullLogger
+def _loggers(run: Any, out: Path, name: str, total: int, *, rank: int = 0):
+    """JSONL and console on rank 0, plus wandb and TensorBoard when [log] switches them on."""
+    from rollouts.loops import ConsoleLogger, JsonlLogger, MultiLogger, NullLogger, TensorboardLogger, WandbLogger
 
     if rank != 0:
         return NullLogger()
-    return MultiLogger([JsonlLogger(out / f"metrics_{name}.jsonl"), ConsoleLogger(total, desc=name)])
+    loggers: list[Any] = [JsonlLogger(out / f"metrics_{name}.jsonl"), ConsoleLogger(total, desc=name)]
+    if run.log.tensorboard:
+        loggers.append(TensorboardLogger(out / "tensorboard"))
+    if run.log.wandb:
+        loggers.append(WandbLogger(project=run.log.wandb_project, name=run.log.wandb_name or out.name,
+                                   mode=run.log.wandb_mode, dir=str(out), config=dataclasses.asdict(run)))
+    return MultiLogger(loggers)
 
 
 def cmd_sft(run: SFTRun, source: str) -> Path:
@@ -99,17 +151,17 @@ def cmd_sft(run: SFTRun, source: str) -> Path:
     from rollouts.loops import CHECKPOINTS_DIR
     from rollouts.loops import run_sft_training
 
+    rank, world = _distributed()
+    run, resume = _prepare_run(run, "sft", source)
     out = Path(run.run.out_dir)
-    _write_resolved(run, out)
     tokenizer = _tokenizer(run)
     conversations = load_conversations(run.data.train_path)
     samples = [tokenize_conversation(list(c), tokenizer, max_length=run.sft.max_length, train_on=run.sft.train_on)
                for c in conversations]
     components = _components(run, run.sft.optimizer, run.sft.num_steps)
-    rank, world = _distributed()
-    logger = _loggers(out, "sft", run.sft.num_steps, rank=rank)
+    logger = _loggers(run, out, "sft", run.sft.num_steps, rank=rank)
     try:
-        state, _ = run_sft_training(components, samples, run.sft, logger=logger, run_dir=out, resume=run.run.resume,
+        state, _ = run_sft_training(components, samples, run.sft, logger=logger, run_dir=out, resume=resume,
                                     tokenizer=tokenizer)
     finally:
         logger.close()
@@ -132,6 +184,10 @@ def _builtin_reward(name: str, answer_key: str) -> Any:
     from rollouts.loops.app.tasks import exact_answer_reward
     from rollouts.losses import math_answer_reward
 
+    if name == "environment":
+        from rollouts.loops import environment_reward
+
+        return environment_reward
     if name == "math_answer":
         def math_answer(sample: Any, record: Any) -> float:
             return math_answer_reward(sample, answer_key=answer_key)
@@ -218,7 +274,7 @@ def cmd_rl(run: RLRun, source: str) -> Path:
     _check_paths(run, source)
     from rollouts.data import DataBuffer, load_prompts
     from rollouts.loops import run_rl_training
-    from rollouts.loops.rl_update import check_algorithm
+    from rollouts.loops.policy_update import check_algorithm
     from rollouts.loops import CHECKPOINTS_DIR
 
     try:
@@ -231,8 +287,8 @@ def cmd_rl(run: RLRun, source: str) -> Path:
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from e
     rank, world = _distributed()
+    run, resume = _prepare_run(run, "rl", source)
     out = Path(run.run.out_dir)
-    _write_resolved(run, out)
     tokenizer = _tokenizer(run)
     records = load_prompts(run.data.train_path, field=run.data.prompt_key)
     if run.data.prompt_key != "prompt":
@@ -243,12 +299,13 @@ def cmd_rl(run: RLRun, source: str) -> Path:
     if world > 1 and run.rl.algorithm.needs_reference:
         # The starting model, sharded like the trained one (one process copies it itself).
         ref_components = dataclasses.replace(components, model=_sharded_model(run, components.device).eval())
-    logger = _loggers(out, "rl", run.rl.num_steps * run.rl.algorithm.num_updates_per_batch, rank=rank)
+    logger = _loggers(run, out, "rl", run.rl.num_steps * run.rl.algorithm.num_updates_per_batch, rank=rank)
     try:
         state, _ = run_rl_training(
             components, DataBuffer(records, seed=run.rl.seed), _rl_engine(run, components, tokenizer, shares=shares),
             run.rl, encode_prompt=_encoder(tokenizer), logger=logger, run_dir=out, engine_shares_model=shares,
-            resume=run.run.resume, tokenizer=tokenizer, ref_components=ref_components, evaluation=evaluation, **hooks,
+            resume=resume, tokenizer=tokenizer, ref_components=ref_components, evaluation=evaluation,
+            num_logged_completions=run.log.num_sample_completions, **hooks,
         )
     finally:
         logger.close()
@@ -279,13 +336,45 @@ def cmd_eval(run: RLRun, source: str, checkpoint: str) -> dict[str, float]:
     return metrics
 
 
+_SECTIONS = {
+    "sft": "[model] path, dtype, device, attn_implementation, gradient_checkpointing\n"
+           "  [data] train_path (chat JSONL: messages)\n  [run] out_dir, resume\n"
+           "  [log] wandb, tensorboard\n  [sft] num_steps, batch_size, max_length, ... [sft.optimizer] [sft.checkpoint]",
+    "rl": "preset = grpo | drgrpo | dapo | ...\n  [model] path, ...\n  [data] train_path, eval_path, prompt_key, answer_key\n"
+          "  [engine] kind (inprocess | vllm | sglang), urls, timeouts\n  [run] out_dir, resume\n"
+          "  [reward] fn, batched, on_error, timeout_s\n  [hooks] rollout, filter, advantages, loss\n"
+          "  [eval] every_steps, samples_per_prompt, temperature\n  [log] wandb, tensorboard, num_sample_completions\n"
+          "  [rl] num_steps, overlap, ... [rl.rollout] [rl.rollout.sampling] [rl.algorithm] [rl.optimizer] [rl.checkpoint]",
+}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rollouts-loops")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rollouts", description="SFT and RL post-training for LLMs.")
+    parser = argparse.ArgumentParser(prog="rollouts", description="SFT and RL post-training for LLMs.",
+                                     epilog="Every key of a run file, with its default and meaning: "
+                                            "rollouts config show sft|rl. Examples: examples/*.toml.")
+    parser.add_argument("--version", action="version", version=f"rollouts {_version()}")
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        help="level of the library's log messages on stderr (default INFO)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, what in (("sft", "supervised fine-tuning"), ("rl", "reinforcement learning")):
-        p = sub.add_parser(name, help=what)
+        p = sub.add_parser(name, help=what, formatter_class=argparse.RawDescriptionHelpFormatter,
+                           epilog=f"run file sections:\n  {_SECTIONS[name]}\n\nall keys: rollouts config show {name}")
         p.add_argument("--config", required=True, help="TOML run file")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+        p.add_argument("--resume", choices=("auto", "never", "must"), default=None,
+                       help="override run.resume: auto (if out_dir has a checkpoint), never, must")
+    p = sub.add_parser("config", help="print a run file with every key, its default and what it means")
+    p.add_argument("action", choices=("show",))
+    p.add_argument("kind", choices=("sft", "rl"))
     p = sub.add_parser("eval", help="evaluate a saved model: mean reward, pass@1, pass@k, maj@k (JSON)")
     p.add_argument("--config", required=True, help="TOML RL run file ([data] eval_path, [reward], [eval])")
     p.add_argument("--checkpoint", required=True, help="HF-format model directory, e.g. a run's checkpoints/step_N")
@@ -307,13 +396,21 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `rollouts` console script; returns the exit status."""
+    import logging
+
     args = _parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sets = [*getattr(args, "set", []), *([f"run.resume='{args.resume}'"] if getattr(args, "resume", None) else [])]
     clean = False
     try:
         if args.command == "sft":
-            cmd_sft(load_run(SFTRun, args.config, args.set), args.config)
+            cmd_sft(load_run(SFTRun, args.config, sets), args.config)
         elif args.command == "rl":
-            cmd_rl(load_run(RLRun, args.config, args.set), args.config)
+            cmd_rl(load_run(RLRun, args.config, sets), args.config)
+        elif args.command == "config":
+            from rollouts.loops.app.config import documented_toml
+
+            print(documented_toml(SFTRun if args.kind == "sft" else RLRun), end="")
         elif args.command == "eval":
             cmd_eval(load_run(RLRun, args.config, args.set), args.config, args.checkpoint)
         elif args.command == "pipeline":
@@ -322,6 +419,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             _check_paths(rl, args.rl_config, model=False)  # both checked before any work
             from rollouts.backends import latest_checkpoint
 
+            _distributed()
+            if not sft.run.out_dir or not rl.run.out_dir:  # each stage its own directory under one root
+                root = _default_out_dir("pipeline")
+                sft = dataclasses.replace(sft, run=dataclasses.replace(sft.run, out_dir=sft.run.out_dir or f"{root}/sft"))
+                rl = dataclasses.replace(rl, run=dataclasses.replace(rl.run, out_dir=rl.run.out_dir or f"{root}/rl"))
             checkpoint = latest_checkpoint(cmd_sft(sft, args.sft_config))
             if checkpoint is None:
                 raise ConfigError(f"{args.sft_config}: SFT wrote no complete checkpoint to start RL from")

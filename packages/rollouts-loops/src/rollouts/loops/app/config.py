@@ -10,8 +10,11 @@ TOML has no null: an optional setting is switched off with the string "none"
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import json
+import textwrap
 import tomllib
 import types
 import typing
@@ -96,15 +99,37 @@ class EngineSpec:
 class RunSpec:
     """Where a run writes and whether it resumes."""
 
-    out_dir: str = "runs/run"
-    resume: bool = True
-    """Continue from the newest complete checkpoint in out_dir/checkpoints, if any."""
+    out_dir: str = ""
+    """Run directory; empty: a new one, runs/<command>-<date>-<time>."""
+    resume: Literal["auto", "never", "must"] = "auto"
+    """'auto': continue from out_dir's newest checkpoint if there is one; 'never': refuse a directory
+    that has one; 'must': refuse one that has none. A resume whose config or inputs changed is refused."""
 
     def __post_init__(self) -> None:
         check_fields(self)
 
 
-BUILTIN_REWARDS = ("math_answer", "exact_match")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LogSpec:
+    """Where metrics go besides out_dir/metrics_<stage>.jsonl and the console."""
+
+    wandb: bool = False
+    """Log to Weights & Biases (needs rollouts-loops[wandb])."""
+    wandb_project: str = "rollouts"
+    wandb_name: str = ""
+    """Run name (default: the out_dir's name)."""
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+    tensorboard: bool = False
+    """Write TensorBoard scalars to out_dir/tensorboard (needs rollouts-loops[tensorboard])."""
+    num_sample_completions: int = 2
+    """Completions (prompt, response, reward) logged per RL step at INFO level; 0: none."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        require(self.num_sample_completions >= 0, "LogSpec.num_sample_completions", self.num_sample_completions, "be >= 0")
+
+
+BUILTIN_REWARDS = ("math_answer", "exact_match", "environment")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -170,6 +195,7 @@ class SFTRun:
     model: ModelSpec = field(default_factory=ModelSpec)
     data: DataSpec = field(default_factory=DataSpec)
     run: RunSpec = field(default_factory=RunSpec)
+    log: LogSpec = field(default_factory=LogSpec)
     sft: SFTConfig = field(default_factory=SFTConfig)
 
     def __post_init__(self) -> None:
@@ -187,6 +213,7 @@ class RLRun:
     reward: RewardSpec = field(default_factory=RewardSpec)
     hooks: HooksSpec = field(default_factory=HooksSpec)
     eval: EvalSpec = field(default_factory=EvalSpec)
+    log: LogSpec = field(default_factory=LogSpec)
     preset: str = ""
     """Name of an algorithm preset (grpo, drgrpo, dapo, gspo, cispo, rloo, reinforce_pp, ppo)."""
     rl: RLConfig = field(default_factory=RLConfig)
@@ -313,4 +340,50 @@ def _toml_tables(data: Mapping[str, Any], *, prefix: str) -> str:
     for key, value in data.items():
         if isinstance(value, Mapping):
             out += _toml_tables(value, prefix=f"{prefix}.{key}" if prefix else key)
+    return out
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Field name -> the docstring under it in the class body (one line), where the source is available."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for node, after in zip(body, body[1:], strict=False):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _type_note(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + " | ".join(repr(a) for a in typing.get_args(tp))
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if type(None) in typing.get_args(tp):
+        return f"{' | '.join(getattr(a, '__name__', str(a)) for a in args)}, or \"none\""
+    return getattr(tp, "__name__", str(tp))
+
+
+def documented_toml(cls: type) -> str:
+    """The default config of `cls` (SFTRun / RLRun) as TOML, each key under a comment saying what it is."""
+    return _documented(cls, cls(), prefix="")
+
+
+def _documented(cls: type, value: Any, *, prefix: str) -> str:
+    hints, docs = typing.get_type_hints(cls), _field_docs(cls)
+    lines, tables = [], []
+    for f in dataclasses.fields(cls):
+        current = getattr(value, f.name)
+        if dataclasses.is_dataclass(current):
+            tables.append((f.name, current))
+            continue
+        note = _type_note(hints[f.name])
+        lines.append(f"# {docs[f.name]} ({note})" if f.name in docs else f"# {note}")
+        lines.append(f"{f.name} = {_toml_value(NONE if current is None else current)}")
+    out = "\n".join(([f"[{prefix}]"] if prefix and lines else []) + lines) + ("\n\n" if lines else "")
+    for name, child in tables:
+        out += _documented(type(child), child, prefix=f"{prefix}.{name}" if prefix else name)
     return out

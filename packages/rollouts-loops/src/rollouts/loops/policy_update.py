@@ -18,14 +18,7 @@ from rollouts.backends import TrainingComponents, compute_logprobs, forward_back
 from rollouts.data import unpack_values
 from rollouts.loops.distributed import all_gather_arrays, global_sum, rank_world
 from rollouts.loops.micro_batches import plan_shard
-from rollouts.losses import (
-    LossFn,
-    group_advantages,
-    kl_penalty,
-    loss_fn_from_config,
-    reinforce_pp_advantages,
-    rloo_advantages,
-)
+from rollouts.losses import LossFn, kl_penalty, loss_fn_from_config, reinforce_pp_advantages, sample_advantages
 from rollouts.types import AlgorithmConfig, RLConfig, Sample, TrainingState
 
 AdvantageFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -38,7 +31,14 @@ def check_algorithm(algorithm: AlgorithmConfig) -> None:
     if algorithm.advantage_estimator == "gae":
         raise ValueError(
             "AlgorithmConfig.advantage_estimator 'gae' needs a learned value model, which the RL loop does not "
-            "train; use 'grpo', 'rloo' or 'reinforce_pp' (or call rollouts.losses.gae_advantages in your own loop)"
+            "train; use 'grpo', 'rloo', 'gpg', 'grpo_passk' or 'reinforce_pp' (or call "
+            "rollouts.losses.gae_advantages in your own loop)"
+        )
+    if algorithm.advantage_estimator == "remax":
+        raise ValueError(
+            "AlgorithmConfig.advantage_estimator 'remax' needs the reward of a greedy response to each prompt, "
+            "which the RL loop does not generate; use rollouts.losses.remax_advantages in your own loop, or pass "
+            "an advantages function that computes it"
         )
 
 
@@ -90,10 +90,9 @@ def token_advantages(
         )
     if advantage_fn is not None:
         adv_N = _checked_advantages(advantage_fn(rewards_N, groups_N), len(samples))
-    elif algorithm.advantage_estimator == "rloo":
-        adv_N = rloo_advantages(rewards_N, groups_N)
-    else:
-        adv_N = group_advantages(rewards_N, groups_N, scale=algorithm.advantage_scale)
+    else:  # grpo, rloo, gpg, grpo_passk (check_algorithm refused the rest)
+        adv_N = sample_advantages(rewards_N, groups_N, estimator=algorithm.advantage_estimator,
+                                  scale=algorithm.advantage_scale)
     return {i: np.full(n, float(adv_N[i]), dtype=np.float32) for i, n in enumerate(lengths)}
 
 
