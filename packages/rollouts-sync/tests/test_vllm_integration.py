@@ -57,18 +57,22 @@ async def test_generate_sync_from_disk_and_from_tensors(vllm_server, vllm_python
         for s in samples:
             assert s.response_length == 4 and s.status is Status.TRUNCATED
             assert all(lp <= 0.0 for lp in s.rollout_logprobs)
+        # The server lives for the session and this test runs once per async backend: start from v0's
+        # weights whatever an earlier run left loaded, under versions above any it used.
+        base = (await engine.weight_version() or 0) + 1
+        await sync_weights_to_engines([engine], str(v0), base, timeout_s=120.0)
         before = (await engine.generate([PROMPT], GREEDY))[0]
         assert_matches_reference(before, v0, vllm_python)  # warms the prefix cache with v0's KV
 
-        result = await sync_weights_to_engines([engine], str(v1), 1, timeout_s=120.0)
+        result = await sync_weights_to_engines([engine], str(v1), base + 1, timeout_s=120.0)
         assert result.updated == (engine.name,)
         after_disk = (await engine.generate([PROMPT], GREEDY))[0]
-        assert after_disk.weight_version == 1
+        assert after_disk.weight_version == base + 1
         assert_matches_reference(after_disk, v1, vllm_python)
 
-        await engine.update_weights_from_tensors(changed, 2)  # partial: 3 tensors, no shared path
-        assert await engine.weight_version() == 2
+        await engine.update_weights_from_tensors(changed, base + 2)  # partial: 3 tensors, no shared path
+        assert await engine.weight_version() == base + 2
         after_body = (await engine.generate([PROMPT], GREEDY))[0]
-        assert after_body.weight_version == 2
+        assert after_body.weight_version == base + 2
         assert_matches_reference(after_body, v2, vllm_python)
         assert after_body.rollout_logprobs != after_disk.rollout_logprobs

@@ -31,7 +31,7 @@ def _default_out_dir(command: str) -> str:
     """runs/<command>-<date>-<time>, the same on every rank (rank 0's clock, broadcast)."""
     from rollouts.loops.distributed import broadcast_json, rank_world
 
-    name = f"runs/{command}-{datetime.now():%Y%m%d-%H%M%S}" if rank_world()[0] == 0 else None
+    name = str(Path(f"runs/{command}-{datetime.now():%Y%m%d-%H%M%S}").absolute()) if rank_world()[0] == 0 else None
     return broadcast_json(name)
 
 
@@ -427,6 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             checkpoint = latest_checkpoint(cmd_sft(sft, args.sft_config))
             if checkpoint is None:
                 raise ConfigError(f"{args.sft_config}: SFT wrote no complete checkpoint to start RL from")
+            checkpoint = checkpoint.absolute()  # recorded in RL's resolved config: where its weights came from
             rl = dataclasses.replace(rl, model=dataclasses.replace(rl.model, path=str(checkpoint),
                                                                   tokenizer_path=rl.model.tokenizer_path or str(checkpoint)))
             cmd_rl(rl, args.rl_config)

@@ -1,0 +1,88 @@
+"""Run directories and resume: defaults that never collide, explicit resume, refused changed resumes."""
+
+import tomllib
+
+import pytest
+
+from rollouts.loops import read_jsonl
+from rollouts.loops.app.cli import main
+from rollouts.loops.app.config import RLRun, SFTRun, build_run
+from run_configs import rl_toml
+
+
+def _sft_toml(inputs, path, *, out_dir="", steps=2):
+    path.write_text(f"""
+[model]
+path = "{inputs / 'model'}"
+[data]
+train_path = "{inputs / 'sft.jsonl'}"
+[run]
+out_dir = "{out_dir}"
+[sft]
+num_steps = {steps}
+batch_size = 8
+max_length = 32
+max_tokens_per_micro_batch = 256
+[sft.checkpoint]
+every_steps = 0
+""")
+    return path
+
+
+def test_pipeline_with_default_directories_runs_each_stage_in_its_own(tiny_run_inputs, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    sft = _sft_toml(tiny_run_inputs, tmp_path / "sft.toml")
+    rl = rl_toml(tiny_run_inputs, tmp_path / "unused", tiny_run_inputs / "model")
+    assert main(["pipeline", "--sft-config", str(sft), "--rl-config", str(rl), "--set-rl", "run.out_dir=''"]) == 0
+    (root,) = (tmp_path / "runs").iterdir()
+    assert root.name.startswith("pipeline-") and {p.name for p in root.iterdir()} == {"sft", "rl"}
+    resolved = tomllib.loads((root / "rl" / "resolved_config.toml").read_text())
+    assert resolved["model"]["path"] == str(root / "sft" / "checkpoints" / "step_2")  # the SFT model just written
+    assert [r["step"] for r in read_jsonl(root / "rl" / "metrics_rl.jsonl")] == [1, 2, 3]
+
+
+def test_a_new_sft_run_gets_a_new_directory(tiny_run_inputs, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["sft", "--config", str(_sft_toml(tiny_run_inputs, tmp_path / "a.toml"))]) == 0
+    assert f"sft: new run in {tmp_path / 'runs'}/sft-" in capsys.readouterr().err
+
+
+def test_resume_is_announced_and_a_changed_config_is_refused_with_the_diff(tiny_run_inputs, tmp_path, capsys):
+    out = tmp_path / "run"
+    config = _sft_toml(tiny_run_inputs, tmp_path / "r.toml", out_dir=out, steps=2)
+    assert main(["sft", "--config", str(config)]) == 0
+    assert main(["sft", "--config", str(config), "--set", "sft.num_steps=3"]) == 0  # may change: continues
+    assert f"sft: resuming the run in {out}" in capsys.readouterr().err
+    assert [r["step"] for r in read_jsonl(out / "metrics_sft.jsonl")] == [1, 2, 3]
+    assert main(["sft", "--config", str(config), "--set", "sft.optimizer.lr=0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "was started with a different config" in err and "config.sft.optimizer.lr: 1e-05 -> 0.5" in err
+    (tiny_run_inputs / "sft_changed.jsonl").write_text((tiny_run_inputs / "sft.jsonl").read_text().replace("1", "2"))
+    assert main(["sft", "--config", str(config), "--set", f"data.train_path='{tiny_run_inputs / 'sft_changed.jsonl'}'"]) == 2
+    assert "inputs.train_data" in capsys.readouterr().err  # same count of records, other contents: refused
+
+
+def test_resume_never_and_must(tiny_run_inputs, tmp_path, capsys):
+    out = tmp_path / "run"
+    config = _sft_toml(tiny_run_inputs, tmp_path / "r.toml", out_dir=out)
+    assert main(["sft", "--config", str(config), "--resume", "must"]) == 2
+    assert "resume is 'must' but" in capsys.readouterr().err
+    assert main(["sft", "--config", str(config), "--resume", "never"]) == 0
+    assert main(["sft", "--config", str(config), "--resume", "never"]) == 2
+    assert "already holds a run's checkpoints and resume is 'never'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind, cls", [("sft", SFTRun), ("rl", RLRun)])
+def test_config_show_prints_every_key_with_a_comment_and_reloads_as_the_defaults(kind, cls, capsys):
+    assert main(["config", "show", kind]) == 0
+    text = capsys.readouterr().out
+    lines = [line for line in text.splitlines() if line and not line.startswith("[")]
+    for comment, key in zip(lines[::2], lines[1::2], strict=True):
+        assert comment.startswith("# ") and " = " in key, (comment, key)
+    assert build_run(cls, tomllib.loads(text)) == cls()
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("rollouts ")
