@@ -72,22 +72,6 @@ def test_every_preset_runs_two_steps(tiny_run_inputs, tmp_path, name):
         assert "kl_reward" in history[-1]
 
 
-def test_minimal_grpo_loop_raises_a_toy_reward(tiny_run_inputs):
-    from rollouts.loops.rl_minimal import grpo_minimal
-
-    tokenizer, model, records = _setup(tiny_run_inputs)
-    optimizer = OptimizerConfig(lr=1e-2, schedule="constant")
-    components = build_components(model, optimizer, num_training_steps=12)
-    state, rewards = grpo_minimal(
-        components, InProcessEngine(model, tokenizer=tokenizer), DataBuffer(records, seed=0),
-        encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
-        reward=starts_with_seven, num_steps=12, prompts_per_step=8, samples_per_prompt=8,
-        sampling=SamplingParams(temperature=1.0, max_new_tokens=4), optimizer=optimizer,
-    )
-    assert state.step == 12 and state.weight_version == 12
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards
-
-
 def test_a_resumed_run_keeps_the_starting_model_as_its_kl_reference(tiny_run_inputs, tmp_path, monkeypatch):
     """The reference is the model the run started from, not the checkpoint a resume loads."""
     import rollouts.loops.rl as rl
