@@ -103,3 +103,64 @@ def test_env_step_checks_its_fields():
         EnvStep(reward=math.nan)
     with pytest.raises(TypeError, match="token ids"):
         EnvStep(observation=[1, -2])
+
+
+# ---------------------------------------------------------------- OpenEnv-style clients
+
+
+class _Result:
+    def __init__(self, observation, reward, done):
+        self.observation, self.reward, self.done = observation, reward, done
+
+
+class GuessClient:
+    """An OpenEnv-style client: reset(target=...) and step(action) return results; reward None until the end."""
+
+    def __init__(self):
+        self.target = None
+
+    def reset(self, target):
+        self.target = target
+        return _Result({"text": "guess 0-9:"}, None, False)
+
+    def step(self, action):
+        if action["guess"] == self.target:
+            return _Result({"text": ""}, 1.0, True)
+        return _Result({"text": " higher" if action["guess"] < self.target else " lower"}, None, False)
+
+
+class AsyncGuessClient(GuessClient):
+    async def reset(self, target):
+        await trio.sleep(0)
+        return GuessClient.reset(self, target)
+
+    async def step(self, action):
+        await trio.sleep(0)
+        return GuessClient.step(self, action)
+
+
+@pytest.mark.parametrize("client", [GuessClient, AsyncGuessClient])
+def test_an_openenv_style_client_runs_as_an_environment(client):
+    from rollouts.loops.environments import OpenEnvAdapter
+
+    def make_env():
+        return OpenEnvAdapter(client(), to_action=lambda text: {"guess": int(text.strip() or -1)},
+                              render=lambda obs: obs["text"], reset_kwargs=lambda record: {"target": record["target"]})
+
+    sample, engine = _run(make_env, ["3", "7"], record={"prompt": "", "target": 7})
+    assert "".join(chr(t) for t in sample.tokens) == "guess 0-9:3 higher7"
+    assert sample.status is Status.COMPLETED and environment_reward(sample, {}) == 1.0
+    assert engine.prompts[1] == [ord(c) for c in "guess 0-9:3 higher"]
+
+
+def test_an_openenv_result_without_done_is_named():
+    from rollouts.loops.environments import OpenEnvAdapter
+
+    class Broken(GuessClient):
+        def step(self, action):
+            return {"observation": "x", "reward": 0.0}
+
+    env = OpenEnvAdapter(Broken(), to_action=lambda text: {"guess": 1}, reset_kwargs=lambda r: {"target": 2})
+    env.reset({})
+    with pytest.raises(TypeError, match="has no 'reward'"):
+        env.step("1", [49])

@@ -23,6 +23,7 @@ _EXPORTS = {
     "RolloutContext": "rollout_fns", "RolloutFn": "rollout_fns", "single_turn_rollout": "rollout_fns",
     "tool_rollout": "rollout_fns", "run_tool_rollout": "multiturn",
     "environment_rollout": "environments", "environment_reward": "environments", "CalculatorEnv": "environments",
+    "OpenEnvAdapter": "environments",
     "load_object": "plugins", "resolve_function": "plugins", "PluginError": "plugins",
     "ALGORITHMS": "algorithms", "algorithm_preset": "algorithms",
     # evaluation

@@ -32,7 +32,8 @@ async def _call(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
         with trio.fail_after(timeout_s):
             if inspect.iscoroutinefunction(fn):
                 return await fn(*args)
-            result = await trio.to_thread.run_sync(lambda: fn(*args), abandon_on_cancel=True)
+            # boxed: a sync method may return an awaitable (the protocol allows it), awaited here
+            (result,) = await trio.to_thread.run_sync(lambda: (fn(*args),), abandon_on_cancel=True)
             return await result if inspect.isawaitable(result) else result
     except trio.TooSlowError:
         raise TimeoutError(f"environment {getattr(fn, '__qualname__', fn)} took longer than {timeout_s} s") from None
@@ -186,6 +187,52 @@ class CalculatorEnv:
             except ValueError as e:
                 return EnvStep(observation=f"\nerror: {e}\n")
         return EnvStep(observation="\nuse 'calc: <expression>' or 'answer: <number>'\n")
+
+
+@dataclasses.dataclass(slots=True)
+class OpenEnvAdapter:
+    """An OpenEnv-style client as an Environment: `reset(**kwargs)` and `step(action)` (sync or async)
+    return a result with `.observation`, `.reward` (None counts as 0) and `.done`.
+
+    The client's types stay the client's: `to_action(text)` builds the action its `step` takes,
+    `render(observation)` is the text the model sees next, `reset_kwargs(record)` the keyword
+    arguments of `reset` for a prompt record. Give `environment_rollout` a factory that makes one
+    adapter, around a fresh client, per episode. No dependency on OpenEnv itself.
+    """
+
+    client: Any
+    to_action: Callable[[str], Any]
+    render: Callable[[Any], str] = str
+    reset_kwargs: Callable[[Any], Mapping[str, Any]] = lambda record: {}
+
+    def reset(self, record: Any) -> str | Any:
+        return _then(self.client.reset(**self.reset_kwargs(record)), lambda r: self.render(_field(r, "observation")))
+
+    def step(self, action_text: str, action_ids: Sequence[int]) -> EnvStep | Any:
+        return _then(self.client.step(self.to_action(action_text)), self._env_step)
+
+    def _env_step(self, result: Any) -> EnvStep:
+        reward, done = _field(result, "reward"), _field(result, "done")
+        if not isinstance(done, bool):
+            raise TypeError(f"the environment's step result has done={done!r}, not a bool")
+        observation = "" if done else self.render(_field(result, "observation"))
+        return EnvStep(observation=observation, reward=0.0 if reward is None else float(reward), done=done)
+
+
+def _field(result: Any, name: str) -> Any:
+    if not hasattr(result, name):
+        raise TypeError(f"the environment returned {type(result).__name__}, which has no {name!r} "
+                        "(an OpenEnv-style result has observation, reward and done)")
+    return getattr(result, name)
+
+
+def _then(result: Any, finish: Callable[[Any], Any]) -> Any:
+    """finish(result), or an awaitable of it when the client's method was async."""
+    if inspect.isawaitable(result):
+        async def finished() -> Any:
+            return finish(await result)
+        return finished()
+    return finish(result)
 
 
 def _same_number(a: str, b: str) -> bool:
