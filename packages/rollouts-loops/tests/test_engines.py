@@ -152,3 +152,50 @@ def test_bad_arguments_are_refused():
         CoalescingEngine(BlockingEngine(), max_prompts_per_call=0)
     with pytest.raises(ValueError, match="window_s"):
         CoalescingEngine(BlockingEngine(), window_s=-1.0)
+
+
+# ---------------------------------------------------------------- one remote engine's sync bound
+
+
+class HangingReload:
+    """A remote engine whose reload never answers (its own request timeout would be far longer)."""
+
+    name = "http://engine-a:8000"
+
+    def __init__(self):
+        self.reload_started = trio.Event()
+
+    async def update_weights_from_disk(self, path, weight_version):
+        self.reload_started.set()
+        await trio.sleep_forever()
+
+    async def weight_version(self):
+        return 0
+
+    async def health(self):
+        return True
+
+
+def test_a_single_remote_engine_gets_sync_timeout_s_on_its_reload():
+    from rollouts.loops.engines import BoundedSync
+    from rollouts.sync import WeightSyncError
+
+    inner = HangingReload()
+    engine = BoundedSync(inner, sync_timeout_s=0.05)
+    assert engine.name == inner.name and trio.run(engine.health)  # everything else passes through
+
+    async def main():
+        with trio.fail_after(30):  # a guard only: the bound under test is 0.05 s
+            await engine.update_weights_from_disk("/abs/weights", 1)
+
+    with pytest.raises(WeightSyncError, match="engine-a"):
+        trio.run(main)
+    assert inner.reload_started.is_set()
+
+
+def test_remote_engine_bounds_a_single_url_by_sync_timeout_s():
+    from rollouts.loops.engines import BoundedSync, remote_engine
+
+    engine = remote_engine("vllm", ["http://127.0.0.1:1"], api_key_env="", timeout_s=5.0, max_retries=0,
+                           sync_timeout_s=7.0)
+    assert isinstance(engine, BoundedSync) and engine.sync_timeout_s == 7.0

@@ -83,9 +83,12 @@ def _valid_config(cls, draw):
             checkpoint=_valid_config(CheckpointConfig, draw),
         )
     assert cls is RLConfig
+    rollout = _valid_config(RolloutConfig, draw)
+    if rollout.sampling.temperature == 0:  # greedy groups cannot learn: one sample per prompt
+        rollout = dataclasses.replace(rollout, samples_per_prompt=1)
     return RLConfig(
         num_steps=draw(st.integers(1, 10**6)),
-        rollout=_valid_config(RolloutConfig, draw),
+        rollout=rollout,
         algorithm=_valid_config(AlgorithmConfig, draw),
         optimizer=_valid_config(OptimizerConfig, draw),
         overlap=draw(st.booleans()),
@@ -358,3 +361,22 @@ def test_protocols_are_structural():
     assert isinstance(Logger(), MetricsLogger)
     assert isinstance(Engine(), InferenceEngine)
     assert not isinstance(Logger(), InferenceEngine)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "gpg", "remax", "grpo_passk"])
+def test_greedy_groups_are_refused_for_a_group_estimator(estimator):
+    """Temperature 0 with several samples per prompt: identical samples, all advantages 0."""
+    greedy = RolloutConfig(samples_per_prompt=4, sampling=SamplingParams(temperature=0.0))
+    with pytest.raises(ValueError, match=r"RLConfig\.rollout\.sampling\.temperature.*nothing is learned"):
+        RLConfig(rollout=greedy, algorithm=AlgorithmConfig(advantage_estimator=estimator))
+
+
+@given(st.sampled_from(["grpo", "rloo", "reinforce_pp", "gpg"]), st.integers(1, 8), st.sampled_from([0.0, 0.7, 1.0]))
+def test_greedy_sampling_is_accepted_where_it_can_learn(estimator, n, temperature):
+    rollout = RolloutConfig(samples_per_prompt=n, sampling=SamplingParams(temperature=temperature))
+    group = estimator != "reinforce_pp"
+    if group and temperature == 0 and n > 1:
+        with pytest.raises(ValueError):
+            RLConfig(rollout=rollout, algorithm=AlgorithmConfig(advantage_estimator=estimator))
+    else:  # one sample per prompt, a batch-level baseline, or real sampling
+        RLConfig(rollout=rollout, algorithm=AlgorithmConfig(advantage_estimator=estimator))

@@ -146,5 +146,30 @@ def remote_engine(kind: str, urls: Sequence[str], *, api_key_env: str, timeout_s
     cls = {"vllm": VLLMEngine, "sglang": SGLangEngine}[kind]
     engines = [cls(url, api_key=api_key, timeout_s=timeout_s, max_retries=max_retries) for url in urls]
     if len(engines) == 1:
-        return engines[0]
+        return BoundedSync(engines[0], sync_timeout_s=sync_timeout_s)
     return EnginePool(engines, sync_timeout_s=sync_timeout_s)
+
+
+class BoundedSync:
+    """One engine whose weight reloads are bounded by `sync_timeout_s`, as a pool bounds each of its
+    engines: a reload that hangs or ends on another version is a WeightSyncError naming the engine
+    (the client's own request timeout and retries alone could run far past the setting).
+    Everything else passes straight through to the engine."""
+
+    def __init__(self, engine: InferenceEngine, *, sync_timeout_s: float) -> None:
+        if not sync_timeout_s > 0:
+            raise ValueError(f"sync_timeout_s must be > 0, got {sync_timeout_s}")
+        self.engine = engine
+        self.sync_timeout_s = sync_timeout_s
+
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    def __getattr__(self, attribute: str) -> object:  # generate, weight_version, health, ...
+        return getattr(self.engine, attribute)
+
+    async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
+        from rollouts.sync import sync_weights_to_engines
+
+        await sync_weights_to_engines([self.engine], path, weight_version, timeout_s=self.sync_timeout_s)

@@ -16,6 +16,8 @@ LossAggregation = Literal[
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 ]
 AdvantageEstimator = Literal["grpo", "rloo", "reinforce_pp", "gae", "gpg", "remax", "grpo_passk"]
+GROUP_ESTIMATORS = frozenset({"grpo", "rloo", "gpg", "remax", "grpo_passk"})
+"""Estimators that compare a sample with the other samples of its prompt (they need sampled, distinct groups)."""
 AdvantageScale = Literal["group", "batch", "none"]
 PolicyLoss = Literal["ppo_clip", "gspo", "cispo", "pg", "sapo", "gmpo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov"]
 KLKind = Literal["k1", "abs", "k2", "k3", "low_var_kl", "k1+", "k3+"]
@@ -28,6 +30,7 @@ Schedule = Literal["constant", "linear", "cosine"]
 TrainOn = Literal["assistant", "last_assistant", "all"]
 
 __all__ = [
+    "GROUP_ESTIMATORS",
     "AdvantageEstimator",
     "AdvantageScale",
     "AlgorithmConfig",
@@ -363,6 +366,14 @@ class RLConfig:
             f"be > rollout.sampling.max_new_tokens ({longest}) so a prompt and a full response fit a micro-batch",
         )
         require(self.sync_every_steps >= 1, f"{n}.sync_every_steps", self.sync_every_steps, "be >= 1")
+        group = self.algorithm.advantage_estimator in GROUP_ESTIMATORS
+        require(
+            not (group and self.rollout.sampling.temperature == 0 and self.rollout.samples_per_prompt > 1),
+            f"{n}.rollout.sampling.temperature", self.rollout.sampling.temperature,
+            f"be > 0 with {self.algorithm.advantage_estimator!r} advantages and samples_per_prompt="
+            f"{self.rollout.samples_per_prompt}: greedy samples of a group are identical, so every advantage "
+            "is 0 and nothing is learned",
+        )
         require(self.max_staleness >= 1, f"{n}.max_staleness", self.max_staleness, "be >= 1")
         require(self.seed >= 0, f"{n}.seed", self.seed, "be >= 0")
         require(self.log_every >= 1, f"{n}.log_every", self.log_every, "be >= 1")
