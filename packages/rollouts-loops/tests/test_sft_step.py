@@ -41,3 +41,20 @@ def test_the_update_is_the_same_however_the_batch_is_split(mode):
     assert one_metrics["loss"] == pytest.approx(many_metrics["loss"], rel=1e-5)
     for name in one:
         torch.testing.assert_close(many[name], one[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_data_without_a_loss_token_is_refused_before_training(tmp_path, caplog):
+    """max_length shorter than every prompt: 0 loss tokens each step used to train nothing and exit 0."""
+    from rollouts.loops import JsonlLogger, run_sft_training
+
+    model = build_tiny_model(16, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                             max_position_embeddings=32)
+    components = build_components(model, OptimizerConfig(lr=1e-3), num_training_steps=2)
+    cut = [Sample(tokens=s.tokens[:2], num_prompt_tokens=2, loss_mask=(0.0, 0.0)) for s in _samples()]
+    config = SFTConfig(num_steps=2, batch_size=2, max_length=2)
+    with pytest.raises(ValueError, match=r"none of the 6 samples.*sft\.max_length=2"):
+        run_sft_training(components, cut, config, logger=JsonlLogger(tmp_path / "m.jsonl"))
+    some = cut[:3] + _samples()[3:]
+    with caplog.at_level("WARNING"):
+        state, _ = run_sft_training(components, some, config, logger=JsonlLogger(tmp_path / "m2.jsonl"))
+    assert state.step == 2 and "3 of 6 samples have no token to learn from" in caplog.text

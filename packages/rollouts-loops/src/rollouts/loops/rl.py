@@ -34,7 +34,14 @@ from rollouts.loops.distributed import rank_world
 from rollouts.loops.evaluation import Evaluation, evaluate_groups, group_metrics
 from rollouts.loops.generation import BatchSource, sync_engine
 from rollouts.loops.policy_update import AdvantageFn, check_algorithm, rl_update
-from rollouts.loops.rollout_fns import PromptEncoder, RolloutContext, RolloutFn, group_generator, single_turn_rollout
+from rollouts.loops.rollout_fns import (
+    PromptEncoder,
+    RolloutContext,
+    RolloutFn,
+    group_generator,
+    model_vocab_size,
+    single_turn_rollout,
+)
 from rollouts.loops.run_dir import CHECKPOINTS_DIR, resume_if_possible
 from rollouts.loops.scoring import Reward, check_reward_errors, reward_errors, summarize
 from rollouts.losses import LossFn, overlong_penalty
@@ -232,8 +239,8 @@ def run_rl_training(
     hooks = RLHooks(reward=Reward.of(reward), rollout=rollout, filter_fn=filter_fn, advantage_fn=advantage_fn,
                     loss_fn=loss_fn)
     sampling = dataclasses.replace(config.rollout.sampling, n=config.rollout.samples_per_prompt)
-    context = None if engine is None else RolloutContext(engine=engine, sampling=sampling,
-                                                         encode_prompt=encode_prompt, tokenizer=tokenizer)
+    context = None if engine is None else RolloutContext(engine=engine, sampling=sampling, encode_prompt=encode_prompt,
+                                                         tokenizer=tokenizer, vocab_size=model_vocab_size(components.model))
     run = _Run(components=components, ref_components=ref_components, buffer=buffer, engine=engine, config=config,
                hooks=hooks, context=context, logger=logger, run_dir=Path(run_dir), shares_model=engine_shares_model,
                resume=resume, tokenizer=tokenizer, on_step=on_step, evaluation=evaluation,

@@ -34,6 +34,8 @@ class RolloutContext:
     """Sampling parameters; `n` is the number of samples the group must hold."""
     encode_prompt: PromptEncoder
     tokenizer: Any = None
+    vocab_size: int | None = None
+    """The trained model's vocabulary: a token id at or above it is an error naming the engine."""
 
 
 RolloutFn = Callable[[Any, RolloutContext], "Sequence[Sample] | Awaitable[Sequence[Sample]]"]
@@ -100,6 +102,24 @@ def tool_rollout(
     return rollout
 
 
+def model_vocab_size(model: Any) -> int | None:
+    """Rows of an HF model's input embedding (its config's vocab_size otherwise; None if neither)."""
+    get = getattr(model, "get_input_embeddings", None)
+    rows = getattr(get(), "num_embeddings", None) if callable(get) else None
+    rows = rows if rows is not None else getattr(getattr(model, "config", None), "vocab_size", None)
+    return int(rows) if rows is not None else None
+
+
+def check_vocabulary(samples: Sequence[Sample], *, vocab_size: int, engine: str) -> None:
+    """Refuse token ids the trained model has no embedding for (an engine serving another model or
+    tokenizer), naming the engine and both vocabularies, before they reach the trainer."""
+    largest = max((max(s.tokens, default=-1) for s in samples), default=-1)
+    if largest >= vocab_size:
+        raise ValueError(f"engine {engine} returned token id {largest}, outside the trained model's vocabulary of "
+                         f"{vocab_size} tokens (the engine's has at least {largest + 1}): is it serving another "
+                         "model or tokenizer?")
+
+
 def group_generator(rollout: RolloutFn, ctx: RolloutContext, reward: Reward) -> Callable[[Any, int], Awaitable[list[Sample]]]:
     """The rollout manager's GenerateFn: (record, n) -> n scored Samples carrying the record's fields."""
 
@@ -109,6 +129,8 @@ def group_generator(rollout: RolloutFn, ctx: RolloutContext, reward: Reward) -> 
         samples = await result if inspect.isawaitable(result) else result
         if not isinstance(samples, Sequence) or len(samples) != n or not all(isinstance(s, Sample) for s in samples):
             raise TypeError(f"the rollout function must return {n} Samples, got {samples!r:.120}")
+        if ctx.vocab_size is not None:
+            check_vocabulary(samples, vocab_size=ctx.vocab_size, engine=ctx.engine.name)
         return await score_group(reward, _with_record(samples, record), record)
 
     return generate_group

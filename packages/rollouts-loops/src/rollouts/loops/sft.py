@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from pathlib import Path
+import logging
 from typing import Any
 
 from rollouts.backends import TrainingComponents, forward_backward, optim_step, save_checkpoint
@@ -19,6 +20,8 @@ from rollouts.loops.micro_batches import plan_shard
 from rollouts.loops.run_dir import CHECKPOINTS_DIR, resume_if_possible
 from rollouts.losses import sft_loss_fn
 from rollouts.types import MetricsLogger, Sample, SFTConfig, TrainingState
+
+log = logging.getLogger(__name__)
 
 
 def sft_step(
@@ -41,6 +44,22 @@ def sft_step(
     return state, {**metrics, **step_metrics, "num_truncated": float(sum(s.status == "truncated" for s in samples))}
 
 
+def check_trainable(samples: Sequence[Sample], *, max_length: int) -> None:
+    """Refuse data with no loss token at all (a run would train nothing and exit as if it had), and
+    log how many samples have none (truncated before their first assistant token, usually)."""
+    if not samples:
+        raise ValueError("no SFT samples: the data is empty")
+    empty = [i for i, s in enumerate(samples) if not any(m > 0 for m in s.loss_mask)]
+    if len(empty) == len(samples):
+        raise ValueError(
+            f"none of the {len(samples)} samples has a token to learn from (loss_mask is all 0): cut at "
+            f"sft.max_length={max_length} tokens, every sample ends before its first assistant token; "
+            "raise sft.max_length, or check sft.train_on")
+    if empty:
+        log.warning("%d of %d samples have no token to learn from (e.g. sample %d): they only dilute the batches",
+                    len(empty), len(samples), empty[0])
+
+
 def run_sft_training(
     components: TrainingComponents,
     data: Sequence[Sample] | DataBuffer,
@@ -57,6 +76,7 @@ def run_sft_training(
     every `config.checkpoint.every_steps` steps and at the end, and a rerun resumes from the newest.
     """
     buffer = data if isinstance(data, DataBuffer) else DataBuffer(list(data), seed=config.seed)
+    check_trainable(buffer.prompts, max_length=config.max_length)
     state, extra, _ = resume_if_possible(components, run_dir, resume=resume)
     if "buffer" in extra:
         buffer.load_state_dict(extra["buffer"])

@@ -1,0 +1,57 @@
+"""Faults reach the user as errors that name their cause, before they reach torch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import trio
+
+from rollouts.backends import InProcessEngine, build_components, load_hf_model
+from rollouts.data import DataBuffer
+from rollouts.loops.loggers import NullLogger
+from rollouts.loops.rl import run_rl_training
+from rollouts.types import CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams
+
+
+class OtherVocabularyEngine:
+    """An engine serving a model with a larger vocabulary: its samples carry ids the trainer lacks."""
+
+    name = "http://engine-b:8000"
+
+    def __init__(self, inner, extra_id):
+        self.inner, self.extra_id = inner, extra_id
+
+    async def generate(self, prompts, params):
+        samples = await self.inner.generate(prompts, params)
+        return [dataclasses.replace(s, tokens=(*s.tokens[:-1], self.extra_id)) for s in samples]
+
+    async def update_weights_from_disk(self, path, weight_version):
+        await self.inner.update_weights_from_disk(path, weight_version)
+
+    async def weight_version(self):
+        return await self.inner.weight_version()
+
+    async def health(self):
+        return True
+
+
+def test_token_ids_outside_the_vocabulary_are_an_error_naming_the_engine(tiny_run_inputs, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_run_inputs / "model"), local_files_only=True)
+    model = load_hf_model(tiny_run_inputs / "model")
+    vocab = model.get_input_embeddings().num_embeddings
+    config = RLConfig(num_steps=2, rollout=RolloutConfig(batch_size=2, samples_per_prompt=2, max_retries=0,
+                                                         sampling=SamplingParams(max_new_tokens=3)),
+                      optimizer=OptimizerConfig(lr=1e-3), checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
+                      max_tokens_per_micro_batch=256)
+    engine = OtherVocabularyEngine(InProcessEngine(model, tokenizer=tokenizer), extra_id=vocab + 5)
+    records = [{"prompt": "12+34=", "answer": "64"}, {"prompt": "50+50=", "answer": "001"}]
+    with pytest.raises(RuntimeError) as caught:
+        run_rl_training(build_components(model, config.optimizer, num_training_steps=2), DataBuffer(records), engine,
+                        config, reward=lambda s, r: 1.0, logger=NullLogger(), run_dir=tmp_path,
+                        encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
+                        engine_shares_model=True, resume=False)
+    message = str(caught.value)
+    assert "engine-b" in message and f"token id {vocab + 5}" in message and f"vocabulary of {vocab}" in message
