@@ -199,3 +199,50 @@ def test_remote_engine_bounds_a_single_url_by_sync_timeout_s():
     engine = remote_engine("vllm", ["http://127.0.0.1:1"], api_key_env="", timeout_s=5.0, max_retries=0,
                            sync_timeout_s=7.0)
     assert isinstance(engine, BoundedSync) and engine.sync_timeout_s == 7.0
+
+
+class PickyEngine:
+    """Refuses a whole call when any prompt in it is longer than `max_len` (as a context limit does)."""
+
+    name = "picky"
+
+    def __init__(self, max_len):
+        self.max_len, self.calls = max_len, []
+
+    async def generate(self, prompts, params):
+        self.calls.append(len(prompts))
+        if any(len(p) > self.max_len for p in prompts):
+            raise ValueError(f"a prompt is longer than {self.max_len} tokens")
+        return [Sample(tokens=(*p, 1), num_prompt_tokens=len(p), loss_mask=(0.0,) * len(p) + (1.0,), status=Status.COMPLETED)
+                for p in prompts for _ in range(params.n)]
+
+    async def update_weights_from_disk(self, path, weight_version):
+        pass
+
+    async def weight_version(self):
+        return 0
+
+    async def health(self):
+        return True
+
+
+def test_one_bad_prompt_fails_only_its_own_request():
+    inner = PickyEngine(max_len=3)
+    engine = CoalescingEngine(inner, max_prompts_per_call=8, window_s=0.05)
+    outcomes = {}
+
+    async def one(name, prompt):
+        try:
+            outcomes[name] = await engine.generate([prompt], SamplingParams(n=2, max_new_tokens=1))
+        except ValueError as e:
+            outcomes[name] = e
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            for name, prompt in [("a", [1, 2]), ("long", [1, 2, 3, 4, 5]), ("b", [3])]:
+                nursery.start_soon(one, name, prompt)
+
+    trio.run(main)
+    assert isinstance(outcomes["long"], ValueError)
+    assert [s.prompt_tokens for s in outcomes["a"]] == [(1, 2)] * 2 and [s.prompt_tokens for s in outcomes["b"]] == [(3,)] * 2
+    assert inner.calls[0] == 3 and sorted(inner.calls[1:]) == [1, 1, 1]  # the batch, then each alone

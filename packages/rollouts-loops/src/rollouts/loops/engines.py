@@ -68,8 +68,18 @@ class CoalescingEngine:
         except trio.Cancelled:  # before the thread started (a running one is waited for): nothing ran
             self._queue[:0] = batch
             raise
-        except Exception as e:  # every request of the batch sees the failure (and may retry)
-            self._finish(batch, error=e)
+        except Exception as e:
+            if len(batch) == 1:  # the request sees its failure (and may retry)
+                self._finish(batch, error=e)
+                return
+            # One bad request (a prompt too long for the model, say) must not fail the others with it:
+            # each runs alone, so only the requests that fail by themselves see an error.
+            for i, r in enumerate(batch):
+                try:
+                    await self._run_batch([r])
+                except trio.Cancelled:  # [r] went back to the queue's front; the rest follow it
+                    self._queue[1:1] = batch[i + 1 :]
+                    raise
             return
         if len(samples) != len(prompts) * params.n:
             error = RuntimeError(f"{self.inner.name} returned {len(samples)} samples for {len(prompts)} prompts x n={params.n}")

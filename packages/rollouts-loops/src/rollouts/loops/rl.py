@@ -240,7 +240,8 @@ def run_rl_training(
                     loss_fn=loss_fn)
     sampling = dataclasses.replace(config.rollout.sampling, n=config.rollout.samples_per_prompt)
     context = None if engine is None else RolloutContext(engine=engine, sampling=sampling, encode_prompt=encode_prompt,
-                                                         tokenizer=tokenizer, vocab_size=model_vocab_size(components.model))
+                                                         tokenizer=tokenizer, vocab_size=model_vocab_size(components.model),
+                                                         max_sample_tokens=config.max_tokens_per_micro_batch)
     run = _Run(components=components, ref_components=ref_components, buffer=buffer, engine=engine, config=config,
                hooks=hooks, context=context, logger=logger, run_dir=Path(run_dir), shares_model=engine_shares_model,
                resume=resume, tokenizer=tokenizer, on_step=on_step, evaluation=evaluation,

@@ -36,6 +36,8 @@ class RolloutContext:
     tokenizer: Any = None
     vocab_size: int | None = None
     """The trained model's vocabulary: a token id at or above it is an error naming the engine."""
+    max_sample_tokens: int | None = None
+    """rl.max_tokens_per_micro_batch: a longer sample fails its group (it would fit no micro-batch)."""
 
 
 RolloutFn = Callable[[Any, RolloutContext], "Sequence[Sample] | Awaitable[Sequence[Sample]]"]
@@ -120,6 +122,16 @@ def check_vocabulary(samples: Sequence[Sample], *, vocab_size: int, engine: str)
                          "model or tokenizer?")
 
 
+def check_fits(samples: Sequence[Sample], *, max_tokens: int) -> None:
+    """Refuse a sample longer than a micro-batch (found here, its group fails and says why, instead
+    of the trainer failing the whole step)."""
+    for s in samples:
+        if len(s.tokens) > max_tokens:
+            raise ValueError(f"a sample has {len(s.tokens)} tokens (prompt {s.num_prompt_tokens} + response "
+                             f"{s.response_length}) > rl.max_tokens_per_micro_batch={max_tokens}: it fits no "
+                             "micro-batch; raise the setting or shorten the prompt")
+
+
 def group_generator(rollout: RolloutFn, ctx: RolloutContext, reward: Reward) -> Callable[[Any, int], Awaitable[list[Sample]]]:
     """The rollout manager's GenerateFn: (record, n) -> n scored Samples carrying the record's fields."""
 
@@ -131,6 +143,8 @@ def group_generator(rollout: RolloutFn, ctx: RolloutContext, reward: Reward) -> 
             raise TypeError(f"the rollout function must return {n} Samples, got {samples!r:.120}")
         if ctx.vocab_size is not None:
             check_vocabulary(samples, vocab_size=ctx.vocab_size, engine=ctx.engine.name)
+        if ctx.max_sample_tokens is not None:
+            check_fits(samples, max_tokens=ctx.max_sample_tokens)
         return await score_group(reward, _with_record(samples, record), record)
 
     return generate_group
