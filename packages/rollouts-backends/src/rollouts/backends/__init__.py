@@ -15,6 +15,7 @@ from rollouts.backends.components import (
     build_components,
     build_optimizer,
     build_scheduler,
+    check_model_dir,
     load_hf_model,
     lr_multiplier,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "TrainingComponents",
     "attention_mask_4d",
     "build_components",
+    "check_model_dir",
     "build_optimizer",
     "build_scheduler",
     "compute_logprobs",

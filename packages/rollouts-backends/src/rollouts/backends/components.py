@@ -7,6 +7,7 @@ counter); everything that counts progress lives in the immutable `TrainingState`
 from __future__ import annotations
 
 import functools
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,57 @@ class TrainingComponents:
     device: torch.device
 
 
+def check_model_dir(path: str | Path, *, tokenizer: bool = False) -> None:
+    """Check a local HF model directory before anything is loaded: config.json parses, its weights
+    are there (model.safetensors, or the shards its index names) and each file is as long as its
+    header says (a truncated copy is named here, not deep inside a loader); with `tokenizer`, that
+    tokenizer files are present. Reads only the files' headers."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model path {str(path)!r} has no config.json: expected a local HF-format model directory")
+    try:
+        json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path / 'config.json'} is not valid JSON: {e}") from None
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, AttributeError) as e:
+            raise ValueError(f"{index} is not a safetensors index (weight_map): {e!r}") from None
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(f"model path {str(path)!r} has no model.safetensors (nor an index of shards): "
+                         "rollouts loads safetensors weights only")
+    for name in files:
+        _check_safetensors_length(path / name)
+    if tokenizer and not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise ValueError(f"model path {str(path)!r} has no tokenizer (tokenizer.json / tokenizer_config.json): "
+                         "save one there or set model.tokenizer_path")
+
+
+def _check_safetensors_length(file: Path) -> None:
+    """The file holds its 8-byte header length, the JSON header and every tensor's bytes."""
+    if not file.is_file():
+        raise ValueError(f"weights file {file} is missing")
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        head = f.read(8)
+        header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if header_len < 2 or 8 + header_len > size:
+            raise ValueError(f"weights file {file} is truncated or not safetensors ({size} bytes; header length "
+                             f"{header_len})")
+        try:
+            header = json.loads(f.read(header_len))
+            end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"weights file {file} has an unreadable safetensors header: {e!r}") from None
+    if 8 + header_len + end != size:
+        raise ValueError(f"weights file {file} is {size} bytes but its header describes {8 + header_len + end}: "
+                         "truncated or damaged (copy it again)")
+
+
 def load_hf_model(
     path: str | Path,
     *,
@@ -49,8 +101,7 @@ def load_hf_model(
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model path {str(path)!r} has no config.json: expected a local HF-format model directory")
+    check_model_dir(path)
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
     )
