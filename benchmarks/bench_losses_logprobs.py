@@ -1,6 +1,6 @@
 """Log-prob memory and speed: fused_token_logprobs vs naive log_softmax(hidden @ W.T).gather, forward + backward.
 
-Default size is a Qwen2-0.5B output layer on a GRPO micro-batch: B=4, T=1024, V=151936, H=896,
+Sizes are a Qwen2-0.5B output layer on GRPO micro-batches: V=151936, H=896,
 float32 on CPU, one thread (OMP_NUM_THREADS=1 / torch.set_num_threads(1)) so that other work on
 the machine blurs the comparison as little as possible.
 
@@ -20,7 +20,11 @@ Method
   so the gradient of the hidden states (token t's depends only on token t) is also checked on the
   first `--exact-tokens` tokens against a float64 computation.
 
-Run: uv run python benchmarks/bench_losses_logprobs.py [--batch 4 --tokens 1024 --vocab 151936 --hidden 896]
+Sizes: by default 1k, 2k and 4k tokens (B x T = 2x512, 4x512, 4x1024), the fused variant with its
+adaptive chunk size; the goal is memory beyond inputs <= 1/8 of naive and time <= 1.1x naive at
+every size from 1k tokens.
+
+Run: uv run python benchmarks/bench_losses_logprobs.py [--shapes 2x512,4x1024 --vocab 151936 --hidden 896]
 """
 
 from __future__ import annotations
@@ -83,7 +87,7 @@ def run_variant(args: argparse.Namespace) -> None:
             logits = hidden @ weight.T
             logp = torch.log_softmax(logits, dim=-1).gather(-1, labels[..., None]).squeeze(-1)
         else:
-            logp = fused_token_logprobs(hidden, weight, labels, chunk_size=args.chunk_size)
+            logp = fused_token_logprobs(hidden, weight, labels, chunk_size=args.chunk_size or None)
         (logp * upstream).sum().backward()
 
     start = time.perf_counter()
@@ -137,25 +141,8 @@ def _exact_hidden_grad_errors(args: argparse.Namespace, out_dir: str) -> dict[st
     return errors
 
 
-def main() -> None:
-    """Parent: run both variants, compare, print the figures side by side."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=151936)
-    p.add_argument("--hidden", type=int, default=896)
-    p.add_argument("--repeats", type=int, default=3, help="forward+backward runs (subprocesses) per variant")
-    p.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk for the fused variant")
-    p.add_argument("--exact-tokens", type=int, default=64, help="tokens whose hidden gradient is checked in float64")
-    p.add_argument("--timeout-s", type=float, default=3600.0, help="bound on each variant's subprocess")
-    p.add_argument("--variant", choices=["naive", "fused"], help=argparse.SUPPRESS)
-    p.add_argument("--out-dir", help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.variant:
-        run_variant(args)
-        return
-    print(f"B={args.batch} T={args.tokens} V={args.vocab} H={args.hidden} float32 CPU, 1 thread, "
-          f"forward+backward, {args.repeats} runs each, fused chunk_size={args.chunk_size}", flush=True)
+def _measure(args: argparse.Namespace) -> dict:
+    """Alternate naive and fused subprocesses at one shape; medians, peak memory and gradient errors."""
     runs: dict[str, list[dict]] = {"naive": [], "fused": []}
     with tempfile.TemporaryDirectory() as out_dir:
         for r in range(args.repeats):
@@ -164,26 +151,65 @@ def main() -> None:
                 print(f"  run {r}: {variant} {runs[variant][-1]['time_s']:.2f} s", flush=True)
         errors = {name: _compare(out_dir, name) for name in ("hidden", "weight")}
         exact = _exact_hidden_grad_errors(args, out_dir)
-    naive, fused = (
-        {
+    summary = {
+        v: {
             "median_s": statistics.median(x["time_s"] for x in runs[v]),
             "times_s": [x["time_s"] for x in runs[v]],
             "extra_peak_bytes": max(x["extra_peak_bytes"] for x in runs[v]),
         }
         for v in ("naive", "fused")
-    )
+    }
+    return {**summary, "errors": errors, "exact": exact}
+
+
+def _report(args: argparse.Namespace, m: dict) -> tuple[float, float]:
+    """Print one shape's table; return (time ratio, memory ratio) fused / naive."""
+    naive, fused = m["naive"], m["fused"]
+    time_ratio = fused["median_s"] / naive["median_s"]
+    mem_ratio = fused["extra_peak_bytes"] / naive["extra_peak_bytes"]
     print(f"{'':<34}{'naive':>12}{'fused':>12}{'fused/naive':>14}")
-    print(f"{'wall time, median (s)':<34}{naive['median_s']:>12.2f}{fused['median_s']:>12.2f}"
-          f"{fused['median_s'] / naive['median_s']:>14.3f}")
+    print(f"{'wall time, median (s)':<34}{naive['median_s']:>12.2f}{fused['median_s']:>12.2f}{time_ratio:>14.3f}")
     print(f"{'peak beyond inputs+grads (GB)':<34}{naive['extra_peak_bytes'] / _GB:>12.3f}"
-          f"{fused['extra_peak_bytes'] / _GB:>12.3f}{fused['extra_peak_bytes'] / naive['extra_peak_bytes']:>14.4f}")
+          f"{fused['extra_peak_bytes'] / _GB:>12.3f}{mem_ratio:>14.4f}")
     print("all times (s): naive " + ", ".join(f"{x:.2f}" for x in naive["times_s"])
           + " | fused " + ", ".join(f"{x:.2f}" for x in fused["times_s"]))
-    for name, (fro, mx) in errors.items():
+    for name, (fro, mx) in m["errors"].items():
         print(f"grad {name:<7} relative error vs naive: frobenius {fro:.2e}, max-abs {mx:.2e}")
     print(f"grad hidden, first {args.exact_tokens} tokens, relative error vs float64: "
-          f"naive {exact['naive']:.2e}, fused {exact['fused']:.2e}")
-    print("targets: memory ratio <= 0.125, time ratio <= 1.2, gradient relative error <= 1e-5")
+          f"naive {m['exact']['naive']:.2e}, fused {m['exact']['fused']:.2e}")
+    return time_ratio, mem_ratio
+
+
+def main() -> None:
+    """Parent: run both variants at each shape, compare, print the figures side by side and against the goals."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="2x512,4x512,4x1024", help="comma-separated BxT shapes (1k, 2k, 4k tokens)")
+    p.add_argument("--vocab", type=int, default=151936)
+    p.add_argument("--hidden", type=int, default=896)
+    p.add_argument("--repeats", type=int, default=3, help="forward+backward runs (subprocesses) per variant")
+    p.add_argument("--chunk-size", type=int, default=0, help="tokens per chunk for the fused variant (0: adaptive)")
+    p.add_argument("--exact-tokens", type=int, default=64, help="tokens whose hidden gradient is checked in float64")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="bound on each variant's subprocess")
+    p.add_argument("--variant", choices=["naive", "fused"], help=argparse.SUPPRESS)
+    p.add_argument("--out-dir", help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, default=2, help=argparse.SUPPRESS)
+    p.add_argument("--tokens", type=int, default=512, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.variant:
+        run_variant(args)
+        return
+    rows = []
+    for shape in args.shapes.split(","):
+        args.batch, args.tokens = (int(x) for x in shape.lower().split("x"))
+        print(f"B={args.batch} T={args.tokens} V={args.vocab} H={args.hidden} float32 CPU, 1 thread, "
+              f"forward+backward, {args.repeats} runs each, fused chunk_size="
+              f"{args.chunk_size or 'adaptive'}", flush=True)
+        rows.append((args.batch * args.tokens, *_report(args, _measure(args))))
+    print(f"\n{'tokens':>8}{'time fused/naive':>18}{'memory fused/naive':>20}   goal: time <= 1.1, memory <= 0.125")
+    for tokens, time_ratio, mem_ratio in rows:
+        ok = "met" if time_ratio <= 1.1 and mem_ratio <= 0.125 else "NOT met"
+        print(f"{tokens:>8}{time_ratio:>18.3f}{mem_ratio:>20.4f}   {ok}")
+    print("gradient relative error vs naive goal: <= 1e-5")
 
 
 if __name__ == "__main__":

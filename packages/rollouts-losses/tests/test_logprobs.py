@@ -4,7 +4,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rollouts.losses import fused_token_logprobs, token_entropy, token_logprobs
+from rollouts.losses import fused_chunk_size, fused_token_logprobs, token_entropy, token_logprobs
+from rollouts.losses.logprobs import FUSED_MEMORY_BUDGET_BYTES
 
 
 def _naive(logits_B_T_V, labels_B_T):
@@ -160,3 +161,55 @@ def test_fused_bfloat16_inputs_use_float32_math():
     torch.testing.assert_close(lp, ref_lp, rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(h16.grad.float(), h32.grad, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(w16.grad.float(), w32.grad, rtol=2e-2, atol=2e-2)
+
+
+# verl's fused-kernel tests accept about 3e-3 on bf16 log-probs. With exact bf16 -> float32
+# upcasts and float32 accumulation over H=64 terms, our distance to float64 is ~1e-5; rounding
+# the logits (magnitude ~20 here) to bf16, as a bf16 matmul does, costs up to 20 * 2^-8 = 0.08.
+_VERL_BF16_ATOL = 3e-3
+# The returned gradients are bf16: rounding each element costs at most 2^-8 relative, so the
+# relative Frobenius error of a correct computation is <= 2^-8; bf16 logits would add ~5e-2.
+_BF16_GRAD_REL = 2.0**-8
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_fused_bfloat16_matches_float64_reference(temperature, with_entropy):
+    g = torch.Generator().manual_seed(11)
+    hidden = torch.randn(2, 24, 64, generator=g).bfloat16().requires_grad_()
+    weight = (torch.randn(700, 64, generator=g) * 1.5).bfloat16().requires_grad_()
+    labels = torch.randint(0, 700, (2, 24), generator=g)
+    g_lp, g_ent = torch.randn(2, 24, generator=g), torch.randn(2, 24, generator=g)
+    out = fused_token_logprobs(hidden, weight, labels, chunk_size=5, temperature=temperature, return_entropy=with_entropy)
+    lp, ent = out if with_entropy else (out, None)
+    loss = (lp * g_lp).sum() + ((ent * g_ent).sum() if with_entropy else 0.0)
+    ours = torch.autograd.grad(loss, [hidden, weight])
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref_lp, ref_ent = _naive(h64 @ w64.T / temperature, labels)
+    ref_loss = (ref_lp * g_lp.double()).sum() + ((ref_ent * g_ent.double()).sum() if with_entropy else 0.0)
+    ref = torch.autograd.grad(ref_loss, [h64, w64])
+    assert (h64 @ w64.T).abs().max() > 10.0, "logits large enough that bf16 rounding would show"
+    torch.testing.assert_close(lp.double(), ref_lp.detach(), rtol=0.0, atol=_VERL_BF16_ATOL)
+    if with_entropy:
+        torch.testing.assert_close(ent.double(), ref_ent.detach(), rtol=0.0, atol=_VERL_BF16_ATOL)
+    for a, b in zip(ours, ref, strict=True):
+        assert a.dtype == torch.bfloat16
+        assert float((a.double() - b).norm() / b.norm()) <= _BF16_GRAD_REL
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(0, 10**7), v=st.integers(1, 300_000), entropy=st.booleans())
+def test_fused_chunk_size_bounds_memory(n, v, entropy):
+    c = fused_chunk_size(n, v, with_entropy=entropy)
+    buffers = (2 if entropy else 1) * c * v * 4
+    assert c >= 16
+    # within budget, or at the 16-row floor that keeps the matmuls efficient
+    assert buffers <= FUSED_MEMORY_BUDGET_BYTES or c == 16
+    # within 1/16 of the N x V float32 logits once N is past the floor's reach
+    if n >= 16 * 16 * 2:
+        assert buffers <= n * v * 4 / 16 + 2 * v * 4
+
+
+def test_fused_chunk_size_refuses_bad_sizes():
+    with pytest.raises(ValueError, match="vocab_size"):
+        fused_chunk_size(10, 0)

@@ -5,8 +5,11 @@ Legend: B sequences, T tokens, V vocabulary, H hidden, N = B * T flattened token
 The vocabulary axis dominates RL memory (V = 151936 for Qwen2), so every function here walks the
 tokens in chunks of C and keeps at most a couple of C x V buffers alive. `fused_token_logprobs`
 goes further and never holds the logits at all: its backward recomputes each chunk's logits from
-the hidden states (one extra matmul) instead of storing them. All arithmetic on the vocabulary
-axis is float32 (float64 for float64 inputs) whatever the input dtype.
+the hidden states (one extra matmul) instead of storing them, and its chunk size adapts to N and V
+(`fused_chunk_size`) so its extra memory stays a small fraction of naive's at every size. All
+arithmetic on the vocabulary axis is float32 (float64 for float64 inputs) whatever the input
+dtype: bf16 hidden states are upcast before the temperature divides them, and a bf16 W is upcast
+block by block into float32 matmuls, so no logit is rounded to bf16.
 """
 
 from __future__ import annotations
@@ -14,13 +17,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["fused_token_logprobs", "token_entropy", "token_logprobs"]
+__all__ = ["fused_chunk_size", "fused_token_logprobs", "token_entropy", "token_logprobs"]
 
 DEFAULT_CHUNK_SIZE = 1024
 """Tokens per chunk for `token_logprobs` / `token_entropy`: a C x V float32 temporary (0.6 GB at V=151936)."""
-DEFAULT_FUSED_CHUNK_SIZE = 512
-"""Tokens per chunk for `fused_token_logprobs`: one C x V float32 buffer (0.31 GB at V=151936); smaller
-chunks save memory but make the matmuls less efficient on CPU."""
 
 
 def _check_labels(labels_N: Tensor, vocab_size: int) -> None:
@@ -150,11 +150,71 @@ def _compute_dtype(*tensors: Tensor) -> torch.dtype:
     return dtype
 
 
-def _chunk_logits(hidden_C_H: Tensor, weight_V_H: Tensor, buffer_C_V: Tensor | None, dtype: torch.dtype) -> Tensor:
-    """[C, H] @ [V, H].T -> [C, V] logits in dtype, written into buffer_C_V when one is given."""
-    if buffer_C_V is not None:
-        return torch.mm(hidden_C_H, weight_V_H.t(), out=buffer_C_V[: hidden_C_H.shape[0]])
-    return torch.mm(hidden_C_H, weight_V_H.t()).to(dtype)
+_WEIGHT_BLOCK_BYTES = 32 * 2**20
+"""Bytes of one float32 copy of a vocabulary block of W, made when W is stored in lower precision
+(bf16/fp16): the matmul then runs in float32 on exact upcasts, so nothing is rounded to bf16 on
+the way to the logits, while the copy stays small and independent of V."""
+
+
+def _vocab_blocks(weight_V_H: Tensor, dtype: torch.dtype) -> list[tuple[int, int]]:
+    """[(start, end)] over W's rows in blocks whose copy in dtype takes at most _WEIGHT_BLOCK_BYTES."""
+    v, h = weight_V_H.shape
+    return _chunks(v, max(1, _WEIGHT_BLOCK_BYTES // (h * torch.finfo(dtype).bits // 8)))
+
+
+def _chunk_logits(h_C_H: Tensor, weight_V_H: Tensor, out_C_V: Tensor) -> Tensor:
+    """[C, H] (dtype) @ [V, H].T -> [C, V] logits written into out_C_V (dtype), float32 accumulation.
+
+    A W stored in bf16 is upcast block by block (exactly), so the logits are never rounded to bf16.
+    """
+    dtype = out_C_V.dtype
+    if weight_V_H.dtype == dtype:
+        return torch.mm(h_C_H, weight_V_H.t(), out=out_C_V)
+    for s, e in _vocab_blocks(weight_V_H, dtype):
+        out_C_V[:, s:e] = torch.mm(h_C_H, weight_V_H[s:e].to(dtype).t())
+    return out_C_V
+
+
+def _chunk_grad_hidden(p_C_V: Tensor, weight_V_H: Tensor, out_C_H: Tensor) -> Tensor:
+    """[C, V] @ [V, H] -> [C, H] written into out_C_H, in out_C_H's dtype (W upcast block by block)."""
+    if weight_V_H.dtype == out_C_H.dtype:
+        return torch.mm(p_C_V, weight_V_H, out=out_C_H)
+    out_C_H.zero_()
+    for s, e in _vocab_blocks(weight_V_H, out_C_H.dtype):
+        out_C_H.addmm_(p_C_V[:, s:e], weight_V_H[s:e].to(out_C_H.dtype))
+    return out_C_H
+
+
+def _scaled(hidden_C_H: Tensor, temperature: float, dtype: torch.dtype) -> Tensor:
+    """hidden / temperature in dtype: upcast first, so a bf16 input is divided in float32."""
+    h_C_H = hidden_C_H.to(dtype)
+    return h_C_H / temperature if temperature != 1.0 else h_C_H
+
+
+FUSED_MEMORY_BUDGET_BYTES = 512 * 2**20
+"""Upper bound on the C x V float32 buffers of `fused_token_logprobs` when chunk_size is chosen for you."""
+_FUSED_FRACTION_OF_LOGITS = 16
+"""Adaptive chunks keep the C x V buffers within 1/16 of one N x V float32 logits tensor: the naive
+log_softmax(h @ W.T).gather holds at least that tensor and its log-softmax (>= 2 of them) through
+backward, so the buffers stay below 1/32 of naive and the rest (the [N, H] gradient) has room
+under the 1/8 goal."""
+_MIN_FUSED_CHUNK = 16
+"""Below 16 rows a [C, H] @ [H, V] matmul loses much of its efficiency on CPU and GPU alike."""
+
+
+def fused_chunk_size(
+    num_tokens: int, vocab_size: int, *, with_entropy: bool = False, budget_bytes: int = FUSED_MEMORY_BUDGET_BYTES
+) -> int:
+    """Tokens per chunk for `fused_token_logprobs`: grows with N (so the matmuls stay large) but keeps the
+    C x V float32 buffers (two with entropy) within 1/16 of the N x V logits and within budget_bytes."""
+    if num_tokens < 0 or vocab_size < 1 or budget_bytes < 1:
+        raise ValueError(
+            f"need num_tokens >= 0, vocab_size >= 1, budget_bytes >= 1, got {num_tokens}, {vocab_size}, {budget_bytes}"
+        )
+    num_buffers = 2 if with_entropy else 1
+    by_fraction = -(-num_tokens // (_FUSED_FRACTION_OF_LOGITS * num_buffers))
+    by_budget = budget_bytes // (num_buffers * vocab_size * 4)
+    return max(_MIN_FUSED_CHUNK, min(by_fraction, by_budget))
 
 
 class _FusedTokenLogprobs(torch.autograd.Function):
@@ -164,6 +224,7 @@ class _FusedTokenLogprobs(torch.autograd.Function):
     them in place into probabilities p, and spends one matmul each on G @ W and G.T @ h where
     G = g (onehot - p): the per-token scale -g is applied to the small [C, H] operands and the
     onehot part is a gather / index_add of H-vectors, so the C x V buffer is touched only by exp.
+    The temperature divides the float32 upcast of each hidden chunk, never a bf16 tensor.
     """
 
     @staticmethod
@@ -174,22 +235,20 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         """[N, H] hidden, [V, H] weight, [N] labels -> ([N] log-probs, [N] entropy or empty)."""
         ctx.set_materialize_grads(False)
         n, device = hidden_N_H.shape[0], hidden_N_H.device
-        scaled_N_H = hidden_N_H / temperature if temperature != 1.0 else hidden_N_H
         dtype = _compute_dtype(hidden_N_H, weight_V_H)
-        fp32 = scaled_N_H.dtype == dtype and weight_V_H.dtype == dtype
         c = min(chunk_size, max(n, 1))
-        buf_C_V = torch.empty(c, weight_V_H.shape[0], dtype=dtype, device=device) if fp32 else None
-        aux_C_V = torch.empty_like(buf_C_V) if fp32 and with_entropy else None
+        buf_C_V = torch.empty(c, weight_V_H.shape[0], dtype=dtype, device=device)
+        aux_C_V = torch.empty_like(buf_C_V) if with_entropy else None
         lse_N = torch.empty(n, dtype=dtype, device=device)
         logprobs_N = torch.empty(n, dtype=dtype, device=device)
         entropy_N = torch.empty(n if with_entropy else 0, dtype=dtype, device=device)
         for s, e in _chunks(n, chunk_size):
-            x_C_V = _chunk_logits(scaled_N_H[s:e], weight_V_H, buf_C_V, dtype)
+            x_C_V = _chunk_logits(_scaled(hidden_N_H[s:e], temperature, dtype), weight_V_H, buf_C_V[: e - s])
             max_C1 = x_C_V.amax(dim=-1, keepdim=True)
             picked_C = x_C_V.gather(1, labels_N[s:e, None]).squeeze(1)
             x_C_V.sub_(max_C1)
-            if with_entropy:
-                exp_C_V = torch.exp(x_C_V, out=aux_C_V[: e - s]) if aux_C_V is not None else x_C_V.exp()
+            if aux_C_V is not None:
+                exp_C_V = torch.exp(x_C_V, out=aux_C_V[: e - s])
                 sum_C = exp_C_V.sum(dim=-1)
                 weighted_C = x_C_V.mul_(exp_C_V).sum(dim=-1)
                 entropy_N[s:e] = sum_C.log() - weighted_C / sum_C
@@ -212,36 +271,31 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         if (grad_logprobs_N is None and not use_entropy) or not (need_h or need_w):
             return None, None, None, None, None, None
         n, device, temperature = hidden_N_H.shape[0], hidden_N_H.device, ctx.temperature
-        scaled_N_H = hidden_N_H / temperature if temperature != 1.0 else hidden_N_H
         dtype = _compute_dtype(hidden_N_H, weight_V_H)
-        fp32 = scaled_N_H.dtype == dtype and weight_V_H.dtype == dtype
         c = min(ctx.chunk_size, max(n, 1))
-        buf_C_V = torch.empty(c, weight_V_H.shape[0], dtype=dtype, device=device) if fp32 else None
-        aux_C_V = torch.empty_like(buf_C_V) if fp32 and use_entropy else None
+        buf_C_V = torch.empty(c, weight_V_H.shape[0], dtype=dtype, device=device)
+        aux_C_V = torch.empty_like(buf_C_V) if use_entropy else None
         grad_h_N_H = torch.empty(n, hidden_N_H.shape[1], dtype=dtype, device=device) if need_h else None
+        # float32 accumulator across chunks even for a bf16 W: summing N chunks in bf16 would lose the small ones
         grad_w_V_H = torch.zeros(weight_V_H.shape, dtype=dtype, device=device) if need_w else None
         g_N = grad_logprobs_N.to(dtype) if grad_logprobs_N is not None else torch.zeros(n, dtype=dtype, device=device)
         for s, e in _chunks(n, ctx.chunk_size):
-            h_C_H = scaled_N_H[s:e].to(dtype)
+            h_C_H = _scaled(hidden_N_H[s:e], temperature, dtype)
             g_C1 = g_N[s:e, None]
             labels_C = labels_N[s:e]
-            x_C_V = _chunk_logits(scaled_N_H[s:e], weight_V_H, buf_C_V, dtype).sub_(lse_N[s:e, None])  # log p
-            if use_entropy:
-                p_C_V = torch.exp(x_C_V, out=aux_C_V[: e - s]) if aux_C_V is not None else x_C_V.exp()
+            x_C_V = _chunk_logits(h_C_H, weight_V_H, buf_C_V[: e - s]).sub_(lse_N[s:e, None])  # log p
+            if aux_C_V is not None:
+                p_C_V = torch.exp(x_C_V, out=aux_C_V[: e - s])
                 g_h_C1 = grad_entropy_N[s:e, None].to(dtype)
                 # G = -p * (g + g_H (log p + H)); the label's +g is added below
                 x_C_V.add_(entropy_N[s:e, None]).mul_(g_h_C1).add_(g_C1).mul_(p_C_V)
             else:
                 x_C_V.exp_()  # p; G = -g p + g onehot, and the row scale -g moves into the matmuls below
-            row_scale_C1 = -g_C1 if not use_entropy else torch.full_like(g_C1, -1.0)
+            row_scale_C1 = -g_C1 if aux_C_V is None else torch.full_like(g_C1, -1.0)
             if grad_h_N_H is not None:
                 # G @ W = row_scale * (x @ W) + g * W[label]
-                x_for_w = x_C_V if fp32 else x_C_V.to(weight_V_H.dtype)
-                grad_h_C_H = torch.mm(x_for_w, weight_V_H, out=grad_h_N_H[s:e]) if fp32 else (
-                    torch.mm(x_for_w, weight_V_H).to(dtype)
-                )
+                grad_h_C_H = _chunk_grad_hidden(x_C_V, weight_V_H, grad_h_N_H[s:e])
                 grad_h_C_H.mul_(row_scale_C1).add_(weight_V_H[labels_C].to(dtype) * g_C1)
-                grad_h_N_H[s:e] = grad_h_C_H
             if grad_w_V_H is not None:
                 # G.T @ h = x.T @ (row_scale * h) + g h scattered onto the label rows
                 grad_w_V_H.addmm_(x_C_V.t(), h_C_H * row_scale_C1)
@@ -260,16 +314,19 @@ def fused_token_logprobs(
     lm_head_weight_V_H: Tensor,
     labels_B_T: Tensor,
     *,
-    chunk_size: int = DEFAULT_FUSED_CHUNK_SIZE,
+    chunk_size: int | None = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """[B, T, H] hidden, [V, H] output projection, [B, T] labels -> [B, T] log p(label) of softmax(h W.T / temperature).
 
     With return_entropy, returns ([B, T] log-probs, [B, T] entropy), both differentiable. The
-    B x T x V logits are never materialized, in forward or backward.
+    B x T x V logits are never materialized, in forward or backward. chunk_size None (the default)
+    picks `fused_chunk_size(B * T, V)`, which bounds the extra memory by a fraction of naive's at
+    every size; the result does not depend on it beyond float rounding.
     """
-    _check_chunk_size(chunk_size)
+    if chunk_size is not None:
+        _check_chunk_size(chunk_size)
     if hidden_B_T_H.dim() != 3 or lm_head_weight_V_H.dim() != 2 or labels_B_T.shape != hidden_B_T_H.shape[:2]:
         raise ValueError(
             f"hidden must be [B, T, H], lm_head_weight [V, H] and labels [B, T], got {tuple(hidden_B_T_H.shape)}, "
@@ -283,6 +340,8 @@ def fused_token_logprobs(
         raise ValueError(f"temperature must be > 0 (it divides the logits), got {temperature!r}")
     b, t, h = hidden_B_T_H.shape
     _check_labels(labels_B_T, lm_head_weight_V_H.shape[0])
+    if chunk_size is None:
+        chunk_size = fused_chunk_size(b * t, lm_head_weight_V_H.shape[0], with_entropy=return_entropy)
     logprobs_N, entropy_N = _FusedTokenLogprobs.apply(
         hidden_B_T_H.reshape(b * t, h), lm_head_weight_V_H, labels_B_T.reshape(b * t).long(), chunk_size,
         float(temperature), return_entropy,
