@@ -12,6 +12,7 @@ export PATH="$HOME/.local/bin:$PATH"
 rounds="${1:?usage: scripts/stress_tests.sh N}"
 hog_rounds="${STRESS_HOG_ROUNDS:-1}"
 log_dir="${STRESS_LOG_DIR:-$(mktemp -d -t rollouts-stress-XXXX)}"
+mkdir -p "$log_dir"
 selection=(-m "not vllm" -k "slow or kill or resume or torchrun or fsdp or sigkill")
 # -m selects by marker; the -k words catch the unmarked kill/resume tests. Marker "slow" is matched
 # through -k too (pytest's -k matches marker names).
