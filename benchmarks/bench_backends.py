@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import safetensors.torch
 import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
 from rollouts.backends import (
     build_components,
     export_weights,
@@ -27,7 +29,6 @@ from rollouts.backends import (
 )
 from rollouts.losses import sft_loss_fn
 from rollouts.types import OptimizerConfig, TrainingState
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 REPEATS = 5
 
@@ -35,9 +36,15 @@ REPEATS = 5
 def model_of(*, hidden: int, layers: int, vocab: int, seed: int = 0) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), head_dim=64,
-        max_position_embeddings=4096, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 256),
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
     )
     config._attn_implementation = "sdpa"
     return Qwen2ForCausalLM(config).float().eval()
@@ -74,9 +81,17 @@ def bench_sampler() -> None:
         def hf():
             with torch.no_grad():
                 out = model.generate(
-                    input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                    num_return_sequences=n, max_new_tokens=new, min_new_tokens=0 if stop else new,
-                    pad_token_id=0, eos_token_id=stop or None,
+                    input_ids=ids,
+                    attention_mask=mask,
+                    do_sample=True,
+                    temperature=1.0,
+                    top_p=1.0,
+                    top_k=0,
+                    num_return_sequences=n,
+                    max_new_tokens=new,
+                    min_new_tokens=0 if stop else new,
+                    pad_token_id=0,
+                    eos_token_id=stop or None,
                 )
             response = out[:, width:]
             done = torch.isin(response, torch.tensor(stop)) if stop else torch.zeros_like(response, dtype=torch.bool)
@@ -97,8 +112,13 @@ def _packed(seqs):
     pos = np.concatenate([np.arange(len(s)) for s in seqs])[None]
     seg = np.concatenate([np.full(len(s), i) for i, s in enumerate(seqs)])[None]
     loss = np.concatenate([np.r_[0.0, np.ones(len(s) - 1)] for s in seqs])[None].astype(np.float32)
-    return {"input_ids": ids.astype(np.int64), "position_ids": pos.astype(np.int64), "segment_ids": seg.astype(np.int64),
-            "attention_mask": np.ones_like(ids, dtype=np.int64), "loss_mask": loss}
+    return {
+        "input_ids": ids.astype(np.int64),
+        "position_ids": pos.astype(np.int64),
+        "segment_ids": seg.astype(np.int64),
+        "attention_mask": np.ones_like(ids, dtype=np.int64),
+        "loss_mask": loss,
+    }
 
 
 def _padded(seqs):
@@ -140,12 +160,15 @@ def bench_training() -> None:
         def step():
             forward_backward(components, mbs, sft_loss_fn(), num_tokens=num_tokens, num_sequences=len(seqs))
             components.optimizer.zero_grad(set_to_none=True)
+
         return step
 
     t_packed, t_padded = median_s(run(packed), 3), median_s(run(padded), 3)
     padded_slots = sum(mb["input_ids"].size for mb in padded)
-    print(f"training ({len(seqs)} sequences, lengths {lengths.min()}..{lengths.max()} median {int(np.median(lengths))}, "
-          f"{real} real tokens; padded: {rows} rows/micro-batch = {padded_slots} slots; packed: {len(packed)} rows of <= {budget})")
+    print(
+        f"training ({len(seqs)} sequences, lengths {lengths.min()}..{lengths.max()} median {int(np.median(lengths))}, "
+        f"{real} real tokens; padded: {rows} rows/micro-batch = {padded_slots} slots; packed: {len(packed)} rows of <= {budget})"
+    )
     print(f"  packed: {real / t_packed:9.0f} real tokens/s  ({t_packed * 1e3:.0f} ms per step)")
     print(f"  padded: {real / t_padded:9.0f} real tokens/s  ({t_padded * 1e3:.0f} ms per step)")
     print(f"  speed-up: {t_padded / t_packed:.2f}x  (target 2x)")
@@ -159,6 +182,7 @@ def bench_checkpoint() -> None:
     tmp = Path(tempfile.mkdtemp())
     step = [0]
     try:
+
         def bare():
             safetensors.torch.save_file(weights, str(tmp / "bare.safetensors"))
 
@@ -171,15 +195,29 @@ def bench_checkpoint() -> None:
         def ours(wait):
             # A new step each time, keep_last=1: retention deletes the previous one, as in training.
             step[0] += 1
-            save_checkpoint(components, TrainingState(step=step[0]), tmp / "ckpt", keep_last=1, save_optimizer=False, wait=wait)
+            save_checkpoint(
+                components, TrainingState(step=step[0]), tmp / "ckpt", keep_last=1, save_optimizer=False, wait=wait
+            )
 
         # Interleave them so that disk write-back from one does not land on another only. After
         # a background save, its flush is waited for outside the timed region (and timed apart).
-        times = {"ours": [], "ours_background": [], "ours_background_durable": [], "bare": [], "durable": [],
-                 "export": [], "export_durable": []}
-        fns = {"ours": lambda: ours(True), "ours_background": lambda: ours(False), "bare": bare, "durable": bare_durable,
-               "export": lambda: export_weights(components, tmp / "export"),
-               "export_durable": lambda: export_weights(components, tmp / "export", durable=True)}
+        times = {
+            "ours": [],
+            "ours_background": [],
+            "ours_background_durable": [],
+            "bare": [],
+            "durable": [],
+            "export": [],
+            "export_durable": [],
+        }
+        fns = {
+            "ours": lambda: ours(True),
+            "ours_background": lambda: ours(False),
+            "bare": bare,
+            "durable": bare_durable,
+            "export": lambda: export_weights(components, tmp / "export"),
+            "export_durable": lambda: export_weights(components, tmp / "export", durable=True),
+        }
         for fn in fns.values():
             fn()
             wait_for_checkpoint()
@@ -197,7 +235,9 @@ def bench_checkpoint() -> None:
         def line(label, key):
             print(f"  {label:<44}{size / t[key] / 1e6:7.0f} MB/s  ({t[key] * 1e3:.0f} ms)")
 
-        print(f"checkpoint ({size / 1e6:.0f} MB of float32 weights; ours adds config, state.json, CRC-32, fsync, rename, retention)")
+        print(
+            f"checkpoint ({size / 1e6:.0f} MB of float32 weights; ours adds config, state.json, CRC-32, fsync, rename, retention)"
+        )
         line("save_checkpoint(wait=True), durable on return", "ours")
         line("save_checkpoint(wait=False), until it returns", "ours_background")
         line("  ... and until durable and published", "ours_background_durable")
@@ -205,8 +245,12 @@ def bench_checkpoint() -> None:
         line("safetensors save_file + fsync", "durable")
         line("export_weights (weight sync, page cache)", "export")
         line("export_weights(durable=True)", "export_durable")
-        print(f"  wait=True:  {t['bare'] / t['ours']:.2f}x of bare save_file, {t['durable'] / t['ours']:.2f}x of save_file + fsync")
-        print(f"  wait=False: {t['bare'] / t['ours_background']:.2f}x of bare save_file (training stalls only this long; target >= 0.8x)")
+        print(
+            f"  wait=True:  {t['bare'] / t['ours']:.2f}x of bare save_file, {t['durable'] / t['ours']:.2f}x of save_file + fsync"
+        )
+        print(
+            f"  wait=False: {t['bare'] / t['ours_background']:.2f}x of bare save_file (training stalls only this long; target >= 0.8x)"
+        )
         print(f"  export_weights: {t['bare'] / t['export']:.2f}x of bare save_file")
     finally:
         wait_for_checkpoint()

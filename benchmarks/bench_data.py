@@ -220,8 +220,11 @@ def chat_tokenizer(template: str):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=2000,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([" ".join(WORDS)] * 50, trainer)
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     hf.chat_template = template
@@ -235,12 +238,15 @@ def conversations(seed: int) -> list[list[dict]]:
     for _ in range(NUM_CONVERSATIONS):
         roles = ["system"] + ["user", "assistant"] * ((NUM_MESSAGES - 1) // 2) + ["user"]
         roles[-1] = "assistant"
-        out.append([{"role": r, "content": " ".join(rng.choice(WORDS, size=int(rng.integers(20, 120))))} for r in roles])
+        out.append(
+            [{"role": r, "content": " ".join(rng.choice(WORDS, size=int(rng.integers(20, 120))))} for r in roles]
+        )
     return out
 
 
 def prefix_algorithm(messages, tok):
     """The previous tokenize_conversation mask (train_on="assistant"): render and tokenize every prefix."""
+
     def ids(msgs, gen=False):
         return list(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen, return_dict=False))
 
@@ -263,8 +269,10 @@ def bench_chat() -> None:
     from rollouts.data import tokenize_conversation
 
     convs = conversations(0)
-    print(f"\n== Chat tokenization: {NUM_CONVERSATIONS} conversations x {NUM_MESSAGES} messages; ms per "
-          f"conversation, median of {REPEATS}")
+    print(
+        f"\n== Chat tokenization: {NUM_CONVERSATIONS} conversations x {NUM_MESSAGES} messages; ms per "
+        f"conversation, median of {REPEATS}"
+    )
     print(f"{'template':22s} {'prefixes (old)':>15s} {'ours':>9s} {'speed-up':>9s}")
     for name, template in (("chatml (incremental)", CHATML), ("chatml {% generation %}", CHATML_GENERATION)):
         tok = chat_tokenizer(template)

@@ -21,41 +21,67 @@ import torch
 from rollouts.backends import InProcessEngine, build_components
 from rollouts.data import DataBuffer
 from rollouts.loops.app.demo import DemoConfig
+from rollouts.loops.app.tasks import addition_problems, exact_answer_reward
+from rollouts.loops.app.tiny import build_tiny_model, build_tokenizer
 from rollouts.loops.engines import CoalescingEngine
 from rollouts.loops.loggers import NullLogger
 from rollouts.loops.rl import run_rl_training
-from rollouts.loops.app.tasks import addition_problems, exact_answer_reward
-from rollouts.loops.app.tiny import build_tiny_model, build_tokenizer
 from rollouts.types import AlgorithmConfig, CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams
 
 
 def run(mode_overlap: bool, *, steps: int, demo: DemoConfig) -> list[dict[str, float]]:
     records = addition_problems(4000, digits=demo.digits, seed=0)
     tokenizer = build_tokenizer((r["prompt"] + r["answer"] for r in records), vocab_size=32)
-    model = build_tiny_model(len(tokenizer), hidden_size=demo.hidden_size, num_layers=demo.num_layers,
-                             num_heads=demo.hidden_size // 32, num_kv_heads=max(1, demo.hidden_size // 64),
-                             intermediate_size=demo.intermediate_size, max_position_embeddings=64,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = build_tiny_model(
+        len(tokenizer),
+        hidden_size=demo.hidden_size,
+        num_layers=demo.num_layers,
+        num_heads=demo.hidden_size // 32,
+        num_kv_heads=max(1, demo.hidden_size // 64),
+        intermediate_size=demo.intermediate_size,
+        max_position_embeddings=64,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     config = RLConfig(
-        num_steps=steps, overlap=mode_overlap,
-        rollout=RolloutConfig(batch_size=demo.rl_prompts_per_step, samples_per_prompt=demo.rl_samples_per_prompt,
-                              max_concurrency=demo.rl_prompts_per_step, request_timeout_s=300.0,
-                              sampling=SamplingParams(temperature=1.0, max_new_tokens=demo.digits + 3,
-                                                      stop_token_ids=(tokenizer.eos_token_id,))),
-        algorithm=AlgorithmConfig(), optimizer=OptimizerConfig(lr=1e-4, schedule="constant"),
-        checkpoint=CheckpointConfig(every_steps=0, keep_last=1), max_tokens_per_micro_batch=4096,
+        num_steps=steps,
+        overlap=mode_overlap,
+        rollout=RolloutConfig(
+            batch_size=demo.rl_prompts_per_step,
+            samples_per_prompt=demo.rl_samples_per_prompt,
+            max_concurrency=demo.rl_prompts_per_step,
+            request_timeout_s=300.0,
+            sampling=SamplingParams(
+                temperature=1.0, max_new_tokens=demo.digits + 3, stop_token_ids=(tokenizer.eos_token_id,)
+            ),
+        ),
+        algorithm=AlgorithmConfig(),
+        optimizer=OptimizerConfig(lr=1e-4, schedule="constant"),
+        checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
+        max_tokens_per_micro_batch=4096,
     )
     components = build_components(model, config.optimizer, num_training_steps=steps)
-    engine = CoalescingEngine(InProcessEngine(copy.deepcopy(model), shares_training_model=False, tokenizer=tokenizer),
-                              max_prompts_per_call=demo.rl_prompts_per_step)
+    engine = CoalescingEngine(
+        InProcessEngine(copy.deepcopy(model), shares_training_model=False, tokenizer=tokenizer),
+        max_prompts_per_call=demo.rl_prompts_per_step,
+    )
 
     def encode(record):
         return tokenizer.encode(record["prompt"], add_special_tokens=False)
 
     with tempfile.TemporaryDirectory() as run_dir:
-        _, history = run_rl_training(components, DataBuffer(records, seed=0), engine, config,
-                                     reward=exact_answer_reward, encode_prompt=encode, logger=NullLogger(),
-                                     run_dir=run_dir, engine_shares_model=False, resume=False)
+        _, history = run_rl_training(
+            components,
+            DataBuffer(records, seed=0),
+            engine,
+            config,
+            reward=exact_answer_reward,
+            encode_prompt=encode,
+            logger=NullLogger(),
+            run_dir=run_dir,
+            engine_shares_model=False,
+            resume=False,
+        )
     return history[1:]
 
 
@@ -66,22 +92,30 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     demo = DemoConfig()
-    print(f"workload: demo RL step, {demo.rl_prompts_per_step} prompts x {demo.rl_samples_per_prompt} samples, "
-          f"{args.steps} steps (first dropped), torch threads {args.threads}")
+    print(
+        f"workload: demo RL step, {demo.rl_prompts_per_step} prompts x {demo.rl_samples_per_prompt} samples, "
+        f"{args.steps} steps (first dropped), torch threads {args.threads}"
+    )
     results = {}
     for overlap in (False, True):
         history = run(overlap, steps=args.steps, demo=demo)
-        med = {k: statistics.median(h[k] for h in history)
-               for k in ("generate_s", "train_s", "sync_s", "generate_wait_s", "step_time_s")}
+        med = {
+            k: statistics.median(h[k] for h in history)
+            for k in ("generate_s", "train_s", "sync_s", "generate_wait_s", "step_time_s")
+        }
         results[overlap] = med
         name = "overlapped " if overlap else "synchronous"
-        print(f"{name}: step {med['step_time_s']:.3f} s | generate {med['generate_s']:.3f} s "
-              f"(waited {med['generate_wait_s']:.3f} s) | train {med['train_s']:.3f} s | sync {med['sync_s']:.3f} s")
+        print(
+            f"{name}: step {med['step_time_s']:.3f} s | generate {med['generate_s']:.3f} s "
+            f"(waited {med['generate_wait_s']:.3f} s) | train {med['train_s']:.3f} s | sync {med['sync_s']:.3f} s"
+        )
     sync = results[False]
     bound = max(sync["generate_s"], sync["train_s"])
-    print(f"overlap efficiency: overlapped step / max(generate, train) = {results[True]['step_time_s']:.3f} / "
-          f"{bound:.3f} = {results[True]['step_time_s'] / bound:.2f} "
-          f"(synchronous step / that bound = {sync['step_time_s'] / bound:.2f})")
+    print(
+        f"overlap efficiency: overlapped step / max(generate, train) = {results[True]['step_time_s']:.3f} / "
+        f"{bound:.3f} = {results[True]['step_time_s'] / bound:.2f} "
+        f"(synchronous step / that bound = {sync['step_time_s'] / bound:.2f})"
+    )
 
 
 if __name__ == "__main__":

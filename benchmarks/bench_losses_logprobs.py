@@ -97,15 +97,32 @@ def run_variant(args: argparse.Namespace) -> None:
     out = Path(args.out_dir)
     hidden.grad.numpy().tofile(out / f"{args.variant}_hidden.f32")
     weight.grad.numpy().tofile(out / f"{args.variant}_weight.f32")
-    print(json.dumps({"variant": args.variant, "time_s": elapsed, "extra_peak_bytes": peak - baseline_rss - grad_bytes}))
+    print(
+        json.dumps({"variant": args.variant, "time_s": elapsed, "extra_peak_bytes": peak - baseline_rss - grad_bytes})
+    )
 
 
 def _spawn(args: argparse.Namespace, variant: str, out_dir: str) -> dict:
     """Run one variant in a fresh subprocess and parse its JSON line."""
     cmd = [
-        sys.executable, __file__, "--variant", variant, "--out-dir", out_dir, "--batch", str(args.batch),
-        "--tokens", str(args.tokens), "--vocab", str(args.vocab), "--hidden", str(args.hidden),
-        "--chunk-size", str(args.chunk_size), "--exact-tokens", str(args.exact_tokens),
+        sys.executable,
+        __file__,
+        "--variant",
+        variant,
+        "--out-dir",
+        out_dir,
+        "--batch",
+        str(args.batch),
+        "--tokens",
+        str(args.tokens),
+        "--vocab",
+        str(args.vocab),
+        "--hidden",
+        str(args.hidden),
+        "--chunk-size",
+        str(args.chunk_size),
+        "--exact-tokens",
+        str(args.exact_tokens),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout_s, check=False)
@@ -136,7 +153,11 @@ def _exact_hidden_grad_errors(args: argparse.Namespace, out_dir: str) -> dict[st
     ref = h64.grad.numpy()
     errors = {}
     for variant in ("naive", "fused"):
-        ours = np.fromfile(Path(out_dir) / f"{variant}_hidden.f32", dtype=np.float32, count=k * h).reshape(k, h).astype(np.float64)
+        ours = (
+            np.fromfile(Path(out_dir) / f"{variant}_hidden.f32", dtype=np.float32, count=k * h)
+            .reshape(k, h)
+            .astype(np.float64)
+        )
         errors[variant] = float(np.linalg.norm(ours - ref) / np.linalg.norm(ref))
     return errors
 
@@ -169,14 +190,22 @@ def _report(args: argparse.Namespace, m: dict) -> tuple[float, float]:
     mem_ratio = fused["extra_peak_bytes"] / naive["extra_peak_bytes"]
     print(f"{'':<34}{'naive':>12}{'fused':>12}{'fused/naive':>14}")
     print(f"{'wall time, median (s)':<34}{naive['median_s']:>12.2f}{fused['median_s']:>12.2f}{time_ratio:>14.3f}")
-    print(f"{'peak beyond inputs+grads (GB)':<34}{naive['extra_peak_bytes'] / _GB:>12.3f}"
-          f"{fused['extra_peak_bytes'] / _GB:>12.3f}{mem_ratio:>14.4f}")
-    print("all times (s): naive " + ", ".join(f"{x:.2f}" for x in naive["times_s"])
-          + " | fused " + ", ".join(f"{x:.2f}" for x in fused["times_s"]))
+    print(
+        f"{'peak beyond inputs+grads (GB)':<34}{naive['extra_peak_bytes'] / _GB:>12.3f}"
+        f"{fused['extra_peak_bytes'] / _GB:>12.3f}{mem_ratio:>14.4f}"
+    )
+    print(
+        "all times (s): naive "
+        + ", ".join(f"{x:.2f}" for x in naive["times_s"])
+        + " | fused "
+        + ", ".join(f"{x:.2f}" for x in fused["times_s"])
+    )
     for name, (fro, mx) in m["errors"].items():
         print(f"grad {name:<7} relative error vs naive: frobenius {fro:.2e}, max-abs {mx:.2e}")
-    print(f"grad hidden, first {args.exact_tokens} tokens, relative error vs float64: "
-          f"naive {m['exact']['naive']:.2e}, fused {m['exact']['fused']:.2e}")
+    print(
+        f"grad hidden, first {args.exact_tokens} tokens, relative error vs float64: "
+        f"naive {m['exact']['naive']:.2e}, fused {m['exact']['fused']:.2e}"
+    )
     return time_ratio, mem_ratio
 
 
@@ -201,9 +230,12 @@ def main() -> None:
     rows = []
     for shape in args.shapes.split(","):
         args.batch, args.tokens = (int(x) for x in shape.lower().split("x"))
-        print(f"B={args.batch} T={args.tokens} V={args.vocab} H={args.hidden} float32 CPU, 1 thread, "
-              f"forward+backward, {args.repeats} runs each, fused chunk_size="
-              f"{args.chunk_size or 'adaptive'}", flush=True)
+        print(
+            f"B={args.batch} T={args.tokens} V={args.vocab} H={args.hidden} float32 CPU, 1 thread, "
+            f"forward+backward, {args.repeats} runs each, fused chunk_size="
+            f"{args.chunk_size or 'adaptive'}",
+            flush=True,
+        )
         rows.append((args.batch * args.tokens, *_report(args, _measure(args))))
     print(f"\n{'tokens':>8}{'time fused/naive':>18}{'memory fused/naive':>20}   goal: time <= 1.1, memory <= 0.125")
     for tokens, time_ratio, mem_ratio in rows:

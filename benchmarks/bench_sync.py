@@ -35,8 +35,10 @@ async def fanout(ckpt: str, num_engines: int) -> list[float]:
     """Seconds per sync (NUM_REPEATS of them) to `num_engines` fake engines at once."""
     times = []
     async with AsyncExitStack() as stack:
-        servers = [await stack.enter_async_context(serve_fake_engine(FakeEngineState(reload_delay_s=RELOAD_DELAY_S)))
-                   for _ in range(num_engines)]
+        servers = [
+            await stack.enter_async_context(serve_fake_engine(FakeEngineState(reload_delay_s=RELOAD_DELAY_S)))
+            for _ in range(num_engines)
+        ]
         engines = [await stack.enter_async_context(VLLMEngine(s.url)) for s in servers]
         for version in range(NUM_REPEATS):
             start = time.perf_counter()
@@ -54,8 +56,10 @@ def bench_fanout(tmp: Path) -> None:
     ratio = four / one
     print(f"fan-out (fake engines, reload delay {RELOAD_DELAY_S} s, median of {NUM_REPEATS}):")
     print(f"  1 engine : {one:.3f} s")
-    print(f"  4 engines: {four:.3f} s   ratio {ratio:.3f}x (target <= {TARGET_RATIO}x) "
-          f"{'OK' if ratio <= TARGET_RATIO else 'MISSED'}")
+    print(
+        f"  4 engines: {four:.3f} s   ratio {ratio:.3f}x (target <= {TARGET_RATIO}x) "
+        f"{'OK' if ratio <= TARGET_RATIO else 'MISSED'}"
+    )
     print(f"  sequential baseline would be ~{4 * one:.3f} s")
 
 
@@ -75,8 +79,9 @@ async def e2e(url: str, model_dir: Path, tmp: Path) -> list[tuple[float, float, 
             save_file(new, str(out / "model.safetensors"), metadata={"format": "pt"})
             t1 = time.perf_counter()
             await engine._call("POST", "/pause", params={"mode": "wait"})
-            await engine._call("POST", "/collective_rpc",
-                               json={"method": "reload_weights", "kwargs": {"weights_path": str(out)}})
+            await engine._call(
+                "POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": str(out)}}
+            )
             t2 = time.perf_counter()
             await engine.reset_prefix_cache()
             t3 = time.perf_counter()
@@ -85,7 +90,9 @@ async def e2e(url: str, model_dir: Path, tmp: Path) -> list[tuple[float, float, 
             rows.append((t1 - t0, t2 - t1, t3 - t2))
         start = time.perf_counter()
         await sync_weights_to_engines([engine], str(tmp / f"v{NUM_REPEATS}"), NUM_REPEATS + 1, timeout_s=120.0)
-        print(f"  full sync_weights_to_engines call (pause..resume + version check): {time.perf_counter() - start:.3f} s")
+        print(
+            f"  full sync_weights_to_engines call (pause..resume + version check): {time.perf_counter() - start:.3f} s"
+        )
     return rows
 
 
@@ -98,11 +105,15 @@ def bench_e2e(tmp: Path) -> None:
     model_dir = build_tiny_model(tmp / "model", python=python)
     start = time.perf_counter()
     with launch_vllm_server(model_dir, python=python, log_path=tmp / "server.log") as server:
-        print(f"end-to-end disk sync to vLLM CPU (tiny Qwen2, {os.path.getsize(model_dir / 'model.safetensors')} bytes; "
-              f"server start-up {time.perf_counter() - start:.1f} s), median of {NUM_REPEATS}:")
+        print(
+            f"end-to-end disk sync to vLLM CPU (tiny Qwen2, {os.path.getsize(model_dir / 'model.safetensors')} bytes; "
+            f"server start-up {time.perf_counter() - start:.1f} s), median of {NUM_REPEATS}:"
+        )
         rows = trio.run(e2e, server.url, model_dir, tmp)
     write, reload, reset = (statistics.median(col) for col in zip(*rows, strict=True))
-    print(f"  write {write:.4f} s | reload {reload:.4f} s | cache reset {reset:.4f} s | total {write + reload + reset:.4f} s")
+    print(
+        f"  write {write:.4f} s | reload {reload:.4f} s | cache reset {reset:.4f} s | total {write + reload + reset:.4f} s"
+    )
 
 
 def main() -> None:

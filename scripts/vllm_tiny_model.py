@@ -30,16 +30,27 @@ def build(out_dir: str, seed: int) -> None:
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<unk>", "<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
     eos_id = fast.convert_tokens_to_ids("<|endoftext|>")
     config = Qwen2Config(
-        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
-        tie_word_embeddings=False, initializer_range=INIT_STD, eos_token_id=eos_id, bos_token_id=eos_id,
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=INIT_STD,
+        eos_token_id=eos_id,
+        bos_token_id=eos_id,
         dtype="float32",
     )
     torch.manual_seed(seed)
@@ -66,7 +77,7 @@ def greedy(model_dir: str, prompt: list[int], max_new_tokens: int) -> dict[str, 
             t = int(lp.argmax())
             tokens.append(t)
             logprobs.append(float(lp[t]))
-    return {"tokens": tokens[len(prompt):], "logprobs": logprobs}
+    return {"tokens": tokens[len(prompt) :], "logprobs": logprobs}
 
 
 def main() -> None:

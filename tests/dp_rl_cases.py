@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
 from rollouts.backends import build_components
 from rollouts.backends.distributed import shard_model
 from rollouts.loops.algorithms import ALGORITHMS
@@ -15,8 +16,9 @@ VOCAB = 64
 NUM_STEPS = 2
 CASES: dict[str, AlgorithmConfig] = {
     # KL in the reward changes the group statistics: they need every rank's samples.
-    "grpo_kl_reward": dataclasses.replace(ALGORITHMS["grpo"], kl_coef=0.05, kl_placement="reward", kl_kind="k3",
-                                          num_updates_per_batch=2),
+    "grpo_kl_reward": dataclasses.replace(
+        ALGORITHMS["grpo"], kl_coef=0.05, kl_placement="reward", kl_kind="k3", num_updates_per_batch=2
+    ),
     # Batch-wide whitening of token advantages, KL in the reward.
     "reinforce_pp": ALGORITHMS["reinforce_pp"],
     # KL in the loss, truncated importance weights, dual clip.
@@ -31,28 +33,46 @@ def batch() -> list[Sample]:
     for i in range(9):
         prompt = rng.integers(2, VOCAB, size=int(rng.integers(2, 5))).tolist()
         response = rng.integers(2, VOCAB, size=int(rng.integers(3, 12))).tolist()
-        samples.append(Sample(
-            tokens=tuple(prompt + response), num_prompt_tokens=len(prompt),
-            loss_mask=(0.0,) * len(prompt) + (1.0,) * len(response),
-            rollout_logprobs=tuple(float(x) for x in -rng.uniform(3.0, 5.0, size=len(response))),
-            reward=float(rng.integers(0, 2)) + 0.1 * i, index=i, group_index=i // 3,
-        ))
+        samples.append(
+            Sample(
+                tokens=tuple(prompt + response),
+                num_prompt_tokens=len(prompt),
+                loss_mask=(0.0,) * len(prompt) + (1.0,) * len(response),
+                rollout_logprobs=tuple(float(x) for x in -rng.uniform(3.0, 5.0, size=len(response))),
+                reward=float(rng.integers(0, 2)) + 0.1 * i,
+                index=i,
+                group_index=i // 3,
+            )
+        )
     return samples
 
 
 def config(algorithm: AlgorithmConfig) -> RLConfig:
     return RLConfig(
-        num_steps=NUM_STEPS, algorithm=algorithm, optimizer=OptimizerConfig(lr=1e-3, schedule="constant"),
-        rollout=RolloutConfig(batch_size=3, samples_per_prompt=3, sampling=SamplingParams(temperature=1.0, max_new_tokens=12)),
+        num_steps=NUM_STEPS,
+        algorithm=algorithm,
+        optimizer=OptimizerConfig(lr=1e-3, schedule="constant"),
+        rollout=RolloutConfig(
+            batch_size=3, samples_per_prompt=3, sampling=SamplingParams(temperature=1.0, max_new_tokens=12)
+        ),
         max_tokens_per_micro_batch=24,
     )
 
 
 def components(*, sharded: bool):
     """(training components, reference components) of the same starting model."""
+
     def model():
-        m = build_tiny_model(VOCAB, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
-                             max_position_embeddings=64, seed=0)
+        m = build_tiny_model(
+            VOCAB,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=128,
+            max_position_embeddings=64,
+            seed=0,
+        )
         return shard_model(m) if sharded else m
 
     trained = build_components(model(), OptimizerConfig(lr=1e-3, schedule="constant"), num_training_steps=8)

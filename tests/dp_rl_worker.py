@@ -11,6 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch
 import torch.distributed as dist
 from dp_rl_cases import CASES, NUM_STEPS, batch, components, config
+
 from rollouts.backends import export_weights
 from rollouts.loops.distributed import close_distributed
 from rollouts.loops.policy_update import rl_update

@@ -11,7 +11,7 @@ preset = "grpo"
 [model]
 path = "{model}"
 [data]
-train_path = "{inputs / 'prompts.jsonl'}"
+train_path = "{inputs / "prompts.jsonl"}"
 [run]
 out_dir = "{out}"
 [reward]

@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
+from run_configs import rl_toml
 from safetensors.numpy import load_file
 
 from rollouts.loops.app.cli import main
 from rollouts.loops.loggers import read_jsonl
-from run_configs import rl_toml
 
 _KILL_WAIT_S = 240  # bound on waiting for the run to reach the checkpoint we kill it after
 
@@ -22,9 +22,9 @@ def _sft_toml(inputs: Path, out: Path, *, steps: int, every: int) -> Path:
     path = out.parent / f"{out.name}.toml"
     path.write_text(f"""
 [model]
-path = "{inputs / 'model'}"
+path = "{inputs / "model"}"
 [data]
-train_path = "{inputs / 'sft.jsonl'}"
+train_path = "{inputs / "sft.jsonl"}"
 [run]
 out_dir = "{out}"
 [sft]
@@ -57,7 +57,9 @@ def test_sft_loss_decreases(tiny_run_inputs, tmp_path):
     losses = [r["loss"] for r in read_jsonl(out / "metrics_sft.jsonl")]
     assert len(losses) == 30
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
-    assert (out / "resolved_config.toml").is_file() and (out / "checkpoints" / "step_30" / "model.safetensors").is_file()
+    assert (out / "resolved_config.toml").is_file() and (
+        out / "checkpoints" / "step_30" / "model.safetensors"
+    ).is_file()
     from transformers import AutoModelForCausalLM  # the checkpoint loads as it is
 
     AutoModelForCausalLM.from_pretrained(str(out / "checkpoints" / "step_30"), local_files_only=True)
@@ -103,8 +105,12 @@ def test_config_errors_name_the_key_before_work(tiny_run_inputs, tmp_path, capsy
 def test_pipeline_checks_the_rl_files_before_sft_runs(tiny_run_inputs, tmp_path, capsys):
     sft = _sft_toml(tiny_run_inputs, tmp_path / "p_sft", steps=4, every=0)
     rl = rl_toml(tiny_run_inputs, tmp_path / "p_rl", tmp_path / "not-yet-written")  # model.path: SFT's output
-    assert main(["pipeline", "--sft-config", str(sft), "--rl-config", str(rl),
-                 "--set-rl", "data.train_path='/nope.jsonl'"]) == 2
+    assert (
+        main(
+            ["pipeline", "--sft-config", str(sft), "--rl-config", str(rl), "--set-rl", "data.train_path='/nope.jsonl'"]
+        )
+        == 2
+    )
     assert "data.train_path '/nope.jsonl'" in capsys.readouterr().err
     assert not (tmp_path / "p_sft").exists()  # SFT never started
 
@@ -133,13 +139,27 @@ def test_rl_overlap_mode_records_staleness(tiny_run_inputs, tmp_path):
 def test_rollouts_sft_under_torchrun_uses_fsdp2(tiny_run_inputs, tmp_path):
     out = tmp_path / "fsdp"
     config = _sft_toml(tiny_run_inputs, out, steps=3, every=0)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "-m", "rollouts.loops.app.cli", "sft", "--config", str(config),
-               # 7 samples over 2 ranks in micro-batches of ~3: the ranks run different numbers of
-               # micro-batches, which FSDP's collectives must survive
-               "--set", "sft.batch_size=7", "--set", "sft.max_tokens_per_micro_batch=32"]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=_KILL_WAIT_S)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "rollouts.loops.app.cli",
+        "sft",
+        "--config",
+        str(config),
+        # 7 samples over 2 ranks in micro-batches of ~3: the ranks run different numbers of
+        # micro-batches, which FSDP's collectives must survive
+        "--set",
+        "sft.batch_size=7",
+        "--set",
+        "sft.max_tokens_per_micro_batch=32",
+    ]
+    done = subprocess.run(
+        command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=_KILL_WAIT_S
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     records = read_jsonl(out / "metrics_sft.jsonl")  # rank 0 logs; every rank trained its half
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -155,11 +175,27 @@ def test_rollouts_sft_under_torchrun_uses_fsdp2(tiny_run_inputs, tmp_path):
 def test_rollouts_rl_under_torchrun(tiny_run_inputs, tmp_path, preset):
     out = tmp_path / "rl_fsdp"
     config = rl_toml(tiny_run_inputs, out, tiny_run_inputs / "model")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "-m", "rollouts.loops.app.cli", "rl", "--config", str(config), "--set", f"preset={preset}",
-               "--set", "rl.checkpoint.every_steps=2", "--set", "rl.rollout.batch_size=3"]
-    done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=_KILL_WAIT_S)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "rollouts.loops.app.cli",
+        "rl",
+        "--config",
+        str(config),
+        "--set",
+        f"preset={preset}",
+        "--set",
+        "rl.checkpoint.every_steps=2",
+        "--set",
+        "rl.rollout.batch_size=3",
+    ]
+    done = subprocess.run(
+        command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=_KILL_WAIT_S
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     records = read_jsonl(out / "metrics_rl.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]

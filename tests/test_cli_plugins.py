@@ -4,10 +4,10 @@ a rollout function, and the errors a bad name gets before any work."""
 import json
 
 import pytest
+from run_configs import rl_toml
 
 from rollouts.loops.app.cli import main
 from rollouts.loops.loggers import read_jsonl
-from run_configs import rl_toml
 
 _USER_CODE = '''
 import trio
@@ -62,7 +62,9 @@ def test_an_async_reward_and_a_rollout_function_from_a_user_file_drive_the_run(t
 
 
 def test_a_batched_reward_scores_whole_groups(tiny_run_inputs, tmp_path, user_file):
-    assert _rl(tiny_run_inputs, tmp_path, "batched", f"reward.fn='{user_file}:batched_reward'", "reward.batched=true") == 0
+    assert (
+        _rl(tiny_run_inputs, tmp_path, "batched", f"reward.fn='{user_file}:batched_reward'", "reward.batched=true") == 0
+    )
     records = read_jsonl(tmp_path / "batched" / "metrics_rl.jsonl")
     assert [r["reward_mean"] for r in records] == [4.0, 4.0]  # called with whole groups of samples_per_prompt=4
 
@@ -70,16 +72,24 @@ def test_a_batched_reward_scores_whole_groups(tiny_run_inputs, tmp_path, user_fi
 def test_a_failing_reward_names_its_error_in_the_run_error_or_the_metrics(tiny_run_inputs, tmp_path, user_file):
     with pytest.raises(RuntimeError, match=r"16 of 16 rewards failed; first: \"KeyError: 'solution'\" x16"):
         _rl(tiny_run_inputs, tmp_path, "raise", f"reward.fn='{user_file}:failing_reward'")
-    assert _rl(tiny_run_inputs, tmp_path, "zero", f"reward.fn='{user_file}:failing_reward'", "reward.on_error='zero'") == 0
+    assert (
+        _rl(tiny_run_inputs, tmp_path, "zero", f"reward.fn='{user_file}:failing_reward'", "reward.on_error='zero'") == 0
+    )
     records = read_jsonl(tmp_path / "zero" / "metrics_rl.jsonl")
     assert [r["num_reward_errors"] for r in records] == [16.0, 16.0]
 
 
-@pytest.mark.parametrize("setting, message", [
-    ("reward.fn='no_such_module_xyz:f'", "reward.fn 'no_such_module_xyz:f': module 'no_such_module_xyz' does not import"),
-    ("hooks.rollout='FILE:CALLS'", "hooks.rollout: [] is a list, not a function"),
-    ("hooks.filter='FILE:async_reward'", "cannot be called with 1 positional argument(s)"),
-])
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        (
+            "reward.fn='no_such_module_xyz:f'",
+            "reward.fn 'no_such_module_xyz:f': module 'no_such_module_xyz' does not import",
+        ),
+        ("hooks.rollout='FILE:CALLS'", "hooks.rollout: [] is a list, not a function"),
+        ("hooks.filter='FILE:async_reward'", "cannot be called with 1 positional argument(s)"),
+    ],
+)
 def test_a_bad_plugin_is_a_config_error_before_any_work(tiny_run_inputs, tmp_path, user_file, capsys, setting, message):
     assert _rl(tiny_run_inputs, tmp_path, "bad", setting.replace("FILE", str(user_file))) == 2
     assert message in capsys.readouterr().err
@@ -88,8 +98,13 @@ def test_a_bad_plugin_is_a_config_error_before_any_work(tiny_run_inputs, tmp_pat
 
 def test_evaluation_during_training_and_of_a_saved_checkpoint(tiny_run_inputs, tmp_path, capsys):
     prompts = tiny_run_inputs / "prompts.jsonl"
-    evaluation = [f"data.eval_path='{prompts}'", "data.num_eval=8", "eval.every_steps=2",
-                  "eval.samples_per_prompt=4", "eval.temperature=1.0"]
+    evaluation = [
+        f"data.eval_path='{prompts}'",
+        "data.num_eval=8",
+        "eval.every_steps=2",
+        "eval.samples_per_prompt=4",
+        "eval.temperature=1.0",
+    ]
     config = rl_toml(tiny_run_inputs, tmp_path / "eval", tiny_run_inputs / "model")
     assert main(["rl", "--config", str(config), *(x for s in evaluation for x in ("--set", s))]) == 0
     records = read_jsonl(tmp_path / "eval" / "metrics_rl.jsonl")
@@ -98,10 +113,26 @@ def test_evaluation_during_training_and_of_a_saved_checkpoint(tiny_run_inputs, t
         assert 0.0 <= r["eval_pass@1"] <= r["eval_pass@4"] <= 1.0 and 0.0 <= r["eval_maj@4"] <= 1.0
     capsys.readouterr()
     checkpoint = tmp_path / "eval" / "checkpoints" / "step_3"
-    assert main(["eval", "--config", str(config), "--checkpoint", str(checkpoint),
-                 *(x for s in evaluation for x in ("--set", s))]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--config",
+                str(config),
+                "--checkpoint",
+                str(checkpoint),
+                *(x for s in evaluation for x in ("--set", s)),
+            ]
+        )
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert printed["num_eval"] == 8.0 and set(printed) >= {"eval_reward_mean", "eval_pass@1", "eval_pass@4", "eval_maj@4"}
+    assert printed["num_eval"] == 8.0 and set(printed) >= {
+        "eval_reward_mean",
+        "eval_pass@1",
+        "eval_pass@4",
+        "eval_maj@4",
+    }
 
 
 def test_evaluation_without_an_eval_file_is_a_config_error(tiny_run_inputs, tmp_path, capsys):

@@ -29,18 +29,34 @@ def test_a_toy_multi_turn_environment_trains(tiny_run_inputs, tmp_path):
     model = load_hf_model(tiny_run_inputs / "model")
     records = [json.loads(line) for line in (tiny_run_inputs / "prompts.jsonl").read_text().splitlines()]
     config = RLConfig(
-        num_steps=12, max_tokens_per_micro_batch=512,
-        rollout=RolloutConfig(batch_size=8, samples_per_prompt=8, max_concurrency=8, request_timeout_s=120.0,
-                              sampling=SamplingParams(temperature=1.0, max_new_tokens=3,
-                                                      stop_token_ids=(tokenizer.eos_token_id,))),
-        optimizer=OptimizerConfig(lr=1e-2, schedule="constant"), checkpoint=CheckpointConfig(every_steps=0, keep_last=1))
+        num_steps=12,
+        max_tokens_per_micro_batch=512,
+        rollout=RolloutConfig(
+            batch_size=8,
+            samples_per_prompt=8,
+            max_concurrency=8,
+            request_timeout_s=120.0,
+            sampling=SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=(tokenizer.eos_token_id,)),
+        ),
+        optimizer=OptimizerConfig(lr=1e-2, schedule="constant"),
+        checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
+    )
     components = build_components(model, config.optimizer, num_training_steps=12)
     engine = CoalescingEngine(InProcessEngine(model, tokenizer=tokenizer), max_prompts_per_call=64)
     state, history = run_rl_training(
-        components, DataBuffer(records, seed=0), engine, config,
-        rollout=environment_rollout(SevensEnv, max_turns=2, max_total_tokens=64), reward=environment_reward,
-        encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False), tokenizer=tokenizer,
-        logger=NullLogger(), run_dir=tmp_path, engine_shares_model=True, resume=False)
+        components,
+        DataBuffer(records, seed=0),
+        engine,
+        config,
+        rollout=environment_rollout(SevensEnv, max_turns=2, max_total_tokens=64),
+        reward=environment_reward,
+        encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
+        tokenizer=tokenizer,
+        logger=NullLogger(),
+        run_dir=tmp_path,
+        engine_shares_model=True,
+        resume=False,
+    )
     rewards = [h["reward_mean"] for h in history]
     assert state.step == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards

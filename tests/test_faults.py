@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import trio
 
 from rollouts.backends import InProcessEngine, build_components, load_hf_model
 from rollouts.data import DataBuffer
@@ -42,17 +41,30 @@ def test_token_ids_outside_the_vocabulary_are_an_error_naming_the_engine(tiny_ru
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_run_inputs / "model"), local_files_only=True)
     model = load_hf_model(tiny_run_inputs / "model")
     vocab = model.get_input_embeddings().num_embeddings
-    config = RLConfig(num_steps=2, rollout=RolloutConfig(batch_size=2, samples_per_prompt=2, max_retries=0,
-                                                         sampling=SamplingParams(max_new_tokens=3)),
-                      optimizer=OptimizerConfig(lr=1e-3), checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
-                      max_tokens_per_micro_batch=256)
+    config = RLConfig(
+        num_steps=2,
+        rollout=RolloutConfig(
+            batch_size=2, samples_per_prompt=2, max_retries=0, sampling=SamplingParams(max_new_tokens=3)
+        ),
+        optimizer=OptimizerConfig(lr=1e-3),
+        checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
+        max_tokens_per_micro_batch=256,
+    )
     engine = OtherVocabularyEngine(InProcessEngine(model, tokenizer=tokenizer), extra_id=vocab + 5)
     records = [{"prompt": "12+34=", "answer": "64"}, {"prompt": "50+50=", "answer": "001"}]
     with pytest.raises(RuntimeError) as caught:
-        run_rl_training(build_components(model, config.optimizer, num_training_steps=2), DataBuffer(records), engine,
-                        config, reward=lambda s, r: 1.0, logger=NullLogger(), run_dir=tmp_path,
-                        encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
-                        engine_shares_model=True, resume=False)
+        run_rl_training(
+            build_components(model, config.optimizer, num_training_steps=2),
+            DataBuffer(records),
+            engine,
+            config,
+            reward=lambda s, r: 1.0,
+            logger=NullLogger(),
+            run_dir=tmp_path,
+            encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
+            engine_shares_model=True,
+            resume=False,
+        )
     message = str(caught.value)
     assert "engine-b" in message and f"token id {vocab + 5}" in message and f"vocabulary of {vocab}" in message
 
@@ -65,19 +77,37 @@ def test_one_prompt_too_long_for_a_micro_batch_fails_only_its_group_and_says_why
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_run_inputs / "model"), local_files_only=True)
     model = load_hf_model(tiny_run_inputs / "model")
     budget = 24
-    config = RLConfig(num_steps=1, rollout=RolloutConfig(batch_size=3, samples_per_prompt=2, max_retries=0,
-                                                         max_concurrency=3,
-                                                         sampling=SamplingParams(max_new_tokens=3)),
-                      optimizer=OptimizerConfig(lr=1e-3), checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
-                      max_tokens_per_micro_batch=budget)
-    records = [{"prompt": "12+34=", "answer": "64"}, {"prompt": "1+2+3+4+5+6+7+8+9+10+11+12=", "answer": "87"},
-               {"prompt": "50+50=", "answer": "001"}]
+    config = RLConfig(
+        num_steps=1,
+        rollout=RolloutConfig(
+            batch_size=3,
+            samples_per_prompt=2,
+            max_retries=0,
+            max_concurrency=3,
+            sampling=SamplingParams(max_new_tokens=3),
+        ),
+        optimizer=OptimizerConfig(lr=1e-3),
+        checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
+        max_tokens_per_micro_batch=budget,
+    )
+    records = [
+        {"prompt": "12+34=", "answer": "64"},
+        {"prompt": "1+2+3+4+5+6+7+8+9+10+11+12=", "answer": "87"},
+        {"prompt": "50+50=", "answer": "001"},
+    ]
     engine = CoalescingEngine(InProcessEngine(model, tokenizer=tokenizer), max_prompts_per_call=8)
     state, history = run_rl_training(
-        build_components(model, config.optimizer, num_training_steps=1), DataBuffer(records, shuffle=False), engine,
-        config, reward=lambda s, r: float(len(s.response) > 0), logger=NullLogger(), run_dir=tmp_path,
+        build_components(model, config.optimizer, num_training_steps=1),
+        DataBuffer(records, shuffle=False),
+        engine,
+        config,
+        reward=lambda s, r: float(len(s.response) > 0),
+        logger=NullLogger(),
+        run_dir=tmp_path,
         encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
-        engine_shares_model=True, resume=False)
+        engine_shares_model=True,
+        resume=False,
+    )
     (metrics,) = history
     assert state.step == 1 and metrics["num_trained"] == 4  # the two short prompts' groups
     assert f"rl.max_tokens_per_micro_batch={budget}" in metrics["failure_causes"]

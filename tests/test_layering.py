@@ -4,7 +4,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from layering import check
 
 ROOT = Path(__file__).resolve().parents[1]

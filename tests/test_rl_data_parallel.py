@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from dp_rl_cases import CASES, NUM_STEPS, batch, components, config
+
 from rollouts.backends import read_weights
 from rollouts.loops.distributed import all_gather_arrays
 from rollouts.loops.policy_update import rl_update
@@ -30,7 +31,9 @@ def test_rl_update_on_two_ranks_matches_one_process(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(worker), str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for _ in range(2):  # a gloo rank rarely aborts in C++ teardown ("terminate called ..."): run once more
-        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=_TORCHRUN_TIMEOUT_S, check=False)
+        done = subprocess.run(
+            command, capture_output=True, text=True, env=env, timeout=_TORCHRUN_TIMEOUT_S, check=False
+        )
         if done.returncode == 0 or "terminate called without an active exception" not in done.stderr:
             break
     assert done.returncode == 0, done.stderr[-4000:]

@@ -28,22 +28,39 @@ def _setup(inputs, *, overlap=False):
 def _run(inputs, tmp_path, *, algorithm, rollout_overrides=(), steps, lr, reward, prompts=8, n=8, resume=False):
     tokenizer, model, records = _setup(inputs)
     rollout = RolloutConfig(
-        batch_size=prompts, samples_per_prompt=n, max_concurrency=prompts, request_timeout_s=120.0,
+        batch_size=prompts,
+        samples_per_prompt=n,
+        max_concurrency=prompts,
+        request_timeout_s=120.0,
         sampling=SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=(tokenizer.eos_token_id,)),
     )
     rollout = dataclasses.replace(rollout, **dict(rollout_overrides))
-    config = RLConfig(num_steps=steps, rollout=rollout, algorithm=algorithm,
-                      optimizer=OptimizerConfig(lr=lr, schedule="constant"),
-                      checkpoint=CheckpointConfig(every_steps=0, keep_last=1), max_tokens_per_micro_batch=256)
+    config = RLConfig(
+        num_steps=steps,
+        rollout=rollout,
+        algorithm=algorithm,
+        optimizer=OptimizerConfig(lr=lr, schedule="constant"),
+        checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
+        max_tokens_per_micro_batch=256,
+    )
     components = build_components(model, config.optimizer, num_training_steps=steps * algorithm.num_updates_per_batch)
     engine = CoalescingEngine(InProcessEngine(model, tokenizer=tokenizer), max_prompts_per_call=prompts)
 
     def encode(record):
         return tokenizer.encode(record["prompt"], add_special_tokens=False)
 
-    return run_rl_training(components, DataBuffer(records, seed=0), engine, config, reward=reward,
-                           encode_prompt=encode, logger=NullLogger(), run_dir=tmp_path, engine_shares_model=True,
-                           resume=resume)
+    return run_rl_training(
+        components,
+        DataBuffer(records, seed=0),
+        engine,
+        config,
+        reward=reward,
+        encode_prompt=encode,
+        logger=NullLogger(),
+        run_dir=tmp_path,
+        engine_shares_model=True,
+        resume=resume,
+    )
 
 
 def starts_with_seven(sample, record):
@@ -51,8 +68,9 @@ def starts_with_seven(sample, record):
 
 
 def test_grpo_raises_a_toy_reward(tiny_run_inputs, tmp_path):
-    state, history = _run(tiny_run_inputs, tmp_path, algorithm=ALGORITHMS["grpo"], steps=12, lr=1e-2,
-                          reward=starts_with_seven)
+    state, history = _run(
+        tiny_run_inputs, tmp_path, algorithm=ALGORITHMS["grpo"], steps=12, lr=1e-2, reward=starts_with_seven
+    )
     rewards = [h["reward_mean"] for h in history]
     assert state.step == 12 and state.weight_version == 12
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.3, rewards
@@ -63,8 +81,17 @@ def test_every_preset_runs_two_steps(tiny_run_inputs, tmp_path, name):
     algorithm = ALGORITHMS[name]
     if name == "ppo":
         algorithm = dataclasses.replace(algorithm, num_updates_per_batch=2)  # exercise old log-probs too
-    state, history = _run(tiny_run_inputs, tmp_path, algorithm=algorithm, rollout_overrides=ROLLOUT_IMPLIED.get(name, {}),
-                          steps=2, lr=1e-3, reward=starts_with_seven, prompts=4, n=4)
+    state, history = _run(
+        tiny_run_inputs,
+        tmp_path,
+        algorithm=algorithm,
+        rollout_overrides=ROLLOUT_IMPLIED.get(name, {}),
+        steps=2,
+        lr=1e-3,
+        reward=starts_with_seven,
+        prompts=4,
+        n=4,
+    )
     assert state.step == 2 * algorithm.num_updates_per_batch
     for h in history:
         assert all(v == v for k, v in h.items() if k in ("loss", "grad_norm")), h  # no NaN
@@ -87,8 +114,17 @@ def test_a_resumed_run_keeps_the_starting_model_as_its_kl_reference(tiny_run_inp
         return update(components, state, samples, config, ref_components=ref_components)
 
     monkeypatch.setattr(rl, "rl_update", recording_update)
-    state, _ = _run(tiny_run_inputs, tmp_path, algorithm=algorithm, steps=2, lr=1e-2, reward=starts_with_seven,
-                    prompts=4, n=4, resume=True)
+    state, _ = _run(
+        tiny_run_inputs,
+        tmp_path,
+        algorithm=algorithm,
+        steps=2,
+        lr=1e-2,
+        reward=starts_with_seven,
+        prompts=4,
+        n=4,
+        resume=True,
+    )
     assert state.step == 2 and len(seen) == 1  # resumed at step 1, ran step 2
     for name, tensor in seen[0].items():
         assert torch.equal(tensor, starting[name]), name
@@ -102,9 +138,17 @@ class _EchoEngine:
     async def generate(self, prompts, params):
         from rollouts.types import Sample, Status
 
-        return [Sample(tokens=(*p, 1, 1), num_prompt_tokens=len(p), loss_mask=(0.0,) * len(p) + (1.0, 1.0),
-                       rollout_logprobs=(-1.0, -1.0), status=Status.COMPLETED)
-                for p in prompts for _ in range(params.n)]
+        return [
+            Sample(
+                tokens=(*p, 1, 1),
+                num_prompt_tokens=len(p),
+                loss_mask=(0.0,) * len(p) + (1.0, 1.0),
+                rollout_logprobs=(-1.0, -1.0),
+                status=Status.COMPLETED,
+            )
+            for p in prompts
+            for _ in range(params.n)
+        ]
 
     async def update_weights_from_disk(self, path, weight_version):
         pass
@@ -137,15 +181,35 @@ def test_a_resumed_run_trains_the_same_prompts_as_an_uninterrupted_one(tmp_path,
     records = [{"prompt": f"p{i}", "id": i} for i in range(40)]
 
     def run(run_dir, *, resume):
-        model = build_tiny_model(16, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
-                                 intermediate_size=64, max_position_embeddings=32)
-        config = RLConfig(num_steps=5, overlap=overlap, checkpoint=CheckpointConfig(every_steps=1, keep_last=2),
-                          rollout=RolloutConfig(batch_size=2, samples_per_prompt=2, sampling=SamplingParams(max_new_tokens=2)),
-                          optimizer=OptimizerConfig(schedule="constant"))
+        model = build_tiny_model(
+            16,
+            hidden_size=64,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=64,
+            max_position_embeddings=32,
+        )
+        config = RLConfig(
+            num_steps=5,
+            overlap=overlap,
+            checkpoint=CheckpointConfig(every_steps=1, keep_last=2),
+            rollout=RolloutConfig(batch_size=2, samples_per_prompt=2, sampling=SamplingParams(max_new_tokens=2)),
+            optimizer=OptimizerConfig(schedule="constant"),
+        )
         components = build_components(model, config.optimizer, num_training_steps=5)
-        return run_rl_training(components, DataBuffer(records, seed=0), _EchoEngine(), config,
-                               reward=lambda s, r: float(r["id"]), encode_prompt=lambda r: [2 + r["id"] % 10],
-                               logger=NullLogger(), run_dir=run_dir, engine_shares_model=not overlap, resume=resume)
+        return run_rl_training(
+            components,
+            DataBuffer(records, seed=0),
+            _EchoEngine(),
+            config,
+            reward=lambda s, r: float(r["id"]),
+            encode_prompt=lambda r: [2 + r["id"] % 10],
+            logger=NullLogger(),
+            run_dir=run_dir,
+            engine_shares_model=not overlap,
+            resume=resume,
+        )
 
     run(tmp_path / "straight", resume=False)
     straight, trained[:] = list(trained), []

@@ -7,11 +7,12 @@ import subprocess
 import sys
 
 import pytest
-from rollouts.backends import latest_checkpoint, read_weights
-from rollouts.loops.rl_minimal import GRPOLoss, group_baseline, main
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from rollouts.backends import latest_checkpoint, read_weights
+from rollouts.loops.rl_minimal import GRPOLoss, group_baseline, main
 
 
 def _lines(capsys) -> list[str]:
@@ -42,8 +43,24 @@ def test_a_resumed_recipe_ends_with_the_weights_of_an_uninterrupted_one(tmp_path
 
 
 def test_the_recipe_runs_as_a_module(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "rollouts.loops.rl_minimal", "--out", str(tmp_path), "--steps", "1",
-                           "--prompts", "2", "--samples", "2"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollouts.loops.rl_minimal",
+            "--out",
+            str(tmp_path),
+            "--steps",
+            "1",
+            "--prompts",
+            "2",
+            "--samples",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert "step    1" in done.stdout and "sync: engine" in done.stdout
 
@@ -67,13 +84,19 @@ def test_the_written_out_loss_is_the_step_token_mean_of_the_policy_gradient():
     """Split across micro-batches, the losses add up to the step's token mean; the gradient of a
     token's log-prob is -A_t / num_tokens."""
     logprobs_B_T = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -1.1]], requires_grad=True)
-    batch = {"loss_mask": torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 0.0]]),
-             "advantages": torch.tensor([[0.0, 2.0, 2.0], [-1.0, -1.0, 0.0]])}
+    batch = {
+        "loss_mask": torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 0.0]]),
+        "advantages": torch.tensor([[0.0, 2.0, 2.0], [-1.0, -1.0, 0.0]]),
+    }
     loss, _ = GRPOLoss()(logprobs_B_T, batch, num_tokens=4, num_sequences=2)
     loss.backward()
     assert float(loss.detach()) == pytest.approx(-0.5)  # ratio 1: -(2 + 2 - 1 - 1) / 4
     expected = -(batch["advantages"] * batch["loss_mask"]) / 4
     assert torch.allclose(logprobs_B_T.grad, expected)
-    halves = [GRPOLoss()(logprobs_B_T[i : i + 1], {k: v[i : i + 1] for k, v in batch.items()}, num_tokens=4,
-                         num_sequences=2)[0] for i in range(2)]
+    halves = [
+        GRPOLoss()(logprobs_B_T[i : i + 1], {k: v[i : i + 1] for k, v in batch.items()}, num_tokens=4, num_sequences=2)[
+            0
+        ]
+        for i in range(2)
+    ]
     assert float(sum(halves).detach()) == pytest.approx(float(loss.detach()))

@@ -2,10 +2,10 @@
 
 import pytest
 import trio
+from run_configs import rl_toml
 
 from rollouts.loops.app.cli import main
 from rollouts.loops.loggers import read_jsonl
-from run_configs import rl_toml
 from rollouts.sync import VLLMEngine
 from rollouts.sync.testing import find_vllm_python, launch_vllm_server, vllm_unavailable_reason
 
@@ -18,7 +18,9 @@ def vllm_for_tiny_model(tiny_run_inputs, tmp_path_factory):
     if reason is not None:
         pytest.skip(f"vLLM CPU server unavailable: {reason}")
     log = tmp_path_factory.mktemp("vllm_log") / "server.log"
-    with launch_vllm_server(tiny_run_inputs / "model", python=find_vllm_python(), log_path=log, max_model_len=64) as server:
+    with launch_vllm_server(
+        tiny_run_inputs / "model", python=find_vllm_python(), log_path=log, max_model_len=64
+    ) as server:
         yield server
 
 

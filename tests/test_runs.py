@@ -3,19 +3,19 @@
 import tomllib
 
 import pytest
+from run_configs import rl_toml
 
 from rollouts.loops import read_jsonl
 from rollouts.loops.app.cli import main
 from rollouts.loops.app.config import RLRun, SFTRun, build_run
-from run_configs import rl_toml
 
 
 def _sft_toml(inputs, path, *, out_dir="", steps=2):
     path.write_text(f"""
 [model]
-path = "{inputs / 'model'}"
+path = "{inputs / "model"}"
 [data]
-train_path = "{inputs / 'sft.jsonl'}"
+train_path = "{inputs / "sft.jsonl"}"
 [run]
 out_dir = "{out_dir}"
 [sft]
@@ -58,7 +58,10 @@ def test_resume_is_announced_and_a_changed_config_is_refused_with_the_diff(tiny_
     err = capsys.readouterr().err
     assert "was started with a different config" in err and "config.sft.optimizer.lr: 1e-05 -> 0.5" in err
     (tiny_run_inputs / "sft_changed.jsonl").write_text((tiny_run_inputs / "sft.jsonl").read_text().replace("1", "2"))
-    assert main(["sft", "--config", str(config), "--set", f"data.train_path='{tiny_run_inputs / 'sft_changed.jsonl'}'"]) == 2
+    assert (
+        main(["sft", "--config", str(config), "--set", f"data.train_path='{tiny_run_inputs / 'sft_changed.jsonl'}'"])
+        == 2
+    )
     assert "inputs.train_data" in capsys.readouterr().err  # same count of records, other contents: refused
 
 

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
 from helpers import fresh_components, train_steps
+
 from rollouts.backends import latest_checkpoint, load_checkpoint, save_checkpoint, wait_for_checkpoint
 from rollouts.types import TrainingState
 

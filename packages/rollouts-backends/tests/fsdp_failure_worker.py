@@ -12,10 +12,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import rollouts.backends.checkpoint as ck
 import torch
 import torch.distributed as dist
 from fsdp_worker import sharded_components
+
+import rollouts.backends.checkpoint as ck
 from rollouts.backends import latest_checkpoint, save_checkpoint, wait_for_checkpoint
 from rollouts.types import TrainingState
 

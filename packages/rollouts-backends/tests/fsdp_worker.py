@@ -17,10 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import rollouts.backends.checkpoint as checkpoint_module
 import torch
 import torch.distributed as dist
 from helpers import TRAIN_CONFIG_KW, packed_batch, tiny_model
+
+import rollouts.backends.checkpoint as checkpoint_module
 from rollouts.backends import (
     build_components,
     export_weights,
@@ -49,10 +50,14 @@ def step(components, state, rank, world, *, bug=False):
     mine = packed_batch(GLOBAL_SEQUENCES[rank::world])
     num_tokens = int(sum((packed_batch([s])["loss_mask"] > 0).sum() for s in GLOBAL_SEQUENCES))
     normaliser = int((mine["loss_mask"] > 0).sum()) if bug else num_tokens
-    metrics = forward_backward(components, [mine], sft_loss_fn(), num_tokens=normaliser, num_sequences=len(GLOBAL_SEQUENCES))
+    metrics = forward_backward(
+        components, [mine], sft_loss_fn(), num_tokens=normaliser, num_sequences=len(GLOBAL_SEQUENCES)
+    )
     loss = torch.tensor(metrics["loss"], dtype=torch.float64)
     dist.all_reduce(loss)
-    state, optim_metrics = optim_step(components, state, OptimizerConfig(**TRAIN_CONFIG_KW), num_tokens=num_tokens, num_samples=4)
+    state, optim_metrics = optim_step(
+        components, state, OptimizerConfig(**TRAIN_CONFIG_KW), num_tokens=num_tokens, num_samples=4
+    )
     return state, float(loss), optim_metrics["grad_norm"]
 
 

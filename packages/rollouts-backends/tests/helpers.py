@@ -47,11 +47,13 @@ def random_sequences(rng: np.random.Generator, lengths: Sequence[int]) -> list[l
 
 def _loss_mask(seq: Sequence[int], num_prompt: int) -> np.ndarray:
     mask = np.zeros(len(seq), dtype=np.float32)
-    mask[max(num_prompt, 1):] = 1.0
+    mask[max(num_prompt, 1) :] = 1.0
     return mask
 
 
-def packed_batch(seqs: Sequence[Sequence[int]], *, num_prompt: int = 2, extra: dict | None = None) -> dict[str, np.ndarray]:
+def packed_batch(
+    seqs: Sequence[Sequence[int]], *, num_prompt: int = 2, extra: dict | None = None
+) -> dict[str, np.ndarray]:
     """One packed row [1, sum(len)] holding all sequences, with contract keys."""
     ids, pos, seg, mask, loss = [], [], [], [], []
     for i, s in enumerate(seqs):
@@ -71,11 +73,15 @@ def packed_batch(seqs: Sequence[Sequence[int]], *, num_prompt: int = 2, extra: d
         "sample_indices": np.arange(len(seqs), dtype=np.int64),
     }
     for key, per_seq in (extra or {}).items():
-        out[key] = np.concatenate([np.full(len(s), v, dtype=np.float32) for s, v in zip(seqs, per_seq, strict=True)])[None]
+        out[key] = np.concatenate([np.full(len(s), v, dtype=np.float32) for s, v in zip(seqs, per_seq, strict=True)])[
+            None
+        ]
     return out
 
 
-def padded_batch(seqs: Sequence[Sequence[int]], *, num_prompt: int = 2, extra: dict | None = None) -> dict[str, np.ndarray]:
+def padded_batch(
+    seqs: Sequence[Sequence[int]], *, num_prompt: int = 2, extra: dict | None = None
+) -> dict[str, np.ndarray]:
     """Right-padded rows [len(seqs), max len] with contract keys."""
     T = max(len(s) for s in seqs)
     B = len(seqs)

@@ -12,6 +12,8 @@ import torch
 from helpers import fresh_components, tiny_model, train_steps
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
+
 from rollouts.backends import (
     build_components,
     export_weights,
@@ -23,7 +25,6 @@ from rollouts.backends import (
     wait_for_checkpoint,
 )
 from rollouts.types import OptimizerConfig, TrainingState
-from transformers import AutoModelForCausalLM
 
 _WORKER_LINE_TIMEOUT_S = 60.0
 """Bound on waiting for the crash-test worker's next progress line."""
@@ -56,9 +57,7 @@ def test_exact_resume_is_bit_identical(tmp_path):
 
     assert final.step == 5
     _assert_bit_identical(_weights(straight.model), _weights(resumed.model))
-    for (pa, sa), (pb, sb) in zip(
-        straight.optimizer.state.items(), resumed.optimizer.state.items(), strict=True
-    ):
+    for (_, sa), (_, sb) in zip(straight.optimizer.state.items(), resumed.optimizer.state.items(), strict=True):
         for key in sa:
             assert torch.equal(sa[key], sb[key]), key
 
@@ -294,7 +293,7 @@ def test_interpreter_exit_waits_for_a_background_publish(tmp_path):
     import sys
 
     script = (
-        "import sys; sys.path.insert(0, {tests!r})\n"
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "import rollouts.backends.checkpoint as ck\n"
         "from helpers import fresh_components\n"
         "from rollouts.backends import save_checkpoint\n"
@@ -303,8 +302,8 @@ def test_interpreter_exit_waits_for_a_background_publish(tmp_path):
         "def fsync(path):\n"
         "    import time; time.sleep(0.2); slow_fsync(path)\n"
         "ck._fsync_path = fsync  # the publish is surely still running when the script ends\n"
-        "save_checkpoint(fresh_components(), TrainingState(step=3), {root!r}, wait=False)\n"
-    ).format(tests=str(Path(__file__).parent), root=str(tmp_path))
+        f"save_checkpoint(fresh_components(), TrainingState(step=3), {str(tmp_path)!r}, wait=False)\n"
+    )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert latest_checkpoint(tmp_path) == tmp_path / "step_3"
@@ -380,7 +379,9 @@ def _word_tokenizer():
 @pytest.mark.parametrize("victim", ["model.safetensors", "optimizer.safetensors", "config.json", "tokenizer.json"])
 def test_load_checkpoint_refuses_a_file_that_does_not_match_its_record(tmp_path, victim):
     components = fresh_components()
-    path = save_checkpoint(components, train_steps(components, TrainingState(), 1), tmp_path, tokenizer=_word_tokenizer())
+    path = save_checkpoint(
+        components, train_steps(components, TrainingState(), 1), tmp_path, tokenizer=_word_tokenizer()
+    )
     record = json.loads((path / "state.json").read_text())
     assert "tokenizer.json" in record["files"]  # tokenizer files are recorded like the others
     target = path / victim

@@ -6,20 +6,35 @@ import torch
 from helpers import tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
 from rollouts.backends import generate
 from rollouts.backends.decode import fast_decoder
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 
 def _llama(seed: int = 0) -> LlamaForCausalLM:
     """A tiny Llama with no KV-head grouping, biased attention and llama3 rope scaling."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, attention_bias=True,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 2.0, "original_max_position_embeddings": 64},
-        eos_token_id=1, pad_token_id=0,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        attention_bias=True,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 2.0,
+            "original_max_position_embeddings": 64,
+        },
+        eos_token_id=1,
+        pad_token_id=0,
     )
     config._attn_implementation = "sdpa"
     return LlamaForCausalLM(config).float()
@@ -53,7 +68,13 @@ def test_fast_and_hf_decoding_sample_the_same(name, lengths, n, seed, stop):
     model = MODELS[name]()
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(2, 128, size=k).tolist() for k in lengths]
-    kwargs = {"n": n, "max_new_tokens": 10, "temperature": 1.0, "seed": seed, "stop_token_ids": list(range(100, 128)) if stop else []}
+    kwargs = {
+        "n": n,
+        "max_new_tokens": 10,
+        "temperature": 1.0,
+        "seed": seed,
+        "stop_token_ids": list(range(100, 128)) if stop else [],
+    }
     _assert_same_samples(generate(model, prompts, **kwargs), generate(model, prompts, fast_decode=False, **kwargs))
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from fsdp_worker import DTYPE, GLOBAL_SEQUENCES, NUM_STEPS
 from helpers import TRAIN_CONFIG_KW, packed_batch, tiny_model
+
 from rollouts.backends import (
     build_components,
     forward_backward,
@@ -37,8 +38,16 @@ _WEIGHT_ATOL = 1e-6
 
 def _torchrun(worker: str, out: Path, *args: str) -> None:
     """Run tests/<worker> on 2 gloo ranks with `out` as its argument; fail with its stderr."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-           str(Path(__file__).parent / worker), str(out), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        str(Path(__file__).parent / worker),
+        str(out),
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=_TORCHRUN_TIMEOUT_S, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -48,14 +57,16 @@ def _one_process_step(components, state):
     batch = packed_batch(GLOBAL_SEQUENCES)
     num_tokens = int((batch["loss_mask"] > 0).sum())
     metrics = forward_backward(components, [batch], sft_loss_fn(), num_tokens=num_tokens, num_sequences=4)
-    state, optim_metrics = optim_step(components, state, OptimizerConfig(**TRAIN_CONFIG_KW),
-                                      num_tokens=num_tokens, num_samples=4)
+    state, optim_metrics = optim_step(
+        components, state, OptimizerConfig(**TRAIN_CONFIG_KW), num_tokens=num_tokens, num_samples=4
+    )
     return state, metrics["loss"], optim_metrics["grad_norm"]
 
 
 def _one_process(seed: int = 0):
-    return build_components(tiny_model(seed=seed, dtype=DTYPE), OptimizerConfig(**TRAIN_CONFIG_KW),
-                            num_training_steps=NUM_STEPS)
+    return build_components(
+        tiny_model(seed=seed, dtype=DTYPE), OptimizerConfig(**TRAIN_CONFIG_KW), num_training_steps=NUM_STEPS
+    )
 
 
 def _one_process_run() -> tuple[list[float], list[float], dict[str, torch.Tensor]]:

@@ -7,10 +7,10 @@ import json
 import shutil
 
 import pytest
+from helpers import tiny_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import tiny_model
 from rollouts.backends import check_model_dir, load_hf_model
 
 

@@ -9,6 +9,7 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
+
 from rollouts.backends import checkpoint as ck
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.int8, torch.bool, torch.float64]
@@ -47,7 +48,9 @@ def _check_roundtrip(tmp_path, tensors, metadata):
         assert (f.metadata() or {}) == dict(metadata)
     # Same tensors as safetensors' own writer produces.
     reference = tmp_path / "reference.safetensors"
-    safetensors.torch.save_file({k: v.contiguous() for k, v in tensors.items()}, str(reference), metadata=dict(metadata) or None)
+    safetensors.torch.save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(reference), metadata=dict(metadata) or None
+    )
     expected = safetensors.torch.load_file(str(reference))
     for name in tensors:
         assert expected[name].dtype == loaded[name].dtype and expected[name].shape == loaded[name].shape
@@ -80,14 +83,18 @@ def test_stream_empty_dict(tmp_path):
 
 
 def test_header_is_valid_json_with_contiguous_offsets():
-    tensors = {"x": torch.zeros(3, dtype=torch.bfloat16), "y": torch.zeros(2, dtype=torch.float64), "z": torch.zeros(())}
+    tensors = {
+        "x": torch.zeros(3, dtype=torch.bfloat16),
+        "y": torch.zeros(2, dtype=torch.float64),
+        "z": torch.zeros(()),
+    }
     header, order = ck._safetensors_header(tensors, {"format": "pt"})
     n = int.from_bytes(header[:8], "little")
     assert len(header) == 8 + n and n % 8 == 0
     parsed = json.loads(header[8:])
     assert parsed["__metadata__"] == {"format": "pt"}
     offsets = [parsed[name]["data_offsets"] for name in order]
-    assert offsets[0][0] == 0 and all(a[1] == b[0] for a, b in zip(offsets, offsets[1:]))
+    assert offsets[0][0] == 0 and all(a[1] == b[0] for a, b in zip(offsets, offsets[1:], strict=False))
     assert order == ["y", "z", "x"]  # wider dtypes first keeps every tensor aligned to its element size
 
 

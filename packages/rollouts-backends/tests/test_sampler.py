@@ -8,6 +8,7 @@ import trio
 from helpers import fresh_components, tiny_model, train_steps
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rollouts.backends import (
     InProcessEngine,
     export_weights,
@@ -35,7 +36,9 @@ def test_greedy_matches_transformers_generate(model):
     samples = generate(model, PROMPTS, n=1, max_new_tokens=8, temperature=0.0)
     for prompt, sample in zip(PROMPTS, samples, strict=True):
         with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+            ref = model.generate(
+                torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
         assert list(sample.tokens) == ref[0].tolist()
         assert sample.status == Status.TRUNCATED and sample.response_length == 8
 

@@ -13,6 +13,7 @@ from helpers import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rollouts.backends import (
     NonFiniteError,
     attention_mask_4d,

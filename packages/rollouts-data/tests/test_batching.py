@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rollouts.data import best_fit_decreasing, pack_samples, plan_micro_batches, segment_attention_mask, unpack_values
 from rollouts.data.batching import pad_batch, sample_arrays, unpack
 from rollouts.types import Sample

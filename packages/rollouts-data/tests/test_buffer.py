@@ -5,6 +5,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rollouts.data import DataBuffer
 from rollouts.data.buffer import BufferState, epoch_order, next_prompts
 

@@ -3,6 +3,7 @@
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from rollouts.data import tokenize_conversation, tokenize_conversation_turns
 from rollouts.types import Status
 

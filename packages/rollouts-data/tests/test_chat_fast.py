@@ -4,8 +4,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollouts.data import tokenize_conversation
 from rollouts.data import chat as chat_module
+from rollouts.data import tokenize_conversation
 from rollouts.data.chat import _assistant_spans, render_ids, tokenize_conversations
 
 CHATML_GENERATION_TEMPLATE = (
@@ -67,10 +67,12 @@ _CONVERSATION = st.tuples(
     st.lists(st.tuples(st.sampled_from(["user", "assistant", "tool"]), _CONTENT), min_size=1, max_size=8),
     _CONTENT,
 ).map(
-    lambda t: ([{"role": "system", "content": t[2]}] if t[0] else [])
-    + [{"role": "user", "content": t[2] + " q"}]  # a turn before the first assistant one: a prompt to render
-    + [{"role": r, "content": c} for r, c in t[1]]
-    + [{"role": "assistant", "content": t[2] + " ok"}]
+    lambda t: (
+        ([{"role": "system", "content": t[2]}] if t[0] else [])
+        + [{"role": "user", "content": t[2] + " q"}]  # a turn before the first assistant one: a prompt to render
+        + [{"role": r, "content": c} for r, c in t[1]]
+        + [{"role": "assistant", "content": t[2] + " ok"}]
+    )
 )
 
 
@@ -115,7 +117,9 @@ def test_the_think_stripping_template_still_raises_the_prefix_error(think_tokeni
 def test_tokenize_conversations_reports_progress_and_names_the_bad_conversation(chatml_tokenizer):
     conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     seen = []
-    samples = tokenize_conversations([conv] * 3, chatml_tokenizer, max_length=64, progress=lambda d, t: seen.append((d, t)))
+    samples = tokenize_conversations(
+        [conv] * 3, chatml_tokenizer, max_length=64, progress=lambda d, t: seen.append((d, t))
+    )
     assert len(samples) == 3 and seen == [(1, 3), (2, 3), (3, 3)]
     with pytest.raises(ValueError, match=r"conversations\[1\]: conversation has no assistant message"):
         tokenize_conversations([conv, conv[:1]], chatml_tokenizer, max_length=64)
@@ -130,7 +134,9 @@ def test_missing_chat_extra_is_an_import_error_naming_it(monkeypatch, chatml_tok
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "jinja2" else real(name, *a))
     chat_module._require_chat_extra.cache_clear()
     try:
-        with pytest.raises(ImportError, match=r'needs jinja2, which is not installed: pip install "rollouts-data\[chat\]"'):
+        with pytest.raises(
+            ImportError, match=r'needs jinja2, which is not installed: pip install "rollouts-data\[chat\]"'
+        ):
             tokenize_conversation([{"role": "assistant", "content": "x"}], chatml_tokenizer, max_length=8)
     finally:
         chat_module._require_chat_extra.cache_clear()

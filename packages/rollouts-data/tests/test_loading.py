@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rollouts.data import load_conversations, load_prompts
 from rollouts.data.loading import load_records
 
@@ -140,9 +141,10 @@ def test_a_leading_byte_order_mark_is_allowed(tmp_path):
 
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(["prompt", "answer", "messages",
-                                                                                 "role", "content", "x"]), inner,
-                                                                max_size=4),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.sampled_from(["prompt", "answer", "messages", "role", "content", "x"]), inner, max_size=4)
+    ),
     max_leaves=8,
 )
 _HOSTILE_LINE = st.one_of(
@@ -150,8 +152,12 @@ _HOSTILE_LINE = st.one_of(
     _JSON.map(lambda v: json.dumps(v).encode()),
     st.builds(
         lambda p, a: json.dumps({"prompt": p, "answer": a}, ensure_ascii=False).encode(),
-        st.text(max_size=5) | st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "x"]),
-                                                                "content": st.text(max_size=3) | st.integers()})),
+        st.text(max_size=5)
+        | st.lists(
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "assistant", "x"]), "content": st.text(max_size=3) | st.integers()}
+            )
+        ),
         st.none() | st.text(max_size=3),
     ),
 )

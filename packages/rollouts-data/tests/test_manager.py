@@ -13,6 +13,7 @@ import trio
 import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rollouts.data import AsyncRolloutManager, DataBuffer
 from rollouts.data.filters import check_reward_nonzero_std
 from rollouts.types import RolloutConfig, Sample, Status

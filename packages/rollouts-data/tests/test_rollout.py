@@ -1,8 +1,8 @@
 """Pure rollout functions and filters."""
 
-
 import numpy as np
 import pytest
+
 from rollouts.data.filters import (
     check_min_reward,
     check_reasonable_length,

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from rollouts.loops.algorithms import ALGORITHMS, algorithm_preset
 from rollouts.loops.app.config import ConfigError, RLRun, SFTRun, apply_overrides, build_run, load_run, to_toml
-from rollouts.types import from_dict
 
 
 def _write(tmp_path, text):
@@ -45,13 +44,29 @@ eps_high = 0.3
 @pytest.mark.parametrize(
     ("text", "overrides", "expected"),
     [
-        ("[rl]\nnum_step = 3\n", [], r"run\.toml: RLRun\.rl: unknown key\(s\) \['num_step'\]; allowed keys: .*num_steps"),
-        ("[rl.rollout]\nbatch_size = 'big'\n", [], r"run\.toml: RLRun\.rl\.rollout\.batch_size must be int, got str 'big'"),
-        ("[rl.algorithm]\npolicy_loss = 'sgd'\n", [], r"policy_loss must be one of 'ppo_clip', 'gspo', 'cispo', 'pg', .*got 'sgd'"),
+        (
+            "[rl]\nnum_step = 3\n",
+            [],
+            r"run\.toml: RLRun\.rl: unknown key\(s\) \['num_step'\]; allowed keys: .*num_steps",
+        ),
+        (
+            "[rl.rollout]\nbatch_size = 'big'\n",
+            [],
+            r"run\.toml: RLRun\.rl\.rollout\.batch_size must be int, got str 'big'",
+        ),
+        (
+            "[rl.algorithm]\npolicy_loss = 'sgd'\n",
+            [],
+            r"policy_loss must be one of 'ppo_clip', 'gspo', 'cispo', 'pg', .*got 'sgd'",
+        ),
         ("[rl.optimizer]\nlr = -1.0\n", [], r"run\.toml: .*OptimizerConfig\.lr must be > 0, got -1\.0"),
         ("preset = 'ppo2'\n", [], r"RLRun\.preset must be one of \[.*'grpo'"),
         ("[engine]\nkind = 'vllm'\n", [], r"EngineSpec\.urls must name at least one server"),
-        ("", ["rl.rollout.max_concurrency=0"], r"with --set rl\.rollout\.max_concurrency=0: .*max_concurrency must be >= 1"),
+        (
+            "",
+            ["rl.rollout.max_concurrency=0"],
+            r"with --set rl\.rollout\.max_concurrency=0: .*max_concurrency must be >= 1",
+        ),
         ("[rl\n", [], r"run\.toml: not valid TOML"),
     ],
 )
@@ -83,9 +98,15 @@ def test_bad_override_syntax():
 def test_resolved_toml_round_trips(steps, lr, preset, clip, is_cap):
     """None (no clipping, no IS cap) is written as "none" and read back as None, not as the default."""
     run = load_run(
-        RLRun, None, [f"rl.num_steps={steps}", f"rl.optimizer.lr={lr!r}", f"preset={preset!r}",
-                      f"rl.optimizer.max_grad_norm={'none' if clip is None else repr(clip)}",
-                      f"rl.algorithm.is_cap={'none' if is_cap is None else repr(is_cap)}"]
+        RLRun,
+        None,
+        [
+            f"rl.num_steps={steps}",
+            f"rl.optimizer.lr={lr!r}",
+            f"preset={preset!r}",
+            f"rl.optimizer.max_grad_norm={'none' if clip is None else repr(clip)}",
+            f"rl.algorithm.is_cap={'none' if is_cap is None else repr(is_cap)}",
+        ],
     )
     assert run.rl.optimizer.max_grad_norm == clip and run.rl.algorithm.is_cap == is_cap
     assert build_run(RLRun, tomllib.loads(to_toml(run))) == run
@@ -94,7 +115,9 @@ def test_resolved_toml_round_trips(steps, lr, preset, clip, is_cap):
 def test_none_is_refused_where_a_setting_cannot_be_off(tmp_path):
     with pytest.raises(ConfigError, match=r"RLRun\.rl\.optimizer\.lr must be float, got str 'none'"):
         load_run(RLRun, None, ["rl.optimizer.lr=none"])
-    with pytest.raises(ConfigError, match=r"run\.toml: RLRun\.rl\.algorithm must be a table of AlgorithmConfig fields, got str 'grpo'"):
+    with pytest.raises(
+        ConfigError, match=r"run\.toml: RLRun\.rl\.algorithm must be a table of AlgorithmConfig fields, got str 'grpo'"
+    ):
         load_run(RLRun, _write(tmp_path, "preset = 'grpo'\n[rl]\nalgorithm = 'grpo'\n"))
 
 

@@ -28,9 +28,13 @@ class BlockingEngine:
         time.sleep(self.delay_s)
         if len(self.calls) - 1 in self.fail_calls:
             raise RuntimeError(f"call {len(self.calls) - 1} failed")
-        return [Sample(tokens=(*p, 1), num_prompt_tokens=len(p), loss_mask=(0.0,) * len(p) + (1.0,),
-                       status=Status.COMPLETED)
-                for p in prompts for _ in range(params.n)]
+        return [
+            Sample(
+                tokens=(*p, 1), num_prompt_tokens=len(p), loss_mask=(0.0,) * len(p) + (1.0,), status=Status.COMPLETED
+            )
+            for p in prompts
+            for _ in range(params.n)
+        ]
 
     async def update_weights_from_disk(self, path, weight_version):
         pass
@@ -47,8 +51,11 @@ def _prompts(caller: int, count: int) -> list[list[int]]:
 
 
 @settings(max_examples=25, deadline=None)
-@given(counts=st.lists(st.integers(1, 5), min_size=1, max_size=8), cap=st.integers(1, 8),
-       ns=st.lists(st.integers(1, 2), min_size=8, max_size=8))
+@given(
+    counts=st.lists(st.integers(1, 5), min_size=1, max_size=8),
+    cap=st.integers(1, 8),
+    ns=st.lists(st.integers(1, 2), min_size=8, max_size=8),
+)
 def test_every_caller_gets_exactly_its_own_samples(counts, cap, ns):
     inner = BlockingEngine()
     engine = CoalescingEngine(inner, max_prompts_per_call=cap, window_s=0.01)
@@ -196,8 +203,9 @@ def test_a_single_remote_engine_gets_sync_timeout_s_on_its_reload():
 def test_remote_engine_bounds_a_single_url_by_sync_timeout_s():
     from rollouts.loops.engines import BoundedSync, remote_engine
 
-    engine = remote_engine("vllm", ["http://127.0.0.1:1"], api_key_env="", timeout_s=5.0, max_retries=0,
-                           sync_timeout_s=7.0)
+    engine = remote_engine(
+        "vllm", ["http://127.0.0.1:1"], api_key_env="", timeout_s=5.0, max_retries=0, sync_timeout_s=7.0
+    )
     assert isinstance(engine, BoundedSync) and engine.sync_timeout_s == 7.0
 
 
@@ -213,8 +221,13 @@ class PickyEngine:
         self.calls.append(len(prompts))
         if any(len(p) > self.max_len for p in prompts):
             raise ValueError(f"a prompt is longer than {self.max_len} tokens")
-        return [Sample(tokens=(*p, 1), num_prompt_tokens=len(p), loss_mask=(0.0,) * len(p) + (1.0,), status=Status.COMPLETED)
-                for p in prompts for _ in range(params.n)]
+        return [
+            Sample(
+                tokens=(*p, 1), num_prompt_tokens=len(p), loss_mask=(0.0,) * len(p) + (1.0,), status=Status.COMPLETED
+            )
+            for p in prompts
+            for _ in range(params.n)
+        ]
 
     async def update_weights_from_disk(self, path, weight_version):
         pass
@@ -244,5 +257,7 @@ def test_one_bad_prompt_fails_only_its_own_request():
 
     trio.run(main)
     assert isinstance(outcomes["long"], ValueError)
-    assert [s.prompt_tokens for s in outcomes["a"]] == [(1, 2)] * 2 and [s.prompt_tokens for s in outcomes["b"]] == [(3,)] * 2
+    assert [s.prompt_tokens for s in outcomes["a"]] == [(1, 2)] * 2 and [s.prompt_tokens for s in outcomes["b"]] == [
+        (3,)
+    ] * 2
     assert inner.calls[0] == 3 and sorted(inner.calls[1:]) == [1, 1, 1]  # the batch, then each alone

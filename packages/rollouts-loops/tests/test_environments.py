@@ -29,14 +29,26 @@ class ScriptedEngine:
         self.prompts.append(list(prompt))
         text = self.turns.pop(0)
         ids = [ord(c) for c in text]
-        return [Sample(tokens=(*prompt, *ids), num_prompt_tokens=len(prompt), loss_mask=[0.0] * len(prompt) + [1.0] * len(ids),
-                       response=text, rollout_logprobs=[-0.5] * len(ids), weight_version=3)]
+        return [
+            Sample(
+                tokens=(*prompt, *ids),
+                num_prompt_tokens=len(prompt),
+                loss_mask=[0.0] * len(prompt) + [1.0] * len(ids),
+                response=text,
+                rollout_logprobs=[-0.5] * len(ids),
+                weight_version=3,
+            )
+        ]
 
 
 def _run(env_factory, turns, *, max_turns=4, step_timeout_s=5.0, record=None):
     tok = CharTokenizer()
-    ctx = RolloutContext(engine=ScriptedEngine(turns), sampling=SamplingParams(n=1, max_new_tokens=16),
-                         encode_prompt=lambda r: tok.encode(r["prompt"]), tokenizer=tok)
+    ctx = RolloutContext(
+        engine=ScriptedEngine(turns),
+        sampling=SamplingParams(n=1, max_new_tokens=16),
+        encode_prompt=lambda r: tok.encode(r["prompt"]),
+        tokenizer=tok,
+    )
     rollout = environment_rollout(env_factory, max_turns=max_turns, step_timeout_s=step_timeout_s)
     (sample,) = trio.run(rollout, record or {"prompt": "Q:", "answer": "36"}, ctx)
     return sample, ctx.engine
@@ -50,7 +62,7 @@ def test_the_calculator_episode_masks_tool_output_and_keeps_turn_log_probs():
     mask = {c: m for c, m in zip(text, sample.loss_mask, strict=True)}
     observation = "\n= 36\n"
     start = text.index(observation)
-    assert sample.loss_mask[start:start + len(observation)] == (0.0,) * len(observation)
+    assert sample.loss_mask[start : start + len(observation)] == (0.0,) * len(observation)
     assert sample.loss_mask[:2] == (0.0, 0.0) and mask["a"] == 1.0
     trained = [lp for lp, m in zip(sample.rollout_logprobs, sample.loss_mask[2:], strict=True) if m]
     assert trained == [-0.5] * len("calc: 12*3answer: 36")
@@ -92,7 +104,9 @@ def test_safe_arithmetic(expression, value):
     assert math.isclose(safe_arithmetic(expression), value)
 
 
-@pytest.mark.parametrize("expression", ["2**100", "__import__('os')", "a+1", "1/0", "9" * 300, "10**13", "99999999*99999999"])
+@pytest.mark.parametrize(
+    "expression", ["2**100", "__import__('os')", "a+1", "1/0", "9" * 300, "10**13", "99999999*99999999"]
+)
 def test_safe_arithmetic_refuses_everything_else(expression):
     with pytest.raises(ValueError):
         safe_arithmetic(expression)
@@ -144,8 +158,12 @@ def test_an_openenv_style_client_runs_as_an_environment(client):
     from rollouts.loops.environments import OpenEnvAdapter
 
     def make_env():
-        return OpenEnvAdapter(client(), to_action=lambda text: {"guess": int(text.strip() or -1)},
-                              render=lambda obs: obs["text"], reset_kwargs=lambda record: {"target": record["target"]})
+        return OpenEnvAdapter(
+            client(),
+            to_action=lambda text: {"guess": int(text.strip() or -1)},
+            render=lambda obs: obs["text"],
+            reset_kwargs=lambda record: {"target": record["target"]},
+        )
 
     sample, engine = _run(make_env, ["3", "7"], record={"prompt": "", "target": 7})
     assert "".join(chr(t) for t in sample.tokens) == "guess 0-9:3 higher7"

@@ -13,7 +13,11 @@ from rollouts.types import MetricsLogger
 
 
 @settings(max_examples=30, deadline=None)
-@given(rows=st.lists(st.dictionaries(st.sampled_from(["loss", "lr", "reward_mean"]), st.floats(allow_nan=True)), max_size=8))
+@given(
+    rows=st.lists(
+        st.dictionaries(st.sampled_from(["loss", "lr", "reward_mean"]), st.floats(allow_nan=True)), max_size=8
+    )
+)
 def test_jsonl_round_trip_keeps_every_step(tmp_path_factory, rows):
     path = tmp_path_factory.mktemp("log") / "metrics.jsonl"
     logger = JsonlLogger(path)

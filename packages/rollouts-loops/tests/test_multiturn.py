@@ -41,8 +41,12 @@ class ScriptedEngine:
         reply = self.turns.pop(0)[: params.max_new_tokens]
         return [
             Sample(
-                tokens=list(prompt) + reply, num_prompt_tokens=len(prompt), loss_mask=[0] * len(prompt) + [1] * len(reply),
-                rollout_logprobs=[-0.5] * len(reply) if self.logprobs else None, status=self.status, weight_version=3,
+                tokens=list(prompt) + reply,
+                num_prompt_tokens=len(prompt),
+                loss_mask=[0] * len(prompt) + [1] * len(reply),
+                rollout_logprobs=[-0.5] * len(reply) if self.logprobs else None,
+                status=self.status,
+                weight_version=3,
             )
         ]
 
@@ -59,7 +63,9 @@ class ScriptedEngine:
 def _rollout(engine, prompt, **kwargs):
     kwargs.setdefault("tool_parser", lambda text: text if "j" in text else None)  # "j" is token 9
     kwargs.setdefault("tool_executor", lambda call: "xyz")
-    return trio.run(lambda: run_tool_rollout(engine, FakeTokenizer(), prompt, SamplingParams(max_new_tokens=8), **kwargs))
+    return trio.run(
+        lambda: run_tool_rollout(engine, FakeTokenizer(), prompt, SamplingParams(max_new_tokens=8), **kwargs)
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -82,7 +88,9 @@ def test_tool_tokens_are_masked_and_history_is_never_retokenized(prompt, turns):
             expected += tool
             expected_mask += [0.0] * 3
     assert list(sample.tokens) == expected and list(sample.loss_mask) == expected_mask
-    assert [lp for lp, m in zip(sample.rollout_logprobs, sample.loss_mask[len(prompt):], strict=True) if m == 0] == [0.0] * 3 * (len(script) - 1)
+    assert [lp for lp, m in zip(sample.rollout_logprobs, sample.loss_mask[len(prompt) :], strict=True) if m == 0] == [
+        0.0
+    ] * 3 * (len(script) - 1)
     assert sample.metadata["tool_calls"] == len(script) - 1 and sample.status is Status.COMPLETED
 
 

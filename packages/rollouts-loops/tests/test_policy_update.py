@@ -21,8 +21,10 @@ _REFERENCE = {
 @pytest.mark.parametrize("estimator", sorted(_REFERENCE))
 def test_each_estimator_reaches_the_loss_as_its_own_advantages(estimator):
     rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0]
-    samples = [Sample(tokens=(1, 2, 3), num_prompt_tokens=1, loss_mask=(0.0, 1.0, 1.0), reward=r, group_index=i // 4)
-               for i, r in enumerate(rewards)]
+    samples = [
+        Sample(tokens=(1, 2, 3), num_prompt_tokens=1, loss_mask=(0.0, 1.0, 1.0), reward=r, group_index=i // 4)
+        for i, r in enumerate(rewards)
+    ]
     masks = {i: np.array([0.0, 1.0, 1.0], dtype=np.float32) for i in range(len(samples))}
     algorithm = dataclasses.replace(AlgorithmConfig(), advantage_estimator=estimator)
     got = token_advantages(samples, algorithm, masks=masks)

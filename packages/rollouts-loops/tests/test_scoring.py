@@ -21,7 +21,9 @@ from rollouts.types import Sample
 
 
 def _group(n=3):
-    return [Sample(tokens=(1, 2, 3 + i), num_prompt_tokens=2, loss_mask=(0.0, 0.0, 1.0), response=str(i)) for i in range(n)]
+    return [
+        Sample(tokens=(1, 2, 3 + i), num_prompt_tokens=2, loss_mask=(0.0, 0.0, 1.0), response=str(i)) for i in range(n)
+    ]
 
 
 def _score(reward, samples=None, record=None):
@@ -52,13 +54,16 @@ def test_a_batched_reward_is_called_once_per_group():
     assert [s.reward for s in _score(Reward.of(lengths))] == [3.0, 3.0, 3.0] and calls == [3]
 
 
-@pytest.mark.parametrize("bad, message", [
-    (lambda s, r: 1 / 0, "ZeroDivisionError: division by zero"),
-    (lambda s, r: "1.0", "not a number"),
-    (lambda s, r: None, "not a number"),
-    (lambda s, r: math.nan, "not a finite number"),
-    (lambda s, r: math.inf, "not a finite number"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (lambda s, r: 1 / 0, "ZeroDivisionError: division by zero"),
+        (lambda s, r: "1.0", "not a number"),
+        (lambda s, r: None, "not a number"),
+        (lambda s, r: math.nan, "not a finite number"),
+        (lambda s, r: math.inf, "not a finite number"),
+    ],
+)
 def test_reward_errors_score_zero_and_say_why(bad, message):
     scored = _score(Reward(fn=bad, on_error="zero"))
     assert [s.reward for s in scored] == [0.0] * 3
@@ -82,8 +87,13 @@ def test_a_batched_reward_of_the_wrong_length_fails_the_group():
 
 
 @settings(deadline=None, max_examples=50)
-@given(st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32), st.text(max_size=3),
-                          st.none()), min_size=1, max_size=6))
+@given(
+    st.lists(
+        st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32), st.text(max_size=3), st.none()),
+        min_size=1,
+        max_size=6,
+    )
+)
 def test_every_value_becomes_a_finite_reward_or_a_named_error(values):
     samples = _group(len(values))
     it = iter(values)
@@ -106,15 +116,18 @@ def test_plugins_resolve_by_module_path_and_by_file(tmp_path):
     assert fn(None, None) == 1.0
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("no_such_module_xyz:f", "module 'no_such_module_xyz' does not import: ModuleNotFoundError"),
-    ("math:no_such_name", "'math' has no 'no_such_name'"),
-    ("math", "must look like 'package.module:name'"),
-    ("/nope/reward.py:f", "no such file"),
-    ("FILE:NOT_A_FUNCTION", "is a int, not a function"),
-    ("FILE:one_arg", "cannot be called with 2 positional argument(s)"),
-    ("BROKEN:f", "does not import: SyntaxError"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("no_such_module_xyz:f", "module 'no_such_module_xyz' does not import: ModuleNotFoundError"),
+        ("math:no_such_name", "'math' has no 'no_such_name'"),
+        ("math", "must look like 'package.module:name'"),
+        ("/nope/reward.py:f", "no such file"),
+        ("FILE:NOT_A_FUNCTION", "is a int, not a function"),
+        ("FILE:one_arg", "cannot be called with 2 positional argument(s)"),
+        ("BROKEN:f", "does not import: SyntaxError"),
+    ],
+)
 def test_bad_plugin_specs_name_the_key_and_the_reason(tmp_path, spec, message):
     (tmp_path / "plugin.py").write_text("NOT_A_FUNCTION = 3\ndef one_arg(sample):\n    return 0.0\n")
     (tmp_path / "broken.py").write_text("def f(:\n")
@@ -141,8 +154,10 @@ def test_pass_at_k_is_the_fraction_of_k_subsets_with_a_correct_sample(correct, d
 
 
 def _scored(responses, rewards):
-    return [Sample(tokens=(1, 2), num_prompt_tokens=1, loss_mask=(0.0, 1.0), response=r, reward=w)
-            for r, w in zip(responses, rewards, strict=True)]
+    return [
+        Sample(tokens=(1, 2), num_prompt_tokens=1, loss_mask=(0.0, 1.0), response=r, reward=w)
+        for r, w in zip(responses, rewards, strict=True)
+    ]
 
 
 def test_group_metrics_on_hand_made_groups():

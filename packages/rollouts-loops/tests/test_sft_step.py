@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rollouts.backends import build_components
-from rollouts.loops.sft import sft_step
 from rollouts.loops.app.tiny import build_tiny_model
+from rollouts.loops.sft import sft_step
 from rollouts.types import OptimizerConfig, Sample, SFTConfig, TrainingState
 from rollouts.types.configs import LossAggregation
 
@@ -23,8 +23,9 @@ def _samples():
 
 
 def _step(mode, max_tokens):
-    model = build_tiny_model(16, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                             max_position_embeddings=32)
+    model = build_tiny_model(
+        16, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=32
+    )
     # eps=1 makes AdamW's first step lr * g / (|g| + 1): the weights then compare gradients (with a
     # small eps a gradient that is 0 but for rounding, like k_proj's bias, would step by +-lr).
     optimizer = OptimizerConfig(lr=1.0, eps=1.0, schedule="constant", max_grad_norm=None, weight_decay=0.0)
@@ -36,7 +37,7 @@ def _step(mode, max_tokens):
 
 @pytest.mark.parametrize("mode", typing.get_args(LossAggregation))
 def test_the_update_is_the_same_however_the_batch_is_split(mode):
-    one_metrics, one = _step(mode, max_tokens=512)   # every sample in one micro-batch
+    one_metrics, one = _step(mode, max_tokens=512)  # every sample in one micro-batch
     many_metrics, many = _step(mode, max_tokens=24)  # several micro-batches of different padded lengths
     assert one_metrics["loss"] == pytest.approx(many_metrics["loss"], rel=1e-5)
     for name in one:
@@ -47,8 +48,9 @@ def test_data_without_a_loss_token_is_refused_before_training(tmp_path, caplog):
     """max_length shorter than every prompt: 0 loss tokens each step used to train nothing and exit 0."""
     from rollouts.loops import JsonlLogger, run_sft_training
 
-    model = build_tiny_model(16, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                             max_position_embeddings=32)
+    model = build_tiny_model(
+        16, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=32
+    )
     components = build_components(model, OptimizerConfig(lr=1e-3), num_training_steps=2)
     cut = [Sample(tokens=s.tokens[:2], num_prompt_tokens=2, loss_mask=(0.0, 0.0)) for s in _samples()]
     config = SFTConfig(num_steps=2, batch_size=2, max_length=2)

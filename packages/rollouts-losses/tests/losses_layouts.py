@@ -33,14 +33,16 @@ def random_seqs(seed, lengths, *, dtype=torch.float64):
         mask = (torch.rand(n, generator=g) > 0.3).to(dtype)
         mask[0] = 0.0  # position 0 has no prediction
         logp = -torch.rand(n, generator=g, dtype=dtype) * 3
-        seqs.append({
-            "logprobs": logp,
-            "old_logprobs": logp + 0.3 * torch.randn(n, generator=g, dtype=dtype),
-            "ref_logprobs": logp + 0.3 * torch.randn(n, generator=g, dtype=dtype),
-            "rollout_logprobs": logp + 0.3 * torch.randn(n, generator=g, dtype=dtype),
-            "advantages": torch.randn((), generator=g, dtype=dtype).expand(n).clone(),
-            "loss_mask": mask,
-            "values": torch.randn(n, generator=g, dtype=dtype),
-            "entropy": torch.rand(n, generator=g, dtype=dtype),
-        })
+        seqs.append(
+            {
+                "logprobs": logp,
+                "old_logprobs": logp + 0.3 * torch.randn(n, generator=g, dtype=dtype),
+                "ref_logprobs": logp + 0.3 * torch.randn(n, generator=g, dtype=dtype),
+                "rollout_logprobs": logp + 0.3 * torch.randn(n, generator=g, dtype=dtype),
+                "advantages": torch.randn((), generator=g, dtype=dtype).expand(n).clone(),
+                "loss_mask": mask,
+                "values": torch.randn(n, generator=g, dtype=dtype),
+                "entropy": torch.rand(n, generator=g, dtype=dtype),
+            }
+        )
     return seqs

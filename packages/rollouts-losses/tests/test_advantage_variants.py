@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rollouts.losses import (
     KLControllerState,
     adaptive_kl_update,
@@ -40,13 +41,16 @@ def test_gpg_matches_naive(data, seed):
     values, num_groups = data
     rewards = torch.tensor(values, dtype=torch.float64)
     groups = _groups(len(values), num_groups, seed)
-    centered = [values[i] - sum(values[j] for j in _members(groups, i)) / len(_members(groups, i))
-                for i in range(len(values))]
+    centered = [
+        values[i] - sum(values[j] for j in _members(groups, i)) / len(_members(groups, i)) for i in range(len(values))
+    ]
     valid = sum(1 for c in centered if c != 0)
     alpha = len(values) / max(valid, 1)
     ours = gpg_advantages(rewards, groups)
     # float64 means of float32 rewards: 1e-12 absolute is many ulps of the rewards' scale (<= 4)
-    torch.testing.assert_close(ours, torch.tensor([alpha * c for c in centered], dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        ours, torch.tensor([alpha * c for c in centered], dtype=torch.float64), rtol=0, atol=1e-12
+    )
     for group in set(groups.tolist()):  # each group's advantages sum to 0
         assert abs(float(ours[groups == group].sum())) < 1e-9
 
@@ -86,8 +90,10 @@ def test_passk_refuses_groups_of_one_and_other_scales():
 def test_remax_subtracts_the_greedy_reward_of_the_prompt():
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.25])
     greedy = torch.tensor([0.5, 0.5, 1.0, 1.0])
-    torch.testing.assert_close(remax_advantages(rewards, greedy, group_ids_B=torch.tensor([0, 0, 1, 1])),
-                               torch.tensor([0.5, -0.5, -0.5, -0.75]))
+    torch.testing.assert_close(
+        remax_advantages(rewards, greedy, group_ids_B=torch.tensor([0, 0, 1, 1])),
+        torch.tensor([0.5, -0.5, -0.5, -0.75]),
+    )
     with pytest.raises(ValueError, match="one value per group"):
         remax_advantages(rewards, torch.tensor([0.5, 0.4, 1.0, 1.0]), group_ids_B=torch.tensor([0, 0, 1, 1]))
     with pytest.raises(ValueError, match="greedy_rewards_B must be"):
@@ -117,12 +123,15 @@ def test_adaptive_kl_controller_follows_ziegler():
     assert adaptive_kl_update(state, observed_kl=0.1, target_kl=0.1, horizon=5) == state
 
 
-@pytest.mark.parametrize(("kw", "match"), [
-    ({"observed_kl": math.nan}, "observed_kl"),
-    ({"target_kl": 0.0}, "target_kl"),
-    ({"horizon": 0}, "horizon"),
-    ({"num_steps": 11}, r"num_steps \(11\) must be <= horizon \(10\)"),
-])
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"observed_kl": math.nan}, "observed_kl"),
+        ({"target_kl": 0.0}, "target_kl"),
+        ({"horizon": 0}, "horizon"),
+        ({"num_steps": 11}, r"num_steps \(11\) must be <= horizon \(10\)"),
+    ],
+)
 def test_adaptive_kl_controller_refuses_bad_input(kw, match):
     args = {"observed_kl": 0.1, "target_kl": 0.1, "horizon": 10, "num_steps": 1} | kw
     with pytest.raises(ValueError, match=match):
@@ -137,8 +146,10 @@ def test_sample_advantages_dispatches_by_name():
     rewards, groups = torch.tensor([1.0, 0.0, 0.5, 0.25]), torch.tensor([0, 0, 1, 1])
     greedy = torch.tensor([0.5, 0.5, 0.0, 0.0])
     expected = {
-        "grpo": group_advantages(rewards, groups), "rloo": rloo_advantages(rewards, groups),
-        "gpg": gpg_advantages(rewards, groups), "grpo_passk": passk_advantages(rewards, groups),
+        "grpo": group_advantages(rewards, groups),
+        "rloo": rloo_advantages(rewards, groups),
+        "gpg": gpg_advantages(rewards, groups),
+        "grpo_passk": passk_advantages(rewards, groups),
         "remax": remax_advantages(rewards, greedy),
     }
     for name, want in expected.items():

@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rollouts.losses import (
     broadcast_to_tokens,
     gae_advantages,
@@ -115,7 +116,10 @@ def _naive_gae(rewards, values, gamma, lam):
 
 def test_gae_matches_naive_on_full_masks_and_skips_masked_tokens():
     g = torch.Generator().manual_seed(0)
-    rewards, values = torch.randn(3, 6, generator=g, dtype=torch.float64), torch.randn(3, 6, generator=g, dtype=torch.float64)
+    rewards, values = (
+        torch.randn(3, 6, generator=g, dtype=torch.float64),
+        torch.randn(3, 6, generator=g, dtype=torch.float64),
+    )
     mask = torch.ones(3, 6)
     adv, ret = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8, whiten=False)
     ref_adv, ref_ret = _naive_gae(rewards, values, 0.9, 0.8)

@@ -4,9 +4,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rollouts.losses import AGGREGATION_MODES, aggregate
-
 from losses_layouts import packed, padded, random_seqs
+
+from rollouts.losses import AGGREGATION_MODES, aggregate
 
 
 def _verl_agg_loss(loss, mask, mode):
@@ -79,11 +79,11 @@ def test_micro_batches_sum_to_whole_batch(seed, lengths, mode, split):
     num_tokens = int((whole["loss_mask"] > 0).sum())
     opts = {"num_tokens": num_tokens, "num_sequences": len(seqs), "norm_constant": 8.0}
     # the whole batch with a binary mask: sum(mask) == count of loss tokens
-    ref = aggregate(whole["logprobs"], whole["loss_mask"], mode, segment_ids_B_T=whole["segment_ids"], norm_constant=8.0)
-    parts = [packed(seqs[:split]), padded(seqs[split:])]
-    total = sum(
-        aggregate(p["logprobs"], p["loss_mask"], mode, segment_ids_B_T=p["segment_ids"], **opts) for p in parts
+    ref = aggregate(
+        whole["logprobs"], whole["loss_mask"], mode, segment_ids_B_T=whole["segment_ids"], norm_constant=8.0
     )
+    parts = [packed(seqs[:split]), padded(seqs[split:])]
+    total = sum(aggregate(p["logprobs"], p["loss_mask"], mode, segment_ids_B_T=p["segment_ids"], **opts) for p in parts)
     torch.testing.assert_close(total, ref)
 
 

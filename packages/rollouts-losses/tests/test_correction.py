@@ -7,9 +7,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rollouts.losses import high_entropy_mask, off_policy_diagnostics, off_policy_sequence_mask, rejection_mask
-
 from losses_layouts import packed, padded, random_seqs
+
+from rollouts.losses import high_entropy_mask, off_policy_diagnostics, off_policy_sequence_mask, rejection_mask
 
 
 def _loss_tokens(seq):
@@ -51,9 +51,16 @@ def _per_seq(x_B_T, batch, n):
 def test_rejection_mask_matches_naive_loops(seed, lengths, estimator, level, bounds, layout):
     seqs = random_seqs(seed, lengths)
     batch = layout(seqs)
-    keep, metrics = rejection_mask(batch["old_logprobs"], batch["rollout_logprobs"], batch["loss_mask"],
-                                   estimator=estimator, level=level, low=bounds[0], high=bounds[1],
-                                   segment_ids_B_T=batch["segment_ids"])
+    keep, metrics = rejection_mask(
+        batch["old_logprobs"],
+        batch["rollout_logprobs"],
+        batch["loss_mask"],
+        estimator=estimator,
+        level=level,
+        low=bounds[0],
+        high=bounds[1],
+        segment_ids_B_T=batch["segment_ids"],
+    )
     naive = _naive_keep(seqs, estimator, level, *bounds)
     for ours, ref in zip(_per_seq(keep, batch, len(seqs)), naive, strict=True):
         assert ours.tolist() == ref
@@ -76,16 +83,21 @@ def test_rejection_bounds_are_two_sided_for_every_estimator():
 def test_rejection_ignores_poison_off_the_mask():
     old = torch.tensor([[0.0, -torch.inf, torch.nan]])
     rollout = torch.tensor([[-0.1, 0.0, 0.0]])
-    keep, metrics = rejection_mask(old, rollout, torch.tensor([[1.0, 0.0, 0.0]]), estimator="k3", level="seq_sum", high=1.0)
+    keep, metrics = rejection_mask(
+        old, rollout, torch.tensor([[1.0, 0.0, 0.0]]), estimator="k3", level="seq_sum", high=1.0
+    )
     assert keep.tolist() == [[1.0, 0.0, 0.0]] and all(math.isfinite(v) for v in metrics.values())
 
 
-@pytest.mark.parametrize(("kw", "match"), [
-    ({"estimator": "k4", "level": "token", "high": 1.0}, "estimator"),
-    ({"estimator": "k1", "level": "seq", "high": 1.0}, "level"),
-    ({"estimator": "k1", "level": "token"}, "low or high"),
-    ({"estimator": "k1", "level": "token", "low": 1.0, "high": 0.5}, "low"),
-])
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"estimator": "k4", "level": "token", "high": 1.0}, "estimator"),
+        ({"estimator": "k1", "level": "seq", "high": 1.0}, "level"),
+        ({"estimator": "k1", "level": "token"}, "low or high"),
+        ({"estimator": "k1", "level": "token", "low": 1.0, "high": 0.5}, "low"),
+    ],
+)
 def test_rejection_refuses_bad_rules(kw, match):
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match=match):
@@ -98,8 +110,14 @@ def test_off_policy_sequence_mask_matches_naive(layout):
     seqs[0]["advantages"] = -seqs[0]["advantages"].abs()  # make sure a negative sequence exists
     batch = layout(seqs)
     threshold = 0.02
-    keep, _ = off_policy_sequence_mask(batch["logprobs"], batch["rollout_logprobs"], batch["advantages"],
-                                       batch["loss_mask"], threshold=threshold, segment_ids_B_T=batch["segment_ids"])
+    keep, _ = off_policy_sequence_mask(
+        batch["logprobs"],
+        batch["rollout_logprobs"],
+        batch["advantages"],
+        batch["loss_mask"],
+        threshold=threshold,
+        segment_ids_B_T=batch["segment_ids"],
+    )
     dropped = []
     for s, ours in zip(seqs, _per_seq(keep, batch, len(seqs)), strict=True):
         idx = _loss_tokens(s)
@@ -132,8 +150,11 @@ def test_high_entropy_mask_keeps_the_top_quantile():
 def _naive_diagnostics(seqs):
     tokens = [(s, i) for s in seqs for i in _loss_tokens(s)]
     log_r = [float(s["old_logprobs"][i] - s["rollout_logprobs"][i]) for s, i in tokens]
-    seq_log_w = [sum(float(s["old_logprobs"][i] - s["rollout_logprobs"][i]) for i in _loss_tokens(s))
-                 for s in seqs if _loss_tokens(s)]
+    seq_log_w = [
+        sum(float(s["old_logprobs"][i] - s["rollout_logprobs"][i]) for i in _loss_tokens(s))
+        for s in seqs
+        if _loss_tokens(s)
+    ]
     w = [math.exp(x) for x in log_r]
     sw = [math.exp(x) for x in seq_log_w]
     return {
@@ -141,8 +162,10 @@ def _naive_diagnostics(seqs):
         "offpolicy_kl_k3": sum(math.exp(x) - 1 - x for x in log_r) / len(log_r),
         "offpolicy_logprob_abs_diff": sum(abs(x) for x in log_r) / len(log_r),
         "offpolicy_logprob_abs_diff_max": max(abs(x) for x in log_r),
-        "offpolicy_log_ppl_diff": sum(-x / len(_loss_tokens(s)) for s, x in
-                                      zip([s for s in seqs if _loss_tokens(s)], seq_log_w, strict=True)) / len(seq_log_w),
+        "offpolicy_log_ppl_diff": sum(
+            -x / len(_loss_tokens(s)) for s, x in zip([s for s in seqs if _loss_tokens(s)], seq_log_w, strict=True)
+        )
+        / len(seq_log_w),
         "offpolicy_chi2_token": sum(x * x for x in w) / len(w) - 1,
         "offpolicy_chi2_seq": sum(x * x for x in sw) / len(sw) - 1,
         "offpolicy_ess_token": sum(w) ** 2 / (len(w) * sum(x * x for x in w)),
@@ -154,8 +177,9 @@ def _naive_diagnostics(seqs):
 def test_off_policy_diagnostics_match_naive(layout):
     seqs = random_seqs(12, [6, 4, 8, 5])
     batch = layout(seqs)
-    ours = off_policy_diagnostics(batch["old_logprobs"], batch["rollout_logprobs"], batch["loss_mask"],
-                                  segment_ids_B_T=batch["segment_ids"])
+    ours = off_policy_diagnostics(
+        batch["old_logprobs"], batch["rollout_logprobs"], batch["loss_mask"], segment_ids_B_T=batch["segment_ids"]
+    )
     ref = _naive_diagnostics(seqs)
     assert ours == pytest.approx(ref, rel=1e-9)  # float64 on both sides, sums in different orders
     assert 0.0 < ours["offpolicy_ess_seq"] < ours["offpolicy_ess_token"] <= 1.0
@@ -166,5 +190,7 @@ def test_on_policy_diagnostics_are_ideal():
     ours = off_policy_diagnostics(batch["old_logprobs"], batch["old_logprobs"], batch["loss_mask"])
     assert ours["offpolicy_ess_token"] == 1.0 and ours["offpolicy_ess_seq"] == 1.0
     assert ours["offpolicy_chi2_token"] == 0.0 and ours["offpolicy_kl_k3"] == 0.0
-    empty = off_policy_diagnostics(batch["old_logprobs"], batch["rollout_logprobs"], torch.zeros_like(batch["loss_mask"]))
+    empty = off_policy_diagnostics(
+        batch["old_logprobs"], batch["rollout_logprobs"], torch.zeros_like(batch["loss_mask"])
+    )
     assert empty["offpolicy_ess_token"] == 1.0 and empty["offpolicy_chi2_seq"] == 0.0

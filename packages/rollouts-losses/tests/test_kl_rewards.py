@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rollouts.losses import (
     clip_rewards,
     combine_rewards,
@@ -89,7 +90,11 @@ def test_score_math_answer(response, answer, score):
 
 
 @settings(max_examples=60, deadline=None)
-@given(value=st.integers(-10**9, 10**9), grouped=st.booleans(), after=st.sampled_from(["", ".", ",", ";", "!", ", so", " apples"]))
+@given(
+    value=st.integers(-(10**9), 10**9),
+    grouped=st.booleans(),
+    after=st.sampled_from(["", ".", ",", ";", "!", ", so", " apples"]),
+)
 def test_the_last_number_is_read_whole_whatever_punctuation_follows(value, grouped, after):
     written = f"{value:,}" if grouped else str(value)
     assert score_math_answer(f"first 7, then {written}{after}", str(value)) == 1.0
@@ -102,8 +107,14 @@ def test_an_unparseable_reference_answer_is_an_error_naming_it():
 
 
 def test_reward_fns_on_samples():
-    sample = Sample(prompt="q", response="<think>hm</think> \\boxed{7}", tokens=(1, 2, 3, 4, 5), num_prompt_tokens=1,
-                    loss_mask=(0, 1, 1, 1, 1), metadata={"answer": "7"})
+    sample = Sample(
+        prompt="q",
+        response="<think>hm</think> \\boxed{7}",
+        tokens=(1, 2, 3, 4, 5),
+        num_prompt_tokens=1,
+        loss_mask=(0, 1, 1, 1, 1),
+        metadata={"answer": "7"},
+    )
     assert math_answer_reward(sample) == 1.0
     with pytest.raises(ValueError, match="solution"):
         math_answer_reward(sample, answer_key="solution")
@@ -112,7 +123,9 @@ def test_reward_fns_on_samples():
     assert format_reward(r"^\\boxed", full_match=True)(sample) == 0.0
     with pytest.raises(ValueError, match="regular expression"):
         format_reward("(")
-    combined = combine_rewards([math_answer_reward, fmt, overlong_reward(max_length=4, buffer_length=2)], [1.0, 0.5, 1.0])
+    combined = combine_rewards(
+        [math_answer_reward, fmt, overlong_reward(max_length=4, buffer_length=2)], [1.0, 0.5, 1.0]
+    )
     assert combined(sample) == pytest.approx(1.0 + 0.5 + overlong_penalty(4, max_length=4, buffer_length=2))
     with pytest.raises(ValueError):
         combine_rewards([fmt], [1.0, 2.0])

@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rollouts.losses import fused_chunk_size, fused_token_logprobs, token_entropy, token_logprobs
 from rollouts.losses.logprobs import FUSED_MEMORY_BUDGET_BYTES
 
@@ -128,8 +129,10 @@ def test_logprobs_are_shift_invariant(seed, shift, chunk_size):
     shifted = token_logprobs(logits + shift, labels, chunk_size=chunk_size)
     torch.testing.assert_close(shifted, base, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(
-        token_entropy(logits + shift, chunk_size=chunk_size), token_entropy(logits, chunk_size=chunk_size),
-        rtol=1e-4, atol=1e-4,
+        token_entropy(logits + shift, chunk_size=chunk_size),
+        token_entropy(logits, chunk_size=chunk_size),
+        rtol=1e-4,
+        atol=1e-4,
     )
 
 
@@ -180,7 +183,9 @@ def test_fused_bfloat16_matches_float64_reference(temperature, with_entropy):
     weight = (torch.randn(700, 64, generator=g) * 1.5).bfloat16().requires_grad_()
     labels = torch.randint(0, 700, (2, 24), generator=g)
     g_lp, g_ent = torch.randn(2, 24, generator=g), torch.randn(2, 24, generator=g)
-    out = fused_token_logprobs(hidden, weight, labels, chunk_size=5, temperature=temperature, return_entropy=with_entropy)
+    out = fused_token_logprobs(
+        hidden, weight, labels, chunk_size=5, temperature=temperature, return_entropy=with_entropy
+    )
     lp, ent = out if with_entropy else (out, None)
     loss = (lp * g_lp).sum() + ((ent * g_ent).sum() if with_entropy else 0.0)
     ours = torch.autograd.grad(loss, [hidden, weight])

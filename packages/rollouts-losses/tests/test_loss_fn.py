@@ -4,10 +4,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from losses_layouts import packed, padded, random_seqs
+
 from rollouts.losses import LossFn, loss_fn_from_config, ppo_clip_loss, sft_loss_fn
 from rollouts.types import AlgorithmConfig
-
-from losses_layouts import packed, padded, random_seqs
 
 _CONFIGS = {
     "grpo": AlgorithmConfig(),
@@ -16,7 +16,9 @@ _CONFIGS = {
     "gspo": AlgorithmConfig(policy_loss="gspo", eps_low=3e-4, eps_high=4e-4, loss_aggregation="seq-mean-token-mean"),
     "cispo": AlgorithmConfig(policy_loss="cispo", eps_high=0.5, is_cap=2.0, is_level="sequence", is_mode="mask"),
     "pg_kl": AlgorithmConfig(policy_loss="pg", kl_coef=0.1, kl_placement="loss", kl_kind="k3", is_cap=1.5),
-    "ppo_kl_seq": AlgorithmConfig(kl_coef=0.05, kl_placement="loss", kl_kind="k2", loss_aggregation="seq-mean-token-sum"),
+    "ppo_kl_seq": AlgorithmConfig(
+        kl_coef=0.05, kl_placement="loss", kl_kind="k2", loss_aggregation="seq-mean-token-sum"
+    ),
 }
 
 
@@ -25,7 +27,10 @@ def _call(fn, layout, *, num_tokens, num_sequences):
     entropy = layout["entropy"].clone().requires_grad_()
     batch = {k: v for k, v in layout.items() if k not in ("logprobs", "entropy")}
     loss, metrics = fn(
-        logp, batch, num_tokens=num_tokens, num_sequences=num_sequences,
+        logp,
+        batch,
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
         entropy_B_T=entropy if fn.needs_entropy else None,
     )
     grads = torch.autograd.grad(loss, [logp, entropy], allow_unused=True)
@@ -72,7 +77,10 @@ def test_sft_loss_fn_micro_batches():
     fn = sft_loss_fn(mode="token-mean")
     n = sum(int((s["loss_mask"] > 0).sum()) for s in seqs)
     whole, _, _ = _call(fn, packed(seqs), num_tokens=n, num_sequences=3)
-    parts = _call(fn, packed(seqs[:1]), num_tokens=n, num_sequences=3)[0] + _call(fn, packed(seqs[1:]), num_tokens=n, num_sequences=3)[0]
+    parts = (
+        _call(fn, packed(seqs[:1]), num_tokens=n, num_sequences=3)[0]
+        + _call(fn, packed(seqs[1:]), num_tokens=n, num_sequences=3)[0]
+    )
     torch.testing.assert_close(parts, whole)
     b = packed(seqs)
     torch.testing.assert_close(whole, -(b["logprobs"] * b["loss_mask"]).sum() / n)
@@ -110,7 +118,9 @@ def test_missing_keys_raise_naming_the_key():
     with pytest.raises(ValueError, match="advantages"):
         loss_fn_from_config(AlgorithmConfig())(logp, {"loss_mask": layout["loss_mask"]}, num_tokens=1, num_sequences=1)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        loss_fn_from_config(AlgorithmConfig(kl_coef=0.1, kl_placement="loss"))(logp, base, num_tokens=1, num_sequences=1)
+        loss_fn_from_config(AlgorithmConfig(kl_coef=0.1, kl_placement="loss"))(
+            logp, base, num_tokens=1, num_sequences=1
+        )
     with pytest.raises(ValueError, match="rollout_logprobs"):
         loss_fn_from_config(AlgorithmConfig(is_cap=2.0))(logp, base, num_tokens=1, num_sequences=1)
     with pytest.raises(ValueError, match="entropy_B_T"):

@@ -7,6 +7,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from losses_layouts import packed, padded, random_seqs
+
 from rollouts.losses import (
     dppo_loss,
     gmpo_loss,
@@ -19,16 +21,22 @@ from rollouts.losses import (
 )
 from rollouts.types import AlgorithmConfig
 
-from losses_layouts import packed, padded, random_seqs
-
 ADDITIVE = {  # configs whose per-token loss depends only on the sequence itself: split and packing are invisible
     "sapo": AlgorithmConfig(policy_loss="sapo", loss_aggregation="seq-mean-token-mean"),
     "gmpo": AlgorithmConfig(policy_loss="gmpo", eps_low=0.3, eps_high=0.3, loss_aggregation="seq-mean-token-mean"),
     "dppo": AlgorithmConfig(policy_loss="dppo_tv", eps_low=0.05, eps_high=0.05, log_ratio_sq_coef=0.1),
     "dppo_kl": AlgorithmConfig(policy_loss="dppo_kl", eps_low=0.02, eps_high=0.02, is_cap=2.0),
     "rs_seq": AlgorithmConfig(rs_level="seq_mean", rs_estimator="k3", rs_high=0.05, is_cap=2.0, is_level="sequence"),
-    "rs_token_opm": AlgorithmConfig(rs_level="token", rs_estimator="k1", rs_low=-0.3, rs_high=0.3,
-                                    off_policy_mask_threshold=0.01, kl_coef=0.1, kl_placement="loss", kl_kind="k3+"),
+    "rs_token_opm": AlgorithmConfig(
+        rs_level="token",
+        rs_estimator="k1",
+        rs_low=-0.3,
+        rs_high=0.3,
+        off_policy_mask_threshold=0.01,
+        kl_coef=0.1,
+        kl_placement="loss",
+        kl_kind="k3+",
+    ),
 }
 
 
@@ -50,8 +58,12 @@ def _call(fn, layout, *, num_tokens, num_sequences, drop=()):
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**16), lengths=st.lists(st.integers(2, 8), min_size=2, max_size=5),
-       name=st.sampled_from(sorted(ADDITIVE)), split=st.integers(1, 4))
+@given(
+    seed=st.integers(0, 2**16),
+    lengths=st.lists(st.integers(2, 8), min_size=2, max_size=5),
+    name=st.sampled_from(sorted(ADDITIVE)),
+    split=st.integers(1, 4),
+)
 def test_micro_batches_sum_to_the_step_and_packing_is_invisible(seed, lengths, name, split):
     fn = loss_fn_from_config(ADDITIVE[name])
     seqs = _seqs(seed, lengths)
@@ -65,21 +77,35 @@ def test_micro_batches_sum_to_the_step_and_packing_is_invisible(seed, lengths, n
 
 def _direct(loss, cfg, batch, **kw):
     logp = batch["logprobs"].clone().requires_grad_()
-    value, _ = loss(logp, kw.pop("old", batch["old_logprobs"]), batch["advantages"], batch["loss_mask"],
-                    mode=cfg.loss_aggregation, segment_ids_B_T=batch["segment_ids"], **kw)
+    value, _ = loss(
+        logp,
+        kw.pop("old", batch["old_logprobs"]),
+        batch["advantages"],
+        batch["loss_mask"],
+        mode=cfg.loss_aggregation,
+        segment_ids_B_T=batch["segment_ids"],
+        **kw,
+    )
     return value, torch.autograd.grad(value, logp)[0][batch["segment_ids"] >= 0]
 
 
 @pytest.mark.parametrize("name", ["sapo", "gmpo", "kl_cov"])
 def test_config_calls_the_loss(name):
     batch = packed(_seqs(1, [5, 7, 4]), pad=2)
-    cfg = {"sapo": AlgorithmConfig(policy_loss="sapo", sapo_tau_pos=2.0, sapo_tau_neg=3.0),
-           "gmpo": AlgorithmConfig(policy_loss="gmpo", eps_low=0.1, eps_high=0.3),
-           "kl_cov": AlgorithmConfig(policy_loss="kl_cov", cov_fraction=0.3, kl_cov_coef=0.5)}[name]
-    kw = {"sapo": {"tau_pos": 2.0, "tau_neg": 3.0}, "gmpo": {"eps_low": 0.1, "eps_high": 0.3},
-          "kl_cov": {"cov_fraction": 0.3, "kl_coef": 0.5}}[name]
+    cfg = {
+        "sapo": AlgorithmConfig(policy_loss="sapo", sapo_tau_pos=2.0, sapo_tau_neg=3.0),
+        "gmpo": AlgorithmConfig(policy_loss="gmpo", eps_low=0.1, eps_high=0.3),
+        "kl_cov": AlgorithmConfig(policy_loss="kl_cov", cov_fraction=0.3, kl_cov_coef=0.5),
+    }[name]
+    kw = {
+        "sapo": {"tau_pos": 2.0, "tau_neg": 3.0},
+        "gmpo": {"eps_low": 0.1, "eps_high": 0.3},
+        "kl_cov": {"cov_fraction": 0.3, "kl_coef": 0.5},
+    }[name]
     ref, ref_grad = _direct({"sapo": sapo_loss, "gmpo": gmpo_loss, "kl_cov": kl_cov_loss}[name], cfg, batch, **kw)
-    loss, _, grad = _call(loss_fn_from_config(cfg), batch, num_tokens=None, num_sequences=None, drop=("rollout_logprobs",))
+    loss, _, grad = _call(
+        loss_fn_from_config(cfg), batch, num_tokens=None, num_sequences=None, drop=("rollout_logprobs",)
+    )
     torch.testing.assert_close(loss, ref)
     torch.testing.assert_close(grad, ref_grad)
 
@@ -94,7 +120,9 @@ def test_dppo_trust_region_is_around_the_engine_policy_plus_the_squared_log_rati
     loss, metrics, grad = _call(loss_fn_from_config(cfg), batch, num_tokens=None, num_sequences=None)
     torch.testing.assert_close(loss, ref)
     torch.testing.assert_close(grad, torch.autograd.grad(ref, logp)[0][batch["segment_ids"] >= 0])
-    assert "offpolicy_ess_seq" in metrics and "offpolicy_chi2_token" in metrics  # diagnostics whenever rollout log-probs come
+    assert (
+        "offpolicy_ess_seq" in metrics and "offpolicy_chi2_token" in metrics
+    )  # diagnostics whenever rollout log-probs come
 
 
 def test_corrections_multiply_the_per_token_loss():
@@ -123,10 +151,13 @@ def test_high_entropy_mask_needs_entropy_and_trains_only_those_tokens():
     assert 0 < int((grad != 0).sum()) <= round(0.3 * int(selected.sum())) + 1
 
 
-@pytest.mark.parametrize("cfg", [
-    AlgorithmConfig(rs_level="token", rs_high=1.0),
-    AlgorithmConfig(off_policy_mask_threshold=0.1),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        AlgorithmConfig(rs_level="token", rs_high=1.0),
+        AlgorithmConfig(off_policy_mask_threshold=0.1),
+    ],
+)
 def test_corrections_name_the_missing_rollout_logprobs(cfg):
     batch = padded(_seqs(5, [4, 5]))
     assert cfg.needs_rollout_logprobs

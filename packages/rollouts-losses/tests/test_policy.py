@@ -4,9 +4,9 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-from rollouts.losses import cispo_loss, gspo_loss, pg_loss, ppo_clip_loss, sft_loss, value_loss
-
 from losses_layouts import packed, padded, random_seqs
+
+from rollouts.losses import cispo_loss, gspo_loss, pg_loss, ppo_clip_loss, sft_loss, value_loss
 
 
 def _batch(seed, b=3, t=6):
@@ -38,7 +38,9 @@ def test_ppo_matches_naive(eps_low, eps_high, c):
     torch.testing.assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(ref, logp)[0])
     ratio = torch.exp(logp - old).detach()
     sel = mask > 0
-    assert metrics["clip_frac_high"] == pytest.approx((((ratio > 1 + eps_high) & (adv > 0))[sel]).double().mean().item())
+    assert metrics["clip_frac_high"] == pytest.approx(
+        (((ratio > 1 + eps_high) & (adv > 0))[sel]).double().mean().item()
+    )
     assert metrics["clip_frac_low"] == pytest.approx((((ratio < 1 - eps_low) & (adv < 0))[sel]).double().mean().item())
     assert metrics["ratio_max"] == pytest.approx(ratio[sel].max().item())
     assert metrics["approx_kl"] == pytest.approx((old - logp)[sel].mean().item())
@@ -87,7 +89,12 @@ def test_gspo_packed_equals_padded(seed, lengths, pad):
     for layout in (padded(seqs), packed(seqs, pad=pad)):
         logp = layout["logprobs"].clone().requires_grad_()
         loss, _ = gspo_loss(
-            logp, layout["old_logprobs"], layout["advantages"], layout["loss_mask"], eps_low=0.05, eps_high=0.1,
+            logp,
+            layout["old_logprobs"],
+            layout["advantages"],
+            layout["loss_mask"],
+            eps_low=0.05,
+            eps_high=0.1,
             segment_ids_B_T=layout["segment_ids"],
         )
         (grad,) = torch.autograd.grad(loss, logp)
@@ -115,7 +122,10 @@ def test_sft_and_value_loss_match_naive():
     assert metrics["num_loss_tokens"] == mask.sum().item()
     g = torch.Generator().manual_seed(5)
     v = torch.randn(mask.shape, generator=g, dtype=torch.float64, requires_grad=True)
-    old_v, ret = torch.randn(mask.shape, generator=g, dtype=torch.float64), torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    old_v, ret = (
+        torch.randn(mask.shape, generator=g, dtype=torch.float64),
+        torch.randn(mask.shape, generator=g, dtype=torch.float64),
+    )
     ours, _ = value_loss(v, old_v, ret, mask, clip_range=0.2)
     clipped = old_v + (v - old_v).clamp(-0.2, 0.2)
     ref = 0.5 * (torch.max((v - ret) ** 2, (clipped - ret) ** 2) * mask).sum() / mask.sum()
@@ -147,8 +157,11 @@ def test_ratio_one_and_zero_advantage_give_zero_loss_and_grad(values, mask_bits)
 
 @settings(max_examples=40, deadline=None)
 @given(
-    logp=_logp, old=_logp, adv=st.floats(-5.0, 5.0, allow_nan=False, width=32),
-    eps_low=st.floats(0.0, 0.5), eps_high=st.floats(0.0, 0.5),
+    logp=_logp,
+    old=_logp,
+    adv=st.floats(-5.0, 5.0, allow_nan=False, width=32),
+    eps_low=st.floats(0.0, 0.5),
+    eps_high=st.floats(0.0, 0.5),
 )
 def test_clipping_never_exceeds_unclipped_objective(logp, old, adv, eps_low, eps_high):
     assume(abs(logp - old) < 20.0)

@@ -7,9 +7,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from rollouts.losses import clip_cov_loss, dppo_loss, gmpo_loss, kl_cov_loss, sapo_loss
-
 from losses_layouts import packed, padded, random_seqs
+
+from rollouts.losses import clip_cov_loss, dppo_loss, gmpo_loss, kl_cov_loss, sapo_loss
 
 # float64 throughout: ours and the loops sum the same terms in different orders, so they agree to
 # ~1e-15 relative; torch.testing's float64 default (rtol 1e-7, atol 1e-7) is far looser than that.
@@ -90,8 +90,9 @@ def _layouts(seqs):
 def _ours(fn, batch, **kw):
     """(loss, per-token grads of log-probs) of one of our losses on a layout."""
     logp = batch["logprobs"].clone().requires_grad_()
-    loss, metrics = fn(logp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"],
-                       segment_ids_B_T=batch["segment_ids"], **kw)
+    loss, metrics = fn(
+        logp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"], segment_ids_B_T=batch["segment_ids"], **kw
+    )
     (grad,) = torch.autograd.grad(loss, logp, allow_unused=True)
     return loss, (torch.zeros_like(logp) if grad is None else grad), metrics
 
@@ -103,8 +104,20 @@ def _per_seq(grad_B_T, batch, seqs):
 
 LOSSES = [
     ("sapo", sapo_loss, {}, _sapo_torch, "seq-mean-token-mean"),
-    ("dppo_tv", dppo_loss, {"divergence": "tv", "eps_low": 0.03, "eps_high": 0.02}, _dppo_torch("tv", 0.03, 0.02), "token-mean"),
-    ("dppo_kl", dppo_loss, {"divergence": "kl", "eps_low": 0.02, "eps_high": 0.01}, _dppo_torch("kl", 0.02, 0.01), "token-mean"),
+    (
+        "dppo_tv",
+        dppo_loss,
+        {"divergence": "tv", "eps_low": 0.03, "eps_high": 0.02},
+        _dppo_torch("tv", 0.03, 0.02),
+        "token-mean",
+    ),
+    (
+        "dppo_kl",
+        dppo_loss,
+        {"divergence": "kl", "eps_low": 0.02, "eps_high": 0.01},
+        _dppo_torch("kl", 0.02, 0.01),
+        "token-mean",
+    ),
 ]
 
 
@@ -242,8 +255,10 @@ def test_clip_cov_picks_the_fraction_among_eligible_tokens_reproducibly():
     bounds = (-0.05, 10.0)
     eligible, n = _eligible(seqs, 0.2, bounds)
     batch = padded(seqs)
-    runs = [_ours(clip_cov_loss, batch, cov_fraction=0.1, cov_bounds=bounds, generator=torch.Generator().manual_seed(7))
-            for _ in range(2)]
+    runs = [
+        _ours(clip_cov_loss, batch, cov_fraction=0.1, cov_bounds=bounds, generator=torch.Generator().manual_seed(7))
+        for _ in range(2)
+    ]
     assert runs[0][2]["cov_picked_frac"] == pytest.approx(min(max(1, int(0.1 * n)), len(eligible)) / n)
     torch.testing.assert_close(runs[0][1], runs[1][1])  # same generator seed, same picks
     # a token's gradient vanishes only where it was picked: every picked token is eligible
@@ -283,7 +298,12 @@ def test_fully_masked_batch_gives_zero_not_nan(fn):
     assert loss.item() == 0.0
 
 
-SPLITTABLE = [(sapo_loss, {}), (gmpo_loss, {}), (dppo_loss, {"divergence": "tv"}), (dppo_loss, {"divergence": "kl", "eps_low": 0.02, "eps_high": 0.02})]
+SPLITTABLE = [
+    (sapo_loss, {}),
+    (gmpo_loss, {}),
+    (dppo_loss, {"divergence": "tv"}),
+    (dppo_loss, {"divergence": "kl", "eps_low": 0.02, "eps_high": 0.02}),
+]
 
 
 @settings(max_examples=25, deadline=None)
@@ -303,8 +323,10 @@ def test_micro_batches_with_step_counts_add_up_to_the_whole_step(seed, lengths, 
     num_tokens = int(sum((s["loss_mask"] > 0).sum() for s in seqs))
     counts = {"num_tokens": num_tokens, "num_sequences": len(seqs)}
     whole, whole_grad, _ = _ours(fn, packed(seqs), mode=mode, **counts, **kw)
-    parts = [_ours(fn, layout(part), mode=mode, **counts, **kw)
-             for part, layout in ((seqs[:split], padded), (seqs[split:], packed))]
+    parts = [
+        _ours(fn, layout(part), mode=mode, **counts, **kw)
+        for part, layout in ((seqs[:split], padded), (seqs[split:], packed))
+    ]
     torch.testing.assert_close(parts[0][0] + parts[1][0], whole)
     first = _per_seq(parts[0][1], padded(seqs[:split]), seqs[:split])
     second = _per_seq(parts[1][1], packed(seqs[split:]), seqs[split:])

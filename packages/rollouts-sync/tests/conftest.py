@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from rollouts.sync.testing import build_tiny_model, find_vllm_python, launch_vllm_server, vllm_unavailable_reason
 
 

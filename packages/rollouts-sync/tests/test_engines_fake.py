@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 
-import anyio
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
+
 from rollouts.sync import EngineError, RetryPolicy, SGLangEngine, VLLMEngine
 from rollouts.sync.fake_server import FakeEngineState, serve_fake_engine
 from rollouts.types import InferenceEngine, SamplingParams, Status
-from safetensors.numpy import save_file
 
 FAST_RETRY = RetryPolicy(max_retries=2, backoff_base_s=0.01, backoff_max_s=0.02)
 ENGINES = [VLLMEngine, SGLangEngine]
@@ -53,8 +53,9 @@ async def test_stop_token_completes_and_no_logprobs(engine_cls):
     async with serve_fake_engine(state) as server, engine_cls(server.url, retry=FAST_RETRY) as engine:
         first = state.greedy([7, 7], 3)[0]
         stop = first[1]
-        samples = await engine.generate([[7, 7]], SamplingParams(max_new_tokens=3, temperature=0.0,
-                                                                  stop_token_ids=(stop,), logprobs=False))
+        samples = await engine.generate(
+            [[7, 7]], SamplingParams(max_new_tokens=3, temperature=0.0, stop_token_ids=(stop,), logprobs=False)
+        )
     s = samples[0]
     assert s.rollout_logprobs is None
     assert s.response_tokens[-1] == stop
@@ -110,12 +111,21 @@ async def test_update_weights_from_disk_changes_tokens_and_version(engine_cls, t
         paths = [target.split("?")[0] for _, target in state.calls]
         if engine_cls is VLLMEngine:
             i = paths.index("/collective_rpc")
-            assert paths[i - 1 : i + 4] == ["/pause", "/collective_rpc", "/reset_prefix_cache",
-                                            "/update_weight_version", "/resume"]
+            assert paths[i - 1 : i + 4] == [
+                "/pause",
+                "/collective_rpc",
+                "/reset_prefix_cache",
+                "/update_weight_version",
+                "/resume",
+            ]
         else:
             i = paths.index("/update_weights_from_disk")
-            assert paths[i - 1 : i + 3] == ["/pause_generation", "/update_weights_from_disk", "/flush_cache",
-                                            "/continue_generation"]
+            assert paths[i - 1 : i + 3] == [
+                "/pause_generation",
+                "/update_weights_from_disk",
+                "/flush_cache",
+                "/continue_generation",
+            ]
 
 
 @pytest.mark.parametrize("engine_cls", ENGINES)
@@ -193,13 +203,20 @@ def test_a_vllm_choice_that_did_not_finish_is_an_error_not_a_sample(finish):
     from rollouts.sync.vllm import parse_completion_response
 
     def choice(index, reason):
-        return {"index": index, "text": "", "token_ids": [5, 6], "finish_reason": reason,
-                "logprobs": {"tokens": ["token_id:5", "token_id:6"], "token_logprobs": [-0.1, -0.2]}}
+        return {
+            "index": index,
+            "text": "",
+            "token_ids": [5, 6],
+            "finish_reason": reason,
+            "logprobs": {"tokens": ["token_id:5", "token_id:6"], "token_logprobs": [-0.1, -0.2]},
+        }
 
     params = SamplingParams(n=2, max_new_tokens=2)
-    good = parse_completion_response({"choices": [choice(0, "stop"), choice(1, "length")]}, [[1, 2]], params,
-                                     weight_version=1, engine="e")
+    good = parse_completion_response(
+        {"choices": [choice(0, "stop"), choice(1, "length")]}, [[1, 2]], params, weight_version=1, engine="e"
+    )
     assert [s.status for s in good] == [Status.COMPLETED, Status.TRUNCATED]
     with pytest.raises(EngineError, match=rf"choice 1 ended with finish_reason={finish!r}"):
-        parse_completion_response({"choices": [choice(0, "stop"), choice(1, finish)]}, [[1, 2]], params,
-                                  weight_version=1, engine="e")
+        parse_completion_response(
+            {"choices": [choice(0, "stop"), choice(1, finish)]}, [[1, 2]], params, weight_version=1, engine="e"
+        )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+
 from rollouts.sync import EngineError, EnginePool, NoHealthyEngineError, RetryPolicy, VLLMEngine
 from rollouts.sync.fake_server import FakeEngineState, Fault, serve_fake_engine
 from rollouts.types import InferenceEngine, Sample, SamplingParams
@@ -111,8 +112,10 @@ async def test_health_checks_take_engines_out_and_back():
 async def test_failover_on_dead_engine_and_no_failover_on_4xx():
     async with serve_fake_engine(FakeEngineState()) as live, serve_fake_engine(FakeEngineState()) as dead:
         dead.stop()
-        engines = [VLLMEngine(dead.url, model="fake-model", retry=NO_RETRY),
-                   VLLMEngine(live.url, model="fake-model", retry=NO_RETRY)]
+        engines = [
+            VLLMEngine(dead.url, model="fake-model", retry=NO_RETRY),
+            VLLMEngine(live.url, model="fake-model", retry=NO_RETRY),
+        ]
         pool = EnginePool(engines)
         samples = await pool.generate([[1, 2]], PARAMS)
         assert len(samples) == 1 and pool.in_rotation == (live.url,)

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.numpy import save_file
+
 from rollouts.sync import (
     EngineError,
     EnginePool,
@@ -22,7 +24,6 @@ from rollouts.sync import (
 )
 from rollouts.sync._http import backoff_s
 from rollouts.sync.fake_server import FakeEngineState, Fault, serve_fake_engine
-from safetensors.numpy import save_file
 
 FAST_RETRY = RetryPolicy(max_retries=2, backoff_base_s=0.01, backoff_max_s=0.02)
 
@@ -36,8 +37,13 @@ def ckpt(tmp_path):
 
 
 @settings(max_examples=50, deadline=None)
-@given(base=st.floats(0.0, 2.0), factor=st.floats(1.0, 10.0), jitter=st.floats(0.0, 1.0),
-       index=st.integers(0, 20), seed=st.integers(0, 2**32 - 1))
+@given(
+    base=st.floats(0.0, 2.0),
+    factor=st.floats(1.0, 10.0),
+    jitter=st.floats(0.0, 1.0),
+    index=st.integers(0, 20),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_backoff_is_bounded_and_jittered_below_cap(base, factor, jitter, index, seed):
     policy = RetryPolicy(backoff_base_s=base, backoff_max_s=base * factor, jitter_fraction=jitter)
     wait = backoff_s(policy, index, random.Random(seed))
@@ -61,9 +67,10 @@ def test_retry_policy_rejects_bad_values():
 @pytest.mark.anyio
 async def test_transient_5xx_and_drops_are_retried(engine_cls, ckpt):
     state = FakeEngineState()
-    state.faults += [Fault(kind="status", path="/pause", status=503, times=2),
-                     Fault(kind="drop", path="/collective_rpc" if engine_cls is VLLMEngine else "/update_weights",
-                           times=1)]
+    state.faults += [
+        Fault(kind="status", path="/pause", status=503, times=2),
+        Fault(kind="drop", path="/collective_rpc" if engine_cls is VLLMEngine else "/update_weights", times=1),
+    ]
     async with serve_fake_engine(state) as server, engine_cls(server.url, retry=FAST_RETRY) as engine:
         result = await sync_weights_to_engines([engine], ckpt, 3, timeout_s=10.0)
         assert result.updated == (server.url,) and await engine.weight_version() == 3
@@ -87,8 +94,12 @@ async def test_mixed_pool_error_names_failed_and_updated_engines(ckpt):
     good, flaky, slow, gone = (FakeEngineState() for _ in range(4))
     flaky.faults.append(Fault(kind="status", path="/collective_rpc", status=500, text="CUDA is sad", times=99))
     slow.faults.append(Fault(kind="delay", path="/collective_rpc", delay_s=30.0, times=99))
-    async with (serve_fake_engine(good) as s_good, serve_fake_engine(flaky) as s_flaky,
-                serve_fake_engine(slow) as s_slow, serve_fake_engine(gone) as s_gone):
+    async with (
+        serve_fake_engine(good) as s_good,
+        serve_fake_engine(flaky) as s_flaky,
+        serve_fake_engine(slow) as s_slow,
+        serve_fake_engine(gone) as s_gone,
+    ):
         s_gone.stop()  # an engine that never comes back: connection refused on every attempt
         engines = [VLLMEngine(s.url, retry=FAST_RETRY, timeout_s=0.5) for s in (s_good, s_flaky, s_slow, s_gone)]
         start = time.perf_counter()
@@ -170,9 +181,11 @@ async def test_generate_timeout_error_says_what_happened():
     state = FakeEngineState()
     state.faults.append(Fault(kind="delay", path="/v1/completions", delay_s=5.0, times=99))
     async with serve_fake_engine(state) as server:
-        async with VLLMEngine(server.url, model="fake-model", timeout_s=0.2,
-                              retry=RetryPolicy(max_retries=1, backoff_base_s=0.01)) as engine:
+        async with VLLMEngine(
+            server.url, model="fake-model", timeout_s=0.2, retry=RetryPolicy(max_retries=1, backoff_base_s=0.01)
+        ) as engine:
             from rollouts.types import SamplingParams
+
             with pytest.raises(EngineError, match=r"failed after 2 attempt\(s\): no response: timed out") as info:
                 await engine.generate([[1]], SamplingParams(max_new_tokens=1))
             assert info.value.url == f"{server.url}/v1/completions"

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import shutil
 
-import anyio
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
+
 from rollouts.sync import VLLMEngine, sync_weights_to_engines
 from rollouts.sync.testing import reference_greedy
 from rollouts.types import SamplingParams, Status
-from safetensors.numpy import load_file, save_file
 
 pytestmark = pytest.mark.vllm
 
@@ -46,13 +46,18 @@ async def test_generate_sync_from_disk_and_from_tensors(vllm_server, vllm_python
     v1 = tmp_path / "model_v1"
     perturbed_copy(v0, v1, seed=1)
     v2 = tmp_path / "model_v2"  # only for the reference: the engine gets v2's new tensors in the body
-    changed = perturbed_copy(v1, v2, seed=2, only=("lm_head.weight", "model.layers.1.self_attn.k_proj.weight",
-                                                    "model.layers.0.self_attn.q_proj.bias"))
+    changed = perturbed_copy(
+        v1,
+        v2,
+        seed=2,
+        only=("lm_head.weight", "model.layers.1.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.bias"),
+    )
 
     async with VLLMEngine(vllm_server.url, timeout_s=120.0) as engine:
         assert await engine.health()
-        samples = await engine.generate([PROMPT, PROMPT[:2]], SamplingParams(n=2, max_new_tokens=4,
-                                                                              temperature=1.0, seed=3))
+        samples = await engine.generate(
+            [PROMPT, PROMPT[:2]], SamplingParams(n=2, max_new_tokens=4, temperature=1.0, seed=3)
+        )
         assert len(samples) == 4 and [s.prompt_tokens for s in samples] == [tuple(PROMPT)] * 2 + [tuple(PROMPT[:2])] * 2
         for s in samples:
             assert s.response_length == 4 and s.status is Status.TRUNCATED

@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+
 from rollouts.types import AlgorithmConfig, from_dict
 
 
@@ -30,16 +31,29 @@ from rollouts.types import AlgorithmConfig, from_dict
     ],
 )
 def test_bad_values_are_refused_naming_field_value_and_rule(fields, name, rule):
-    with pytest.raises(ValueError, match=rf"AlgorithmConfig\.{name} must {rule}|AlgorithmConfig\.{name} .*{rule}") as info:
+    with pytest.raises(
+        ValueError, match=rf"AlgorithmConfig\.{name} must {rule}|AlgorithmConfig\.{name} .*{rule}"
+    ) as info:
         AlgorithmConfig(**fields)
     assert repr(fields[name]) in str(info.value)
 
 
 def test_new_fields_round_trip_and_flag_rollout_logprobs():
     config = AlgorithmConfig(
-        policy_loss="dppo_kl", advantage_estimator="grpo_passk", kl_kind="k3+", kl_coef=0.01, kl_placement="loss",
-        kl_target=0.05, kl_horizon=100, clip_cov_bounds=(0.5, 2.0), rs_level="seq_max", rs_estimator="k2",
-        rs_high=0.1, off_policy_mask_threshold=0.2, top_entropy_quantile=0.2, log_ratio_sq_coef=1e-3,
+        policy_loss="dppo_kl",
+        advantage_estimator="grpo_passk",
+        kl_kind="k3+",
+        kl_coef=0.01,
+        kl_placement="loss",
+        kl_target=0.05,
+        kl_horizon=100,
+        clip_cov_bounds=(0.5, 2.0),
+        rs_level="seq_max",
+        rs_estimator="k2",
+        rs_high=0.1,
+        off_policy_mask_threshold=0.2,
+        top_entropy_quantile=0.2,
+        log_ratio_sq_coef=1e-3,
     )
     assert from_dict(AlgorithmConfig, dataclasses.asdict(config)) == config
     assert from_dict(AlgorithmConfig, {"clip_cov_bounds": [0.5, 2.0]}).clip_cov_bounds == (0.5, 2.0)

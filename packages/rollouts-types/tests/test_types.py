@@ -62,8 +62,11 @@ def _valid_config(cls, draw):
     if cls is AlgorithmConfig:
         placement = draw(st.sampled_from(["none", "loss", "reward"]))
         return AlgorithmConfig(
-            policy_loss=draw(st.sampled_from(["ppo_clip", "gspo", "cispo", "pg", "sapo", "gmpo", "dppo_tv", "dppo_kl",
-                                              "clip_cov", "kl_cov"])),
+            policy_loss=draw(
+                st.sampled_from(
+                    ["ppo_clip", "gspo", "cispo", "pg", "sapo", "gmpo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov"]
+                )
+            ),
             rs_level=draw(st.sampled_from(["none", "token", "seq_sum", "seq_mean", "seq_max"])),
             rs_high=draw(st.floats(0.01, 10.0)),
             top_entropy_quantile=draw(st.floats(0.01, 1.0)),
@@ -160,7 +163,9 @@ def test_wrong_types_are_type_errors_naming_the_field(cls, value):
 
 
 def test_from_dict_unknown_key_lists_allowed_keys():
-    with pytest.raises(ValueError, match=r"RLConfig\.rollout: unknown key\(s\) \['batch_sizes'\]; allowed keys: .*batch_size"):
+    with pytest.raises(
+        ValueError, match=r"RLConfig\.rollout: unknown key\(s\) \['batch_sizes'\]; allowed keys: .*batch_size"
+    ):
         from_dict(RLConfig, {"rollout": {"batch_sizes": 4}})
 
 
@@ -184,9 +189,15 @@ def test_sft_micro_batch_must_hold_a_sample():
 
 def test_rl_micro_batch_must_hold_a_full_response():
     sampling = SamplingParams(max_new_tokens=256)
-    with pytest.raises(ValueError, match=r"RLConfig\.max_tokens_per_micro_batch must be > rollout\.sampling\.max_new_tokens \(256\).*got 256"):
+    with pytest.raises(
+        ValueError,
+        match=r"RLConfig\.max_tokens_per_micro_batch must be > rollout\.sampling\.max_new_tokens \(256\).*got 256",
+    ):
         RLConfig(rollout=RolloutConfig(sampling=sampling), max_tokens_per_micro_batch=256)
-    assert RLConfig(rollout=RolloutConfig(sampling=sampling), max_tokens_per_micro_batch=257).max_tokens_per_micro_batch == 257
+    assert (
+        RLConfig(rollout=RolloutConfig(sampling=sampling), max_tokens_per_micro_batch=257).max_tokens_per_micro_batch
+        == 257
+    )
 
 
 # ---- Samples ---------------------------------------------------------------------------------
@@ -202,9 +213,7 @@ def samples(draw):
     )
     logprobs = draw(
         st.none()
-        | st.lists(
-            st.floats(-30.0, 0.0, width=32), min_size=num_tokens - num_prompt, max_size=num_tokens - num_prompt
-        )
+        | st.lists(st.floats(-30.0, 0.0, width=32), min_size=num_tokens - num_prompt, max_size=num_tokens - num_prompt)
     )
     return Sample(
         prompt=draw(st.text(max_size=10) | st.just([{"role": "user", "content": "hi"}])),
@@ -280,8 +289,10 @@ def test_caller_mutation_does_not_leak_in():
         ({"tokens": [1], "loss_mask": [float("nan")]}, r"loss_mask\[0\] must be finite"),
         ({"tokens": [1], "loss_mask": [-1.0]}, r"loss_mask\[0\] must be >= 0"),
         ({"tokens": [1], "loss_mask": [1], "num_prompt_tokens": 2}, r"num_prompt_tokens \(2\)"),
-        ({"tokens": [1, 2], "loss_mask": [0, 1], "num_prompt_tokens": 1, "rollout_logprobs": [-1, -2]},
-         r"rollout_logprobs has 2 entries but the response has 1"),
+        (
+            {"tokens": [1, 2], "loss_mask": [0, 1], "num_prompt_tokens": 1, "rollout_logprobs": [-1, -2]},
+            r"rollout_logprobs has 2 entries but the response has 1",
+        ),
         ({"reward": math.inf}, r"Sample\.reward must be finite"),
         ({"group_index": -1}, r"group_index must be a non-negative int"),
     ],

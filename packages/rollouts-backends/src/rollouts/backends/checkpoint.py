@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import safetensors.torch
 import torch
+
 from rollouts.backends.components import TrainingComponents
 from rollouts.types import TrainingState
 
@@ -188,7 +189,11 @@ def _can_stream(tensors: Mapping[str, torch.Tensor]) -> bool:
     if sys.byteorder != "little":
         return False
     for tensor in tensors.values():
-        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided or tensor.dtype not in _SAFETENSORS_DTYPES:
+        if (
+            not isinstance(tensor, torch.Tensor)
+            or tensor.layout != torch.strided
+            or tensor.dtype not in _SAFETENSORS_DTYPES
+        ):
             return False
     return not any(len(names) > 1 for names in safetensors.torch._find_shared_tensors(dict(tensors)))
 
@@ -412,17 +417,26 @@ def _shard_info(tensor: Any) -> dict[str, Any] | None:
     mesh, placements = tensor.device_mesh, tensor.placements
     sharded = [(mesh_dim, p) for mesh_dim, p in enumerate(placements) if not isinstance(p, Replicate)]
     if len(sharded) > 1 or any(type(p) is not Shard for _, p in sharded):  # (not _StridedShard: FSDP + TP)
-        raise ValueError(f"cannot save optimizer state with placements {placements}: one Shard(dim) mesh dimension at most")
+        raise ValueError(
+            f"cannot save optimizer state with placements {placements}: one Shard(dim) mesh dimension at most"
+        )
     if not sharded:
         return {"shape": list(tensor.shape), "dim": 0, "index": 0, "count": 1}
     mesh_dim, placement = sharded[0]
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise ValueError("this rank is not part of the optimizer state's device mesh")
-    return {"shape": list(tensor.shape), "dim": placement.dim, "index": coordinate[mesh_dim], "count": mesh.size(mesh_dim)}
+    return {
+        "shape": list(tensor.shape),
+        "dim": placement.dim,
+        "index": coordinate[mesh_dim],
+        "count": mesh.size(mesh_dim),
+    }
 
 
-def _sharded_optimizer_state(components: TrainingComponents) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[dict[str, Any]]]:
+def _sharded_optimizer_state(
+    components: TrainingComponents,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[dict[str, Any]]]:
     """This rank's optimizer shards as flat tensors, their layout {flat key: shard_of info}, and the param groups."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -539,12 +553,18 @@ def _load_optimizer(components: TrainingComponents, path: Path, record: Mapping[
                     if key in layout:
                         param = params[key.rsplit(_KEY_SEP, 1)[0]]
                         tensor = DTensor.from_local(
-                            tensor.to(param.to_local().device), param.device_mesh, param.placements,
-                            run_check=False, shape=param.shape, stride=param.stride(),
+                            tensor.to(param.to_local().device),
+                            param.device_mesh,
+                            param.placements,
+                            run_check=False,
+                            shape=param.shape,
+                            stride=param.stride(),
                         )
                     local[key] = tensor
                 set_optimizer_state_dict(
-                    components.model, components.optimizer, {"state": _unflatten_optimizer(local), "param_groups": groups}
+                    components.model,
+                    components.optimizer,
+                    {"state": _unflatten_optimizer(local), "param_groups": groups},
                 )
                 return
         _verify_files(components, path, files, shard_files)
@@ -633,7 +653,9 @@ def save_checkpoint(
             shards, layout, optim_groups = _sharded_optimizer_state(components)
             name = _optimizer_shard_name(_rank(), world)
             # Durable before the records are gathered: rank 0 publishes once they are in.
-            mine = _on_all_ranks(lambda: _write_tensors(tmp / name, shards, {"layout": json.dumps(layout, sort_keys=True)}))
+            mine = _on_all_ranks(
+                lambda: _write_tensors(tmp / name, shards, {"layout": json.dumps(layout, sort_keys=True)})
+            )
             for r, record in enumerate(_gather_file_records(mine)):
                 files[_optimizer_shard_name(r, world)] = record
     else:
@@ -645,7 +667,9 @@ def save_checkpoint(
             _prepare_tmp(root, tmp)
             if save_optimizer:
                 optim_tensors, optim_groups = _optimizer_state(components)
-                files["optimizer.safetensors"] = _write_tensors(tmp / "optimizer.safetensors", optim_tensors, {}, sync=wait)
+                files["optimizer.safetensors"] = _write_tensors(
+                    tmp / "optimizer.safetensors", optim_tensors, {}, sync=wait
+                )
         files["config.json"] = _write_config(tmp / "config.json", components.model, sync=wait)
         files["model.safetensors"] = _write_tensors(tmp / "model.safetensors", weights, {"format": "pt"}, sync=wait)
         tokenizer_files: list[Path] = []
@@ -860,7 +884,9 @@ def load_checkpoint(
     load_model_weights(components.model, read_weights(path))
     if load_optimizer:
         _load_optimizer(components, path, record)
-    components.scheduler.load_state_dict({**record["scheduler"], "lr_lambdas": [None] * len(components.optimizer.param_groups)})
+    components.scheduler.load_state_dict(
+        {**record["scheduler"], "lr_lambdas": [None] * len(components.optimizer.param_groups)}
+    )
     if not load_optimizer:  # the loaded param groups would carry it; fresh ones start at the step's lr
         for group, lr in zip(components.optimizer.param_groups, components.scheduler.get_last_lr(), strict=True):
             group["lr"] = lr
@@ -898,7 +924,11 @@ def export_weights(
 
 
 def _write_export(
-    components: TrainingComponents, weights: dict[str, torch.Tensor], directory: Path, max_shard_bytes: int, durable: bool
+    components: TrainingComponents,
+    weights: dict[str, torch.Tensor],
+    directory: Path,
+    max_shard_bytes: int,
+    durable: bool,
 ) -> dict[str, Any]:
     _publisher.wait(None)  # one background job at a time (a pending deletion, a publish)
     shards: list[dict[str, torch.Tensor]] = [{}]
@@ -932,7 +962,11 @@ def _write_export(
     total_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     if len(shards) > 1:
         weight_map = {name: meta["file"] for name, meta in tensors_meta.items()}
-        _write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}, sync=durable)
+        _write_json(
+            tmp / "model.safetensors.index.json",
+            {"metadata": {"total_size": total_bytes}, "weight_map": weight_map},
+            sync=durable,
+        )
     _write_config(tmp / "config.json", components.model, sync=durable)
     checksum = 0
     for file_name in file_names:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from rollouts.types import OptimizerConfig
 
 __all__ = [
@@ -60,13 +61,19 @@ def check_model_dir(path: str | Path, *, tokenizer: bool = False) -> None:
     elif (path / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise ValueError(f"model path {str(path)!r} has no model.safetensors (nor an index of shards): "
-                         "rollouts loads safetensors weights only")
+        raise ValueError(
+            f"model path {str(path)!r} has no model.safetensors (nor an index of shards): "
+            "rollouts loads safetensors weights only"
+        )
     for name in files:
         _check_safetensors_length(path / name)
-    if tokenizer and not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        raise ValueError(f"model path {str(path)!r} has no tokenizer (tokenizer.json / tokenizer_config.json): "
-                         "save one there or set model.tokenizer_path")
+    if tokenizer and not any(
+        (path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
+        raise ValueError(
+            f"model path {str(path)!r} has no tokenizer (tokenizer.json / tokenizer_config.json): "
+            "save one there or set model.tokenizer_path"
+        )
 
 
 def _check_safetensors_length(file: Path) -> None:
@@ -78,16 +85,19 @@ def _check_safetensors_length(file: Path) -> None:
         head = f.read(8)
         header_len = int.from_bytes(head, "little") if len(head) == 8 else -1
         if header_len < 2 or 8 + header_len > size:
-            raise ValueError(f"weights file {file} is truncated or not safetensors ({size} bytes; header length "
-                             f"{header_len})")
+            raise ValueError(
+                f"weights file {file} is truncated or not safetensors ({size} bytes; header length {header_len})"
+            )
         try:
             header = json.loads(f.read(header_len))
             end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"weights file {file} has an unreadable safetensors header: {e!r}") from None
     if 8 + header_len + end != size:
-        raise ValueError(f"weights file {file} is {size} bytes but its header describes {8 + header_len + end}: "
-                         "truncated or damaged (copy it again)")
+        raise ValueError(
+            f"weights file {file} is {size} bytes but its header describes {8 + header_len + end}: "
+            "truncated or damaged (copy it again)"
+        )
 
 
 def load_hf_model(

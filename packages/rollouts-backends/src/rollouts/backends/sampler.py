@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
 from rollouts.backends.checkpoint import load_model_weights, read_weights
 from rollouts.backends.decode import FastDecoder, fast_decoder
 from rollouts.backends.train import attention_mask_4d
@@ -154,8 +155,14 @@ def generate(
     """
     from transformers import DynamicCache
 
-    SamplingParams(n=n, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                   stop_token_ids=tuple(stop_token_ids))  # validates the options, naming the bad one
+    SamplingParams(
+        n=n,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        stop_token_ids=tuple(stop_token_ids),
+    )  # validates the options, naming the bad one
     config = model.config
     prompts = _check_prompts(prompt_token_ids, config.vocab_size)
     max_len = max(len(p) for p in prompts)
@@ -177,8 +184,8 @@ def generate(
     input_ids = torch.full((num_prompts, max_len), _PAD_TOKEN_ID, dtype=torch.long)
     mask = torch.zeros((num_prompts, max_len), dtype=torch.long)
     for i, p in enumerate(prompts):
-        input_ids[i, max_len - len(p):] = torch.tensor(p)
-        mask[i, max_len - len(p):] = 1
+        input_ids[i, max_len - len(p) :] = torch.tensor(p)
+        mask[i, max_len - len(p) :] = 1
     input_ids, mask = input_ids.to(device), mask.to(device)
     position = (mask.cumsum(dim=-1) - 1).clamp(min=0)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from rollouts.backends.components import TrainingComponents
 from rollouts.backends.distributed import data_parallel_size
 from rollouts.losses import fused_token_logprobs
@@ -59,7 +60,9 @@ def micro_batch_to_torch(micro_batch: Mapping[str, np.ndarray], device: torch.de
             out[key] = torch.as_tensor(array, device=device)
             continue
         if array.shape != shape:
-            raise ValueError(f"micro-batch {key!r} has shape {array.shape} but input_ids has {shape}: per-token arrays align")
+            raise ValueError(
+                f"micro-batch {key!r} has shape {array.shape} but input_ids has {shape}: per-token arrays align"
+            )
         if key in _REQUIRED_INT_KEYS:
             if not np.issubdtype(array.dtype, np.integer):
                 raise TypeError(f"micro-batch {key!r} must be an integer array, got {array.dtype}")

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
+
 from rollouts.types import Sample
 
 __all__ = [
@@ -205,9 +206,7 @@ def segment_attention_mask(segment_ids_B_T: np.ndarray) -> np.ndarray:
     """
     seg = np.asarray(segment_ids_B_T)
     if seg.ndim != 2 or not np.issubdtype(seg.dtype, np.integer):
-        raise ValueError(
-            f"segment_ids_B_T must be a 2D integer array [B, T], got shape {seg.shape} dtype {seg.dtype}"
-        )
+        raise ValueError(f"segment_ids_B_T must be a 2D integer array [B, T], got shape {seg.shape} dtype {seg.dtype}")
     t = seg.shape[1]
     allowed = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] >= 0) & np.tri(t, dtype=bool)
     allowed |= np.eye(t, dtype=bool)

@@ -37,10 +37,9 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, get_args
 
+from rollouts.data.loading import validate_messages
 from rollouts.types import Sample, Status, Tokenizer, thaw
 from rollouts.types.configs import TrainOn
-
-from rollouts.data.loading import validate_messages
 
 __all__ = ["render_ids", "tokenize_conversation", "tokenize_conversation_turns", "tokenize_conversations"]
 
@@ -59,15 +58,20 @@ def _require_chat_extra() -> None:
 
 
 def _render_texts(
-    tokenizer: Tokenizer, conversations: Sequence[Sequence[Mapping[str, Any]]], *, add_generation_prompt: bool,
+    tokenizer: Tokenizer,
+    conversations: Sequence[Sequence[Mapping[str, Any]]],
+    *,
+    add_generation_prompt: bool,
     template_kwargs: Mapping[str, Any] | None,
 ) -> list[str]:
     """The template's text for each conversation (messages already thawed), in one batched call."""
     if not conversations:
         return []
     out = tokenizer.apply_chat_template(
-        [list(c) for c in conversations], tokenize=False,
-        add_generation_prompt=add_generation_prompt, **dict(template_kwargs or {}),
+        [list(c) for c in conversations],
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        **dict(template_kwargs or {}),
     )
     return [out] if isinstance(out, str) else list(out)
 
@@ -100,7 +104,10 @@ def _generation_mask(
 ) -> tuple[list[int], list[float]]:
     """(ids, mask) from HF's assistant mask: the template's `{% generation %}` blocks."""
     out = tokenizer.apply_chat_template(
-        [thaw(m) for m in messages], tokenize=True, return_dict=True, return_assistant_tokens_mask=True,
+        [thaw(m) for m in messages],
+        tokenize=True,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
         **dict(kw or {}),
     )
     ids = [int(t) for t in out["input_ids"]]
@@ -114,7 +121,9 @@ def _incremental_mask(
     full_text = _render_texts(tokenizer, [messages], add_generation_prompt=False, template_kwargs=kw)[0]
     starts = _render_texts(tokenizer, [messages[:i] for i in turns], add_generation_prompt=True, template_kwargs=kw)
     ends = _render_texts(
-        tokenizer, [messages[: i + 1] for i in turns if i + 1 < len(messages)], add_generation_prompt=False,
+        tokenizer,
+        [messages[: i + 1] for i in turns if i + 1 < len(messages)],
+        add_generation_prompt=False,
         template_kwargs=kw,
     )
     if len(ends) < len(turns):
@@ -331,9 +340,11 @@ def tokenize_conversations(
     total = len(conversations)
     for i, messages in enumerate(conversations):
         try:
-            out.append(tokenize_conversation(
-                messages, tokenizer, max_length=max_length, train_on=train_on, template_kwargs=template_kwargs
-            ))
+            out.append(
+                tokenize_conversation(
+                    messages, tokenizer, max_length=max_length, train_on=train_on, template_kwargs=template_kwargs
+                )
+            )
         except ValueError as e:
             raise ValueError(f"conversations[{i}]: {e}") from e
         if progress is not None:

@@ -28,11 +28,10 @@ from typing import Any
 
 import anyio
 
-from rollouts.types import FilterFn, GenerateFn, RewardFn, RolloutBatch, RolloutConfig, Sample, thaw
-
 from rollouts.data.buffer import DataBuffer
 from rollouts.data.filters import check_reward_nonzero_std
 from rollouts.data.rollout import apply_sample_transforms, assign_groups, convert_to_batch, validate_group
+from rollouts.types import FilterFn, GenerateFn, RewardFn, RolloutBatch, RolloutConfig, Sample, thaw
 
 __all__ = ["AsyncRolloutManager"]
 
@@ -96,9 +95,7 @@ class AsyncRolloutManager:
         if inspect.iscoroutinefunction(fn):
             result = await fn(prompt, n)
         else:
-            result = await anyio.to_thread.run_sync(
-                fn, prompt, n, abandon_on_cancel=True, limiter=self._thread_limiter
-            )
+            result = await anyio.to_thread.run_sync(fn, prompt, n, abandon_on_cancel=True, limiter=self._thread_limiter)
             if inspect.isawaitable(result):
                 result = await result
         return validate_group(result, n, prompt=prompt)

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 import torch
 
-
 CLOSE_BARRIER_TIMEOUT_S = 300.0
 """How long a rank waits at the closing barrier for the others (a checkpoint flush on rank 0, say)."""
 

@@ -82,7 +82,9 @@ class CoalescingEngine:
                     raise
             return
         if len(samples) != len(prompts) * params.n:
-            error = RuntimeError(f"{self.inner.name} returned {len(samples)} samples for {len(prompts)} prompts x n={params.n}")
+            error = RuntimeError(
+                f"{self.inner.name} returned {len(samples)} samples for {len(prompts)} prompts x n={params.n}"
+            )
             self._finish(batch, error=error)
             return
         start = 0
@@ -145,8 +147,9 @@ class CoalescingEngine:
         return await self.inner.health()
 
 
-def remote_engine(kind: str, urls: Sequence[str], *, api_key_env: str, timeout_s: float, max_retries: int,
-                  sync_timeout_s: float) -> InferenceEngine:
+def remote_engine(
+    kind: str, urls: Sequence[str], *, api_key_env: str, timeout_s: float, max_retries: int, sync_timeout_s: float
+) -> InferenceEngine:
     """A vLLM / SGLang client (a pool of them for several URLs); the API key comes from `api_key_env`."""
     from rollouts.sync import EnginePool, SGLangEngine, VLLMEngine
 

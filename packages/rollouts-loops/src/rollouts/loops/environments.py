@@ -49,18 +49,23 @@ def _ids(observation: str | Sequence[int], ctx: RolloutContext, *, first: bool) 
     return list(ctx.tokenizer.encode(observation, add_special_tokens=False))
 
 
-async def run_episode(env: Environment, record: Any, ctx: RolloutContext, *, max_turns: int,
-                      max_total_tokens: int, step_timeout_s: float) -> Sample:
+async def run_episode(
+    env: Environment, record: Any, ctx: RolloutContext, *, max_turns: int, max_total_tokens: int, step_timeout_s: float
+) -> Sample:
     """One episode as a single Sample: prompt, then model turns (trained) and observations (masked)."""
     prompt = _ids(await _call(env.reset, record, timeout_s=step_timeout_s), ctx, first=True)
     if len(prompt) >= max_total_tokens:
-        raise ValueError(f"the first observation ({len(prompt)} tokens) leaves no room under max_total_tokens={max_total_tokens}")
+        raise ValueError(
+            f"the first observation ({len(prompt)} tokens) leaves no room under max_total_tokens={max_total_tokens}"
+        )
     params = dataclasses.replace(ctx.sampling, n=1)
     tokens, mask, logprobs = list(prompt), [0.0] * len(prompt), []
     total_reward, status, turns, weight_version, all_logprobs = 0.0, Status.TRUNCATED, 0, None, True
     while turns < max_turns and len(tokens) < max_total_tokens:
         room = max_total_tokens - len(tokens)
-        (turn,) = await ctx.engine.generate([tokens], dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room)))
+        (turn,) = await ctx.engine.generate(
+            [tokens], dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
+        )
         turns, weight_version, new = turns + 1, turn.weight_version, list(turn.response_tokens)
         tokens, mask = tokens + new, mask + [1.0] * len(new)
         all_logprobs = all_logprobs and turn.rollout_logprobs is not None
@@ -75,16 +80,32 @@ async def run_episode(env: Environment, record: Any, ctx: RolloutContext, *, max
         observation = _ids(result.observation, ctx, first=False)
         if len(tokens) + len(observation) >= max_total_tokens:
             break
-        tokens, mask, logprobs = tokens + observation, mask + [0.0] * len(observation), logprobs + [0.0] * len(observation)
-    response_ids = tokens[len(prompt):]
+        tokens, mask, logprobs = (
+            tokens + observation,
+            mask + [0.0] * len(observation),
+            logprobs + [0.0] * len(observation),
+        )
+    response_ids = tokens[len(prompt) :]
     text = ctx.tokenizer.decode(response_ids, skip_special_tokens=True) if ctx.tokenizer is not None else ""
-    return Sample(tokens=tokens, num_prompt_tokens=len(prompt), loss_mask=mask, response=text, status=status,
-                  rollout_logprobs=logprobs if all_logprobs else None, weight_version=weight_version,
-                  metadata={ENV_REWARD_KEY: total_reward, "turns": turns})
+    return Sample(
+        tokens=tokens,
+        num_prompt_tokens=len(prompt),
+        loss_mask=mask,
+        response=text,
+        status=status,
+        rollout_logprobs=logprobs if all_logprobs else None,
+        weight_version=weight_version,
+        metadata={ENV_REWARD_KEY: total_reward, "turns": turns},
+    )
 
 
-def environment_rollout(make_env: Callable[[], Environment], *, max_turns: int = 4, max_total_tokens: int = 4096,
-                        step_timeout_s: float = 30.0) -> RolloutFn:
+def environment_rollout(
+    make_env: Callable[[], Environment],
+    *,
+    max_turns: int = 4,
+    max_total_tokens: int = 4096,
+    step_timeout_s: float = 30.0,
+) -> RolloutFn:
     """A rollout function running `ctx.sampling.n` episodes of fresh environments concurrently."""
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -95,8 +116,14 @@ def environment_rollout(make_env: Callable[[], Environment], *, max_turns: int =
         episodes: list[Sample | None] = [None] * ctx.sampling.n
 
         async def one(i: int) -> None:
-            episodes[i] = await run_episode(make_env(), record, ctx, max_turns=max_turns,
-                                            max_total_tokens=max_total_tokens, step_timeout_s=step_timeout_s)
+            episodes[i] = await run_episode(
+                make_env(),
+                record,
+                ctx,
+                max_turns=max_turns,
+                max_total_tokens=max_total_tokens,
+                step_timeout_s=step_timeout_s,
+            )
 
         try:
             async with trio.open_nursery() as nursery:
@@ -121,8 +148,14 @@ def environment_reward(sample: Sample, record: Any) -> float:
 # ---------------------------------------------------------------- example: a calculator tool
 
 _OPERATORS: dict[type, Callable[..., Any]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.USub: operator.neg, ast.UAdd: operator.pos,
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
 }
 _MAX_EXPRESSION_CHARS = 200
 _MAX_MAGNITUDE = 10**12  # results beyond it are refused: no exponent towers, no huge products
@@ -221,16 +254,20 @@ class OpenEnvAdapter:
 
 def _field(result: Any, name: str) -> Any:
     if not hasattr(result, name):
-        raise TypeError(f"the environment returned {type(result).__name__}, which has no {name!r} "
-                        "(an OpenEnv-style result has observation, reward and done)")
+        raise TypeError(
+            f"the environment returned {type(result).__name__}, which has no {name!r} "
+            "(an OpenEnv-style result has observation, reward and done)"
+        )
     return getattr(result, name)
 
 
 def _then(result: Any, finish: Callable[[Any], Any]) -> Any:
     """finish(result), or an awaitable of it when the client's method was async."""
     if inspect.isawaitable(result):
+
         async def finished() -> Any:
             return finish(await result)
+
         return finished()
     return finish(result)
 

@@ -21,10 +21,16 @@ from rollouts.types import InferenceEngine, RolloutBatch, Sample, TrainingState
 
 
 def _batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:
-    return {"samples": [s.to_dict() for s in batch.samples], "epoch": batch.epoch, "step": batch.step,
-            "num_filtered": batch.num_filtered, "num_failed": batch.num_failed,
-            "num_carried_over": batch.num_carried_over, "filter_reasons": dict(batch.filter_reasons),
-            "metadata": {k: v for k, v in batch.metadata.items() if k in ("errors", "groups_requested", "num_rounds")}}
+    return {
+        "samples": [s.to_dict() for s in batch.samples],
+        "epoch": batch.epoch,
+        "step": batch.step,
+        "num_filtered": batch.num_filtered,
+        "num_failed": batch.num_failed,
+        "num_carried_over": batch.num_carried_over,
+        "filter_reasons": dict(batch.filter_reasons),
+        "metadata": {k: v for k, v in batch.metadata.items() if k in ("errors", "groups_requested", "num_rounds")},
+    }
 
 
 def _batch_from_dict(data: dict[str, Any]) -> RolloutBatch:
@@ -35,8 +41,9 @@ class BatchSource:
     """Rank 0: a producer task generating one batch per request into a channel. Every rank: `next`
     returns the step's batch, broadcast from rank 0 (a generation error is raised on every rank)."""
 
-    def __init__(self, nursery: trio.Nursery, manager: AsyncRolloutManager | None, lock: trio.Lock,
-                 ahead: RolloutBatch | None) -> None:
+    def __init__(
+        self, nursery: trio.Nursery, manager: AsyncRolloutManager | None, lock: trio.Lock, ahead: RolloutBatch | None
+    ) -> None:
         self.ahead = ahead
         self._outstanding = False
         self._requests, requests_rx = trio.open_memory_channel[int](1)
@@ -83,8 +90,11 @@ class BatchSource:
                 if isinstance(result, Exception):
                     raise result
                 return result[0]
-            payload = {"error": f"{type(result).__name__}: {result}"} if isinstance(result, Exception) \
+            payload = (
+                {"error": f"{type(result).__name__}: {result}"}
+                if isinstance(result, Exception)
                 else {"batch": _batch_to_dict(result[0])}
+            )
         else:
             payload = None
         payload = await trio.to_thread.run_sync(broadcast_json, payload)
@@ -93,9 +103,16 @@ class BatchSource:
         return _batch_from_dict(payload["batch"])
 
 
-async def sync_engine(components: TrainingComponents, engine: InferenceEngine | None, state: TrainingState,
-                      run_dir: Path, *, shares_model: bool, lock: trio.Lock, version: int | None = None,
-                      ) -> tuple[TrainingState, dict[str, float]]:
+async def sync_engine(
+    components: TrainingComponents,
+    engine: InferenceEngine | None,
+    state: TrainingState,
+    run_dir: Path,
+    *,
+    shares_model: bool,
+    lock: trio.Lock,
+    version: int | None = None,
+) -> tuple[TrainingState, dict[str, float]]:
     """Export the weights (every rank; not when the engine samples from the training model itself)
     and load them into the engine (rank 0) as `version` (default: the next one)."""
     version = state.weight_version + 1 if version is None else version

@@ -74,16 +74,32 @@ class ConsoleLogger:
     """A progress bar with ETA (tqdm) whose postfix shows the latest key metrics; on a stream that is
     not a terminal (a log file, CI), plain lines instead: one every `plain_every_s` and the last."""
 
-    def __init__(self, total_steps: int, *, desc: str = "train", initial_step: int = 0, stream: TextIO | None = None,
-                 plain_every_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        total_steps: int,
+        *,
+        desc: str = "train",
+        initial_step: int = 0,
+        stream: TextIO | None = None,
+        plain_every_s: float = 10.0,
+    ) -> None:
         from tqdm import tqdm
 
         self._stream = stream or sys.stderr
         self._plain = not (hasattr(self._stream, "isatty") and self._stream.isatty())
         self._desc, self._total, self._every_s = desc, total_steps, plain_every_s
         self._start = self._last_line = time.monotonic()
-        self._bar = None if self._plain else tqdm(
-            total=total_steps, initial=initial_step, desc=desc, file=self._stream, dynamic_ncols=True, mininterval=0.5,
+        self._bar = (
+            None
+            if self._plain
+            else tqdm(
+                total=total_steps,
+                initial=initial_step,
+                desc=desc,
+                file=self._stream,
+                dynamic_ncols=True,
+                mininterval=0.5,
+            )
         )
         self._last_step = initial_step
 

@@ -63,5 +63,10 @@ def plan_shard(
     plan = plan_micro_batches(local, max_tokens=max_tokens_per_micro_batch, layout=layout)
     real = [dict(mb) for mb in plan.micro_batches]
     num_tokens, num_sequences = global_counts(plan.num_loss_tokens, plan.num_sequences)
-    return ShardPlan(local=local, micro_batches=tuple(same_count_on_every_rank(real)), num_real=len(real),
-                     num_tokens=num_tokens, num_sequences=num_sequences)
+    return ShardPlan(
+        local=local,
+        micro_batches=tuple(same_count_on_every_rank(real)),
+        num_real=len(real),
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
+    )

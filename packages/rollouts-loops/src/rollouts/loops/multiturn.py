@@ -74,8 +74,12 @@ async def run_tool_rollout(
         logprobs += list(turn.rollout_logprobs) if turn.rollout_logprobs is not None else [0.0] * len(new)
         status = turn.status
         text = tokenizer.decode(new, skip_special_tokens=True)
-        trajectory = Sample(tokens=tokens, num_prompt_tokens=num_prompt, loss_mask=mask,
-                            rollout_logprobs=logprobs if all_logprobs else None)
+        trajectory = Sample(
+            tokens=tokens,
+            num_prompt_tokens=num_prompt,
+            loss_mask=mask,
+            rollout_logprobs=logprobs if all_logprobs else None,
+        )
         if status is not Status.COMPLETED or (stop_condition is not None and stop_condition(trajectory, turns)):
             break
         call = tool_parser(text)

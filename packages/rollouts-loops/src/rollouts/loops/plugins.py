@@ -70,8 +70,10 @@ def check_function(fn: Any, *, key: str, num_positional: int, what: str) -> Call
     try:
         signature.bind(*range(num_positional))
     except TypeError:
-        raise PluginError(f"{key}: {getattr(fn, '__name__', fn)!r}{signature} cannot be called with "
-                          f"{num_positional} positional argument(s); it must be {what}") from None
+        raise PluginError(
+            f"{key}: {getattr(fn, '__name__', fn)!r}{signature} cannot be called with "
+            f"{num_positional} positional argument(s); it must be {what}"
+        ) from None
     return fn
 
 

@@ -81,8 +81,9 @@ def token_advantages(
     if advantage_fn is None and algorithm.advantage_estimator == "reinforce_pp":
         mask_N_T = _padded(masks, len(samples))
         kl_N_T = _padded(kl, len(samples)) if kl is not None else None
-        adv_N_T = reinforce_pp_advantages(rewards_N, mask_N_T, kl_B_T=kl_N_T, kl_coef=algorithm.kl_coef,
-                                          gamma=algorithm.gamma)
+        adv_N_T = reinforce_pp_advantages(
+            rewards_N, mask_N_T, kl_B_T=kl_N_T, kl_coef=algorithm.kl_coef, gamma=algorithm.gamma
+        )
         return {i: adv_N_T[i, :n].numpy() for i, n in enumerate(lengths)}
     if kl is not None:  # KL in the reward, at sequence level for the group estimators
         rewards_N = rewards_N - algorithm.kl_coef * torch.tensor(
@@ -91,8 +92,9 @@ def token_advantages(
     if advantage_fn is not None:
         adv_N = _checked_advantages(advantage_fn(rewards_N, groups_N), len(samples))
     else:  # grpo, rloo, gpg, grpo_passk (check_algorithm refused the rest)
-        adv_N = sample_advantages(rewards_N, groups_N, estimator=algorithm.advantage_estimator,
-                                  scale=algorithm.advantage_scale)
+        adv_N = sample_advantages(
+            rewards_N, groups_N, estimator=algorithm.advantage_estimator, scale=algorithm.advantage_scale
+        )
     return {i: np.full(n, float(adv_N[i]), dtype=np.float32) for i, n in enumerate(lengths)}
 
 
@@ -118,8 +120,9 @@ def scatter_token_values(
     return out
 
 
-def _with_arrays(micro_batches: Sequence[Mapping[str, np.ndarray]], key: str,
-                 arrays: Sequence[np.ndarray]) -> list[dict[str, np.ndarray]]:
+def _with_arrays(
+    micro_batches: Sequence[Mapping[str, np.ndarray]], key: str, arrays: Sequence[np.ndarray]
+) -> list[dict[str, np.ndarray]]:
     return [{**mb, key: a} for mb, a in zip(micro_batches, arrays, strict=True)]
 
 
@@ -162,8 +165,10 @@ def rl_update(
         mbs = _with_arrays(mbs, "ref_logprobs", ref)
         if algorithm.kl_placement == "reward":
             assert old is not None
-            kl_mbs = [kl_penalty(torch.from_numpy(o), torch.from_numpy(r), kind=algorithm.kl_kind).numpy()
-                      for o, r in zip(old[: shard.num_real], ref[: shard.num_real], strict=True)]
+            kl_mbs = [
+                kl_penalty(torch.from_numpy(o), torch.from_numpy(r), kind=algorithm.kl_kind).numpy()
+                for o, r in zip(old[: shard.num_real], ref[: shard.num_real], strict=True)
+            ]
             kl_local = unpack_values(real, kl_mbs)
     all_masks, all_kl = _whole_batch(masks, kl_local, num_local=len(shard.local))
     if all_kl is not None:
@@ -173,11 +178,18 @@ def rl_update(
     mbs = scatter_token_values(mbs, "advantages", {i: advantages[rank + i * world] for i in range(len(shard.local))})
     loss_fn = loss_fn if loss_fn is not None else default_loss_fn(config)
     for _ in range(algorithm.num_updates_per_batch):
-        fb = forward_backward(components, mbs, loss_fn, num_tokens=shard.num_tokens,
-                              num_sequences=shard.num_sequences, temperature=temperature)
+        fb = forward_backward(
+            components,
+            mbs,
+            loss_fn,
+            num_tokens=shard.num_tokens,
+            num_sequences=shard.num_sequences,
+            temperature=temperature,
+        )
         fb["loss"] = global_sum(fb["loss"])  # the step's loss over all ranks (itself on one process)
-        state, om = optim_step(components, state, config.optimizer, num_tokens=shard.num_tokens,
-                               num_samples=len(samples), loss=fb["loss"])
+        state, om = optim_step(
+            components, state, config.optimizer, num_tokens=shard.num_tokens, num_samples=len(samples), loss=fb["loss"]
+        )
         metrics.update(fb)
         metrics.update(om)
     return state, metrics

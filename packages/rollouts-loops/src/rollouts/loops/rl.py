@@ -79,14 +79,23 @@ class RLHooks:
 # ---------------------------------------------------------------- one step
 
 
-def with_overlong_penalty(samples: Sequence[Sample], algorithm: AlgorithmConfig, *, max_new_tokens: int) -> list[Sample]:
+def with_overlong_penalty(
+    samples: Sequence[Sample], algorithm: AlgorithmConfig, *, max_new_tokens: int
+) -> list[Sample]:
     """DAPO soft overlong punishment added to each reward (no-op when overlong_buffer_length is 0)."""
     if algorithm.overlong_buffer_length == 0:
         return list(samples)
     buffer = min(algorithm.overlong_buffer_length, max_new_tokens)
     return [
-        s.with_reward((s.reward or 0.0) + overlong_penalty(
-            s.response_length, max_length=max_new_tokens, buffer_length=buffer, factor=algorithm.overlong_penalty_factor))
+        s.with_reward(
+            (s.reward or 0.0)
+            + overlong_penalty(
+                s.response_length,
+                max_length=max_new_tokens,
+                buffer_length=buffer,
+                factor=algorithm.overlong_penalty_factor,
+            )
+        )
         for s in samples
     ]
 
@@ -136,9 +145,14 @@ def rl_step(
     Under torchrun every rank calls it with the same batch. A batch with no fresh sample leaves
     the state as it is (metrics say why).
     """
-    samples = with_overlong_penalty(batch.samples, config.algorithm, max_new_tokens=config.rollout.sampling.max_new_tokens)
-    fresh = [s for s in samples
-             if s.weight_version is None or state.weight_version - s.weight_version <= config.max_staleness]
+    samples = with_overlong_penalty(
+        batch.samples, config.algorithm, max_new_tokens=config.rollout.sampling.max_new_tokens
+    )
+    fresh = [
+        s
+        for s in samples
+        if s.weight_version is None or state.weight_version - s.weight_version <= config.max_staleness
+    ]
     metrics = rollout_metrics(batch, state)
     metrics["num_too_stale"] = float(len(samples) - len(fresh))
     metrics["num_trained"] = float(len(fresh))
@@ -146,8 +160,9 @@ def rl_step(
     if causes:  # text in the JSONL record: what failed this step, most common first
         metrics["failure_causes"] = summarize(causes)  # type: ignore[assignment]
     if fresh:
-        state, train_metrics = rl_update(components, state, fresh, config, ref_components=ref_components,
-                                         advantage_fn=advantage_fn, loss_fn=loss_fn)
+        state, train_metrics = rl_update(
+            components, state, fresh, config, ref_components=ref_components, advantage_fn=advantage_fn, loss_fn=loss_fn
+        )
         metrics.update(train_metrics)
     return state, metrics
 
@@ -163,7 +178,8 @@ def _no_progress_error(batch: RolloutBatch, metrics: dict[str, float], empty_in_
     return RuntimeError(
         f"{empty_in_a_row} steps in a row produced no trainable sample (filtered: {dict(batch.filter_reasons)}, "
         f"failed: {batch.num_failed}, too stale: {int(metrics['num_too_stale'])})"
-        + (f"; causes: {summarize(causes)}" if causes else ""))
+        + (f"; causes: {summarize(causes)}" if causes else "")
+    )
 
 
 # ---------------------------------------------------------------- the loop
@@ -231,21 +247,46 @@ def run_rl_training(
     if world > 1 and engine_shares_model:
         raise ValueError("under torchrun the engine needs its own weights (rank 0 samples; the model is sharded)")
     if world > 1 and config.algorithm.needs_reference and ref_components is None:
-        raise ValueError("under torchrun a KL term needs ref_components on every rank: the starting model, "
-                         "sharded like the trained one (a sharded model cannot be copied here)")
+        raise ValueError(
+            "under torchrun a KL term needs ref_components on every rank: the starting model, "
+            "sharded like the trained one (a sharded model cannot be copied here)"
+        )
     if config.algorithm.needs_reference and ref_components is None:
         # The starting weights, copied before a resume loads later ones into `components`.
         ref_components = dataclasses.replace(components, model=copy.deepcopy(components.model).eval())
-    hooks = RLHooks(reward=Reward.of(reward), rollout=rollout, filter_fn=filter_fn, advantage_fn=advantage_fn,
-                    loss_fn=loss_fn)
+    hooks = RLHooks(
+        reward=Reward.of(reward), rollout=rollout, filter_fn=filter_fn, advantage_fn=advantage_fn, loss_fn=loss_fn
+    )
     sampling = dataclasses.replace(config.rollout.sampling, n=config.rollout.samples_per_prompt)
-    context = None if engine is None else RolloutContext(engine=engine, sampling=sampling, encode_prompt=encode_prompt,
-                                                         tokenizer=tokenizer, vocab_size=model_vocab_size(components.model),
-                                                         max_sample_tokens=config.max_tokens_per_micro_batch)
-    run = _Run(components=components, ref_components=ref_components, buffer=buffer, engine=engine, config=config,
-               hooks=hooks, context=context, logger=logger, run_dir=Path(run_dir), shares_model=engine_shares_model,
-               resume=resume, tokenizer=tokenizer, on_step=on_step, evaluation=evaluation,
-               num_logged_completions=num_logged_completions)
+    context = (
+        None
+        if engine is None
+        else RolloutContext(
+            engine=engine,
+            sampling=sampling,
+            encode_prompt=encode_prompt,
+            tokenizer=tokenizer,
+            vocab_size=model_vocab_size(components.model),
+            max_sample_tokens=config.max_tokens_per_micro_batch,
+        )
+    )
+    run = _Run(
+        components=components,
+        ref_components=ref_components,
+        buffer=buffer,
+        engine=engine,
+        config=config,
+        hooks=hooks,
+        context=context,
+        logger=logger,
+        run_dir=Path(run_dir),
+        shares_model=engine_shares_model,
+        resume=resume,
+        tokenizer=tokenizer,
+        on_step=on_step,
+        evaluation=evaluation,
+        num_logged_completions=num_logged_completions,
+    )
     try:
         return trio.run(_rl_main, run)
     except BaseExceptionGroup as group:  # the loop's nursery wraps even a lone error: raise that one
@@ -259,11 +300,21 @@ async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:
     total = config.num_steps * updates
     state, extra, _ = resume_if_possible(run.components, run.run_dir, resume=run.resume)
     manager = _manager(run, extra)
-    ahead = RolloutBatch(samples=[Sample.from_dict(d) for d in extra["pending_batch"]], step=state.step // updates) \
-        if "pending_batch" in extra else None
+    ahead = (
+        RolloutBatch(samples=[Sample.from_dict(d) for d in extra["pending_batch"]], step=state.step // updates)
+        if "pending_batch" in extra
+        else None
+    )
     if state.step > 0:  # a resumed run: the engine serves the restored weights, under their own version
-        state, _ = await sync_engine(run.components, run.engine, state, run.run_dir, shares_model=run.shares_model,
-                                     lock=lock, version=state.weight_version)
+        state, _ = await sync_engine(
+            run.components,
+            run.engine,
+            state,
+            run.run_dir,
+            shares_model=run.shares_model,
+            lock=lock,
+            version=state.weight_version,
+        )
     history: list[dict[str, float]] = []
     empty_in_a_row = 0
     async with trio.open_nursery() as nursery:
@@ -291,8 +342,13 @@ def _log_completions(batch: RolloutBatch, step: int, num: int) -> None:
     if rank_world()[0] != 0:
         return
     for sample in batch.samples[:num]:
-        log.info("step %d completion: prompt=%.200r response=%.300r reward=%s", step, sample.prompt,
-                 sample.response, sample.reward)
+        log.info(
+            "step %d completion: prompt=%.200r response=%.300r reward=%s",
+            step,
+            sample.prompt,
+            sample.response,
+            sample.reward,
+        )
 
 
 def _manager(run: _Run, extra: dict[str, Any]) -> AsyncRolloutManager | None:
@@ -308,34 +364,55 @@ def _manager(run: _Run, extra: dict[str, Any]) -> AsyncRolloutManager | None:
     return manager
 
 
-async def _train(run: _Run, state: TrainingState, batch: RolloutBatch, lock: trio.Lock,
-                 batches: BatchSource) -> tuple[TrainingState, dict[str, float]]:
+async def _train(
+    run: _Run, state: TrainingState, batch: RolloutBatch, lock: trio.Lock, batches: BatchSource
+) -> tuple[TrainingState, dict[str, float]]:
     """rl_step in a worker thread (the producer keeps generating), then the sync when it is due."""
     config, updates = run.config, run.config.algorithm.num_updates_per_batch
     start = time.perf_counter()
-    state, metrics = await trio.to_thread.run_sync(lambda: rl_step(
-        run.components, state, batch, config, ref_components=run.ref_components,
-        advantage_fn=run.hooks.advantage_fn, loss_fn=run.hooks.loss_fn))
+    state, metrics = await trio.to_thread.run_sync(
+        lambda: rl_step(
+            run.components,
+            state,
+            batch,
+            config,
+            ref_components=run.ref_components,
+            advantage_fn=run.hooks.advantage_fn,
+            loss_fn=run.hooks.loss_fn,
+        )
+    )
     metrics["train_s"] = time.perf_counter() - start
     metrics["sync_s"] = 0.0
     if state.step % (config.sync_every_steps * updates) == 0 or state.step >= config.num_steps * updates:
-        state, sync_metrics = await sync_engine(run.components, run.engine, state, run.run_dir,
-                                                shares_model=run.shares_model, lock=lock)
+        state, sync_metrics = await sync_engine(
+            run.components, run.engine, state, run.run_dir, shares_model=run.shares_model, lock=lock
+        )
         metrics.update(sync_metrics)
     metrics["weight_version"] = float(state.weight_version)
     return state, metrics
 
 
-async def _after_step(run: _Run, state: TrainingState, metrics: dict[str, float],
-                      manager: AsyncRolloutManager | None, batches: BatchSource, lock: trio.Lock) -> None:
+async def _after_step(
+    run: _Run,
+    state: TrainingState,
+    metrics: dict[str, float],
+    manager: AsyncRolloutManager | None,
+    batches: BatchSource,
+    lock: trio.Lock,
+) -> None:
     """Evaluate, log, call on_step, and checkpoint when due (with the batch generated ahead, if any)."""
     config, total = run.config, run.config.num_steps * run.config.algorithm.num_updates_per_batch
     evaluation = run.evaluation
-    if evaluation is not None and run.context is not None and (state.step % evaluation.every_steps == 0 or state.step >= total):
+    if (
+        evaluation is not None
+        and run.context is not None
+        and (state.step % evaluation.every_steps == 0 or state.step >= total)
+    ):
         start = time.perf_counter()
         async with lock:  # the engine's current weights, not mid-sync
-            groups = await evaluate_groups(run.context.engine, evaluation.records, run.context.encode_prompt,
-                                           run.hooks.reward, evaluation.sampling)
+            groups = await evaluate_groups(
+                run.context.engine, evaluation.records, run.context.encode_prompt, run.hooks.reward, evaluation.sampling
+            )
         metrics.update(group_metrics(groups), eval_s=time.perf_counter() - start)
     if state.step % config.log_every == 0 or state.step >= total:
         run.logger.log(state.step, metrics)
@@ -350,7 +427,15 @@ async def _after_step(run: _Run, state: TrainingState, metrics: dict[str, float]
         extra["pending_batch"] = [s.to_dict() for s in ahead.samples]
     if manager is not None:
         extra.update(buffer=run.buffer.state_dict(), manager=manager.state_dict())
-    await trio.to_thread.run_sync(lambda: save_checkpoint(
-        run.components, state, run.run_dir / CHECKPOINTS_DIR, extra=extra, keep_last=ckpt.keep_last,
-        save_optimizer=ckpt.save_optimizer, tokenizer=run.tokenizer,
-        wait=state.step >= total))  # earlier ones flush while training goes on
+    await trio.to_thread.run_sync(
+        lambda: save_checkpoint(
+            run.components,
+            state,
+            run.run_dir / CHECKPOINTS_DIR,
+            extra=extra,
+            keep_last=ckpt.keep_last,
+            save_optimizer=ckpt.save_optimizer,
+            tokenizer=run.tokenizer,
+            wait=state.step >= total,
+        )
+    )  # earlier ones flush while training goes on

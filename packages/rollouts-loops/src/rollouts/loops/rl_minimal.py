@@ -75,8 +75,15 @@ class GRPOLoss:
 
     needs_entropy: bool = False
 
-    def __call__(self, logprobs_B_T: Tensor, batch: Mapping[str, Tensor], *, num_tokens: int,
-                 num_sequences: int, entropy_B_T: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    def __call__(
+        self,
+        logprobs_B_T: Tensor,
+        batch: Mapping[str, Tensor],
+        *,
+        num_tokens: int,
+        num_sequences: int,
+        entropy_B_T: Tensor | None = None,
+    ) -> tuple[Tensor, dict[str, float]]:
         mask_B_T, advantages_B_T = batch["loss_mask"], batch["advantages"]
         ratio_B_T = torch.exp(logprobs_B_T - logprobs_B_T.detach())
         loss = -(ratio_B_T * advantages_B_T * mask_B_T).sum() / max(num_tokens, 1)
@@ -120,7 +127,9 @@ def grpo_minimal(
     """
     run_dir = Path(run_dir).absolute()
     config = RLConfig(  # only what rl_step reads: the loss and advantages are passed in below
-        num_steps=num_steps, optimizer=optimizer, max_tokens_per_micro_batch=max_tokens_per_micro_batch,
+        num_steps=num_steps,
+        optimizer=optimizer,
+        max_tokens_per_micro_batch=max_tokens_per_micro_batch,
         rollout=RolloutConfig(batch_size=prompts_per_step, samples_per_prompt=samples_per_prompt, sampling=sampling),
         algorithm=AlgorithmConfig(advantage_estimator="grpo"),
     )
@@ -136,18 +145,26 @@ def grpo_minimal(
         records = prompts.get_prompts(prompts_per_step)
         # 1. rollouts: G per prompt, prompt-major, tagged with the engine's weight version; a
         # sampling seed is offset by the step, so a resumed run draws what an uninterrupted one would
-        params = dataclasses.replace(sampling, n=samples_per_prompt,
-                                     seed=None if sampling.seed is None else sampling.seed + state.step)
+        params = dataclasses.replace(
+            sampling, n=samples_per_prompt, seed=None if sampling.seed is None else sampling.seed + state.step
+        )
         samples = trio.run(engine.generate, [list(encode_prompt(r)) for r in records], params)
         # 2. rewards (the group index tells 3. which samples share a prompt)
         samples = [
             dataclasses.replace(s, group_index=i // samples_per_prompt).with_reward(
-                float(reward(s, records[i // samples_per_prompt])))
+                float(reward(s, records[i // samples_per_prompt]))
+            )
             for i, s in enumerate(samples)
         ]
         # 3.-4. advantages and one optimizer step
-        state, metrics = rl_step(components, state, RolloutBatch(samples=samples, step=state.step + 1), config,
-                                 advantage_fn=group_baseline, loss_fn=GRPOLoss())
+        state, metrics = rl_step(
+            components,
+            state,
+            RolloutBatch(samples=samples, step=state.step + 1),
+            config,
+            advantage_fn=group_baseline,
+            loss_fn=GRPOLoss(),
+        )
         # 5. weight sync: the engine samples from the new weights next step
         state = state.with_weight_version(state.weight_version + 1)
         _sync(components, engine, run_dir, state.weight_version, log)
@@ -155,17 +172,21 @@ def grpo_minimal(
         log(f"step {state.step:4d}  reward {metrics['reward_mean']:.3f}  loss {metrics['loss']:+.4f}")
         # 6. checkpoint (resume continues from here)
         if state.step % save_every == 0 or state.step == num_steps:
-            save_checkpoint(components, state, run_dir / "checkpoints", extra={"prompts": prompts.state_dict()},
-                            keep_last=1)
+            save_checkpoint(
+                components, state, run_dir / "checkpoints", extra={"prompts": prompts.state_dict()}, keep_last=1
+            )
     return state, mean_rewards
 
 
-def _sync(components: TrainingComponents, engine: InferenceEngine, run_dir: Path, version: int,
-          log: Callable[[str], None]) -> None:
+def _sync(
+    components: TrainingComponents, engine: InferenceEngine, run_dir: Path, version: int, log: Callable[[str], None]
+) -> None:
     path, manifest = export_weights(components, run_dir / "weights")
     trio.run(engine.update_weights_from_disk, str(path), version)
-    log(f"      sync: engine {engine.name} now samples weight version {version} "
-        f"({manifest['total_bytes'] / 1e6:.1f} MB from {path})")
+    log(
+        f"      sync: engine {engine.name} now samples weight version {version} "
+        f"({manifest['total_bytes'] / 1e6:.1f} MB from {path})"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -185,22 +206,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     records = addition_problems(2000, digits=2, seed=args.seed)
     tokenizer = build_tokenizer((r["prompt"] + r["answer"] for r in records), vocab_size=32)
-    policy = build_tiny_model(len(tokenizer), hidden_size=64, num_heads=2, num_kv_heads=1, num_layers=1,
-                              intermediate_size=128, max_position_embeddings=32,
-                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=args.seed)
-    sampler = build_tiny_model(len(tokenizer), hidden_size=64, num_heads=2, num_kv_heads=1, num_layers=1,
-                               intermediate_size=128, max_position_embeddings=32,
-                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=args.seed)
+    policy = build_tiny_model(
+        len(tokenizer),
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        num_layers=1,
+        intermediate_size=128,
+        max_position_embeddings=32,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        seed=args.seed,
+    )
+    sampler = build_tiny_model(
+        len(tokenizer),
+        hidden_size=64,
+        num_heads=2,
+        num_kv_heads=1,
+        num_layers=1,
+        intermediate_size=128,
+        max_position_embeddings=32,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        seed=args.seed,
+    )
     optimizer = OptimizerConfig(lr=args.lr, schedule="constant", warmup_steps=0, max_grad_norm=1.0)
     grpo_minimal(
         build_components(policy, optimizer, num_training_steps=args.steps),
         InProcessEngine(sampler, shares_training_model=False, tokenizer=tokenizer),
         DataBuffer(records, seed=args.seed),
         encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
-        reward=digit_match_reward, num_steps=args.steps, prompts_per_step=args.prompts,
-        samples_per_prompt=args.samples, optimizer=optimizer, run_dir=args.out,
-        sampling=SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=(tokenizer.eos_token_id,),
-                                seed=args.seed),
+        reward=digit_match_reward,
+        num_steps=args.steps,
+        prompts_per_step=args.prompts,
+        samples_per_prompt=args.samples,
+        optimizer=optimizer,
+        run_dir=args.out,
+        sampling=SamplingParams(
+            temperature=1.0, max_new_tokens=4, stop_token_ids=(tokenizer.eos_token_id,), seed=args.seed
+        ),
     )
     return 0
 

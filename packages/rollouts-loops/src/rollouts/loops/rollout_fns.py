@@ -92,9 +92,16 @@ def tool_rollout(
 
         async def one(i: int) -> None:
             results[i] = await run_tool_rollout(
-                ctx.engine, ctx.tokenizer, prompt_ids, ctx.sampling, tool_parser=tool_parser,
-                tool_executor=bounded_executor, format_tool_output=format_tool_output,
-                max_turns=max_turns, max_total_tokens=max_total_tokens)
+                ctx.engine,
+                ctx.tokenizer,
+                prompt_ids,
+                ctx.sampling,
+                tool_parser=tool_parser,
+                tool_executor=bounded_executor,
+                format_tool_output=format_tool_output,
+                max_turns=max_turns,
+                max_total_tokens=max_total_tokens,
+            )
 
         async with trio.open_nursery() as nursery:
             for i in range(ctx.sampling.n):
@@ -117,9 +124,11 @@ def check_vocabulary(samples: Sequence[Sample], *, vocab_size: int, engine: str)
     tokenizer), naming the engine and both vocabularies, before they reach the trainer."""
     largest = max((max(s.tokens, default=-1) for s in samples), default=-1)
     if largest >= vocab_size:
-        raise ValueError(f"engine {engine} returned token id {largest}, outside the trained model's vocabulary of "
-                         f"{vocab_size} tokens (the engine's has at least {largest + 1}): is it serving another "
-                         "model or tokenizer?")
+        raise ValueError(
+            f"engine {engine} returned token id {largest}, outside the trained model's vocabulary of "
+            f"{vocab_size} tokens (the engine's has at least {largest + 1}): is it serving another "
+            "model or tokenizer?"
+        )
 
 
 def check_fits(samples: Sequence[Sample], *, max_tokens: int) -> None:
@@ -127,16 +136,22 @@ def check_fits(samples: Sequence[Sample], *, max_tokens: int) -> None:
     of the trainer failing the whole step)."""
     for s in samples:
         if len(s.tokens) > max_tokens:
-            raise ValueError(f"a sample has {len(s.tokens)} tokens (prompt {s.num_prompt_tokens} + response "
-                             f"{s.response_length}) > rl.max_tokens_per_micro_batch={max_tokens}: it fits no "
-                             "micro-batch; raise the setting or shorten the prompt")
+            raise ValueError(
+                f"a sample has {len(s.tokens)} tokens (prompt {s.num_prompt_tokens} + response "
+                f"{s.response_length}) > rl.max_tokens_per_micro_batch={max_tokens}: it fits no "
+                "micro-batch; raise the setting or shorten the prompt"
+            )
 
 
-def group_generator(rollout: RolloutFn, ctx: RolloutContext, reward: Reward) -> Callable[[Any, int], Awaitable[list[Sample]]]:
+def group_generator(
+    rollout: RolloutFn, ctx: RolloutContext, reward: Reward
+) -> Callable[[Any, int], Awaitable[list[Sample]]]:
     """The rollout manager's GenerateFn: (record, n) -> n scored Samples carrying the record's fields."""
 
     async def generate_group(record: Any, n: int) -> list[Sample]:
-        group_ctx = ctx if ctx.sampling.n == n else dataclasses.replace(ctx, sampling=dataclasses.replace(ctx.sampling, n=n))
+        group_ctx = (
+            ctx if ctx.sampling.n == n else dataclasses.replace(ctx, sampling=dataclasses.replace(ctx.sampling, n=n))
+        )
         result = rollout(record, group_ctx)
         samples = await result if inspect.isawaitable(result) else result
         if not isinstance(samples, Sequence) or len(samples) != n or not all(isinstance(s, Sample) for s in samples):

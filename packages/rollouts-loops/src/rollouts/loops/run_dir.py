@@ -31,8 +31,19 @@ CHECKPOINTS_DIR = "checkpoints"
 WEIGHTS_DIR = "weights"
 IDENTITY_FILE = "run_identity.json"
 ResumeMode = Literal["auto", "never", "must"]
-MAY_CHANGE = ("*.num_steps", "*.log_every", "eval.*", "log.*", "run.*", "*.checkpoint.every_steps",
-              "*.checkpoint.keep_last", "engine.urls", "engine.timeout_s", "engine.sync_timeout_s", "engine.max_retries")
+MAY_CHANGE = (
+    "*.num_steps",
+    "*.log_every",
+    "eval.*",
+    "log.*",
+    "run.*",
+    "*.checkpoint.every_steps",
+    "*.checkpoint.keep_last",
+    "engine.urls",
+    "engine.timeout_s",
+    "engine.sync_timeout_s",
+    "engine.max_retries",
+)
 """Config keys (glob patterns over dotted paths) a resumed run may change: how long it runs, how it
 logs, evaluates and checkpoints, where its engines are. Everything else changes the run itself."""
 _HASH_BLOCK_BYTES = 16 * 1024**2
@@ -49,8 +60,11 @@ def resume_if_possible(
         return TrainingState(), {}, None
     saved_optimizer = has_optimizer_state(path)
     if not saved_optimizer:
-        warnings.warn(f"{path} holds no optimizer state (save_optimizer=False): resuming with fresh optimizer "
-                      "moments, so the run does not continue exactly as it would have", stacklevel=2)
+        warnings.warn(
+            f"{path} holds no optimizer state (save_optimizer=False): resuming with fresh optimizer "
+            "moments, so the run does not continue exactly as it would have",
+            stacklevel=2,
+        )
     state, extra = load_checkpoint(components, path, load_optimizer=saved_optimizer)
     log.info("resuming from step %d in %s", state.step, path.parent.parent)
     return state, extra, path
@@ -59,8 +73,11 @@ def resume_if_possible(
 def file_fingerprint(path: str | Path) -> str:
     """sha256 of a file's bytes, or for a model directory of its config and weight files' bytes."""
     path = Path(path)
-    files = [path] if path.is_file() else sorted(
-        p for p in path.iterdir() if p.suffix in (".json", ".safetensors") and p.name != "state.json")
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(p for p in path.iterdir() if p.suffix in (".json", ".safetensors") and p.name != "state.json")
+    )
     digest = hashlib.sha256()
     for file in files:
         digest.update(file.name.encode())
@@ -81,8 +98,9 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def identity_differences(saved: Mapping[str, Any], current: Mapping[str, Any],
-                         *, may_change: Sequence[str] = MAY_CHANGE) -> list[str]:
+def identity_differences(
+    saved: Mapping[str, Any], current: Mapping[str, Any], *, may_change: Sequence[str] = MAY_CHANGE
+) -> list[str]:
     """'key: saved -> current' for every key that differs and may not change."""
     a, b = _flatten(saved), _flatten(current)
     lines = []
@@ -92,8 +110,9 @@ def identity_differences(saved: Mapping[str, Any], current: Mapping[str, Any],
     return lines
 
 
-def check_resume(run_dir: str | Path, identity: Mapping[str, Any], *, mode: ResumeMode,
-                 may_change: Sequence[str] = MAY_CHANGE) -> bool:
+def check_resume(
+    run_dir: str | Path, identity: Mapping[str, Any], *, mode: ResumeMode, may_change: Sequence[str] = MAY_CHANGE
+) -> bool:
     """Whether the run in `run_dir` resumes; raises ValueError when `mode` or the identity forbid it.
 
     Writes `identity` to run_identity.json for a new run (a resumed one keeps the first).
@@ -103,8 +122,10 @@ def check_resume(run_dir: str | Path, identity: Mapping[str, Any], *, mode: Resu
     run_dir = Path(run_dir)
     has_checkpoint = latest_checkpoint(run_dir / CHECKPOINTS_DIR) is not None
     if mode == "never" and has_checkpoint:
-        raise ValueError(f"{run_dir} already holds a run's checkpoints and resume is 'never': starting over there "
-                         "would mix two runs; choose a new out_dir, or resume with 'auto'")
+        raise ValueError(
+            f"{run_dir} already holds a run's checkpoints and resume is 'never': starting over there "
+            "would mix two runs; choose a new out_dir, or resume with 'auto'"
+        )
     if mode == "must" and not has_checkpoint:
         raise ValueError(f"resume is 'must' but {run_dir / CHECKPOINTS_DIR} holds no complete checkpoint")
     identity_path = run_dir / IDENTITY_FILE
@@ -112,9 +133,12 @@ def check_resume(run_dir: str | Path, identity: Mapping[str, Any], *, mode: Resu
     if has_checkpoint and identity_path.is_file():
         differences = identity_differences(json.loads(identity_path.read_text()), current, may_change=may_change)
         if differences:
-            raise ValueError(f"{run_dir} was started with a different config or inputs; resuming would not continue "
-                             "that run. Differences (saved -> now):\n  " + "\n  ".join(differences)
-                             + "\nUse a new out_dir, or put the saved values back.")
+            raise ValueError(
+                f"{run_dir} was started with a different config or inputs; resuming would not continue "
+                "that run. Differences (saved -> now):\n  "
+                + "\n  ".join(differences)
+                + "\nUse a new out_dir, or put the saved values back."
+            )
     if not has_checkpoint:
         run_dir.mkdir(parents=True, exist_ok=True)
         identity_path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")

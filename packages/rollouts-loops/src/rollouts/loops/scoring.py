@@ -128,8 +128,10 @@ def check_reward_errors(samples: Sequence[Sample], on_error: OnError) -> None:
     """Raise RewardError quoting the first errors when on_error="raise" and any sample failed."""
     errors = reward_errors(samples)
     if errors and on_error == "raise":
-        raise RewardError(f"{len(errors)} of {len(samples)} rewards failed; first: {summarize(errors)} "
-                          "(set on_error = \"zero\" to score failures 0 and go on)")
+        raise RewardError(
+            f"{len(errors)} of {len(samples)} rewards failed; first: {summarize(errors)} "
+            '(set on_error = "zero" to score failures 0 and go on)'
+        )
 
 
 def summarize(errors: Sequence[str], *, limit: int = 3) -> str:

@@ -7,10 +7,10 @@ the newest complete checkpoint exactly where the killed one was.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-import logging
 from typing import Any
 
 from rollouts.backends import TrainingComponents, forward_backward, optim_step, save_checkpoint
@@ -28,17 +28,25 @@ def sft_step(
     components: TrainingComponents, state: TrainingState, samples: Sequence[Sample], config: SFTConfig
 ) -> tuple[TrainingState, dict[str, float]]:
     """One optimizer step of SFT on `samples`; returns the new state and the step's metrics."""
-    shard = plan_shard(components, samples, max_tokens_per_micro_batch=config.max_tokens_per_micro_batch,
-                       what="batch_size")
+    shard = plan_shard(
+        components, samples, max_tokens_per_micro_batch=config.max_tokens_per_micro_batch, what="batch_size"
+    )
     num_tokens, num_sequences = shard.num_tokens, shard.num_sequences
     # Dr.GRPO-style normalization divides by a constant; the longest possible sample keeps it the
     # same in every micro-batch (each one's padded length would make the gradient split-dependent).
     norm = float(config.max_length) if config.loss_aggregation == "seq-mean-token-sum-norm" else None
     loss_fn = sft_loss_fn(mode=config.loss_aggregation, norm_constant=norm)
-    metrics = forward_backward(components, list(shard.micro_batches), loss_fn, num_tokens=num_tokens, num_sequences=num_sequences)
+    metrics = forward_backward(
+        components, list(shard.micro_batches), loss_fn, num_tokens=num_tokens, num_sequences=num_sequences
+    )
     loss = global_sum(metrics["loss"])
     state, step_metrics = optim_step(
-        components, state, config.optimizer, num_tokens=num_tokens, num_samples=len(samples), loss=loss,
+        components,
+        state,
+        config.optimizer,
+        num_tokens=num_tokens,
+        num_samples=len(samples),
+        loss=loss,
     )
     metrics["loss"] = loss
     return state, {**metrics, **step_metrics, "num_truncated": float(sum(s.status == "truncated" for s in samples))}
@@ -54,10 +62,15 @@ def check_trainable(samples: Sequence[Sample], *, max_length: int) -> None:
         raise ValueError(
             f"none of the {len(samples)} samples has a token to learn from (loss_mask is all 0): cut at "
             f"sft.max_length={max_length} tokens, every sample ends before its first assistant token; "
-            "raise sft.max_length, or check sft.train_on")
+            "raise sft.max_length, or check sft.train_on"
+        )
     if empty:
-        log.warning("%d of %d samples have no token to learn from (e.g. sample %d): they only dilute the batches",
-                    len(empty), len(samples), empty[0])
+        log.warning(
+            "%d of %d samples have no token to learn from (e.g. sample %d): they only dilute the batches",
+            len(empty),
+            len(samples),
+            empty[0],
+        )
 
 
 def run_sft_training(
@@ -93,9 +106,13 @@ def run_sft_training(
         due = ckpt.every_steps > 0 and state.step % ckpt.every_steps == 0
         if run_dir is not None and (due or state.step == config.num_steps):
             save_checkpoint(
-                components, state, Path(run_dir) / CHECKPOINTS_DIR,
-                extra={"buffer": buffer.state_dict()}, keep_last=ckpt.keep_last,
-                save_optimizer=ckpt.save_optimizer, tokenizer=tokenizer,
+                components,
+                state,
+                Path(run_dir) / CHECKPOINTS_DIR,
+                extra={"buffer": buffer.state_dict()},
+                keep_last=ckpt.keep_last,
+                save_optimizer=ckpt.save_optimizer,
+                tokenizer=tokenizer,
                 wait=state.step == config.num_steps,  # earlier ones flush while training goes on
             )
     return state, history

@@ -25,10 +25,10 @@ from __future__ import annotations
 import math
 
 import torch
-from rollouts.types.configs import AdvantageEstimator, AdvantageScale
 from torch import Tensor
 
 from rollouts.losses.aggregate import check_same_shape
+from rollouts.types.configs import AdvantageEstimator, AdvantageScale
 
 __all__ = [
     "broadcast_to_tokens",
@@ -61,7 +61,9 @@ def _check_rewards(rewards_B: Tensor, group_ids_B: Tensor | None = None) -> None
 def _check_eps(eps: float) -> None:
     """eps keeps a zero std from dividing by zero: it must be a finite number > 0."""
     if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
-        raise ValueError(f"eps must be a finite number > 0 (a group whose rewards agree would divide by 0), got {eps!r}")
+        raise ValueError(
+            f"eps must be a finite number > 0 (a group whose rewards agree would divide by 0), got {eps!r}"
+        )
 
 
 def _group_stats(rewards_B: Tensor, group_ids_B: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -125,11 +127,17 @@ def remax_advantages(rewards_B: Tensor, greedy_rewards_B: Tensor, *, group_ids_B
     _check_rewards(rewards_B, group_ids_B)
     _check_rewards(greedy_rewards_B)
     if greedy_rewards_B.shape != rewards_B.shape:
-        raise ValueError(f"greedy_rewards_B must be [B] like rewards, got {tuple(greedy_rewards_B.shape)} and {tuple(rewards_B.shape)}")
+        raise ValueError(
+            f"greedy_rewards_B must be [B] like rewards, got {tuple(greedy_rewards_B.shape)} and {tuple(rewards_B.shape)}"
+        )
     if group_ids_B is not None:
         _, inverse_B = torch.unique(group_ids_B, return_inverse=True)
-        first_G = torch.full((int(inverse_B.max()) + 1 if inverse_B.numel() else 0,), torch.nan,
-                             dtype=greedy_rewards_B.dtype, device=greedy_rewards_B.device)
+        first_G = torch.full(
+            (int(inverse_B.max()) + 1 if inverse_B.numel() else 0,),
+            torch.nan,
+            dtype=greedy_rewards_B.dtype,
+            device=greedy_rewards_B.device,
+        )
         first_G = first_G.scatter(0, inverse_B.flip(0), greedy_rewards_B.flip(0))  # the first sample's value wins
         if not bool((first_G[inverse_B] == greedy_rewards_B).all()):
             raise ValueError(
@@ -238,7 +246,9 @@ def reinforce_pp_advantages(
     """
     _check_rewards(rewards_B, group_ids_B)
     if mask_B_T.dim() != 2 or mask_B_T.shape[0] != rewards_B.shape[0]:
-        raise ValueError(f"rewards must be [B] and mask [B, T], got {tuple(rewards_B.shape)} and {tuple(mask_B_T.shape)}")
+        raise ValueError(
+            f"rewards must be [B] and mask [B, T], got {tuple(rewards_B.shape)} and {tuple(mask_B_T.shape)}"
+        )
     _check_discount(gamma)
     _check_eps(eps)
     if group_ids_B is not None:

@@ -21,8 +21,9 @@ from __future__ import annotations
 from typing import get_args
 
 import torch
-from rollouts.types.configs import LossAggregation
 from torch import Tensor
+
+from rollouts.types.configs import LossAggregation
 
 __all__ = ["AGGREGATION_MODES", "Aggregation", "aggregate"]
 
@@ -58,9 +59,7 @@ def sequence_sums(x_B_T: Tensor, segment_ids_B_T: Tensor | None) -> Tensor:
     seg_N = segment_ids_B_T.reshape(-1)
     valid_N = seg_N >= 0
     values_N = torch.where(valid_N, x_B_T.reshape(-1), 0.0)
-    return torch.zeros(seg_N.numel(), dtype=x_B_T.dtype, device=x_B_T.device).index_add(
-        0, seg_N.clamp(min=0), values_N
-    )
+    return torch.zeros(seg_N.numel(), dtype=x_B_T.dtype, device=x_B_T.device).index_add(0, seg_N.clamp(min=0), values_N)
 
 
 def to_tokens(x_S: Tensor, segment_ids_B_T: Tensor | None, shape: torch.Size) -> Tensor:
@@ -112,8 +111,11 @@ def aggregate(
     _check_count("num_sequences", num_sequences)
     if norm_constant is not None and not norm_constant > 0:
         raise ValueError(f"norm_constant must be > 0 or None, got {norm_constant!r}")
-    denominators = {"token-mean": ("num_tokens", num_tokens), "seq-mean-token-sum": ("num_sequences", num_sequences),
-                    "seq-mean-token-mean": ("num_sequences", num_sequences)}
+    denominators = {
+        "token-mean": ("num_tokens", num_tokens),
+        "seq-mean-token-sum": ("num_sequences", num_sequences),
+        "seq-mean-token-mean": ("num_sequences", num_sequences),
+    }
     name, count = denominators.get(mode, ("", None))
     # Checked only when 0 (no device sync otherwise): a zero step-wide count with loss tokens here
     # would divide them away to a zero loss and silently drop this micro-batch's gradient.

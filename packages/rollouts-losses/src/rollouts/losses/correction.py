@@ -78,8 +78,12 @@ def rejection_mask(
     segment_ids_B_T: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] trainer and engine log-probs -> ([B, T] float keep mask, 1 where low <= statistic <= high; metrics)."""
-    check_same_shape(old_logprobs_B_T=old_logprobs_B_T, rollout_logprobs_B_T=rollout_logprobs_B_T, mask_B_T=mask_B_T,
-                     segment_ids_B_T=segment_ids_B_T)
+    check_same_shape(
+        old_logprobs_B_T=old_logprobs_B_T,
+        rollout_logprobs_B_T=rollout_logprobs_B_T,
+        mask_B_T=mask_B_T,
+        segment_ids_B_T=segment_ids_B_T,
+    )
     if estimator not in REJECTION_ESTIMATORS:
         raise ValueError(f"estimator must be one of {REJECTION_ESTIMATORS}, got {estimator!r}")
     if level not in REJECTION_LEVELS:
@@ -126,8 +130,13 @@ def off_policy_sequence_mask(
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] -> ([B, T] float keep mask: 0 on sequences with mean advantage < 0 and mean
     log(pi_rollout / pi) > threshold; metrics)."""
-    check_same_shape(logprobs_B_T=logprobs_B_T, rollout_logprobs_B_T=rollout_logprobs_B_T,
-                     advantages_B_T=advantages_B_T, mask_B_T=mask_B_T, segment_ids_B_T=segment_ids_B_T)
+    check_same_shape(
+        logprobs_B_T=logprobs_B_T,
+        rollout_logprobs_B_T=rollout_logprobs_B_T,
+        advantages_B_T=advantages_B_T,
+        mask_B_T=mask_B_T,
+        segment_ids_B_T=segment_ids_B_T,
+    )
     if not threshold >= 0:
         raise ValueError(f"threshold must be >= 0 (a mean KL estimate is compared to it), got {threshold!r}")
     selected_B_T = mask_B_T > 0
@@ -135,7 +144,9 @@ def off_policy_sequence_mask(
     kl_B_T = -_log_ratio(logprobs_B_T, rollout_logprobs_B_T, mask_B_T)
     count_S = sequence_sums(selected_f_B_T, segment_ids_B_T)
     seq_kl_S = safe_divide(sequence_sums(kl_B_T, segment_ids_B_T), count_S)
-    seq_adv_S = safe_divide(sequence_sums(torch.where(selected_B_T, advantages_B_T.detach(), 0.0), segment_ids_B_T), count_S)
+    seq_adv_S = safe_divide(
+        sequence_sums(torch.where(selected_B_T, advantages_B_T.detach(), 0.0), segment_ids_B_T), count_S
+    )
     drop_S = (seq_adv_S < 0) & (seq_kl_S > threshold)
     keep_B_T = selected_B_T & ~to_tokens(drop_S, segment_ids_B_T, mask_B_T.shape).bool()
     return keep_B_T.to(logprobs_B_T.dtype), metrics_to_floats(
@@ -172,15 +183,21 @@ def off_policy_diagnostics(
     segment_ids_B_T: Tensor | None = None,
 ) -> dict[str, float]:
     """[B, T] trainer and engine log-probs -> float metrics of how far the engine's sampling policy is from the trainer's."""
-    check_same_shape(old_logprobs_B_T=old_logprobs_B_T, rollout_logprobs_B_T=rollout_logprobs_B_T, mask_B_T=mask_B_T,
-                     segment_ids_B_T=segment_ids_B_T)
+    check_same_shape(
+        old_logprobs_B_T=old_logprobs_B_T,
+        rollout_logprobs_B_T=rollout_logprobs_B_T,
+        mask_B_T=mask_B_T,
+        segment_ids_B_T=segment_ids_B_T,
+    )
     selected_B_T = mask_B_T > 0
     log_r_B_T = _log_ratio(old_logprobs_B_T, rollout_logprobs_B_T, mask_B_T).double()
     w_B_T = torch.exp(log_r_B_T)
     count_S = sequence_sums(selected_B_T.double(), segment_ids_B_T)
     has_tokens_S = count_S > 0
     num_seqs = has_tokens_S.sum().double()
-    seq_log_w_S = torch.clamp(sequence_sums(log_r_B_T, segment_ids_B_T), -MAX_CORRECTION_LOG_RATIO, MAX_CORRECTION_LOG_RATIO)
+    seq_log_w_S = torch.clamp(
+        sequence_sums(log_r_B_T, segment_ids_B_T), -MAX_CORRECTION_LOG_RATIO, MAX_CORRECTION_LOG_RATIO
+    )
     seq_w_S = torch.exp(seq_log_w_S)
     # log-perplexity difference per sequence: mean engine log-prob - mean trainer log-prob = -mean log r
     log_ppl_diff_S = safe_divide(-sequence_sums(log_r_B_T, segment_ids_B_T), count_S)

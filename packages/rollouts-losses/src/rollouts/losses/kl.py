@@ -30,11 +30,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from rollouts.types.configs import ISLevel, ISMode, KLKind
 from torch import Tensor
 
 from rollouts.losses.aggregate import check_same_shape, masked_mean, sequence_sums, to_tokens
 from rollouts.losses.policy import metrics_to_floats
+from rollouts.types.configs import ISLevel, ISMode, KLKind
 
 __all__ = ["KL_KINDS", "KLControllerState", "adaptive_kl_update", "importance_weights", "kl_penalty"]
 
@@ -88,7 +88,9 @@ def adaptive_kl_update(
     grows while the KL is above target and shrinks while it is below.
     """
     if not (math.isfinite(state.coef) and state.coef > 0):
-        raise ValueError(f"state.coef must be a finite number > 0 (a multiplicative update keeps 0 at 0), got {state.coef!r}")
+        raise ValueError(
+            f"state.coef must be a finite number > 0 (a multiplicative update keeps 0 at 0), got {state.coef!r}"
+        )
     if not (math.isfinite(observed_kl) and observed_kl >= 0):
         raise ValueError(f"observed_kl must be a finite number >= 0 (a KL estimate), got {observed_kl!r}")
     if not (math.isfinite(target_kl) and target_kl > 0):
@@ -121,7 +123,9 @@ def importance_weights(
     ratios on every token of it. mode "truncate": min(w, cap); "mask": w where w <= cap, else 0.
     """
     check_same_shape(
-        old_logprobs_B_T=old_logprobs_B_T, rollout_logprobs_B_T=rollout_logprobs_B_T, mask_B_T=mask_B_T,
+        old_logprobs_B_T=old_logprobs_B_T,
+        rollout_logprobs_B_T=rollout_logprobs_B_T,
+        mask_B_T=mask_B_T,
         segment_ids_B_T=segment_ids_B_T,
     )
     if not (isinstance(cap, (int, float)) and cap >= 1.0):

@@ -229,7 +229,12 @@ class _FusedTokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx, hidden_N_H: Tensor, weight_V_H: Tensor, labels_N: Tensor, chunk_size: int, temperature: float,
+        ctx,
+        hidden_N_H: Tensor,
+        weight_V_H: Tensor,
+        labels_N: Tensor,
+        chunk_size: int,
+        temperature: float,
         with_entropy: bool,
     ) -> tuple[Tensor, Tensor]:
         """[N, H] hidden, [V, H] weight, [N] labels -> ([N] log-probs, [N] entropy or empty)."""
@@ -343,8 +348,12 @@ def fused_token_logprobs(
     if chunk_size is None:
         chunk_size = fused_chunk_size(b * t, lm_head_weight_V_H.shape[0], with_entropy=return_entropy)
     logprobs_N, entropy_N = _FusedTokenLogprobs.apply(
-        hidden_B_T_H.reshape(b * t, h), lm_head_weight_V_H, labels_B_T.reshape(b * t).long(), chunk_size,
-        float(temperature), return_entropy,
+        hidden_B_T_H.reshape(b * t, h),
+        lm_head_weight_V_H,
+        labels_B_T.reshape(b * t).long(),
+        chunk_size,
+        float(temperature),
+        return_entropy,
     )
     if return_entropy:
         return logprobs_N.view(b, t), entropy_N.view(b, t)

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from rollouts.types.configs import AlgorithmConfig
 from torch import Tensor
 
 from rollouts.losses.aggregate import AGGREGATION_MODES, Aggregation, aggregate, check_mode, masked_mean
@@ -34,6 +33,7 @@ from rollouts.losses.correction import (
 from rollouts.losses.kl import importance_weights, kl_penalty
 from rollouts.losses.policy import cispo_loss, gspo_loss, metrics_to_floats, pg_loss, ppo_clip_loss, sft_loss
 from rollouts.losses.policy_variants import clip_cov_loss, dppo_loss, gmpo_loss, kl_cov_loss, sapo_loss
+from rollouts.types.configs import AlgorithmConfig
 
 __all__ = ["LossFn", "PolicyLossFn", "SFTLossFn", "loss_fn_from_config", "sft_loss_fn"]
 
@@ -86,8 +86,12 @@ class SFTLossFn:
     ) -> tuple[Tensor, dict[str, float]]:
         """[B, T] log-probs, micro-batch -> (NLL with step-wide denominators, metrics)."""
         loss, metrics = sft_loss(
-            logprobs_B_T, _require(batch, "loss_mask", "every loss needs"), mode=self.mode,
-            norm_constant=self.norm_constant, segment_ids_B_T=batch.get("segment_ids"), num_tokens=num_tokens,
+            logprobs_B_T,
+            _require(batch, "loss_mask", "every loss needs"),
+            mode=self.mode,
+            norm_constant=self.norm_constant,
+            segment_ids_B_T=batch.get("segment_ids"),
+            num_tokens=num_tokens,
             num_sequences=num_sequences,
         )
         if entropy_B_T is not None:
@@ -106,7 +110,10 @@ def _times(weights_B_T: Tensor | None, factor_B_T: Tensor) -> Tensor:
 
 
 def _token_weights(
-    cfg: AlgorithmConfig, logprobs_B_T: Tensor, old_B_T: Tensor, batch: Mapping[str, Tensor],
+    cfg: AlgorithmConfig,
+    logprobs_B_T: Tensor,
+    old_B_T: Tensor,
+    batch: Mapping[str, Tensor],
     entropy_B_T: Tensor | None,
 ) -> tuple[Tensor | None, dict[str, float]]:
     """The per-token loss multiplier (IS weights x rejection x off-policy mask x entropy mask; None: 1) and metrics."""
@@ -119,19 +126,34 @@ def _token_weights(
         metrics |= off_policy_diagnostics(old_B_T, rollout_B_T, mask_B_T, segment_ids_B_T=segment_ids_B_T)
     if cfg.is_cap is not None:
         weights_B_T, is_metrics = importance_weights(
-            old_B_T, rollout_B_T, mask_B_T, cap=cfg.is_cap, level=cfg.is_level, mode=cfg.is_mode,
+            old_B_T,
+            rollout_B_T,
+            mask_B_T,
+            cap=cfg.is_cap,
+            level=cfg.is_level,
+            mode=cfg.is_mode,
             segment_ids_B_T=segment_ids_B_T,
         )
         metrics |= is_metrics
     if cfg.rs_level != "none":
         keep_B_T, rs_metrics = rejection_mask(
-            old_B_T, rollout_B_T, mask_B_T, estimator=cfg.rs_estimator, level=cfg.rs_level, low=cfg.rs_low,
-            high=cfg.rs_high, segment_ids_B_T=segment_ids_B_T,
+            old_B_T,
+            rollout_B_T,
+            mask_B_T,
+            estimator=cfg.rs_estimator,
+            level=cfg.rs_level,
+            low=cfg.rs_low,
+            high=cfg.rs_high,
+            segment_ids_B_T=segment_ids_B_T,
         )
         weights_B_T, metrics = _times(weights_B_T, keep_B_T), metrics | rs_metrics
     if cfg.off_policy_mask_threshold is not None:
         keep_B_T, opm_metrics = off_policy_sequence_mask(
-            logprobs_B_T, rollout_B_T, batch["advantages"], mask_B_T, threshold=cfg.off_policy_mask_threshold,
+            logprobs_B_T,
+            rollout_B_T,
+            batch["advantages"],
+            mask_B_T,
+            threshold=cfg.off_policy_mask_threshold,
             segment_ids_B_T=segment_ids_B_T,
         )
         weights_B_T, metrics = _times(weights_B_T, keep_B_T), metrics | opm_metrics
@@ -148,8 +170,12 @@ def _token_weights(
 
 
 def _policy_loss(
-    cfg: AlgorithmConfig, logprobs_B_T: Tensor, old_B_T: Tensor, batch: Mapping[str, Tensor],
-    is_weights: Tensor | None, agg: dict[str, Any],
+    cfg: AlgorithmConfig,
+    logprobs_B_T: Tensor,
+    old_B_T: Tensor,
+    batch: Mapping[str, Tensor],
+    is_weights: Tensor | None,
+    agg: dict[str, Any],
 ) -> tuple[Tensor, dict[str, float]]:
     """The configured policy loss on one micro-batch."""
     args = (logprobs_B_T, old_B_T, batch["advantages"], batch["loss_mask"])
@@ -165,8 +191,9 @@ def _policy_loss(
     if loss in ("dppo_tv", "dppo_kl"):
         return dppo_loss(*args, divergence="tv" if loss == "dppo_tv" else "kl", is_weights=is_weights, **clip, **agg)
     if loss == "clip_cov":
-        return clip_cov_loss(*args, cov_fraction=cfg.cov_fraction, cov_bounds=cfg.clip_cov_bounds,
-                             is_weights=is_weights, **clip, **agg)
+        return clip_cov_loss(
+            *args, cov_fraction=cfg.cov_fraction, cov_bounds=cfg.clip_cov_bounds, is_weights=is_weights, **clip, **agg
+        )
     if loss == "kl_cov":
         return kl_cov_loss(*args, cov_fraction=cfg.cov_fraction, kl_coef=cfg.kl_cov_coef, is_weights=is_weights, **agg)
     assert loss == "pg", loss
@@ -201,8 +228,11 @@ class PolicyLossFn:
         old_B_T = batch.get("old_logprobs")
         old_B_T = logprobs_B_T.detach() if old_B_T is None else old_B_T
         agg: dict[str, Any] = {
-            "mode": cfg.loss_aggregation, "norm_constant": cfg.norm_constant,
-            "segment_ids_B_T": batch.get("segment_ids"), "num_tokens": num_tokens, "num_sequences": num_sequences,
+            "mode": cfg.loss_aggregation,
+            "norm_constant": cfg.norm_constant,
+            "segment_ids_B_T": batch.get("segment_ids"),
+            "num_tokens": num_tokens,
+            "num_sequences": num_sequences,
         }
         is_weights, metrics = _token_weights(cfg, logprobs_B_T, old_B_T, batch, entropy_B_T)
         ratio_base_B_T = old_B_T
@@ -212,7 +242,9 @@ class PolicyLossFn:
         metrics |= pg_metrics
         if cfg.log_ratio_sq_coef > 0.0:
             selected_B_T = mask_B_T > 0
-            log_ratio_B_T = torch.where(selected_B_T, logprobs_B_T, 0.0) - torch.where(selected_B_T, ratio_base_B_T.detach(), 0.0)
+            log_ratio_B_T = torch.where(selected_B_T, logprobs_B_T, 0.0) - torch.where(
+                selected_B_T, ratio_base_B_T.detach(), 0.0
+            )
             loss = loss + cfg.log_ratio_sq_coef * aggregate(log_ratio_B_T.square(), mask_B_T, **agg)
         ref_B_T = batch.get("ref_logprobs")
         if cfg.kl_placement == "loss" and cfg.kl_coef > 0.0:
@@ -221,7 +253,9 @@ class PolicyLossFn:
             loss = loss + cfg.kl_coef * aggregate(kl_B_T, mask_B_T, **agg)
             metrics |= metrics_to_floats(kl=masked_mean(kl_B_T.detach(), mask_B_T))
         elif ref_B_T is not None:
-            metrics |= metrics_to_floats(kl=masked_mean(kl_penalty(logprobs_B_T.detach(), ref_B_T, kind=cfg.kl_kind), mask_B_T))
+            metrics |= metrics_to_floats(
+                kl=masked_mean(kl_penalty(logprobs_B_T.detach(), ref_B_T, kind=cfg.kl_kind), mask_B_T)
+            )
         if cfg.entropy_coef > 0.0:
             if entropy_B_T is None:
                 raise ValueError(

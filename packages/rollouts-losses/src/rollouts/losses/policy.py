@@ -92,8 +92,13 @@ def sft_loss(
     """[B, T] log-probs and loss mask -> masked negative log-likelihood, reduced by mode."""
     check_same_shape(logprobs_B_T=logprobs_B_T, loss_mask_B_T=loss_mask_B_T)
     loss = aggregate(
-        -logprobs_B_T, loss_mask_B_T, mode, norm_constant=norm_constant, segment_ids_B_T=segment_ids_B_T,
-        num_tokens=num_tokens, num_sequences=num_sequences,
+        -logprobs_B_T,
+        loss_mask_B_T,
+        mode,
+        norm_constant=norm_constant,
+        segment_ids_B_T=segment_ids_B_T,
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
     )
     nll = masked_mean(-logprobs_B_T.detach(), loss_mask_B_T)
     return loss, metrics_to_floats(nll=nll, num_loss_tokens=(loss_mask_B_T > 0).sum())
@@ -117,13 +122,20 @@ def ppo_clip_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] -> PPO clipped surrogate max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), dual-clipped at -A c where A < 0."""
     check_same_shape(
-        logprobs_B_T=logprobs_B_T, old_logprobs_B_T=old_logprobs_B_T, advantages_B_T=advantages_B_T,
-        mask_B_T=mask_B_T, is_weights=is_weights,
+        logprobs_B_T=logprobs_B_T,
+        old_logprobs_B_T=old_logprobs_B_T,
+        advantages_B_T=advantages_B_T,
+        mask_B_T=mask_B_T,
+        is_weights=is_weights,
     )
     _check_eps(eps_low, eps_high)
     if dual_clip_c is not None and not dual_clip_c > 1.0:
-        raise ValueError(f"dual_clip_c must be > 1 or None (it bounds the loss of negative advantages), got {dual_clip_c!r}")
-    logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T)
+        raise ValueError(
+            f"dual_clip_c must be > 1 or None (it bounds the loss of negative advantages), got {dual_clip_c!r}"
+        )
+    logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(
+        mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T
+    )
     log_ratio_B_T = torch.clamp(logprobs_B_T - old_logprobs_B_T.detach(), -MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio_B_T = torch.exp(log_ratio_B_T)
     adv_B_T = advantages_B_T.detach()
@@ -136,8 +148,13 @@ def ppo_clip_loss(
         loss_B_T = torch.where(negative, torch.minimum(loss_B_T, -adv_B_T * dual_clip_c), loss_B_T)
         metrics["dual_clip_frac"] = masked_mean((negative & (ratio_B_T > dual_clip_c)).float(), mask_B_T)
     loss = aggregate(
-        _weighted(loss_B_T, is_weights), mask_B_T, mode, norm_constant=norm_constant,
-        segment_ids_B_T=segment_ids_B_T, num_tokens=num_tokens, num_sequences=num_sequences,
+        _weighted(loss_B_T, is_weights),
+        mask_B_T,
+        mode,
+        norm_constant=norm_constant,
+        segment_ids_B_T=segment_ids_B_T,
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
     )
     ratio = ratio_B_T.detach()
     ratio_min, ratio_max = _masked_extremes(ratio, mask_B_T, empty=1.0)
@@ -173,11 +190,17 @@ def gspo_loss(
     Defaults follow the GSPO paper: clip range (3e-4, 4e-4), sequence-mean aggregation.
     """
     check_same_shape(
-        logprobs_B_T=logprobs_B_T, old_logprobs_B_T=old_logprobs_B_T, advantages_B_T=advantages_B_T,
-        mask_B_T=mask_B_T, is_weights=is_weights, segment_ids_B_T=segment_ids_B_T,
+        logprobs_B_T=logprobs_B_T,
+        old_logprobs_B_T=old_logprobs_B_T,
+        advantages_B_T=advantages_B_T,
+        mask_B_T=mask_B_T,
+        is_weights=is_weights,
+        segment_ids_B_T=segment_ids_B_T,
     )
     _check_eps(eps_low, eps_high)
-    logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T)
+    logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(
+        mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T
+    )
     selected_B_T = (mask_B_T > 0).to(logprobs_B_T.dtype)
     token_log_ratio_B_T = (logprobs_B_T - old_logprobs_B_T).detach() * selected_B_T
     seq_log_ratio_S = safe_divide(
@@ -190,8 +213,13 @@ def gspo_loss(
     adv_B_T = advantages_B_T.detach()
     loss_B_T = torch.maximum(-adv_B_T * ratio_B_T, -adv_B_T * torch.clamp(ratio_B_T, 1.0 - eps_low, 1.0 + eps_high))
     loss = aggregate(
-        _weighted(loss_B_T, is_weights), mask_B_T, mode, norm_constant=norm_constant,
-        segment_ids_B_T=segment_ids_B_T, num_tokens=num_tokens, num_sequences=num_sequences,
+        _weighted(loss_B_T, is_weights),
+        mask_B_T,
+        mode,
+        norm_constant=norm_constant,
+        segment_ids_B_T=segment_ids_B_T,
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
     )
     ratio = ratio_B_T.detach()
     has_tokens_S = (sequence_sums(selected_B_T, segment_ids_B_T) > 0) & sequence_present(mask_B_T, segment_ids_B_T)
@@ -222,18 +250,28 @@ def cispo_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] -> CISPO: -sg(clamp(r, 1 - eps_low, 1 + eps_high)) A log p (clip the weight, keep every token's gradient)."""
     check_same_shape(
-        logprobs_B_T=logprobs_B_T, old_logprobs_B_T=old_logprobs_B_T, advantages_B_T=advantages_B_T,
-        mask_B_T=mask_B_T, is_weights=is_weights,
+        logprobs_B_T=logprobs_B_T,
+        old_logprobs_B_T=old_logprobs_B_T,
+        advantages_B_T=advantages_B_T,
+        mask_B_T=mask_B_T,
+        is_weights=is_weights,
     )
     _check_eps(eps_low, eps_high)
-    logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T)
+    logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(
+        mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T
+    )
     log_ratio_B_T = torch.clamp((logprobs_B_T - old_logprobs_B_T).detach(), -MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio_B_T = torch.exp(log_ratio_B_T)
     weight_B_T = torch.clamp(ratio_B_T, 1.0 - eps_low, 1.0 + eps_high)
     loss_B_T = -weight_B_T * advantages_B_T.detach() * logprobs_B_T
     loss = aggregate(
-        _weighted(loss_B_T, is_weights), mask_B_T, mode, norm_constant=norm_constant,
-        segment_ids_B_T=segment_ids_B_T, num_tokens=num_tokens, num_sequences=num_sequences,
+        _weighted(loss_B_T, is_weights),
+        mask_B_T,
+        mode,
+        norm_constant=norm_constant,
+        segment_ids_B_T=segment_ids_B_T,
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
     )
     return loss, metrics_to_floats(
         pg_loss=loss,
@@ -261,8 +299,13 @@ def pg_loss(
     logprobs_B_T, advantages_B_T = _zero_unselected(mask_B_T, logprobs_B_T, advantages_B_T)
     loss_B_T = -advantages_B_T.detach() * logprobs_B_T
     loss = aggregate(
-        _weighted(loss_B_T, is_weights), mask_B_T, mode, norm_constant=norm_constant,
-        segment_ids_B_T=segment_ids_B_T, num_tokens=num_tokens, num_sequences=num_sequences,
+        _weighted(loss_B_T, is_weights),
+        mask_B_T,
+        mode,
+        norm_constant=norm_constant,
+        segment_ids_B_T=segment_ids_B_T,
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
     )
     return loss, metrics_to_floats(pg_loss=loss)
 
@@ -294,8 +337,13 @@ def value_loss(
         loss_B_T = torch.maximum(unclipped_B_T, clipped_B_T)
         clip_frac = masked_mean((clipped_B_T > unclipped_B_T).float(), mask_B_T)
     loss = 0.5 * aggregate(
-        loss_B_T, mask_B_T, mode, norm_constant=norm_constant, segment_ids_B_T=segment_ids_B_T,
-        num_tokens=num_tokens, num_sequences=num_sequences,
+        loss_B_T,
+        mask_B_T,
+        mode,
+        norm_constant=norm_constant,
+        segment_ids_B_T=segment_ids_B_T,
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
     )
     return loss, metrics_to_floats(
         vf_loss=loss, vf_clip_frac=clip_frac, value_mean=masked_mean(values_B_T.detach(), mask_B_T)

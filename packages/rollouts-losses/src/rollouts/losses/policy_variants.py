@@ -81,22 +81,36 @@ def sapo_loss(
     num_sequences: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] -> SAPO: -A (4 / tau) sigmoid(tau (r - 1)), tau = tau_pos where A > 0, else tau_neg."""
-    check_same_shape(logprobs_B_T=logprobs_B_T, old_logprobs_B_T=old_logprobs_B_T, advantages_B_T=advantages_B_T,
-                  mask_B_T=mask_B_T, is_weights=is_weights)
+    check_same_shape(
+        logprobs_B_T=logprobs_B_T,
+        old_logprobs_B_T=old_logprobs_B_T,
+        advantages_B_T=advantages_B_T,
+        mask_B_T=mask_B_T,
+        is_weights=is_weights,
+    )
     if not (tau_pos > 0 and tau_neg > 0):
         raise ValueError(f"tau_pos ({tau_pos!r}) and tau_neg ({tau_neg!r}) must be > 0: the gate divides by them")
-    logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T)
+    logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(
+        mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T
+    )
     log_ratio_B_T = _log_ratio(logprobs_B_T, old_logprobs_B_T)
     ratio_B_T = torch.exp(log_ratio_B_T)
     adv_B_T = advantages_B_T.detach()
     tau_B_T = torch.where(adv_B_T > 0, tau_pos, tau_neg).to(ratio_B_T.dtype)
     gate_B_T = torch.sigmoid(tau_B_T * (ratio_B_T - 1.0)) * (SAPO_GATE_SCALE / tau_B_T)
-    agg = {"mode": mode, "norm_constant": norm_constant, "segment_ids_B_T": segment_ids_B_T,
-           "num_tokens": num_tokens, "num_sequences": num_sequences}
+    agg = {
+        "mode": mode,
+        "norm_constant": norm_constant,
+        "segment_ids_B_T": segment_ids_B_T,
+        "num_tokens": num_tokens,
+        "num_sequences": num_sequences,
+    }
     loss = _reduce(-adv_B_T * gate_B_T, mask_B_T, is_weights, agg)
     return loss, metrics_to_floats(
-        pg_loss=loss, approx_kl=masked_mean(-log_ratio_B_T.detach(), mask_B_T),
-        ratio_mean=masked_mean(ratio_B_T.detach(), mask_B_T), gate_mean=masked_mean(gate_B_T.detach(), mask_B_T),
+        pg_loss=loss,
+        approx_kl=masked_mean(-log_ratio_B_T.detach(), mask_B_T),
+        ratio_mean=masked_mean(ratio_B_T.detach(), mask_B_T),
+        gate_mean=masked_mean(gate_B_T.detach(), mask_B_T),
     )
 
 
@@ -117,11 +131,19 @@ def gmpo_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] -> GMPO: -mean_t(A) exp(mean_t sgn(A) min(sgn(A) log r, sgn(A) clip(log r, -eps_low, eps_high))),
     per sequence, on every token of it. eps are log-space bounds (the paper's 0.4: ratios in (e^-0.4, e^0.4))."""
-    check_same_shape(logprobs_B_T=logprobs_B_T, old_logprobs_B_T=old_logprobs_B_T, advantages_B_T=advantages_B_T,
-                  mask_B_T=mask_B_T, is_weights=is_weights, segment_ids_B_T=segment_ids_B_T)
+    check_same_shape(
+        logprobs_B_T=logprobs_B_T,
+        old_logprobs_B_T=old_logprobs_B_T,
+        advantages_B_T=advantages_B_T,
+        mask_B_T=mask_B_T,
+        is_weights=is_weights,
+        segment_ids_B_T=segment_ids_B_T,
+    )
     if not (eps_low >= 0 and eps_high >= 0):
         raise ValueError(f"eps_low ({eps_low!r}) and eps_high ({eps_high!r}) must be >= 0 (log-ratio clip bounds)")
-    logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T)
+    logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(
+        mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T
+    )
     selected_B_T = (mask_B_T > 0).to(logprobs_B_T.dtype)
     log_ratio_B_T = _log_ratio(logprobs_B_T, old_logprobs_B_T)
     adv_B_T = advantages_B_T.detach()
@@ -132,8 +154,13 @@ def gmpo_loss(
     seq_log_ratio_S = safe_divide(sequence_sums(pessimistic_B_T * selected_B_T, segment_ids_B_T), length_S)
     seq_adv_S = safe_divide(sequence_sums(adv_B_T * selected_B_T, segment_ids_B_T), length_S)
     loss_S = -seq_adv_S * torch.exp(seq_log_ratio_S)
-    agg = {"mode": mode, "norm_constant": norm_constant, "segment_ids_B_T": segment_ids_B_T,
-           "num_tokens": num_tokens, "num_sequences": num_sequences}
+    agg = {
+        "mode": mode,
+        "norm_constant": norm_constant,
+        "segment_ids_B_T": segment_ids_B_T,
+        "num_tokens": num_tokens,
+        "num_sequences": num_sequences,
+    }
     loss = _reduce(to_tokens(loss_S, segment_ids_B_T, logprobs_B_T.shape), mask_B_T, is_weights, agg)
     was_clipped_B_T = (log_ratio_B_T != clipped_B_T).detach()
     return loss, metrics_to_floats(
@@ -192,19 +219,31 @@ def dppo_loss(
 
     The masked tokens stay in the denominators (a trust-region mask, like PPO's clip, not a filter).
     """
-    check_same_shape(logprobs_B_T=logprobs_B_T, old_logprobs_B_T=old_logprobs_B_T, advantages_B_T=advantages_B_T,
-                  mask_B_T=mask_B_T, is_weights=is_weights)
+    check_same_shape(
+        logprobs_B_T=logprobs_B_T,
+        old_logprobs_B_T=old_logprobs_B_T,
+        advantages_B_T=advantages_B_T,
+        mask_B_T=mask_B_T,
+        is_weights=is_weights,
+    )
     if not (eps_low >= 0 and eps_high >= 0):
         raise ValueError(f"eps_low ({eps_low!r}) and eps_high ({eps_high!r}) must be >= 0 (divergence thresholds)")
-    logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T)
+    logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(
+        mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T
+    )
     adv_B_T = advantages_B_T.detach()
     old_B_T = old_logprobs_B_T.detach()
     outside_B_T = dppo_mask(logprobs_B_T, old_B_T, adv_B_T, divergence=divergence, eps_low=eps_low, eps_high=eps_high)
     log_ratio_B_T = _log_ratio(logprobs_B_T, old_B_T)
     ratio_B_T = torch.exp(log_ratio_B_T)
     loss_B_T = torch.where(outside_B_T, 0.0, -adv_B_T * ratio_B_T)
-    agg = {"mode": mode, "norm_constant": norm_constant, "segment_ids_B_T": segment_ids_B_T,
-           "num_tokens": num_tokens, "num_sequences": num_sequences}
+    agg = {
+        "mode": mode,
+        "norm_constant": norm_constant,
+        "segment_ids_B_T": segment_ids_B_T,
+        "num_tokens": num_tokens,
+        "num_sequences": num_sequences,
+    }
     loss = _reduce(loss_B_T, mask_B_T, is_weights, agg)
     return loss, metrics_to_floats(
         pg_loss=loss,
@@ -219,7 +258,9 @@ def token_covariance(logprobs_B_T: Tensor, advantages_B_T: Tensor, mask_B_T: Ten
     """[B, T] (A - mean A)(log p - mean log p), means over tokens with mask > 0, detached; 0 off the mask."""
     selected_B_T = mask_B_T > 0
     logprobs_B_T, advantages_B_T = logprobs_B_T.detach(), advantages_B_T.detach()
-    cov_B_T = (advantages_B_T - masked_mean(advantages_B_T, mask_B_T)) * (logprobs_B_T - masked_mean(logprobs_B_T, mask_B_T))
+    cov_B_T = (advantages_B_T - masked_mean(advantages_B_T, mask_B_T)) * (
+        logprobs_B_T - masked_mean(logprobs_B_T, mask_B_T)
+    )
     return torch.where(selected_B_T, cov_B_T, 0.0)
 
 
@@ -261,28 +302,42 @@ def clip_cov_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] -> PPO clip, with the loss of a random cov_fraction of unclipped tokens whose covariance lies in
     cov_bounds set to 0 (their gradient detached)."""
-    check_same_shape(logprobs_B_T=logprobs_B_T, old_logprobs_B_T=old_logprobs_B_T, advantages_B_T=advantages_B_T,
-                  mask_B_T=mask_B_T, is_weights=is_weights)
+    check_same_shape(
+        logprobs_B_T=logprobs_B_T,
+        old_logprobs_B_T=old_logprobs_B_T,
+        advantages_B_T=advantages_B_T,
+        mask_B_T=mask_B_T,
+        is_weights=is_weights,
+    )
     _check_eps(eps_low, eps_high)
     if not cov_bounds[0] < cov_bounds[1]:
         raise ValueError(f"cov_bounds must be (low, high) with low < high, got {cov_bounds!r}")
-    logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T)
+    logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(
+        mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T
+    )
     adv_B_T = advantages_B_T.detach()
     ratio_B_T = torch.exp(_log_ratio(logprobs_B_T, old_logprobs_B_T))
     unclipped_B_T = -adv_B_T * ratio_B_T
     clipped_B_T = -adv_B_T * torch.clamp(ratio_B_T, 1.0 - eps_low, 1.0 + eps_high)
     cov_B_T = token_covariance(logprobs_B_T, adv_B_T, mask_B_T)
-    eligible_B_T = ((mask_B_T > 0) & ~(clipped_B_T > unclipped_B_T) & (cov_B_T > cov_bounds[0])
-                    & (cov_B_T < cov_bounds[1])).detach()
+    eligible_B_T = (
+        (mask_B_T > 0) & ~(clipped_B_T > unclipped_B_T) & (cov_B_T > cov_bounds[0]) & (cov_B_T < cov_bounds[1])
+    ).detach()
     draw_device = generator.device if generator is not None else mask_B_T.device
     draws_B_T = torch.rand(mask_B_T.shape, generator=generator, device=draw_device).to(mask_B_T.device)
     picked_B_T = _top_k_mask(draws_B_T, eligible_B_T, _num_picked(mask_B_T, cov_fraction))
     loss_B_T = torch.where(picked_B_T, 0.0, torch.maximum(unclipped_B_T, clipped_B_T))
-    agg = {"mode": mode, "norm_constant": norm_constant, "segment_ids_B_T": segment_ids_B_T,
-           "num_tokens": num_tokens, "num_sequences": num_sequences}
+    agg = {
+        "mode": mode,
+        "norm_constant": norm_constant,
+        "segment_ids_B_T": segment_ids_B_T,
+        "num_tokens": num_tokens,
+        "num_sequences": num_sequences,
+    }
     loss = _reduce(loss_B_T, mask_B_T, is_weights, agg)
     return loss, metrics_to_floats(
-        pg_loss=loss, cov_picked_frac=masked_mean(picked_B_T.float(), mask_B_T),
+        pg_loss=loss,
+        cov_picked_frac=masked_mean(picked_B_T.float(), mask_B_T),
         approx_kl=masked_mean(-_log_ratio(logprobs_B_T, old_logprobs_B_T).detach(), mask_B_T),
     )
 
@@ -303,20 +358,33 @@ def kl_cov_loss(
     num_sequences: int | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] -> -A r, plus kl_coef |log r| on the top cov_fraction of loss tokens by covariance."""
-    check_same_shape(logprobs_B_T=logprobs_B_T, old_logprobs_B_T=old_logprobs_B_T, advantages_B_T=advantages_B_T,
-                  mask_B_T=mask_B_T, is_weights=is_weights)
+    check_same_shape(
+        logprobs_B_T=logprobs_B_T,
+        old_logprobs_B_T=old_logprobs_B_T,
+        advantages_B_T=advantages_B_T,
+        mask_B_T=mask_B_T,
+        is_weights=is_weights,
+    )
     if not kl_coef >= 0:
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef!r}")
-    logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T)
+    logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(
+        mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T
+    )
     adv_B_T = advantages_B_T.detach()
     log_ratio_B_T = _log_ratio(logprobs_B_T, old_logprobs_B_T)
     cov_B_T = token_covariance(logprobs_B_T, adv_B_T, mask_B_T)
     picked_B_T = _top_k_mask(cov_B_T, mask_B_T > 0, _num_picked(mask_B_T, cov_fraction))
     loss_B_T = -adv_B_T * torch.exp(log_ratio_B_T) + torch.where(picked_B_T, kl_coef * log_ratio_B_T.abs(), 0.0)
-    agg = {"mode": mode, "norm_constant": norm_constant, "segment_ids_B_T": segment_ids_B_T,
-           "num_tokens": num_tokens, "num_sequences": num_sequences}
+    agg = {
+        "mode": mode,
+        "norm_constant": norm_constant,
+        "segment_ids_B_T": segment_ids_B_T,
+        "num_tokens": num_tokens,
+        "num_sequences": num_sequences,
+    }
     loss = _reduce(loss_B_T, mask_B_T, is_weights, agg)
     return loss, metrics_to_floats(
-        pg_loss=loss, cov_picked_frac=masked_mean(picked_B_T.float(), mask_B_T),
+        pg_loss=loss,
+        cov_picked_frac=masked_mean(picked_B_T.float(), mask_B_T),
         approx_kl=masked_mean(-log_ratio_B_T.detach(), mask_B_T),
     )

@@ -12,14 +12,14 @@ and "0.5" both work), then as plain text.
 from __future__ import annotations
 
 import logging
-import math
 import re
 import threading
 from collections.abc import Callable, Sequence
 
 import torch
-from rollouts.types import RewardFn, Sample
 from torch import Tensor
+
+from rollouts.types import RewardFn, Sample
 
 __all__ = [
     "clip_rewards",
@@ -125,7 +125,9 @@ def combine_rewards(fns: Sequence[Callable[[Sample], float]], weights: Sequence[
     """RewardFn: the weighted sum of several reward functions."""
     fns, weights = tuple(fns), tuple(float(w) for w in weights)
     if len(fns) != len(weights) or not fns:
-        raise ValueError(f"need one weight per reward function and at least one, got {len(fns)} fns, {len(weights)} weights")
+        raise ValueError(
+            f"need one weight per reward function and at least one, got {len(fns)} fns, {len(weights)} weights"
+        )
 
     def reward(sample: Sample) -> float:
         """sum of weight * fn(sample)."""

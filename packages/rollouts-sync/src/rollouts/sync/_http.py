@@ -13,8 +13,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Self
 
-import httpx
 import anyio
+import httpx
 
 from rollouts.sync._common import check_seconds, parse_weight_version
 
@@ -206,13 +206,25 @@ class HTTPEngineBase:
         await self.aclose()
 
     async def _call(
-        self, method: str, path: str, *, json: Any = None, params: Mapping[str, Any] | None = None,
-        timeout_s: float | None = None, retry: RetryPolicy | None = None,
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: Mapping[str, Any] | None = None,
+        timeout_s: float | None = None,
+        retry: RetryPolicy | None = None,
     ) -> httpx.Response:
         return await request_with_retries(
-            self._client, method, path, engine=self.name, json=json, params=params,
+            self._client,
+            method,
+            path,
+            engine=self.name,
+            json=json,
+            params=params,
             timeout_s=timeout_s if timeout_s is not None else self.timeout_s,
-            retry=retry if retry is not None else self.retry, rng=self._rng,
+            retry=retry if retry is not None else self.retry,
+            rng=self._rng,
         )
 
     @asynccontextmanager
@@ -244,8 +256,10 @@ class HTTPEngineBase:
                 raise EngineError(
                     f"{self.name}: {resume_path} failed after the update, so the engine may still be paused: "
                     f"{error if error is not None else f'no answer within {_RESUME_TIMEOUT_S} s'}",
-                    engine=self.name, url=f"{self.name}{resume_path}",
-                    status=error.status if error is not None else None, text=error.text if error is not None else "",
+                    engine=self.name,
+                    url=f"{self.name}{resume_path}",
+                    status=error.status if error is not None else None,
+                    text=error.text if error is not None else "",
                 )
 
     async def weight_version(self) -> int | None:

@@ -24,8 +24,8 @@ from functools import partial
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-import numpy as np
 import anyio
+import numpy as np
 from anyio.abc import ByteStream, SocketAttribute
 from safetensors.numpy import load as load_safetensors_bytes
 from safetensors.numpy import load_file
@@ -33,8 +33,14 @@ from safetensors.numpy import load_file
 _MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more is not a request we sent
 _MAX_BODY_BYTES = 512 * 1024 * 1024  # bound on a weight-carrying body
 _PAUSE_WAIT_S = 60.0  # a generate request waits at most this long for /resume
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 500: "Internal Server Error",
-            503: "Service Unavailable"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    401: "Unauthorized",
+    404: "Not Found",
+    500: "Internal Server Error",
+    503: "Service Unavailable",
+}
 
 
 @dataclass(slots=True, kw_only=True)
@@ -104,8 +110,9 @@ class FakeEngineState:
                 break
         return ids, lps
 
-    def sample(self, prompt: list[int], *, max_new_tokens: int, temperature: float, stop: set[int],
-               rng: np.random.Generator) -> tuple[list[int], list[float], str]:
+    def sample(
+        self, prompt: list[int], *, max_new_tokens: int, temperature: float, stop: set[int], rng: np.random.Generator
+    ) -> tuple[list[int], list[float], str]:
         """(response ids, their log-probs, finish reason "stop" or "length")."""
         context, ids, lps = list(prompt), [], []
         for _ in range(max_new_tokens):
@@ -185,22 +192,49 @@ async def _generate_vllm(state: FakeEngineState, body: dict[str, Any]) -> tuple[
     choices = []
     for prompt in prompts:
         for _ in range(n):
-            ids, lps, finish = state.sample(prompt, max_new_tokens=int(body.get("max_tokens", 16)),
-                                            temperature=float(body.get("temperature", 1.0)),
-                                            stop=set(body.get("stop_token_ids") or []), rng=rng)
+            ids, lps, finish = state.sample(
+                prompt,
+                max_new_tokens=int(body.get("max_tokens", 16)),
+                temperature=float(body.get("temperature", 1.0)),
+                stop=set(body.get("stop_token_ids") or []),
+                rng=rng,
+            )
             logprobs = None
             if want_lp:
                 tokens = [f"token_id:{t}" if as_ids else "" for t in ids]  # vLLM sends "" for byte tokens
-                logprobs = {"text_offset": list(range(len(ids))), "token_logprobs": lps, "tokens": tokens,
-                            "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, lps, strict=True)]}
-            choices.append({"index": len(choices), "text": "", "logprobs": logprobs, "finish_reason": finish,
-                            "stop_reason": ids[-1] if finish == "stop" else None,
-                            "token_ids": ids if body.get("return_token_ids") else None,
-                            "prompt_logprobs": None, "prompt_token_ids": None})
-    usage = {"prompt_tokens": sum(len(p) for p in prompts) * n,
-             "completion_tokens": sum(len(c["logprobs"]["tokens"]) if c["logprobs"] else 0 for c in choices)}
-    return _json(200, {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": state.model_name,
-                       "choices": choices, "usage": usage})
+                logprobs = {
+                    "text_offset": list(range(len(ids))),
+                    "token_logprobs": lps,
+                    "tokens": tokens,
+                    "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, lps, strict=True)],
+                }
+            choices.append(
+                {
+                    "index": len(choices),
+                    "text": "",
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                    "stop_reason": ids[-1] if finish == "stop" else None,
+                    "token_ids": ids if body.get("return_token_ids") else None,
+                    "prompt_logprobs": None,
+                    "prompt_token_ids": None,
+                }
+            )
+    usage = {
+        "prompt_tokens": sum(len(p) for p in prompts) * n,
+        "completion_tokens": sum(len(c["logprobs"]["tokens"]) if c["logprobs"] else 0 for c in choices),
+    }
+    return _json(
+        200,
+        {
+            "id": "cmpl-fake",
+            "object": "text_completion",
+            "created": 0,
+            "model": state.model_name,
+            "choices": choices,
+            "usage": usage,
+        },
+    )
 
 
 async def _generate_sglang(state: FakeEngineState, body: dict[str, Any]) -> tuple[int, bytes]:
@@ -219,12 +253,24 @@ async def _generate_sglang(state: FakeEngineState, body: dict[str, Any]) -> tupl
         # Like SGLang's seeded sampler: a row's seed alone decides its tokens (equal seeds, equal rows).
         seed = sp.get("sampling_seed")
         rng = unseeded if seed is None else np.random.default_rng(seed)
-        ids, lps, finish = state.sample(prompt, max_new_tokens=int(sp.get("max_new_tokens", 128)),
-                                        temperature=float(sp.get("temperature", 1.0)),
-                                        stop=set(sp.get("stop_token_ids") or []), rng=rng)
-        finish_reason = {"type": "length", "length": len(ids)} if finish == "length" else {"type": "stop", "matched": ids[-1]}
-        meta: dict[str, Any] = {"id": "fake", "finish_reason": finish_reason, "prompt_tokens": len(prompt),
-                                "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": state.weight_version}
+        ids, lps, finish = state.sample(
+            prompt,
+            max_new_tokens=int(sp.get("max_new_tokens", 128)),
+            temperature=float(sp.get("temperature", 1.0)),
+            stop=set(sp.get("stop_token_ids") or []),
+            rng=rng,
+        )
+        finish_reason = (
+            {"type": "length", "length": len(ids)} if finish == "length" else {"type": "stop", "matched": ids[-1]}
+        )
+        meta: dict[str, Any] = {
+            "id": "fake",
+            "finish_reason": finish_reason,
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
+            "weight_version": state.weight_version,
+        }
         if body.get("return_logprob"):
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
@@ -319,7 +365,9 @@ async def _dispatch(state: FakeEngineState, method: str, target: str, body: byte
         try:
             state.load_dir(data["model_path"])
         except (OSError, KeyError) as exc:
-            return _json(400, {"success": False, "message": f"Failed to update weights: {exc}", "num_paused_requests": 0})
+            return _json(
+                400, {"success": False, "message": f"Failed to update weights: {exc}", "num_paused_requests": 0}
+            )
         message = "Succeeded to update model weights."
         if data.get("weight_version") is not None:
             state.weight_version = str(data["weight_version"])
@@ -380,8 +428,10 @@ async def _handle(state: FakeEngineState, stream: ByteStream) -> None:
                 status, payload = await _dispatch(state, method, target, body)
             except _HTTPError as exc:
                 status, payload = _json(exc.status, {"error": exc.text})
-        head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n")
+        head = (
+            f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+        )
         await stream.send(head.encode("latin-1") + payload)
     except (anyio.BrokenResourceError, anyio.ClosedResourceError):
         pass
@@ -390,7 +440,9 @@ async def _handle(state: FakeEngineState, stream: ByteStream) -> None:
 
 
 @asynccontextmanager
-async def serve_fake_engine(state: FakeEngineState | None = None, *, host: str = "127.0.0.1") -> AsyncIterator[FakeEngineServer]:
+async def serve_fake_engine(
+    state: FakeEngineState | None = None, *, host: str = "127.0.0.1"
+) -> AsyncIterator[FakeEngineServer]:
     """Run a fake engine on a free loopback port for the body of the `async with`."""
     state = state if state is not None else FakeEngineState()
     async with anyio.create_task_group() as tg:

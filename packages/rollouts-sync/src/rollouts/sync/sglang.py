@@ -19,11 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-
 from rollouts.sync._common import check_params, check_prompts, check_weight_version, make_sample, parse_weight_version
 from rollouts.sync._http import EngineError, HTTPEngineBase, RetryPolicy
 from rollouts.types import Sample, SamplingParams
-
 
 
 class SGLangEngine(HTTPEngineBase):
@@ -43,8 +41,15 @@ class SGLangEngine(HTTPEngineBase):
         retry: RetryPolicy | None = None,
         seed: int | None = None,
     ) -> None:
-        super().__init__(base_url, api_key=api_key, timeout_s=timeout_s, max_retries=max_retries,
-                         max_connections=max_connections, retry=retry, seed=seed)
+        super().__init__(
+            base_url,
+            api_key=api_key,
+            timeout_s=timeout_s,
+            max_retries=max_retries,
+            max_connections=max_connections,
+            retry=retry,
+            seed=seed,
+        )
 
     @staticmethod
     def generate_request(prompts_P: list[list[int]], params: SamplingParams) -> dict[str, Any]:
@@ -87,15 +92,23 @@ class SGLangEngine(HTTPEngineBase):
             body = {"model_path": path, "weight_version": str(version), "abort_all_requests": False}
             data = (await self._call("POST", "/update_weights_from_disk", json=body)).json()
             if not data.get("success", False):
-                raise EngineError(f"{self.name}: update_weights_from_disk failed: {data.get('message')}",
-                                  engine=self.name, url=f"{self.name}/update_weights_from_disk", status=200,
-                                  text=str(data.get("message")))
+                raise EngineError(
+                    f"{self.name}: update_weights_from_disk failed: {data.get('message')}",
+                    engine=self.name,
+                    url=f"{self.name}/update_weights_from_disk",
+                    status=200,
+                    text=str(data.get("message")),
+                )
             await self._call("POST", "/flush_cache")
         got = await self.weight_version()
         if got != version:
-            raise EngineError(f"{self.name}: weight version reads {got!r} after setting {version}",
-                              engine=self.name, url=f"{self.name}/get_weight_version", status=200, text=str(got))
-
+            raise EngineError(
+                f"{self.name}: weight version reads {got!r} after setting {version}",
+                engine=self.name,
+                url=f"{self.name}/get_weight_version",
+                status=200,
+                text=str(got),
+            )
 
 
 def parse_generate_response(
@@ -105,29 +118,49 @@ def parse_generate_response(
     outputs = data if isinstance(data, list) else [data]
     expected = len(prompts_P) * params.n
     if len(outputs) != expected:
-        raise EngineError(f"{engine}: /generate returned {len(outputs)} outputs, expected {expected}",
-                          engine=engine, url=f"{engine}/generate", status=200, text=str(data)[:500])
+        raise EngineError(
+            f"{engine}: /generate returned {len(outputs)} outputs, expected {expected}",
+            engine=engine,
+            url=f"{engine}/generate",
+            status=200,
+            text=str(data)[:500],
+        )
     samples = []
     for i, out in enumerate(outputs):
         meta: Mapping[str, Any] = out.get("meta_info") or {}
         finish = meta.get("finish_reason") or {}
         if finish.get("type") == "abort":
-            raise EngineError(f"{engine}: generation aborted: {finish.get('message')}", engine=engine,
-                              url=f"{engine}/generate", status=200, text=str(finish))
+            raise EngineError(
+                f"{engine}: generation aborted: {finish.get('message')}",
+                engine=engine,
+                url=f"{engine}/generate",
+                status=200,
+                text=str(finish),
+            )
         logprob_entries = meta.get("output_token_logprobs")
         if params.logprobs:
             if logprob_entries is None:
-                raise EngineError(f"{engine}: return_logprob was set but meta_info has no output_token_logprobs",
-                                  engine=engine, url=f"{engine}/generate", status=200, text=str(meta)[:500])
+                raise EngineError(
+                    f"{engine}: return_logprob was set but meta_info has no output_token_logprobs",
+                    engine=engine,
+                    url=f"{engine}/generate",
+                    status=200,
+                    text=str(meta)[:500],
+                )
             response_ids = [int(entry[1]) for entry in logprob_entries]
             logprobs_R: list[float] | None = [float(entry[0]) for entry in logprob_entries]
         else:
             response_ids = [int(t) for t in out["output_ids"]]
             logprobs_R = None
         version = parse_weight_version(meta.get("weight_version"))
-        samples.append(make_sample(
-            prompt_ids=prompts_P[i // params.n], response_ids=response_ids, logprobs_R=logprobs_R,
-            truncated=finish.get("type") == "length",
-            weight_version=version if version is not None else fallback_version, engine=engine,
-        ))
+        samples.append(
+            make_sample(
+                prompt_ids=prompts_P[i // params.n],
+                response_ids=response_ids,
+                logprobs_R=logprobs_R,
+                truncated=finish.get("type") == "length",
+                weight_version=version if version is not None else fallback_version,
+                engine=engine,
+            )
+        )
     return samples

@@ -64,9 +64,13 @@ def vllm_unavailable_reason(venv_dir: str | os.PathLike[str] | None = None) -> s
     """Why a vLLM server cannot be started here (None: it can)."""
     python = find_vllm_python(venv_dir)
     if python is None:
-        return (f"no vLLM venv: run scripts/setup_vllm_cpu.sh (creates .vllm-venv) or set ${VENV_ENV_VAR}")
-    probe = subprocess.run([python, "-c", "import vllm, torch, transformers, anyio"], capture_output=True,
-                           text=True, timeout=_SCRIPT_TIMEOUT_S)
+        return f"no vLLM venv: run scripts/setup_vllm_cpu.sh (creates .vllm-venv) or set ${VENV_ENV_VAR}"
+    probe = subprocess.run(
+        [python, "-c", "import vllm, torch, transformers, anyio"],
+        capture_output=True,
+        text=True,
+        timeout=_SCRIPT_TIMEOUT_S,
+    )
     if probe.returncode != 0:
         return f"{python} cannot import vllm/torch/transformers/anyio: {probe.stderr.strip().splitlines()[-1:]}"
     return None
@@ -82,8 +86,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 def _run_script(python: str, args: Sequence[str]) -> str:
     if not _SCRIPT.is_file():
         raise RuntimeError(f"{_SCRIPT} is missing: the tiny-model helpers need a source checkout of rollouts")
-    out = subprocess.run([python, str(_SCRIPT), *args], capture_output=True, text=True, timeout=_SCRIPT_TIMEOUT_S,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [python, str(_SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=_SCRIPT_TIMEOUT_S,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{_SCRIPT.name} {' '.join(args)} failed ({out.returncode}): {out.stderr[-2000:]}")
     return out.stdout
@@ -95,12 +104,16 @@ def build_tiny_model(out_dir: str | os.PathLike[str], *, python: str, seed: int 
     return Path(out_dir)
 
 
-def reference_greedy(model_dir: str | os.PathLike[str], prompt: Sequence[int], max_new_tokens: int, *,
-                     python: str) -> tuple[list[int], list[float]]:
+def reference_greedy(
+    model_dir: str | os.PathLike[str], prompt: Sequence[int], max_new_tokens: int, *, python: str
+) -> tuple[list[int], list[float]]:
     """Greedy response ids and log-probs from a transformers float32 forward pass (no KV cache)."""
     prompt_arg = ",".join(str(int(t)) for t in prompt)
-    out = json.loads(_run_script(python, ["greedy", str(model_dir), "--prompt", prompt_arg,
-                                          "--max-new-tokens", str(max_new_tokens)]).strip().splitlines()[-1])
+    out = json.loads(
+        _run_script(python, ["greedy", str(model_dir), "--prompt", prompt_arg, "--max-new-tokens", str(max_new_tokens)])
+        .strip()
+        .splitlines()[-1]
+    )
     return out["tokens"], out["logprobs"]
 
 
@@ -159,17 +172,42 @@ def launch_vllm_server(
         raise RuntimeError(vllm_unavailable_reason() or "no vLLM python")
     port = port if port is not None else free_port()
     log = Path(log_path) if log_path is not None else Path(model_dir).with_name(f"vllm-{port}.log")
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_model_len), "--enforce-eager",
-           *(["--worker-extension-cls", WORKER_EXTENSION_CLS] if worker_extension else []), *extra_args]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
-           "PYTHONPATH": os.pathsep.join([str(_SYNC_SRC), str(_TYPES_SRC), os.environ.get("PYTHONPATH", "")])}
+    cmd = [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(max_model_len),
+        "--enforce-eager",
+        *(["--worker-extension-cls", WORKER_EXTENSION_CLS] if worker_extension else []),
+        *extra_args,
+    ]
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_SERVER_DEV_MODE": "1",
+        "PYTHONPATH": os.pathsep.join([str(_SYNC_SRC), str(_TYPES_SRC), os.environ.get("PYTHONPATH", "")]),
+    }
     if api_key is not None:
         env["VLLM_API_KEY"] = api_key  # via the environment, so the key is not on a command line
     url = f"http://127.0.0.1:{port}"
     with open(log, "wb") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                cwd=str(Path(model_dir).parent))
+        proc = subprocess.Popen(
+            cmd,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            cwd=str(Path(model_dir).parent),
+        )
     try:
         _wait_healthy(proc, url, log, startup_timeout_s)
         yield VLLMServer(url=url, pid=proc.pid, port=port, log_path=log, model_dir=Path(model_dir))

@@ -50,8 +50,15 @@ class VLLMEngine(HTTPEngineBase):
     ) -> None:
         if pause_mode not in ("wait", "abort", "keep"):
             raise ValueError(f"pause_mode must be 'wait', 'abort' or 'keep', got {pause_mode!r}")
-        super().__init__(base_url, api_key=api_key, timeout_s=timeout_s, max_retries=max_retries,
-                         max_connections=max_connections, retry=retry, seed=seed)
+        super().__init__(
+            base_url,
+            api_key=api_key,
+            timeout_s=timeout_s,
+            max_retries=max_retries,
+            max_connections=max_connections,
+            retry=retry,
+            seed=seed,
+        )
         self.pause_mode = pause_mode
         self._model = model
 
@@ -128,7 +135,10 @@ class VLLMEngine(HTTPEngineBase):
         if got != version:
             raise EngineError(
                 f"{self.name}: weight version reads {got!r} after setting {version}",
-                engine=self.name, url=f"{self.name}/weight_info", status=200, text=str(got),
+                engine=self.name,
+                url=f"{self.name}/weight_info",
+                status=200,
+                text=str(got),
             )
 
     async def reset_prefix_cache(self) -> None:
@@ -137,7 +147,10 @@ class VLLMEngine(HTTPEngineBase):
         if data.get("success") is False:
             raise EngineError(
                 f"{self.name}: /reset_prefix_cache answered success=false (blocks still held by running requests)",
-                engine=self.name, url=f"{self.name}/reset_prefix_cache", status=200, text=str(data),
+                engine=self.name,
+                url=f"{self.name}/reset_prefix_cache",
+                status=200,
+                text=str(data),
             )
 
     @staticmethod
@@ -151,8 +164,13 @@ class VLLMEngine(HTTPEngineBase):
 def _raise_on_rpc_error(data: Mapping[str, Any], *, engine: str, url: str) -> None:
     for result in data.get("results") or []:
         if isinstance(result, dict) and result.get("error"):
-            raise EngineError(f"{engine}: collective_rpc failed: {result['error']}", engine=engine, url=url,
-                              status=200, text=str(result["error"]))
+            raise EngineError(
+                f"{engine}: collective_rpc failed: {result['error']}",
+                engine=engine,
+                url=url,
+                status=200,
+                text=str(result["error"]),
+            )
 
 
 def tensor_rpc_bodies(tensors: Mapping[str, np.ndarray], *, chunk_bytes: int) -> list[dict[str, Any]]:
@@ -179,12 +197,18 @@ def tensor_rpc_bodies(tensors: Mapping[str, np.ndarray], *, chunk_bytes: int) ->
         payload = base64.b64encode(safetensors_save(chunk)).decode("ascii")
         apply = "1" if i == len(chunks) - 1 else "0"
         first = "1" if i == 0 else "0"
-        bodies.append({"method": "rollouts_load_weights", "kwargs": {"data_b64": payload, "apply": apply, "first": first}})
+        bodies.append(
+            {"method": "rollouts_load_weights", "kwargs": {"data_b64": payload, "apply": apply, "first": first}}
+        )
     return bodies
 
 
 def parse_completion_response(
-    data: Mapping[str, Any], prompts_P: list[list[int]], params: SamplingParams, *, weight_version: int | None,
+    data: Mapping[str, Any],
+    prompts_P: list[list[int]],
+    params: SamplingParams,
+    *,
+    weight_version: int | None,
     engine: str,
 ) -> list[Sample]:
     """[P * N] Samples from a /v1/completions response, ordered by choice index (prompt-major)."""
@@ -193,7 +217,10 @@ def parse_completion_response(
     if len(choices) != expected:
         raise EngineError(
             f"{engine}: /v1/completions returned {len(choices)} choices, expected {len(prompts_P)} prompts x n={params.n}",
-            engine=engine, url=f"{engine}/v1/completions", status=200, text=str(data)[:500],
+            engine=engine,
+            url=f"{engine}/v1/completions",
+            status=200,
+            text=str(data)[:500],
         )
     samples = []
     for i, choice in enumerate(choices):
@@ -202,39 +229,70 @@ def parse_completion_response(
             raise EngineError(
                 f"{engine}: choice {i} ended with finish_reason={finish!r}, not 'stop' or 'length': "
                 "a partial response, never to be scored as finished",
-                engine=engine, url=f"{engine}/v1/completions", status=200, text=str(choice)[:500],
+                engine=engine,
+                url=f"{engine}/v1/completions",
+                status=200,
+                text=str(choice)[:500],
             )
         prompt = prompts_P[i // params.n]
         response_ids, logprobs_R = _choice_tokens(choice, want_logprobs=params.logprobs, engine=engine)
-        samples.append(make_sample(
-            prompt_ids=prompt, response_ids=response_ids, logprobs_R=logprobs_R,
-            truncated=finish == "length", weight_version=weight_version, engine=engine,
-        ))
+        samples.append(
+            make_sample(
+                prompt_ids=prompt,
+                response_ids=response_ids,
+                logprobs_R=logprobs_R,
+                truncated=finish == "length",
+                weight_version=weight_version,
+                engine=engine,
+            )
+        )
     return samples
 
 
-def _choice_tokens(choice: Mapping[str, Any], *, want_logprobs: bool, engine: str) -> tuple[list[int], list[float] | None]:
+def _choice_tokens(
+    choice: Mapping[str, Any], *, want_logprobs: bool, engine: str
+) -> tuple[list[int], list[float] | None]:
     logprobs = choice.get("logprobs")
     ids = choice.get("token_ids")
     if logprobs is not None and logprobs.get("tokens") is not None:
         from_logprobs = [_token_id(t, engine=engine) for t in logprobs["tokens"]]
         if ids is not None and list(ids) != from_logprobs:
-            raise EngineError(f"{engine}: token_ids and logprobs.tokens disagree", engine=engine,
-                              url=f"{engine}/v1/completions", status=200, text=str(choice)[:500])
+            raise EngineError(
+                f"{engine}: token_ids and logprobs.tokens disagree",
+                engine=engine,
+                url=f"{engine}/v1/completions",
+                status=200,
+                text=str(choice)[:500],
+            )
         ids = from_logprobs
     if ids is None:
-        raise EngineError(f"{engine}: a choice carries neither token_ids nor logprobs.tokens", engine=engine,
-                          url=f"{engine}/v1/completions", status=200, text=str(choice)[:500])
+        raise EngineError(
+            f"{engine}: a choice carries neither token_ids nor logprobs.tokens",
+            engine=engine,
+            url=f"{engine}/v1/completions",
+            status=200,
+            text=str(choice)[:500],
+        )
     if not want_logprobs:
         return [int(t) for t in ids], None
     if logprobs is None:
-        raise EngineError(f"{engine}: logprobs were asked for but the choice has none", engine=engine,
-                          url=f"{engine}/v1/completions", status=200, text=str(choice)[:500])
+        raise EngineError(
+            f"{engine}: logprobs were asked for but the choice has none",
+            engine=engine,
+            url=f"{engine}/v1/completions",
+            status=200,
+            text=str(choice)[:500],
+        )
     return [int(t) for t in ids], [float(x) for x in logprobs["token_logprobs"]]
 
 
 def _token_id(token: str, *, engine: str) -> int:
     if not token.startswith(_TOKEN_ID_PREFIX):
-        raise EngineError(f"{engine}: token {token!r} is not in 'token_id:N' form (return_tokens_as_token_ids ignored?)",
-                          engine=engine, url=f"{engine}/v1/completions", status=200, text=token)
-    return int(token[len(_TOKEN_ID_PREFIX):])
+        raise EngineError(
+            f"{engine}: token {token!r} is not in 'token_id:N' form (return_tokens_as_token_ids ignored?)",
+            engine=engine,
+            url=f"{engine}/v1/completions",
+            status=200,
+            text=token,
+        )
+    return int(token[len(_TOKEN_ID_PREFIX) :])

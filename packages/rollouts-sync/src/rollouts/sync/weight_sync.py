@@ -77,7 +77,9 @@ async def sync_weights_to_engines(
     check_seconds("timeout_s", timeout_s)
     check_weight_version(weight_version)  # the caller's mistake, not N engine failures
     if not isinstance(checkpoint_dir, str) or not checkpoint_dir:
-        raise ValueError(f"checkpoint_dir must be a non-empty str (the path as the engines see it), got {checkpoint_dir!r}")
+        raise ValueError(
+            f"checkpoint_dir must be a non-empty str (the path as the engines see it), got {checkpoint_dir!r}"
+        )
     names = [e.name for e in engines]
     if len(set(names)) != len(names):
         raise ValueError(f"engine names must be unique (they identify engines in errors), got {names}")
@@ -90,18 +92,24 @@ async def sync_weights_to_engines(
                 await engine.update_weights_from_disk(checkpoint_dir, weight_version)
                 got = await engine.weight_version()
             if got != weight_version:
-                outcomes[i] = EngineFailure(engine=engine.name, url=engine.name, status=None,
-                                            text=f"reports weight version {got!r} after the update, expected {weight_version}")
+                outcomes[i] = EngineFailure(
+                    engine=engine.name,
+                    url=engine.name,
+                    status=None,
+                    text=f"reports weight version {got!r} after the update, expected {weight_version}",
+                )
                 return
             outcomes[i] = time.perf_counter() - start_s
         except TimeoutError:
-            outcomes[i] = EngineFailure(engine=engine.name, url=engine.name, status=None,
-                                        text=f"did not finish within timeout_s={timeout_s}")
+            outcomes[i] = EngineFailure(
+                engine=engine.name, url=engine.name, status=None, text=f"did not finish within timeout_s={timeout_s}"
+            )
         except EngineError as exc:
             outcomes[i] = EngineFailure(engine=engine.name, url=exc.url, status=exc.status, text=str(exc))
         except Exception as exc:  # noqa: BLE001 - one engine's bug must not hide the others' results
-            outcomes[i] = EngineFailure(engine=engine.name, url=engine.name, status=None,
-                                        text=f"{type(exc).__name__}: {exc}")
+            outcomes[i] = EngineFailure(
+                engine=engine.name, url=engine.name, status=None, text=f"{type(exc).__name__}: {exc}"
+            )
 
     async with anyio.create_task_group() as tg:
         for i, engine in enumerate(engines):

@@ -13,8 +13,8 @@ from rollouts.types.configs import (
     from_dict,
 )
 from rollouts.types.protocols import (
-    EnvStep,
     Environment,
+    EnvStep,
     FilterFn,
     GenerateFn,
     InferenceEngine,

@@ -260,7 +260,9 @@ class AlgorithmConfig:
         require(0.0 <= self.gamma <= 1.0, f"{n}.gamma", self.gamma, "be in [0, 1]")
         require(0.0 <= self.lam <= 1.0, f"{n}.lam", self.lam, "be in [0, 1]")
         require(self.overlong_buffer_length >= 0, f"{n}.overlong_buffer_length", self.overlong_buffer_length, "be >= 0")
-        require(self.overlong_penalty_factor >= 0, f"{n}.overlong_penalty_factor", self.overlong_penalty_factor, "be >= 0")
+        require(
+            self.overlong_penalty_factor >= 0, f"{n}.overlong_penalty_factor", self.overlong_penalty_factor, "be >= 0"
+        )
         require(self.num_updates_per_batch >= 1, f"{n}.num_updates_per_batch", self.num_updates_per_batch, "be >= 1")
 
     def _check_loss_variant_fields(self) -> None:
@@ -274,18 +276,34 @@ class AlgorithmConfig:
         require(self.kl_cov_coef >= 0, f"{n}.kl_cov_coef", self.kl_cov_coef, "be >= 0")
         require(self.log_ratio_sq_coef >= 0, f"{n}.log_ratio_sq_coef", self.log_ratio_sq_coef, "be >= 0")
         if self.off_policy_mask_threshold is not None:
-            require(self.off_policy_mask_threshold >= 0, f"{n}.off_policy_mask_threshold",
-                    self.off_policy_mask_threshold, "be >= 0 or None (a mean KL estimate is compared to it)")
-        require(0.0 < self.top_entropy_quantile <= 1.0, f"{n}.top_entropy_quantile", self.top_entropy_quantile,
-                "be in (0, 1] (1.0 trains every token)")
+            require(
+                self.off_policy_mask_threshold >= 0,
+                f"{n}.off_policy_mask_threshold",
+                self.off_policy_mask_threshold,
+                "be >= 0 or None (a mean KL estimate is compared to it)",
+            )
+        require(
+            0.0 < self.top_entropy_quantile <= 1.0,
+            f"{n}.top_entropy_quantile",
+            self.top_entropy_quantile,
+            "be in (0, 1] (1.0 trains every token)",
+        )
         if self.kl_target is not None:
             require(self.kl_target > 0, f"{n}.kl_target", self.kl_target, "be > 0 or None")
-            require(self.kl_coef > 0, f"{n}.kl_target", self.kl_target,
-                    f"go with kl_coef > 0 (got {self.kl_coef}): the controller multiplies the coefficient, so 0 stays 0")
+            require(
+                self.kl_coef > 0,
+                f"{n}.kl_target",
+                self.kl_target,
+                f"go with kl_coef > 0 (got {self.kl_coef}): the controller multiplies the coefficient, so 0 stays 0",
+            )
         require(self.kl_horizon >= 1, f"{n}.kl_horizon", self.kl_horizon, "be >= 1")
         if self.rs_level != "none":
-            require(self.rs_low is not None or self.rs_high is not None, f"{n}.rs_level", self.rs_level,
-                    "go with rs_low or rs_high (a rejection rule without a bound rejects nothing)")
+            require(
+                self.rs_low is not None or self.rs_high is not None,
+                f"{n}.rs_level",
+                self.rs_level,
+                "go with rs_low or rs_high (a rejection rule without a bound rejects nothing)",
+            )
         if self.rs_low is not None and self.rs_high is not None:
             require(self.rs_low < self.rs_high, f"{n}.rs_low", self.rs_low, f"be < rs_high ({self.rs_high})")
 
@@ -369,7 +387,8 @@ class RLConfig:
         group = self.algorithm.advantage_estimator in GROUP_ESTIMATORS
         require(
             not (group and self.rollout.sampling.temperature == 0 and self.rollout.samples_per_prompt > 1),
-            f"{n}.rollout.sampling.temperature", self.rollout.sampling.temperature,
+            f"{n}.rollout.sampling.temperature",
+            self.rollout.sampling.temperature,
             f"be > 0 with {self.algorithm.advantage_estimator!r} advantages and samples_per_prompt="
             f"{self.rollout.samples_per_prompt}: greedy samples of a group are identical, so every advantage "
             "is 0 and nothing is learned",

@@ -104,7 +104,9 @@ class EnvStep:
         if isinstance(self.observation, (list, tuple)):
             object.__setattr__(self, "observation", tuple(self.observation))
             if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.observation):
-                raise TypeError(f"EnvStep.observation token ids must be non-negative ints, got {self.observation!r:.80}")
+                raise TypeError(
+                    f"EnvStep.observation token ids must be non-negative ints, got {self.observation!r:.80}"
+                )
         elif not isinstance(self.observation, str):
             raise TypeError(f"EnvStep.observation must be text or token ids, got {type(self.observation).__name__}")
         if isinstance(self.reward, bool) or not isinstance(self.reward, (int, float)) or not math.isfinite(self.reward):

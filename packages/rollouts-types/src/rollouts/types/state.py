@@ -52,9 +52,7 @@ class TrainingState:
     def with_weight_version(self, weight_version: int) -> TrainingState:
         """The state after the engines were given weights of `weight_version`."""
         if weight_version < self.weight_version:
-            raise ValueError(
-                f"weight_version may only grow: {weight_version} < current {self.weight_version}"
-            )
+            raise ValueError(f"weight_version may only grow: {weight_version} < current {self.weight_version}")
         return dataclasses.replace(self, weight_version=weight_version)
 
     def to_dict(self) -> dict[str, int]:

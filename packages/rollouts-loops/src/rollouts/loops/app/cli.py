@@ -53,7 +53,9 @@ def _prepare_run(run: Any, command: str, source: str) -> tuple[Any, bool]:
     from rollouts.loops.distributed import broadcast_json, rank_world
     from rollouts.loops.run_dir import check_resume, file_fingerprint
 
-    run = dataclasses.replace(run, run=dataclasses.replace(run.run, out_dir=run.run.out_dir or _default_out_dir(command)))
+    run = dataclasses.replace(
+        run, run=dataclasses.replace(run.run, out_dir=run.run.out_dir or _default_out_dir(command))
+    )
     out = Path(run.run.out_dir)
     verdict: dict[str, Any] | None = None
     if rank_world()[0] == 0:
@@ -78,7 +80,9 @@ def _check_paths(run: Any, source: str, *, model: bool = True) -> None:
     `model=False` skips model.path (a pipeline's RL stage starts from what SFT will write).
     """
     if model and (not run.model.path or not (Path(run.model.path) / "config.json").is_file()):
-        raise ConfigError(f"{source}: model.path {run.model.path!r} must be a local HF-format model directory (config.json)")
+        raise ConfigError(
+            f"{source}: model.path {run.model.path!r} must be a local HF-format model directory (config.json)"
+        )
     if not run.data.train_path or not Path(run.data.train_path).is_file():
         raise ConfigError(f"{source}: data.train_path {run.data.train_path!r} must be an existing JSONL/JSON file")
     if run.data.eval_path and not Path(run.data.eval_path).is_file():
@@ -103,12 +107,22 @@ def _components(run: Any, optimizer, num_training_steps: int):
     if world > 1 and device.startswith("cuda"):
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     if world == 1:
-        return build_components(run.model.path, optimizer, num_training_steps=num_training_steps, dtype=dtype,
-                                device=device, attn_implementation=run.model.attn_implementation)
+        return build_components(
+            run.model.path,
+            optimizer,
+            num_training_steps=num_training_steps,
+            dtype=dtype,
+            device=device,
+            attn_implementation=run.model.attn_implementation,
+        )
     model = _sharded_model(run, device)
     opt = build_optimizer(model, optimizer)
-    return TrainingComponents(model=model, optimizer=opt, device=torch.device(device),
-                              scheduler=build_scheduler(opt, optimizer, num_training_steps=num_training_steps))
+    return TrainingComponents(
+        model=model,
+        optimizer=opt,
+        device=torch.device(device),
+        scheduler=build_scheduler(opt, optimizer, num_training_steps=num_training_steps),
+    )
 
 
 def _sharded_model(run: Any, device: Any):
@@ -118,8 +132,12 @@ def _sharded_model(run: Any, device: Any):
     from rollouts.backends import load_hf_model
     from rollouts.backends.distributed import shard_model
 
-    model = load_hf_model(run.model.path, dtype=getattr(torch, _DTYPES[run.model.dtype]), device=device,
-                          attn_implementation=run.model.attn_implementation)
+    model = load_hf_model(
+        run.model.path,
+        dtype=getattr(torch, _DTYPES[run.model.dtype]),
+        device=device,
+        attn_implementation=run.model.attn_implementation,
+    )
     return shard_model(model, activation_checkpointing=run.model.gradient_checkpointing)
 
 
@@ -139,8 +157,15 @@ def _loggers(run: Any, out: Path, name: str, total: int, *, rank: int = 0):
     if run.log.tensorboard:
         loggers.append(TensorboardLogger(out / "tensorboard"))
     if run.log.wandb:
-        loggers.append(WandbLogger(project=run.log.wandb_project, name=run.log.wandb_name or out.name,
-                                   mode=run.log.wandb_mode, dir=str(out), config=dataclasses.asdict(run)))
+        loggers.append(
+            WandbLogger(
+                project=run.log.wandb_project,
+                name=run.log.wandb_name or out.name,
+                mode=run.log.wandb_mode,
+                dir=str(out),
+                config=dataclasses.asdict(run),
+            )
+        )
     return MultiLogger(loggers)
 
 
@@ -148,21 +173,23 @@ def cmd_sft(run: SFTRun, source: str) -> Path:
     """Tokenize conversations with the model's chat template and train; returns the checkpoint root."""
     _check_paths(run, source)
     from rollouts.data import load_conversations, tokenize_conversation
-    from rollouts.loops import CHECKPOINTS_DIR
-    from rollouts.loops import run_sft_training
+    from rollouts.loops import CHECKPOINTS_DIR, run_sft_training
 
     rank, world = _distributed()
     run, resume = _prepare_run(run, "sft", source)
     out = Path(run.run.out_dir)
     tokenizer = _tokenizer(run)
     conversations = load_conversations(run.data.train_path)
-    samples = [tokenize_conversation(list(c), tokenizer, max_length=run.sft.max_length, train_on=run.sft.train_on)
-               for c in conversations]
+    samples = [
+        tokenize_conversation(list(c), tokenizer, max_length=run.sft.max_length, train_on=run.sft.train_on)
+        for c in conversations
+    ]
     components = _components(run, run.sft.optimizer, run.sft.num_steps)
     logger = _loggers(run, out, "sft", run.sft.num_steps, rank=rank)
     try:
-        state, _ = run_sft_training(components, samples, run.sft, logger=logger, run_dir=out, resume=resume,
-                                    tokenizer=tokenizer)
+        state, _ = run_sft_training(
+            components, samples, run.sft, logger=logger, run_dir=out, resume=resume, tokenizer=tokenizer
+        )
     finally:
         logger.close()
     print(f"sft: finished at step {state.step}; checkpoints in {out / CHECKPOINTS_DIR}", file=sys.stderr)
@@ -177,6 +204,7 @@ def _encoder(tokenizer):
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
     return encode
 
 
@@ -189,19 +217,22 @@ def _builtin_reward(name: str, answer_key: str) -> Any:
 
         return environment_reward
     if name == "math_answer":
+
         def math_answer(sample: Any, record: Any) -> float:
             return math_answer_reward(sample, answer_key=answer_key)
+
         return math_answer
+
     def exact_match(sample: Any, record: Any) -> float:
         return exact_answer_reward(sample, record, answer_key=answer_key)
+
     return exact_match
 
 
 def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
     """run_rl_training's plug-point arguments from [reward] and [hooks], checked before any work."""
+    from rollouts.loops import PluginError, Reward, resolve_function
     from rollouts.loops.app.config import BUILTIN_REWARDS
-    from rollouts.loops import PluginError, resolve_function
-    from rollouts.loops import Reward
 
     spec = run.reward
     try:
@@ -210,8 +241,9 @@ def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
         else:
             what = "reward(samples, records) -> list[float]" if spec.batched else "reward(sample, record) -> float"
             fn = resolve_function(spec.fn, key="reward.fn", num_positional=2, what=what)
-        hooks: dict[str, Any] = {"reward": Reward(fn=fn, batched=spec.batched, on_error=spec.on_error,
-                                                  timeout_s=spec.timeout_s)}
+        hooks: dict[str, Any] = {
+            "reward": Reward(fn=fn, batched=spec.batched, on_error=spec.on_error, timeout_s=spec.timeout_s)
+        }
         for key, arg, arity, what in (
             ("rollout", "rollout", 2, "rollout(record, ctx) -> list[Sample]"),
             ("filter", "filter_fn", 1, "filter(group) -> str | None"),
@@ -231,24 +263,31 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
     import copy
 
     from rollouts.backends import InProcessEngine, load_hf_model
-    from rollouts.loops.distributed import rank_world
     from rollouts.loops import CoalescingEngine, remote_engine
+    from rollouts.loops.distributed import rank_world
 
     rank, world = rank_world()
     if rank != 0:
         return None
     if run.engine.kind != "inprocess":
-        return remote_engine(run.engine.kind, run.engine.urls, api_key_env=run.engine.api_key_env,
-                             timeout_s=run.engine.timeout_s, max_retries=run.engine.max_retries,
-                             sync_timeout_s=run.engine.sync_timeout_s)
+        return remote_engine(
+            run.engine.kind,
+            run.engine.urls,
+            api_key_env=run.engine.api_key_env,
+            timeout_s=run.engine.timeout_s,
+            max_retries=run.engine.max_retries,
+            sync_timeout_s=run.engine.sync_timeout_s,
+        )
     if shares:
         model = components.model
     elif world == 1:
         model = copy.deepcopy(components.model)
     else:  # the trained model is sharded: rank 0 samples from a full copy of its own
         model = load_hf_model(run.model.path, device=components.device)
-    return CoalescingEngine(InProcessEngine(model, shares_training_model=shares, tokenizer=tokenizer),
-                            max_prompts_per_call=run.rl.rollout.batch_size)
+    return CoalescingEngine(
+        InProcessEngine(model, shares_training_model=shares, tokenizer=tokenizer),
+        max_prompts_per_call=run.rl.rollout.batch_size,
+    )
 
 
 def _evaluation(run: RLRun) -> Any:
@@ -273,9 +312,8 @@ def cmd_rl(run: RLRun, source: str) -> Path:
     """RL from the configured model against the configured engine(s); returns the checkpoint root."""
     _check_paths(run, source)
     from rollouts.data import DataBuffer, load_prompts
-    from rollouts.loops import run_rl_training
+    from rollouts.loops import CHECKPOINTS_DIR, run_rl_training
     from rollouts.loops.policy_update import check_algorithm
-    from rollouts.loops import CHECKPOINTS_DIR
 
     try:
         check_algorithm(run.rl.algorithm)
@@ -302,15 +340,28 @@ def cmd_rl(run: RLRun, source: str) -> Path:
     logger = _loggers(run, out, "rl", run.rl.num_steps * run.rl.algorithm.num_updates_per_batch, rank=rank)
     try:
         state, _ = run_rl_training(
-            components, DataBuffer(records, seed=run.rl.seed), _rl_engine(run, components, tokenizer, shares=shares),
-            run.rl, encode_prompt=_encoder(tokenizer), logger=logger, run_dir=out, engine_shares_model=shares,
-            resume=resume, tokenizer=tokenizer, ref_components=ref_components, evaluation=evaluation,
-            num_logged_completions=run.log.num_sample_completions, **hooks,
+            components,
+            DataBuffer(records, seed=run.rl.seed),
+            _rl_engine(run, components, tokenizer, shares=shares),
+            run.rl,
+            encode_prompt=_encoder(tokenizer),
+            logger=logger,
+            run_dir=out,
+            engine_shares_model=shares,
+            resume=resume,
+            tokenizer=tokenizer,
+            ref_components=ref_components,
+            evaluation=evaluation,
+            num_logged_completions=run.log.num_sample_completions,
+            **hooks,
         )
     finally:
         logger.close()
-    print(f"rl: finished at step {state.step}, weight version {state.weight_version}; "
-          f"checkpoints in {out / CHECKPOINTS_DIR}", file=sys.stderr)
+    print(
+        f"rl: finished at step {state.step}, weight version {state.weight_version}; "
+        f"checkpoints in {out / CHECKPOINTS_DIR}",
+        file=sys.stderr,
+    )
     return out / CHECKPOINTS_DIR
 
 
@@ -323,8 +374,11 @@ def cmd_eval(run: RLRun, source: str, checkpoint: str) -> dict[str, float]:
 
     if not (Path(checkpoint) / "config.json").is_file():
         raise ConfigError(f"--checkpoint {checkpoint!r} must be an HF-format model directory (config.json)")
-    run = dataclasses.replace(run, model=dataclasses.replace(run.model, path=checkpoint),
-                              eval=dataclasses.replace(run.eval, every_steps=max(1, run.eval.every_steps)))
+    run = dataclasses.replace(
+        run,
+        model=dataclasses.replace(run.model, path=checkpoint),
+        eval=dataclasses.replace(run.eval, every_steps=max(1, run.eval.every_steps)),
+    )
     _check_paths(run, source)
     evaluation = _evaluation(run)
     reward = resolve_hooks(run, source)["reward"]
@@ -338,13 +392,13 @@ def cmd_eval(run: RLRun, source: str, checkpoint: str) -> dict[str, float]:
 
 _SECTIONS = {
     "sft": "[model] path, dtype, device, attn_implementation, gradient_checkpointing\n"
-           "  [data] train_path (chat JSONL: messages)\n  [run] out_dir, resume\n"
-           "  [log] wandb, tensorboard\n  [sft] num_steps, batch_size, max_length, ... [sft.optimizer] [sft.checkpoint]",
+    "  [data] train_path (chat JSONL: messages)\n  [run] out_dir, resume\n"
+    "  [log] wandb, tensorboard\n  [sft] num_steps, batch_size, max_length, ... [sft.optimizer] [sft.checkpoint]",
     "rl": "preset = grpo | drgrpo | dapo | ...\n  [model] path, ...\n  [data] train_path, eval_path, prompt_key, answer_key\n"
-          "  [engine] kind (inprocess | vllm | sglang), urls, timeouts\n  [run] out_dir, resume\n"
-          "  [reward] fn, batched, on_error, timeout_s\n  [hooks] rollout, filter, advantages, loss\n"
-          "  [eval] every_steps, samples_per_prompt, temperature\n  [log] wandb, tensorboard, num_sample_completions\n"
-          "  [rl] num_steps, overlap, ... [rl.rollout] [rl.rollout.sampling] [rl.algorithm] [rl.optimizer] [rl.checkpoint]",
+    "  [engine] kind (inprocess | vllm | sglang), urls, timeouts\n  [run] out_dir, resume\n"
+    "  [reward] fn, batched, on_error, timeout_s\n  [hooks] rollout, filter, advantages, loss\n"
+    "  [eval] every_steps, samples_per_prompt, temperature\n  [log] wandb, tensorboard, num_sample_completions\n"
+    "  [rl] num_steps, overlap, ... [rl.rollout] [rl.rollout.sampling] [rl.algorithm] [rl.optimizer] [rl.checkpoint]",
 }
 
 
@@ -358,20 +412,35 @@ def _version() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rollouts", description="SFT and RL post-training for LLMs.",
-                                     epilog="Every key of a run file, with its default and meaning: "
-                                            "rollouts config show sft|rl. Examples: examples/*.toml.")
+    parser = argparse.ArgumentParser(
+        prog="rollouts",
+        description="SFT and RL post-training for LLMs.",
+        epilog="Every key of a run file, with its default and meaning: "
+        "rollouts config show sft|rl. Examples: examples/*.toml.",
+    )
     parser.add_argument("--version", action="version", version=f"rollouts {_version()}")
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-                        help="level of the library's log messages on stderr (default INFO)")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="level of the library's log messages on stderr (default INFO)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, what in (("sft", "supervised fine-tuning"), ("rl", "reinforcement learning")):
-        p = sub.add_parser(name, help=what, formatter_class=argparse.RawDescriptionHelpFormatter,
-                           epilog=f"run file sections:\n  {_SECTIONS[name]}\n\nall keys: rollouts config show {name}")
+        p = sub.add_parser(
+            name,
+            help=what,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog=f"run file sections:\n  {_SECTIONS[name]}\n\nall keys: rollouts config show {name}",
+        )
         p.add_argument("--config", required=True, help="TOML run file")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
-        p.add_argument("--resume", choices=("auto", "never", "must"), default=None,
-                       help="override run.resume: auto (if out_dir has a checkpoint), never, must")
+        p.add_argument(
+            "--resume",
+            choices=("auto", "never", "must"),
+            default=None,
+            help="override run.resume: auto (if out_dir has a checkpoint), never, must",
+        )
     p = sub.add_parser("config", help="print a run file with every key, its default and what it means")
     p.add_argument("action", choices=("show",))
     p.add_argument("kind", choices=("sft", "rl"))
@@ -399,7 +468,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     import logging
 
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     sets = [*getattr(args, "set", []), *([f"run.resume='{args.resume}'"] if getattr(args, "resume", None) else [])]
     clean = False
     try:
@@ -422,14 +493,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             _distributed()
             if not sft.run.out_dir or not rl.run.out_dir:  # each stage its own directory under one root
                 root = _default_out_dir("pipeline")
-                sft = dataclasses.replace(sft, run=dataclasses.replace(sft.run, out_dir=sft.run.out_dir or f"{root}/sft"))
+                sft = dataclasses.replace(
+                    sft, run=dataclasses.replace(sft.run, out_dir=sft.run.out_dir or f"{root}/sft")
+                )
                 rl = dataclasses.replace(rl, run=dataclasses.replace(rl.run, out_dir=rl.run.out_dir or f"{root}/rl"))
             checkpoint = latest_checkpoint(cmd_sft(sft, args.sft_config))
             if checkpoint is None:
                 raise ConfigError(f"{args.sft_config}: SFT wrote no complete checkpoint to start RL from")
             checkpoint = checkpoint.absolute()  # recorded in RL's resolved config: where its weights came from
-            rl = dataclasses.replace(rl, model=dataclasses.replace(rl.model, path=str(checkpoint),
-                                                                  tokenizer_path=rl.model.tokenizer_path or str(checkpoint)))
+            rl = dataclasses.replace(
+                rl,
+                model=dataclasses.replace(
+                    rl.model, path=str(checkpoint), tokenizer_path=rl.model.tokenizer_path or str(checkpoint)
+                ),
+            )
             cmd_rl(rl, args.rl_config)
         elif args.command == "plot":
             from rollouts.loops.app.plot import plot_run

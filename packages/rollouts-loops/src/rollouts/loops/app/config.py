@@ -90,9 +90,16 @@ class EngineSpec:
         if self.kind == "inprocess":
             require(not self.urls, "EngineSpec.urls", self.urls, "be empty for kind='inprocess'")
         else:
-            require(len(self.urls) >= 1, "EngineSpec.urls", self.urls, f"name at least one server for kind={self.kind!r}")
+            require(
+                len(self.urls) >= 1, "EngineSpec.urls", self.urls, f"name at least one server for kind={self.kind!r}"
+            )
             for i, url in enumerate(self.urls):
-                require(url.startswith(("http://", "https://")), f"EngineSpec.urls[{i}]", url, "start with http:// or https://")
+                require(
+                    url.startswith(("http://", "https://")),
+                    f"EngineSpec.urls[{i}]",
+                    url,
+                    "start with http:// or https://",
+                )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -126,7 +133,9 @@ class LogSpec:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        require(self.num_sample_completions >= 0, "LogSpec.num_sample_completions", self.num_sample_completions, "be >= 0")
+        require(
+            self.num_sample_completions >= 0, "LogSpec.num_sample_completions", self.num_sample_completions, "be >= 0"
+        )
 
 
 BUILTIN_REWARDS = ("math_answer", "exact_match", "environment")
@@ -167,8 +176,12 @@ class EvalSpec:
         require(self.every_steps >= 0, "EvalSpec.every_steps", self.every_steps, "be >= 0")
         require(self.samples_per_prompt >= 1, "EvalSpec.samples_per_prompt", self.samples_per_prompt, "be >= 1")
         require(self.temperature >= 0, "EvalSpec.temperature", self.temperature, "be >= 0")
-        require(self.temperature > 0 or self.samples_per_prompt == 1, "EvalSpec.samples_per_prompt",
-                self.samples_per_prompt, "be 1 with temperature 0 (greedy samples are all the same)")
+        require(
+            self.temperature > 0 or self.samples_per_prompt == 1,
+            "EvalSpec.samples_per_prompt",
+            self.samples_per_prompt,
+            "be 1 with temperature 0 (greedy samples are all the same)",
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -220,7 +233,9 @@ class RLRun:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        require(not self.preset or self.preset in ALGORITHMS, "RLRun.preset", self.preset, f"be one of {sorted(ALGORITHMS)}")
+        require(
+            not self.preset or self.preset in ALGORITHMS, "RLRun.preset", self.preset, f"be one of {sorted(ALGORITHMS)}"
+        )
 
 
 def _parse_value(text: str) -> Any:
@@ -352,8 +367,13 @@ def _field_docs(cls: type) -> dict[str, str]:
     body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
     docs = {}
     for node, after in zip(body, body[1:], strict=False):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             docs[node.target.id] = " ".join(after.value.value.split())
     return docs
 
@@ -363,7 +383,7 @@ def _type_note(tp: Any) -> str:
         return "one of " + " | ".join(repr(a) for a in typing.get_args(tp))
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if type(None) in typing.get_args(tp):
-        return f"{' | '.join(getattr(a, '__name__', str(a)) for a in args)}, or \"none\""
+        return f'{" | ".join(getattr(a, "__name__", str(a)) for a in args)}, or "none"'
     return getattr(tp, "__name__", str(tp))
 
 

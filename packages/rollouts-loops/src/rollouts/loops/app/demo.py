@@ -24,10 +24,7 @@ import torch
 
 from rollouts.backends import InProcessEngine, build_components, export_weights
 from rollouts.data import DataBuffer, tokenize_conversation
-from rollouts.loops import evaluate
-from rollouts.loops import ConsoleLogger, JsonlLogger, MultiLogger
-from rollouts.loops import run_rl_training
-from rollouts.loops import run_sft_training
+from rollouts.loops import ConsoleLogger, JsonlLogger, MultiLogger, evaluate, run_rl_training, run_sft_training
 from rollouts.loops.app.tasks import addition_problems, as_conversation, exact_answer_reward, sloppy_teacher
 from rollouts.loops.app.tiny import build_tiny_model, build_tokenizer, save_model
 from rollouts.types import (
@@ -72,13 +69,24 @@ class DemoConfig:
     @classmethod
     def quick(cls) -> DemoConfig:
         """A sub-minute variant for tests (accuracy targets do not apply)."""
-        return cls(num_train=2000, num_eval=50, hidden_size=64, num_layers=1, intermediate_size=128,
-                   sft_steps=40, sft_batch_size=32, rl_steps=4, rl_prompts_per_step=8, rl_samples_per_prompt=4)
+        return cls(
+            num_train=2000,
+            num_eval=50,
+            hidden_size=64,
+            num_layers=1,
+            intermediate_size=128,
+            sft_steps=40,
+            sft_batch_size=32,
+            rl_steps=4,
+            rl_prompts_per_step=8,
+            rl_samples_per_prompt=4,
+        )
 
 
 def _encode(tokenizer):
     def encode(record: dict[str, Any]) -> list[int]:
         return tokenizer.encode(record["prompt"], add_special_tokens=False)
+
     return encode
 
 
@@ -91,21 +99,35 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
     torch.manual_seed(config.seed)
     say = print if progress else (lambda *a, **k: None)
 
-    eval_records = addition_problems(config.num_eval, digits=config.digits, seed=config.seed + 1,
-                                     reverse_answer=config.reverse_answer)
+    eval_records = addition_problems(
+        config.num_eval, digits=config.digits, seed=config.seed + 1, reverse_answer=config.reverse_answer
+    )
     held_out = frozenset(r["prompt"] for r in eval_records)
-    train_records = addition_problems(config.num_train, digits=config.digits, seed=config.seed + 2,
-                                      reverse_answer=config.reverse_answer, exclude=held_out)
+    train_records = addition_problems(
+        config.num_train,
+        digits=config.digits,
+        seed=config.seed + 2,
+        reverse_answer=config.reverse_answer,
+        exclude=held_out,
+    )
     tokenizer = build_tokenizer((r["prompt"] + r["answer"] for r in train_records[:2000]), vocab_size=32)
     model = build_tiny_model(
-        len(tokenizer), hidden_size=config.hidden_size, num_layers=config.num_layers,
-        num_heads=config.hidden_size // 32, num_kv_heads=max(1, config.hidden_size // 64),
-        intermediate_size=config.intermediate_size, max_position_embeddings=64,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=config.seed,
+        len(tokenizer),
+        hidden_size=config.hidden_size,
+        num_layers=config.num_layers,
+        num_heads=config.hidden_size // 32,
+        num_kv_heads=max(1, config.hidden_size // 64),
+        intermediate_size=config.intermediate_size,
+        max_position_embeddings=64,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        seed=config.seed,
     )
     save_model(model, tokenizer, out / "init_model")
-    say(f"[demo] tokenizer: {len(tokenizer)} tokens; model: {sum(p.numel() for p in model.parameters()):,} parameters; "
-        f"task: {config.digits}-digit addition, {len(train_records)} train / {len(eval_records)} held-out problems")
+    say(
+        f"[demo] tokenizer: {len(tokenizer)} tokens; model: {sum(p.numel() for p in model.parameters()):,} parameters; "
+        f"task: {config.digits}-digit addition, {len(train_records)} train / {len(eval_records)} held-out problems"
+    )
 
     encode = _encode(tokenizer)
     engine = InProcessEngine(model, shares_training_model=True, tokenizer=tokenizer)
@@ -121,21 +143,39 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
     timings: dict[str, float] = {}
 
     sft = SFTConfig(
-        num_steps=config.sft_steps, batch_size=config.sft_batch_size, max_length=32,
-        max_tokens_per_micro_batch=4096, seed=config.seed,
-        optimizer=OptimizerConfig(lr=config.sft_lr, warmup_steps=max(1, config.sft_steps // 20), schedule="cosine",
-                                  weight_decay=0.0, max_grad_norm=1.0, min_lr_ratio=0.1),
+        num_steps=config.sft_steps,
+        batch_size=config.sft_batch_size,
+        max_length=32,
+        max_tokens_per_micro_batch=4096,
+        seed=config.seed,
+        optimizer=OptimizerConfig(
+            lr=config.sft_lr,
+            warmup_steps=max(1, config.sft_steps // 20),
+            schedule="cosine",
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            min_lr_ratio=0.1,
+        ),
         checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
     )
-    demonstrations = sloppy_teacher(train_records, error_rate=config.teacher_error_rate, seed=config.seed,
-                                    reverse_answer=config.reverse_answer)
+    demonstrations = sloppy_teacher(
+        train_records, error_rate=config.teacher_error_rate, seed=config.seed, reverse_answer=config.reverse_answer
+    )
     samples = [tokenize_conversation(as_conversation(r), tokenizer, max_length=sft.max_length) for r in demonstrations]
     components = build_components(model, sft.optimizer, num_training_steps=sft.num_steps)
-    logger = MultiLogger([JsonlLogger(out / "metrics_sft.jsonl")]
-                         + ([ConsoleLogger(sft.num_steps, desc="SFT")] if progress else []))
+    logger = MultiLogger(
+        [JsonlLogger(out / "metrics_sft.jsonl")] + ([ConsoleLogger(sft.num_steps, desc="SFT")] if progress else [])
+    )
     phase = time.perf_counter()
-    run_sft_training(components, DataBuffer(samples, seed=config.seed), sft, logger=logger,
-                     run_dir=out / "sft", resume=False, tokenizer=tokenizer)
+    run_sft_training(
+        components,
+        DataBuffer(samples, seed=config.seed),
+        sft,
+        logger=logger,
+        run_dir=out / "sft",
+        resume=False,
+        tokenizer=tokenizer,
+    )
     logger.close()
     timings["sft_s"] = time.perf_counter() - phase
     accuracy_after_sft = accuracy("after SFT")
@@ -143,26 +183,44 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
     rl = RLConfig(
         num_steps=config.rl_steps,
         rollout=RolloutConfig(
-            batch_size=config.rl_prompts_per_step, samples_per_prompt=config.rl_samples_per_prompt,
-            max_concurrency=config.rl_prompts_per_step, request_timeout_s=300.0,
-            sampling=SamplingParams(temperature=config.rl_temperature, max_new_tokens=config.digits + 3,
-                                    stop_token_ids=(tokenizer.eos_token_id,)),
+            batch_size=config.rl_prompts_per_step,
+            samples_per_prompt=config.rl_samples_per_prompt,
+            max_concurrency=config.rl_prompts_per_step,
+            request_timeout_s=300.0,
+            sampling=SamplingParams(
+                temperature=config.rl_temperature,
+                max_new_tokens=config.digits + 3,
+                stop_token_ids=(tokenizer.eos_token_id,),
+            ),
         ),
         algorithm=AlgorithmConfig(advantage_estimator="grpo", policy_loss="ppo_clip", loss_aggregation="token-mean"),
         optimizer=OptimizerConfig(lr=config.rl_lr, warmup_steps=0, schedule="constant", max_grad_norm=1.0),
         checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
-        max_tokens_per_micro_batch=4096, seed=config.seed,
+        max_tokens_per_micro_batch=4096,
+        seed=config.seed,
     )
     rl_components = build_components(model, rl.optimizer, num_training_steps=rl.num_steps)
     from rollouts.loops import CoalescingEngine
 
     rl_engine = CoalescingEngine(engine, max_prompts_per_call=config.rl_prompts_per_step)
-    rl_logger = MultiLogger([JsonlLogger(out / "metrics_rl.jsonl")]
-                            + ([ConsoleLogger(rl.num_steps, desc="RL (GRPO)")] if progress else []))
+    rl_logger = MultiLogger(
+        [JsonlLogger(out / "metrics_rl.jsonl")] + ([ConsoleLogger(rl.num_steps, desc="RL (GRPO)")] if progress else [])
+    )
     prompts = DataBuffer([r for r in train_records], seed=config.seed + 3)
     phase = time.perf_counter()
-    run_rl_training(rl_components, prompts, rl_engine, rl, reward=exact_answer_reward, encode_prompt=encode,
-                    logger=rl_logger, run_dir=out / "rl", engine_shares_model=True, resume=False, tokenizer=tokenizer)
+    run_rl_training(
+        rl_components,
+        prompts,
+        rl_engine,
+        rl,
+        reward=exact_answer_reward,
+        encode_prompt=encode,
+        logger=rl_logger,
+        run_dir=out / "rl",
+        engine_shares_model=True,
+        resume=False,
+        tokenizer=tokenizer,
+    )
     rl_logger.close()
     timings["rl_s"] = time.perf_counter() - phase
     accuracy_after_rl = accuracy("after RL")
@@ -186,9 +244,11 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
     except ImportError as e:
         say(f"[demo] no plot: {e}")
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    say("\n  stage         held-out accuracy\n"
+    say(
+        "\n  stage         held-out accuracy\n"
         f"  before SFT    {accuracy_before:6.1%}\n  after SFT     {accuracy_after_sft:6.1%}\n"
         f"  after RL      {accuracy_after_rl:6.1%}\n"
         f"  wall time {summary['wall_time_s']:.0f} s (SFT {timings['sft_s']:.0f} s, RL {timings['rl_s']:.0f} s); "
-        f"outputs in {out}")
+        f"outputs in {out}"
+    )
     return summary

@@ -26,7 +26,9 @@ def has_units_carry(record: Mapping[str, str]) -> bool:
     return int(a[-1]) + int(b[-1]) >= 10
 
 
-def sloppy_teacher(records: list[dict[str, str]], *, error_rate: float, seed: int, reverse_answer: bool = True) -> list[dict[str, str]]:
+def sloppy_teacher(
+    records: list[dict[str, str]], *, error_rate: float, seed: int, reverse_answer: bool = True
+) -> list[dict[str, str]]:
     """SFT demonstrations from a teacher that forgets the carry out of the units digit `error_rate` of the time.
 
     The demo's story: imitation learns the teacher's mistakes along with its skill; RL against an
@@ -54,8 +56,9 @@ def addition_problems(
     rng = random.Random(seed)
     seen, out = set(exclude), []
     while len(out) < num:
-        record = addition_problem(rng.randrange(10**digits), rng.randrange(10**digits), digits=digits,
-                                  reverse_answer=reverse_answer)
+        record = addition_problem(
+            rng.randrange(10**digits), rng.randrange(10**digits), digits=digits, reverse_answer=reverse_answer
+        )
         if record["prompt"] not in seen:
             seen.add(record["prompt"])
             out.append(record)
@@ -75,7 +78,9 @@ def _answer(sample: Sample, record: Mapping[str, Any] | None, answer_key: str) -
     return str(source[answer_key])
 
 
-def exact_answer_reward(sample: Sample, record: Mapping[str, Any] | None = None, *, answer_key: str = "answer") -> float:
+def exact_answer_reward(
+    sample: Sample, record: Mapping[str, Any] | None = None, *, answer_key: str = "answer"
+) -> float:
     """1.0 when the response (stripped) is exactly the reference answer, else 0.0."""
     return 1.0 if sample.response.strip() == _answer(sample, record, answer_key) else 0.0
 

@@ -18,8 +18,9 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}"
     "{% if m['role'] == 'system' %}{{ m['content'] }}\n"
     "{% elif m['role'] == 'user' %}{{ m['content'] }}"
-    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}" + EOS +
-    "{% else %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}"
+    + EOS
+    + "{% else %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
     "{% endfor %}"
 )
 """A minimal chat template: the user's text is the prompt, the assistant's answer ends with EOS."""
@@ -32,7 +33,10 @@ def build_tokenizer(corpus: Iterable[str], *, vocab_size: int = 64):
 
     core = Tokenizer(models.BPE(unk_token=None))
     core.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.Split(Regex(r"[^0-9A-Za-z]"), behavior="isolated")]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.Split(Regex(r"[^0-9A-Za-z]"), behavior="isolated"),
+        ]
     )
     core.decoder = decoders.BPEDecoder()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, EOS], show_progress=False)
@@ -64,10 +68,18 @@ def build_tiny_model(
             "(vLLM's CPU attention needs it)"
         )
     config = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=True,
-        eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None, use_cache=True,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+        use_cache=True,
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
