@@ -131,9 +131,13 @@ def test_a_resumed_run_keeps_the_starting_model_as_its_kl_reference(tiny_run_inp
 
 
 class _EchoEngine:
-    """Answers each prompt with two fixed tokens at once: the loop's bookkeeping without a model."""
+    """Answers each prompt with two fixed tokens at once: the loop's bookkeeping without a model. It
+    reports the weight version it was last given and stamps it on every sample, as vLLM does."""
 
     name = "echo"
+
+    def __init__(self):
+        self.version = 0
 
     async def generate(self, prompts, params):
         from rollouts.types import Sample, Status
@@ -145,16 +149,17 @@ class _EchoEngine:
                 loss_mask=(0.0,) * len(p) + (1.0, 1.0),
                 rollout_logprobs=(-1.0, -1.0),
                 status=Status.COMPLETED,
+                weight_version=self.version,
             )
             for p in prompts
             for _ in range(params.n)
         ]
 
     async def update_weights_from_disk(self, path, weight_version):
-        pass
+        self.version = weight_version
 
     async def weight_version(self):
-        return None
+        return self.version
 
     async def health(self):
         return True
@@ -175,10 +180,12 @@ def test_a_resumed_run_trains_the_same_prompts_as_an_uninterrupted_one(tmp_path,
         if crash_before and state.step + 1 == crash_before[0]:
             raise Crash
         trained.append(sorted({s.metadata["id"] for s in samples}))
+        versions.append((state.weight_version, sorted({s.weight_version for s in samples})))
         return state.after_step(num_tokens=1, num_samples=len(samples)), {}
 
     monkeypatch.setattr(rl, "rl_update", recording_update)
     records = [{"prompt": f"p{i}", "id": i} for i in range(40)]
+    versions = []  # the weight version each step trained, and its samples' versions
 
     def run(run_dir, *, resume):
         model = build_tiny_model(
@@ -212,10 +219,15 @@ def test_a_resumed_run_trains_the_same_prompts_as_an_uninterrupted_one(tmp_path,
         )
 
     run(tmp_path / "straight", resume=False)
-    straight, trained[:] = list(trained), []
+    straight, straight_versions = list(trained), list(versions)
+    trained[:], versions[:] = [], []
     crash_before.append(3)
     with pytest.raises(Crash):
         run(tmp_path / "crashed", resume=False)
     crash_before.clear()
+    del trained[2:], versions[2:]  # the steps the resumed run redoes
     run(tmp_path / "crashed", resume=True)
     assert trained == straight, (trained, straight)
+    # Each step trains on samples of the same weight versions: the batch generated ahead of the
+    # checkpoint keeps its version, and the resumed engine serves the saved weights as their version.
+    assert versions == straight_versions, (versions, straight_versions)

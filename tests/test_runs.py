@@ -89,3 +89,49 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--version"])
     assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("rollouts ")
+
+
+def _hold(run_dir):
+    """A process holding run_dir's lock (as a run would) until killed; returns it once it holds."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom rollouts.loops.run_dir import acquire_run_dir\n"
+        f"acquire_run_dir({str(run_dir)!r})\nprint('held', flush=True)\nsys.stdin.read()\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"  # an event, not a sleep
+    return holder
+
+
+def test_a_second_run_on_a_directory_in_use_is_refused_with_the_holders_pid(tiny_run_inputs, tmp_path, capsys):
+    """Two runs on one out_dir interleaved metrics and one died in the background publisher."""
+    out = tmp_path / "run"
+    config = _sft_toml(tiny_run_inputs, tmp_path / "r.toml", out_dir=out, steps=1)
+    holder = _hold(out)
+    try:
+        assert main(["sft", "--config", str(config)]) == 2
+        err = capsys.readouterr().err
+        assert f"{out} is in use by another run (pid {holder.pid} on" in err
+        assert not (out / "resolved_config.toml").exists() and not (out / "checkpoints").exists()  # nothing touched
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    # The kernel drops a killed holder's lock: the directory is usable again at once.
+    assert main(["sft", "--config", str(config)]) == 0
+    assert [r["step"] for r in read_jsonl(out / "metrics_sft.jsonl")] == [1]
+
+
+def test_the_run_directory_lock_is_reentrant_in_one_process_and_released(tmp_path):
+    from rollouts.loops.run_dir import RunDirInUse, lock_run_dir
+
+    with lock_run_dir(tmp_path / "d"), lock_run_dir(tmp_path / "d"):  # the CLI holds it, then the loop
+        pass
+    holder = _hold(tmp_path / "d")  # released above, so another process can take it
+    try:
+        with pytest.raises(RunDirInUse, match=f"pid {holder.pid}"), lock_run_dir(tmp_path / "d"):
+            pass
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from rollouts.types import MetricsLogger
+
+log = logging.getLogger(__name__)
 
 _CONSOLE_KEYS = ("loss", "reward_mean", "accuracy", "kl", "entropy", "grad_norm", "lr")
 """Metrics shown on the console progress line, when present (all go to the JSONL file)."""
@@ -33,23 +36,65 @@ class JsonlLogger:
     """Appends one JSON object per step ({"step": n, **metrics, "time_s": ...}) to a file.
 
     Each line is flushed and fsynced, so a killed run keeps every step it logged. Opened in append
-    mode: a resumed run continues the same file.
+    mode: a resumed run continues the same file. Append-only, and repaired before appending:
+    - a torn last line (a crash or a full disk mid-write) is cut off when the file is opened, so the
+      next record starts on a line of its own; a write that fails is cut back the same way;
+    - the first record a run logs drops the records of that step and later ones already in the file:
+      they were logged after the checkpoint the run resumed from, and the run logs those steps again.
+    So every step appears once, and `read_jsonl` reads the file whatever point a run was killed at.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        repair_torn_tail(self.path)
         self._file: TextIO | None = self.path.open("a", encoding="utf-8")
         self._start = time.monotonic()
+        self._first = True
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         if self._file is None:
             raise ValueError(f"JsonlLogger({self.path}) is closed")
+        if self._first:
+            self._first = False
+            self._drop_from(step)
         record = {**{k: _scalar(v) for k, v in metrics.items()}, "step": step}  # the step argument wins
         record.setdefault("time_s", round(time.monotonic() - self._start, 3))
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        line = json.dumps(record) + "\n"
+        end = self._file.tell()
+        try:
+            self._file.write(line)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        except OSError:  # e.g. ENOSPC mid-line: leave the file as it was, so the next append is whole
+            self._file.close()
+            self._file = None
+            with self.path.open("r+b") as f:
+                f.truncate(end)
+            self._file = self.path.open("a", encoding="utf-8")
+            raise
+
+    def _drop_from(self, step: int) -> None:
+        """Rewrite the file without records of `step` or later (left by a run that resumed earlier)."""
+        assert self._file is not None
+        records = read_jsonl(self.path)
+        keep = [r for r in records if not (isinstance(r.get("step"), int) and r["step"] >= step)]
+        if len(keep) == len(records):
+            return
+        log.info(
+            "%s: dropping %d records of steps >= %d, logged after the checkpoint this run resumed from",
+            self.path,
+            len(records) - len(keep),
+            step,
+        )
+        self._file.close()
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with tmp.open("w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        self._file = self.path.open("a", encoding="utf-8")
 
     def close(self) -> None:
         if self._file is not None:
@@ -57,16 +102,70 @@ class JsonlLogger:
             self._file = None
 
 
+def repair_torn_tail(path: str | Path) -> int:
+    """Cut an append-only JSONL file back to its last complete line; returns the bytes removed.
+
+    A crash or a full disk mid-write leaves a last line without its newline, and appending to it
+    would glue the next record onto it. A last line that is a whole JSON object only lacking its
+    newline gets one instead.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    with path.open("r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return 0
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        block, end = 1 << 16, size
+        while end > 0:  # find the last newline, scanning back a block at a time
+            start = max(0, end - block)
+            f.seek(start)
+            chunk = f.read(end - start)
+            cut = chunk.rfind(b"\n")
+            if cut >= 0:
+                keep = start + cut + 1
+                break
+            end = start
+        else:
+            keep = 0
+        f.seek(keep)
+        tail = f.read()
+        try:  # a whole record cut off just before its newline: keep it, end the line
+            whole = isinstance(json.loads(tail.decode("utf-8")), dict)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            whole = False
+        if whole:
+            f.write(b"\n")
+        else:
+            f.truncate(keep)
+        os.fsync(f.fileno())
+    if whole:
+        return 0
+    log.warning("%s: removed a torn last line (%d bytes) left by an interrupted write", path, size - keep)
+    return size - keep
+
+
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Every record of a metrics JSONL file (a torn last line from a crash is skipped)."""
+    """Every record of a metrics JSONL file. A torn last line (an interrupted write) is skipped;
+    any other line that is not a JSON object is an error naming the file and line."""
     records = []
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
-    for i, line in enumerate(lines):
+    lines = Path(path).read_bytes().split(b"\n")
+    torn_possible = len(lines) - 1  # index of the text after the last newline ("" when the file ends whole)
+    for i, raw in enumerate(lines):
+        if not raw.strip():
+            continue
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i != len(lines) - 1:
-                raise ValueError(f"{path}:{i + 1}: not a JSON object: {line[:80]!r}") from None
+            record = json.loads(raw.decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            if i == torn_possible:
+                continue
+            raise ValueError(f"{path}:{i + 1}: not a JSON object: {raw[:80]!r}") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path}:{i + 1}: not a JSON object: {raw[:80]!r}")
+        records.append(record)
     return records
 
 

@@ -15,6 +15,7 @@ the sync takes the engine lock the producer holds while generating, so a sample 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -42,7 +43,7 @@ from rollouts.loops.rollout_fns import (
     model_vocab_size,
     single_turn_rollout,
 )
-from rollouts.loops.run_dir import CHECKPOINTS_DIR, resume_if_possible
+from rollouts.loops.run_dir import CHECKPOINTS_DIR, lock_run_dir, resume_if_possible
 from rollouts.loops.scoring import Reward, check_reward_errors, reward_errors, summarize
 from rollouts.losses import LossFn, overlong_penalty
 from rollouts.types import (
@@ -287,12 +288,14 @@ def run_rl_training(
         evaluation=evaluation,
         num_logged_completions=num_logged_completions,
     )
-    try:
-        return trio.run(_rl_main, run)
-    except BaseExceptionGroup as group:  # the loop's nursery wraps even a lone error: raise that one
-        if len(group.exceptions) == 1:
-            raise group.exceptions[0] from None
-        raise
+    held = lock_run_dir(run.run_dir) if rank == 0 else contextlib.nullcontext()
+    with held:  # one run per directory: another process on it is refused, naming its pid
+        try:
+            return trio.run(_rl_main, run)
+        except BaseExceptionGroup as group:  # the loop's nursery wraps even a lone error: raise that one
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
 
 
 async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:

@@ -4,6 +4,7 @@
   <run_dir>/weights/                the newest exported weights, read by engines at each sync
   <run_dir>/metrics_<stage>.jsonl   one record per logged step
   <run_dir>/run_identity.json       the resolved config and input fingerprints the run started with
+  <run_dir>/.lock                   held by the run using the directory (its pid inside)
 
 Resume is a choice ("auto": continue if there is a checkpoint, "never": refuse a directory that has
 one, "must": refuse one that has none) and is checked against `run_identity.json`: a run whose
@@ -13,12 +14,16 @@ the differing keys are ones that may change between sessions (`MAY_CHANGE`).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import fnmatch
 import hashlib
 import json
 import logging
+import os
+import socket
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -143,3 +148,64 @@ def check_resume(
         run_dir.mkdir(parents=True, exist_ok=True)
         identity_path.write_text(json.dumps(current, indent=2, sort_keys=True) + "\n")
     return has_checkpoint
+
+
+# ---------------------------------------------------------------- one run per directory
+
+LOCK_FILE = ".lock"
+_held: dict[Path, tuple[int, int]] = {}
+"""Run directories this process holds: resolved path -> (lock file descriptor, holders). An flock
+belongs to the process (its open file), so the table mirrors the kernel's view: a second holder in
+the same process shares the lock; another process is refused."""
+
+
+class RunDirInUse(RuntimeError):
+    """Another process holds the run directory."""
+
+
+@contextlib.contextmanager
+def lock_run_dir(run_dir: str | Path) -> Iterator[Path]:
+    """Hold `run_dir` for one run: a second run on it, in another process, is refused with the
+    holder's pid instead of interleaving metrics and checkpoints. The kernel drops the lock when the
+    holder exits, killed or not, so a crashed run never leaves the directory locked.
+    Re-entrant within a process."""
+    path = Path(run_dir).resolve()
+    acquire_run_dir(path)
+    try:
+        yield path
+    finally:
+        release_run_dir(path)
+
+
+def acquire_run_dir(run_dir: str | Path) -> None:
+    """Take the run directory's lock (see `lock_run_dir`); raises RunDirInUse naming the holder."""
+    path = Path(run_dir).resolve()
+    if path in _held:
+        fd, count = _held[path]
+        _held[path] = (fd, count + 1)
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "unknown"
+        os.close(fd)
+        raise RunDirInUse(
+            f"{path} is in use by another run ({holder}); wait for it to finish, or choose another out_dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    _held[path] = (fd, 1)
+
+
+def release_run_dir(run_dir: str | Path) -> None:
+    """Give back one hold on the run directory's lock (the last one unlocks it)."""
+    path = Path(run_dir).resolve()
+    fd, count = _held[path]
+    if count > 1:
+        _held[path] = (fd, count - 1)
+        return
+    del _held[path]
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)

@@ -7,6 +7,7 @@ the newest complete checkpoint exactly where the killed one was.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -15,9 +16,9 @@ from typing import Any
 
 from rollouts.backends import TrainingComponents, forward_backward, optim_step, save_checkpoint
 from rollouts.data import DataBuffer
-from rollouts.loops.distributed import global_sum
+from rollouts.loops.distributed import global_sum, rank_world
 from rollouts.loops.micro_batches import plan_shard
-from rollouts.loops.run_dir import CHECKPOINTS_DIR, resume_if_possible
+from rollouts.loops.run_dir import CHECKPOINTS_DIR, lock_run_dir, resume_if_possible
 from rollouts.losses import sft_loss_fn
 from rollouts.types import MetricsLogger, Sample, SFTConfig, TrainingState
 
@@ -90,6 +91,21 @@ def run_sft_training(
     """
     buffer = data if isinstance(data, DataBuffer) else DataBuffer(list(data), seed=config.seed)
     check_trainable(buffer.prompts, max_length=config.max_length)
+    held = lock_run_dir(run_dir) if run_dir is not None and rank_world()[0] == 0 else contextlib.nullcontext()
+    with held:  # one run per directory: another process on it is refused, naming its pid
+        return _sft_loop(components, buffer, config, logger=logger, run_dir=run_dir, resume=resume, tokenizer=tokenizer)
+
+
+def _sft_loop(
+    components: TrainingComponents,
+    buffer: DataBuffer,
+    config: SFTConfig,
+    *,
+    logger: MetricsLogger,
+    run_dir: str | Path | None,
+    resume: bool,
+    tokenizer: Any,
+) -> tuple[TrainingState, list[dict[str, float]]]:
     state, extra, _ = resume_if_possible(components, run_dir, resume=resume)
     if "buffer" in extra:
         buffer.load_state_dict(extra["buffer"])

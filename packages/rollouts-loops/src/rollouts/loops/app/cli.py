@@ -51,27 +51,37 @@ def _model_fingerprint(path: str) -> str:
 def _prepare_run(run: Any, command: str, source: str) -> tuple[Any, bool]:
     """The run with its out_dir decided, and whether it resumes (announced); a refused resume is a ConfigError."""
     from rollouts.loops.distributed import broadcast_json, rank_world
-    from rollouts.loops.run_dir import check_resume, file_fingerprint
+    from rollouts.loops.run_dir import RunDirInUse, acquire_run_dir, check_resume, file_fingerprint, release_run_dir
 
     run = dataclasses.replace(
         run, run=dataclasses.replace(run.run, out_dir=run.run.out_dir or _default_out_dir(command))
     )
     out = Path(run.run.out_dir)
     verdict: dict[str, Any] | None = None
-    if rank_world()[0] == 0:
-        inputs = {"model": _model_fingerprint(run.model.path), "train_data": file_fingerprint(run.data.train_path)}
-        identity = {"config": {k: v for k, v in dataclasses.asdict(run).items() if k != "run"}, "inputs": inputs}
+    if rank_world()[0] == 0:  # held until the command ends (release_run_dir); refused if another run has it
         try:
+            acquire_run_dir(out)
+            inputs = {"model": _model_fingerprint(run.model.path), "train_data": file_fingerprint(run.data.train_path)}
+            identity = {"config": {k: v for k, v in dataclasses.asdict(run).items() if k != "run"}, "inputs": inputs}
             verdict = {"resume": check_resume(out, identity, mode=run.run.resume)}
-        except ValueError as e:
-            verdict = {"error": f"{source}: {e}"}
+        except (ValueError, RunDirInUse) as e:
+            verdict = {"error": f"{source}: {e}", "locked": not isinstance(e, RunDirInUse)}
     verdict = broadcast_json(verdict)
     if "error" in verdict:
+        if verdict.get("locked") and rank_world()[0] == 0:
+            release_run_dir(out)
         raise ConfigError(verdict["error"])
     if rank_world()[0] == 0:
         _write_resolved(run, out)
         print(f"{command}: {'resuming the run in' if verdict['resume'] else 'new run in'} {out}", file=sys.stderr)
     return run, bool(verdict["resume"])
+
+
+def _release(out: Path, rank: int) -> None:
+    from rollouts.loops.run_dir import release_run_dir
+
+    if rank == 0:
+        release_run_dir(out)
 
 
 def _check_paths(run: Any, source: str, *, model: bool = True) -> None:
@@ -178,20 +188,23 @@ def cmd_sft(run: SFTRun, source: str) -> Path:
     rank, world = _distributed()
     run, resume = _prepare_run(run, "sft", source)
     out = Path(run.run.out_dir)
-    tokenizer = _tokenizer(run)
-    conversations = load_conversations(run.data.train_path)
-    samples = [
-        tokenize_conversation(list(c), tokenizer, max_length=run.sft.max_length, train_on=run.sft.train_on)
-        for c in conversations
-    ]
-    components = _components(run, run.sft.optimizer, run.sft.num_steps)
-    logger = _loggers(run, out, "sft", run.sft.num_steps, rank=rank)
     try:
-        state, _ = run_sft_training(
-            components, samples, run.sft, logger=logger, run_dir=out, resume=resume, tokenizer=tokenizer
-        )
+        tokenizer = _tokenizer(run)
+        conversations = load_conversations(run.data.train_path)
+        samples = [
+            tokenize_conversation(list(c), tokenizer, max_length=run.sft.max_length, train_on=run.sft.train_on)
+            for c in conversations
+        ]
+        components = _components(run, run.sft.optimizer, run.sft.num_steps)
+        logger = _loggers(run, out, "sft", run.sft.num_steps, rank=rank)
+        try:
+            state, _ = run_sft_training(
+                components, samples, run.sft, logger=logger, run_dir=out, resume=resume, tokenizer=tokenizer
+            )
+        finally:
+            logger.close()
     finally:
-        logger.close()
+        _release(out, rank)
     print(f"sft: finished at step {state.step}; checkpoints in {out / CHECKPOINTS_DIR}", file=sys.stderr)
     return out / CHECKPOINTS_DIR
 
@@ -327,36 +340,39 @@ def cmd_rl(run: RLRun, source: str) -> Path:
     rank, world = _distributed()
     run, resume = _prepare_run(run, "rl", source)
     out = Path(run.run.out_dir)
-    tokenizer = _tokenizer(run)
-    records = load_prompts(run.data.train_path, field=run.data.prompt_key)
-    if run.data.prompt_key != "prompt":
-        records = [{**r, "prompt": r[run.data.prompt_key]} for r in records]
-    components = _components(run, run.rl.optimizer, run.rl.num_steps * run.rl.algorithm.num_updates_per_batch)
-    shares = run.engine.kind == "inprocess" and not run.rl.overlap and world == 1
-    ref_components = None
-    if world > 1 and run.rl.algorithm.needs_reference:
-        # The starting model, sharded like the trained one (one process copies it itself).
-        ref_components = dataclasses.replace(components, model=_sharded_model(run, components.device).eval())
-    logger = _loggers(run, out, "rl", run.rl.num_steps * run.rl.algorithm.num_updates_per_batch, rank=rank)
     try:
-        state, _ = run_rl_training(
-            components,
-            DataBuffer(records, seed=run.rl.seed),
-            _rl_engine(run, components, tokenizer, shares=shares),
-            run.rl,
-            encode_prompt=_encoder(tokenizer),
-            logger=logger,
-            run_dir=out,
-            engine_shares_model=shares,
-            resume=resume,
-            tokenizer=tokenizer,
-            ref_components=ref_components,
-            evaluation=evaluation,
-            num_logged_completions=run.log.num_sample_completions,
-            **hooks,
-        )
+        tokenizer = _tokenizer(run)
+        records = load_prompts(run.data.train_path, field=run.data.prompt_key)
+        if run.data.prompt_key != "prompt":
+            records = [{**r, "prompt": r[run.data.prompt_key]} for r in records]
+        components = _components(run, run.rl.optimizer, run.rl.num_steps * run.rl.algorithm.num_updates_per_batch)
+        shares = run.engine.kind == "inprocess" and not run.rl.overlap and world == 1
+        ref_components = None
+        if world > 1 and run.rl.algorithm.needs_reference:
+            # The starting model, sharded like the trained one (one process copies it itself).
+            ref_components = dataclasses.replace(components, model=_sharded_model(run, components.device).eval())
+        logger = _loggers(run, out, "rl", run.rl.num_steps * run.rl.algorithm.num_updates_per_batch, rank=rank)
+        try:
+            state, _ = run_rl_training(
+                components,
+                DataBuffer(records, seed=run.rl.seed),
+                _rl_engine(run, components, tokenizer, shares=shares),
+                run.rl,
+                encode_prompt=_encoder(tokenizer),
+                logger=logger,
+                run_dir=out,
+                engine_shares_model=shares,
+                resume=resume,
+                tokenizer=tokenizer,
+                ref_components=ref_components,
+                evaluation=evaluation,
+                num_logged_completions=run.log.num_sample_completions,
+                **hooks,
+            )
+        finally:
+            logger.close()
     finally:
-        logger.close()
+        _release(out, rank)
     print(
         f"rl: finished at step {state.step}, weight version {state.weight_version}; "
         f"checkpoints in {out / CHECKPOINTS_DIR}",
