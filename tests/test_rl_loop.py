@@ -231,3 +231,51 @@ def test_a_resumed_run_trains_the_same_prompts_as_an_uninterrupted_one(tmp_path,
     # Each step trains on samples of the same weight versions: the batch generated ahead of the
     # checkpoint keeps its version, and the resumed engine serves the saved weights as their version.
     assert versions == straight_versions, (versions, straight_versions)
+
+
+def test_a_seeded_run_gives_the_same_weights_at_any_concurrency(tiny_run_inputs, tmp_path):
+    """Per-request seeds come from each prompt's position in the data, not from which requests
+    arrived together: one request at a time, or all at once coalesced into shared batches, train
+    the same samples into the same weights."""
+    seen = {}
+
+    def run(concurrency, window_s):
+        tokenizer, model, records = _setup(tiny_run_inputs)
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=4, seed=11, stop_token_ids=(tokenizer.eos_token_id,))
+        config = RLConfig(
+            num_steps=2,
+            rollout=RolloutConfig(batch_size=4, samples_per_prompt=4, max_concurrency=concurrency, sampling=sampling),
+            algorithm=ALGORITHMS["grpo"],
+            optimizer=OptimizerConfig(lr=1e-2, schedule="constant"),
+            checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
+            max_tokens_per_micro_batch=256,
+        )
+        components = build_components(model, config.optimizer, num_training_steps=2)
+        engine = CoalescingEngine(
+            InProcessEngine(model, tokenizer=tokenizer), max_prompts_per_call=4, window_s=window_s
+        )
+        scored = []
+
+        def reward(sample, record):  # varies within groups, so every sample moves the weights
+            scored.append(sample.tokens)
+            return float(sum(sample.response_tokens) % 3)
+
+        run_rl_training(
+            components,
+            DataBuffer(records, seed=0),
+            engine,
+            config,
+            reward=reward,
+            encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
+            logger=NullLogger(),
+            run_dir=tmp_path / f"c{concurrency}",
+            engine_shares_model=True,
+        )
+        seen[concurrency] = sorted(scored)
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+    alone = run(1, 0.0)
+    together = run(4, 0.05)  # a wide window: the four groups of a step go out as one batch
+    assert seen[1] == seen[4] and len(set(seen[1])) > 8  # the same samples, and not all alike
+    for name, tensor in alone.items():
+        torch.testing.assert_close(together[name], tensor, rtol=0, atol=0, msg=name)

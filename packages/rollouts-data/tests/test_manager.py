@@ -374,3 +374,77 @@ async def test_a_hanging_request_is_bounded_in_real_time():
     elapsed = time.perf_counter() - start
     assert 0.4 <= elapsed < 3.0  # two attempts of 0.2 s each, plus scheduling slack on a loaded machine
     assert batch.metadata["groups_failed"] == 1 and "timed out after 0.2 s" in batch.metadata["errors"][0]
+
+
+def _seeded_cfg(**kw):
+    from rollouts.types import SamplingParams
+
+    return cfg(sampling=SamplingParams(seed=7), **kw)
+
+
+async def _seeds_seen(*, concurrency, delays, steps=3, abort_first=False):
+    """{prompt: seed} over `steps` steps of a seeded run whose requests finish in an order set by `delays`."""
+    seen: dict[int, list[int]] = {}
+
+    async def gen(prompt, n, *, seed=None):
+        await anyio.sleep(delays[prompt % len(delays)])
+        seen.setdefault(prompt, []).append(seed)
+        return make_group(prompt, n)
+
+    manager = AsyncRolloutManager(
+        DataBuffer(list(range(12)), seed=3), _seeded_cfg(batch_size=4, max_concurrency=concurrency), gen
+    )
+    if abort_first:  # an aborted step's prompts are served again with the seeds of their positions
+        manager.abort()
+        await manager.generate_batch(step=0)
+    for step in range(steps):
+        await manager.generate_batch(step=step)
+    return seen
+
+
+@pytest.mark.anyio
+async def test_request_seeds_follow_the_prompts_position_not_arrival_order():
+    """The same seeded run at concurrency 1 and 4, with requests finishing in opposite orders:
+    every prompt gets the same seed (samples would differ with arrival-order seeds)."""
+    one = await _seeds_seen(concurrency=1, delays=[0.0])
+    many = await _seeds_seen(concurrency=4, delays=[0.004, 0.003, 0.002, 0.001, 0.0])
+    assert one == many and len(one) == 12 and all(len(set(s)) == 1 for s in one.values())
+    assert len({s[0] for s in one.values()}) == 12  # every position its own seed
+
+
+@pytest.mark.anyio
+async def test_seeds_survive_an_abort_and_a_checkpoint():
+    straight = await _seeds_seen(concurrency=2, delays=[0.0])
+    aborted = await _seeds_seen(concurrency=2, delays=[0.0], abort_first=True)
+    assert straight == aborted
+
+    async def gen(prompt, n, *, seed=None):
+        if prompt >= 2:
+            await anyio.sleep_forever()
+        return make_group(prompt, n)
+
+    config = _seeded_cfg(batch_size=4, max_concurrency=4)
+    manager = AsyncRolloutManager(DataBuffer(list(range(8)), shuffle=False), config, gen)
+    await _step_aborted_after(manager, 0.05)
+    state = manager.state_dict()
+    assert state["pending_positions"] == [2, 3] and state["pending_prompts"] == [2, 3]
+    restored = AsyncRolloutManager(DataBuffer(list(range(8)), shuffle=False), config, gen)
+    restored.load_state_dict(state)
+    assert restored.state_dict() == state
+
+
+def test_a_generate_function_without_a_seed_keyword_is_called_as_before():
+    from rollouts.data.manager import _takes_seed
+
+    assert not _takes_seed(lambda prompt, n: None) and _takes_seed(lambda prompt, n, seed=None: None)
+    assert _takes_seed(lambda prompt, n, **kw: None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**62), position=st.integers(0, 2**40))
+def test_request_seed_is_a_pure_63_bit_function_of_seed_and_position(seed, position):
+    from rollouts.data.manager import request_seed
+
+    value = request_seed(seed, position)
+    assert value == request_seed(seed, position) and 0 <= value < 2**63
+    assert value != request_seed(seed, position + 1) or value != request_seed(seed + 1, position)

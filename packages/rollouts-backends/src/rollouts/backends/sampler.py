@@ -35,10 +35,12 @@ def sample_next_tokens(
     temperature: float,
     top_p: float,
     top_k: int,
-    generator: torch.Generator,
+    generator: torch.Generator | Sequence[tuple[torch.Generator, int]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """[R] sampled tokens and [R] their log-probs under the sampling distribution (after temperature/top-k/top-p).
 
+    `generator` draws every row's uniform, or a sequence of (generator, k) runs draws the rows in
+    order, k rows from each (rows of one prompt from that prompt's own generator).
     Greedy (temperature 0) reports the log-prob under the unscaled model distribution instead of 0.
     """
     logits = logits_R_V.float()
@@ -61,9 +63,21 @@ def sample_next_tokens(
     # Inverse-CDF sampling (one uniform per row; several times faster than torch.multinomial on
     # CPU). u lies in (0, total], so the first index whose CDF reaches u has non-zero probability.
     cdf_R_V = logprobs_R_V.exp().cumsum(dim=-1)
-    u_R_1 = (1.0 - torch.rand((cdf_R_V.shape[0], 1), generator=generator, device=cdf_R_V.device)) * cdf_R_V[:, -1:]
+    u_R_1 = (1.0 - _uniforms(cdf_R_V.shape[0], generator, cdf_R_V.device)) * cdf_R_V[:, -1:]
     tokens = torch.searchsorted(cdf_R_V, u_R_1).squeeze(-1).clamp(max=cdf_R_V.shape[-1] - 1)
     return tokens, logprobs_R_V.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _uniforms(
+    num_rows: int, generator: torch.Generator | Sequence[tuple[torch.Generator, int]], device: torch.device
+) -> torch.Tensor:
+    """[R, 1] uniforms in [0, 1): from one generator, or k rows from each (generator, k) in order."""
+    if isinstance(generator, torch.Generator):
+        return torch.rand((num_rows, 1), generator=generator, device=device)
+    parts = [torch.rand((k, 1), generator=g, device=device) for g, k in generator]
+    if sum(k for _, k in generator) != num_rows:
+        raise ValueError(f"generator runs cover {sum(k for _, k in generator)} rows, expected {num_rows}")
+    return torch.cat(parts)
 
 
 def _check_prompts(prompt_token_ids: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
@@ -142,11 +156,16 @@ def generate(
     top_p: float = 1.0,
     top_k: int = -1,
     stop_token_ids: Sequence[int] = (),
-    seed: int | None = None,
+    seed: int | Sequence[int | None] | None = None,
     weight_version: int | None = None,
     fast_decode: bool = True,
 ) -> list[Sample]:
     """Sample n responses per prompt (prompt-major order) with a KV cache; deterministic for a seed.
+
+    `seed`: one seed for the whole call, or one per prompt. With one per prompt, each prompt's rows
+    draw from that prompt's own generator, so a prompt's responses are those it gets when sampled
+    alone with its seed, whatever other prompts share the batch (up to float rounding of the
+    batched forward pass); None draws that prompt's rows from fresh entropy.
 
     Each Sample has tokens = prompt + response, loss_mask 1.0 on the response, rollout_logprobs of
     the sampled tokens, and status COMPLETED (ended by a stop token, which is kept) or TRUNCATED.
@@ -173,11 +192,16 @@ def generate(
             f"max_position_embeddings ({limit})"
         )
     device = next(model.parameters()).device
-    generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()
+    per_prompt = seed is not None and not isinstance(seed, int)
+    if per_prompt:
+        seeds = list(seed)  # type: ignore[arg-type]
+        if len(seeds) != len(prompts) or not all(s is None or isinstance(s, int) for s in seeds):
+            raise ValueError(
+                f"seed must be an int, None, or one int/None per prompt ({len(prompts)}), got {seed!r:.120}"
+            )
+        generators = [_generator(device, s) for s in seeds]
     else:
-        generator.manual_seed(seed)
+        generator = _generator(device, seed)  # type: ignore[arg-type]
     stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
 
     num_prompts = len(prompts)
@@ -223,8 +247,9 @@ def generate(
         completed_R = torch.zeros(num_rows, dtype=torch.bool, device=device)
         active = torch.arange(num_rows, device=device)
         for step in range(max_new_tokens):
+            draw = _runs(active, n, generators) if per_prompt else generator
             tokens, logprobs = sample_next_tokens(
-                logits_R_V, temperature=temperature, top_p=top_p, top_k=top_k, generator=generator
+                logits_R_V, temperature=temperature, top_p=top_p, top_k=top_k, generator=draw
             )
             tokens_R_N[active, step] = tokens
             logprobs_R_N[active, step] = logprobs.float()
@@ -274,6 +299,21 @@ def generate(
     return samples
 
 
+def _generator(device: torch.device, seed: int | None) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def _runs(active: torch.Tensor, n: int, generators: Sequence[torch.Generator]) -> list[tuple[torch.Generator, int]]:
+    """(prompt's generator, its active rows) in row order: active rows are ascending, prompt-major."""
+    prompts, counts = torch.unique_consecutive(torch.div(active, n, rounding_mode="floor"), return_counts=True)
+    return [(generators[p], k) for p, k in zip(prompts.tolist(), counts.tolist(), strict=True)]
+
+
 class InProcessEngine:
     """The in-process sampler behind rollouts-types' InferenceEngine protocol.
 
@@ -305,7 +345,9 @@ class InProcessEngine:
         """Id for logs."""
         return self._name
 
-    async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
+    async def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seeds: Sequence[int | None] | None = None
+    ) -> list[Sample]:
         """`params.n` Samples per prompt, prompt-major, with this engine's weight version."""
         samples = generate(
             self._model,
@@ -316,7 +358,7 @@ class InProcessEngine:
             top_p=params.top_p,
             top_k=params.top_k,
             stop_token_ids=tuple(params.stop_token_ids) + self._eos,
-            seed=params.seed,
+            seed=params.seed if seeds is None else list(seeds),
             weight_version=self._weight_version,
         )
         if not params.logprobs:
@@ -325,6 +367,14 @@ class InProcessEngine:
             decode = self._tokenizer.decode  # type: ignore[attr-defined]
             samples = [_replace(s, response=decode(list(s.response_tokens), skip_special_tokens=True)) for s in samples]
         return samples
+
+    async def generate_seeded(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int | None]
+    ) -> list[Sample]:
+        """`generate` with one seed per prompt (`params.seed` is ignored): each prompt's samples are
+        the ones `generate([prompt], params with seed=seeds[i])` gives, so callers may batch
+        independently seeded requests together."""
+        return await self.generate(prompts, params, seeds=seeds)
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
         """Record `weight_version`; load weights from `path` unless the model is the training one."""

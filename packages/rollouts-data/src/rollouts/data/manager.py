@@ -14,6 +14,12 @@ Accounting, per step, in groups (RolloutBatch.metadata):
 Aborted requests (in flight when `abort()` was called) put their prompt back in a queue that the
 next step serves first, so no prompt is lost.
 
+Seeds: with `config.sampling.seed` set, each request gets its own seed, derived from that seed and
+the prompt's position in the data stream (`request_seed`), and passed to a generate function that
+takes a `seed` keyword. A prompt's samples then depend on its position, not on which requests ran
+beside it or finished first, so a run repeats exactly at any concurrency; a retry or an aborted
+prompt served again keeps its seed.
+
 Sync generate functions run in worker threads; on timeout or abort the thread is abandoned (its
 result discarded), since Python cannot cancel a running thread. The manager runs under asyncio and
 trio alike (anyio); a generate function may be a coroutine function of the running event loop's library.
@@ -21,6 +27,7 @@ trio alike (anyio); a generate function may be a coroutine function of the runni
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
 from collections.abc import Mapping
@@ -33,9 +40,30 @@ from rollouts.data.filters import check_reward_nonzero_std
 from rollouts.data.rollout import apply_sample_transforms, assign_groups, convert_to_batch, validate_group
 from rollouts.types import FilterFn, GenerateFn, RewardFn, RolloutBatch, RolloutConfig, Sample, thaw
 
-__all__ = ["AsyncRolloutManager"]
+__all__ = ["AsyncRolloutManager", "request_seed"]
 
 _MAX_ERRORS_REPORTED = 8  # keep batch metadata small when many requests fail the same way
+
+
+def request_seed(seed: int, position: int) -> int:
+    """The sampling seed of the prompt at `position` in the data stream (epoch * num_prompts + index
+    within the epoch) of a run seeded with `seed`: a 63-bit hash, so neighbouring positions and
+    seeds give unrelated streams."""
+    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _takes_seed(fn: Any) -> bool:
+    """Whether `fn` accepts a `seed` keyword (explicitly, or through **kwargs)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # some builtins and C callables have no signature
+        return False
+    return any(
+        p.kind is inspect.Parameter.VAR_KEYWORD
+        or (p.name == "seed" and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+        for p in params
+    )
 
 
 class AsyncRolloutManager:
@@ -59,8 +87,9 @@ class AsyncRolloutManager:
         if filter_fn is None and config.dynamic_sampling:
             filter_fn = check_reward_nonzero_std()
         self._filter_fn = filter_fn
+        self._takes_seed = _takes_seed(generate_fn)
         self._carry: list[tuple[Sample, ...]] = []
-        self._pending_prompts: list[Any] = []
+        self._pending_prompts: list[tuple[int | None, Any]] = []  # (position in the data stream, prompt)
         self._scope: anyio.CancelScope | None = None
         self._aborted = False
         self._thread_limiter = anyio.CapacityLimiter(config.max_concurrency)
@@ -85,17 +114,29 @@ class AsyncRolloutManager:
         if self._scope is not None:
             self._scope.cancel()
 
-    def _draw_prompts(self, num: int) -> list[Any]:
+    def _draw_prompts(self, num: int) -> list[tuple[int | None, Any]]:
+        """(position in the data stream, prompt) of the next `num` prompts, aborted ones first."""
         from_pending, self._pending_prompts = self._pending_prompts[:num], self._pending_prompts[num:]
         rest = num - len(from_pending)
-        return from_pending + (list(self._buffer.get_prompts(rest)) if rest else [])
+        if not rest:
+            return from_pending
+        start = self._buffer.epoch_id * len(self._buffer) + self._buffer.sample_offset
+        drawn = self._buffer.get_prompts(rest)
+        return from_pending + [(start + i, p) for i, p in enumerate(drawn)]
 
-    async def _call(self, prompt: Any, n: int) -> Any:
+    def _seed_of(self, position: int | None) -> int | None:
+        base = self._config.sampling.seed
+        return None if base is None or position is None else request_seed(base, position)
+
+    async def _call(self, prompt: Any, n: int, seed: int | None) -> Any:
         fn = self._generate_fn
+        kwargs = {"seed": seed} if self._takes_seed and seed is not None else {}
         if inspect.iscoroutinefunction(fn):
-            result = await fn(prompt, n)
+            result = await fn(prompt, n, **kwargs)
         else:
-            result = await anyio.to_thread.run_sync(fn, prompt, n, abandon_on_cancel=True, limiter=self._thread_limiter)
+            result = await anyio.to_thread.run_sync(
+                lambda: fn(prompt, n, **kwargs), abandon_on_cancel=True, limiter=self._thread_limiter
+            )
             if inspect.isawaitable(result):
                 result = await result
         return validate_group(result, n, prompt=prompt)
@@ -103,6 +144,7 @@ class AsyncRolloutManager:
     async def _request(
         self,
         rid: int,
+        position: int | None,
         prompt: Any,
         limiter: anyio.CapacityLimiter,
         results: dict[int, tuple[Sample, ...] | str],
@@ -114,7 +156,7 @@ class AsyncRolloutManager:
             for attempt in range(cfg.max_retries + 1):
                 try:
                     with anyio.move_on_after(cfg.request_timeout_s) as deadline:
-                        results[rid] = await self._call(prompt, cfg.samples_per_prompt)
+                        results[rid] = await self._call(prompt, cfg.samples_per_prompt, self._seed_of(position))
                     if not deadline.cancelled_caught:
                         counts["retries"] += attempt
                         return
@@ -147,14 +189,14 @@ class AsyncRolloutManager:
                 if self._aborted:
                     scope.cancel()
                 async with anyio.create_task_group() as tg:
-                    for rid, prompt in enumerate(prompts):
-                        tg.start_soon(self._request, rid, prompt, limiter, results, counts)
+                    for rid, (position, prompt) in enumerate(prompts):
+                        tg.start_soon(self._request, rid, position, prompt, limiter, results, counts)
             self._scope = None
             groups = []
-            for rid, prompt in enumerate(prompts):
+            for rid, (position, prompt) in enumerate(prompts):
                 result = results.get(rid)
                 if result is None:
-                    self._pending_prompts.append(prompt)
+                    self._pending_prompts.append((position, prompt))
                     counts["aborted"] += 1
                 elif isinstance(result, str):
                     counts["failed"] += 1
@@ -189,20 +231,33 @@ class AsyncRolloutManager:
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-ready state: the carry-over cache and the prompts of aborted requests."""
+        """JSON-ready state: the carry-over cache, and the prompts of aborted requests with their
+        positions in the data stream (their seeds come from those)."""
         return {
             "carry_over": [[s.to_dict() for s in g] for g in self._carry],
-            "pending_prompts": [thaw(p) for p in self._pending_prompts],
+            "pending_prompts": [thaw(p) for _, p in self._pending_prompts],
+            "pending_positions": [pos for pos, _ in self._pending_prompts],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what `state_dict` saved."""
-        if set(state) != {"carry_over", "pending_prompts"}:
-            raise ValueError(f"manager state keys must be ['carry_over', 'pending_prompts'], got {sorted(state)}")
+        """Restore what `state_dict` saved (a state without `pending_positions`, from before seeds
+        followed positions, restores its pending prompts without seeds)."""
+        keys, required = set(state), {"carry_over", "pending_prompts"}
+        if not required <= keys <= required | {"pending_positions"}:
+            raise ValueError(
+                "manager state keys must be ['carry_over', 'pending_positions', 'pending_prompts'], "
+                f"got {sorted(state)}"
+            )
         carry = [tuple(Sample.from_dict(d) for d in g) for g in state["carry_over"]]
         for i, g in enumerate(carry):
             if len(g) != self._config.samples_per_prompt:
                 expected = self._config.samples_per_prompt
                 raise ValueError(f"carry_over[{i}] has {len(g)} samples, expected samples_per_prompt={expected}")
+        prompts = list(state["pending_prompts"])
+        positions = list(state.get("pending_positions", [None] * len(prompts)))
+        if len(positions) != len(prompts) or not all(p is None or isinstance(p, int) for p in positions):
+            raise ValueError(
+                f"pending_positions must be {len(prompts)} ints (one per pending prompt), got {positions!r:.120}"
+            )
         self._carry = carry
-        self._pending_prompts = list(state["pending_prompts"])
+        self._pending_prompts = list(zip(positions, prompts, strict=True))

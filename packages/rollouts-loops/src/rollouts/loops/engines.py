@@ -8,6 +8,7 @@ and with it timeouts and overlapped training, keep running).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,7 +35,11 @@ class CoalescingEngine:
     """Wraps an engine whose `generate` blocks: batches concurrent calls and runs them in a thread.
 
     Calls with equal SamplingParams that arrive within `window_s` of each other go out as one call
-    of at most `max_prompts_per_call` prompts. Other methods pass straight through.
+    of at most `max_prompts_per_call` prompts. Seeded one-prompt calls that differ only in their
+    seed go out together too when the inner engine samples with a seed per prompt
+    (`generate_seeded`, as InProcessEngine does): each prompt keeps its own random stream, so a seeded
+    run's samples do not depend on which calls happened to share a batch. Other methods pass
+    straight through.
 
     One waiting caller at a time leads: it runs batches (its own first) until its own request is
     finished, then hands the lead to the next queued caller. So no caller's deadline covers other
@@ -60,11 +65,31 @@ class CoalescingEngine:
     def name(self) -> str:
         return self.inner.name
 
+    def _seeds_batch(self) -> bool:
+        return hasattr(self.inner, "generate_seeded")
+
+    def _key(self, r: _Request) -> SamplingParams:
+        """Requests with equal keys go out in one call. A one-prompt request's seed is not part of
+        the key when the inner engine takes a seed per prompt (`generate_seeded`)."""
+        if r.params.seed is not None and len(r.prompts) == 1 and self._seeds_batch():
+            return dataclasses.replace(r.params, seed=None)
+        return r.params
+
     async def _run_batch(self, batch: list[_Request]) -> None:
         prompts = [p for r in batch for p in r.prompts]
-        params = batch[0].params
+        params = self._key(batch[0])
+        if params.seed is None and any(r.params.seed is not None for r in batch):
+            seeds = [r.params.seed for r in batch]  # one prompt each (see _key)
+
+            def call() -> list[Sample]:
+                return trio.run(self.inner.generate_seeded, prompts, params, seeds)  # type: ignore[attr-defined]
+        else:
+
+            def call() -> list[Sample]:
+                return trio.run(self.inner.generate, prompts, params)
+
         try:
-            samples = await trio.to_thread.run_sync(lambda: trio.run(self.inner.generate, prompts, params))
+            samples = await trio.to_thread.run_sync(call)
         except trio.Cancelled:  # before the thread started (a running one is waited for): nothing ran
             self._queue[:0] = batch
             raise
@@ -101,10 +126,10 @@ class CoalescingEngine:
             r.wake.set()
 
     def _take_batch(self) -> list[_Request]:
-        params = self._queue[0].params
+        key = self._key(self._queue[0])
         batch, rest, num = [], [], 0
         for r in self._queue:
-            if r.params == params and (not batch or num + len(r.prompts) <= self.max_prompts_per_call):
+            if self._key(r) == key and (not batch or num + len(r.prompts) <= self.max_prompts_per_call):
                 batch.append(r)
                 num += len(r.prompts)
             else:

@@ -146,12 +146,16 @@ def check_fits(samples: Sequence[Sample], *, max_tokens: int) -> None:
 def group_generator(
     rollout: RolloutFn, ctx: RolloutContext, reward: Reward
 ) -> Callable[[Any, int], Awaitable[list[Sample]]]:
-    """The rollout manager's GenerateFn: (record, n) -> n scored Samples carrying the record's fields."""
+    """The rollout manager's GenerateFn: (record, n) -> n scored Samples carrying the record's fields.
 
-    async def generate_group(record: Any, n: int) -> list[Sample]:
-        group_ctx = (
-            ctx if ctx.sampling.n == n else dataclasses.replace(ctx, sampling=dataclasses.replace(ctx.sampling, n=n))
-        )
+    `seed` (passed by the manager when the run is seeded: one per prompt position) replaces the
+    sampling seed for this group's requests."""
+
+    async def generate_group(record: Any, n: int, *, seed: int | None = None) -> list[Sample]:
+        sampling = ctx.sampling
+        if sampling.n != n or (seed is not None and sampling.seed != seed):
+            sampling = dataclasses.replace(sampling, n=n, seed=sampling.seed if seed is None else seed)
+        group_ctx = ctx if sampling is ctx.sampling else dataclasses.replace(ctx, sampling=sampling)
         result = rollout(record, group_ctx)
         samples = await result if inspect.isawaitable(result) else result
         if not isinstance(samples, Sequence) or len(samples) != n or not all(isinstance(s, Sample) for s in samples):
