@@ -10,6 +10,7 @@ from rollouts.backends import InProcessEngine, build_components, load_hf_model
 from rollouts.data import DataBuffer
 from rollouts.loops.loggers import NullLogger
 from rollouts.loops.rl import run_rl_training
+from rollouts.loops.rollout_fns import single_turn_rollout
 from rollouts.types import CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams
 
 
@@ -107,7 +108,53 @@ def test_one_prompt_too_long_for_a_micro_batch_fails_only_its_group_and_says_why
         encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
         engine_shares_model=True,
         resume=False,
+        # A rollout function of the user's own (say, multi-turn: its samples can outgrow the first
+        # prompt), so the check before the run does not apply and the group fails when generated.
+        rollout=lambda record, ctx: single_turn_rollout(record, ctx),
     )
     (metrics,) = history
     assert state.step == 1 and metrics["num_trained"] == 4  # the two short prompts' groups
     assert f"rl.max_tokens_per_micro_batch={budget}" in metrics["failure_causes"]
+
+
+def test_prompts_too_long_for_the_model_or_a_micro_batch_are_refused_before_the_run(tiny_run_inputs, tmp_path):
+    """Found where the data enters (all of them, counted and named), not when a prompt's turn
+    comes mid-run."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_run_inputs / "model"), local_files_only=True)
+    model = load_hf_model(tiny_run_inputs / "model")
+    context = model.config.max_position_embeddings
+    records = [{"prompt": "1+1="}, {"prompt": "1+" * context + "1="}, {"prompt": "2+2="}, {"prompt": "9+" * 20 + "="}]
+
+    def run(max_new_tokens, budget):
+        config = RLConfig(
+            num_steps=1,
+            rollout=RolloutConfig(
+                batch_size=2, samples_per_prompt=2, sampling=SamplingParams(max_new_tokens=max_new_tokens)
+            ),
+            checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
+            max_tokens_per_micro_batch=budget,
+        )
+        return run_rl_training(
+            build_components(model, config.optimizer, num_training_steps=1),
+            DataBuffer(records, shuffle=False),
+            InProcessEngine(model, tokenizer=tokenizer),
+            config,
+            reward=lambda s, r: 1.0,
+            logger=NullLogger(),
+            run_dir=tmp_path,
+            encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
+            engine_shares_model=True,
+            resume=False,
+        )
+
+    with pytest.raises(ValueError) as caught:
+        run(4, 4096)
+    message = str(caught.value)
+    assert "1 of 4 prompts cannot fit with rollout.sampling.max_new_tokens=4" in message
+    assert "record 1 (" in message and f"max_position_embeddings={context}" in message
+    long_one = len(tokenizer.encode(records[3]["prompt"], add_special_tokens=False))
+    with pytest.raises(ValueError, match=r"2 of 4 prompts .*record 3 .*rl.max_tokens_per_micro_batch="):
+        run(4, long_one + 3)
+    assert not (tmp_path / "checkpoints").exists()  # refused before any work

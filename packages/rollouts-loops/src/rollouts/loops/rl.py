@@ -39,6 +39,7 @@ from rollouts.loops.rollout_fns import (
     PromptEncoder,
     RolloutContext,
     RolloutFn,
+    check_prompt_lengths,
     group_generator,
     model_vocab_size,
     single_turn_rollout,
@@ -255,6 +256,14 @@ def run_rl_training(
     if config.algorithm.needs_reference and ref_components is None:
         # The starting weights, copied before a resume loads later ones into `components`.
         ref_components = dataclasses.replace(components, model=copy.deepcopy(components.model).eval())
+    if rank == 0 and rollout is single_turn_rollout:  # every prompt checked before the run, not mid-run
+        check_prompt_lengths(
+            buffer.prompts,
+            encode_prompt,
+            max_new_tokens=config.rollout.sampling.max_new_tokens,
+            max_context=getattr(getattr(components.model, "config", None), "max_position_embeddings", None),
+            max_sample_tokens=config.max_tokens_per_micro_batch,
+        )
     hooks = RLHooks(
         reward=Reward.of(reward), rollout=rollout, filter_fn=filter_fn, advantage_fn=advantage_fn, loss_fn=loss_fn
     )

@@ -143,6 +143,50 @@ def check_fits(samples: Sequence[Sample], *, max_tokens: int) -> None:
             )
 
 
+def check_prompt_lengths(
+    records: Sequence[Any],
+    encode_prompt: PromptEncoder,
+    *,
+    max_new_tokens: int,
+    max_context: int | None,
+    max_sample_tokens: int | None,
+) -> None:
+    """Refuse, before any work, prompt records whose prompt plus `max_new_tokens` cannot fit the
+    model's context (`max_context`, e.g. max_position_embeddings) or one micro-batch
+    (`max_sample_tokens`, rl.max_tokens_per_micro_batch); the error counts them and names the
+    first few by record number and prompt. An encoder that fails is named with its record too."""
+    limits = [
+        (limit, name)
+        for limit, name in (
+            (max_context, "the model's max_position_embeddings"),
+            (max_sample_tokens, "rl.max_tokens_per_micro_batch"),
+        )
+        if limit is not None
+    ]
+    if not limits:
+        return
+    too_long = []
+    for i, record in enumerate(records):
+        try:
+            ids = encode_prompt(record)
+            num = len(ids)
+        except Exception as e:
+            raise ValueError(f"prompt record {i}: encode_prompt failed: {type(e).__name__}: {e}") from e
+        for limit, name in limits:
+            if num + max_new_tokens > limit:
+                prompt = record.get("prompt", record) if isinstance(record, dict) else record
+                too_long.append(f"record {i} ({num} prompt tokens, {prompt!r:.60}) > {name}={limit}")
+                break
+    if too_long:
+        raise ValueError(
+            f"{len(too_long)} of {len(records)} prompts cannot fit with rollout.sampling.max_new_tokens="
+            f"{max_new_tokens}: "
+            + "; ".join(too_long[:5])
+            + ("; ..." if len(too_long) > 5 else "")
+            + ". Remove or shorten them, or lower max_new_tokens"
+        )
+
+
 def group_generator(
     rollout: RolloutFn, ctx: RolloutContext, reward: Reward
 ) -> Callable[[Any, int], Awaitable[list[Sample]]]:
