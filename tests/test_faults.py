@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -158,3 +159,77 @@ def test_prompts_too_long_for_the_model_or_a_micro_batch_are_refused_before_the_
     with pytest.raises(ValueError, match=r"2 of 4 prompts .*record 3 .*rl.max_tokens_per_micro_batch="):
         run(4, long_one + 3)
     assert not (tmp_path / "checkpoints").exists()  # refused before any work
+
+
+@contextlib.contextmanager
+def _fake_vllm_in_a_thread(state):
+    """The fake vLLM server on its own event loop in a thread, for a loop that runs trio.run itself."""
+    import threading
+
+    import trio
+
+    from rollouts.sync.fake_server import serve_fake_engine
+
+    ready, stop, box = threading.Event(), threading.Event(), {}
+
+    async def serve():
+        async with serve_fake_engine(state) as server:
+            box["url"] = server.url
+            ready.set()
+            while not stop.is_set():
+                await trio.sleep(0.01)
+
+    thread = threading.Thread(target=trio.run, args=(serve,), daemon=True)
+    thread.start()
+    assert ready.wait(timeout=30), "the fake engine did not start"
+    try:
+        yield box["url"]
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+
+
+@pytest.mark.parametrize("fault", ["status", "hang"])
+def test_engine_failures_reach_the_user_with_engine_url_status_and_message(tiny_run_inputs, tmp_path, fault):
+    """An engine answering HTTP 500, or never answering, ended as 'N steps in a row produced no
+    trainable sample (failed: 16)' with no URL, status or cause."""
+    from rollouts.sync import VLLMEngine
+    from rollouts.sync.fake_server import FakeEngineState, Fault
+
+    model = load_hf_model(tiny_run_inputs / "model")
+    state = FakeEngineState(vocab_size=model.config.vocab_size)
+    if fault == "status":
+        state.faults.append(Fault(kind="status", path="/v1/completions", times=10_000, status=500, text="CUDA OOM"))
+    else:
+        state.faults.append(Fault(kind="delay", path="/v1/completions", times=10_000, delay_s=3600.0))
+    config = RLConfig(
+        num_steps=8,
+        rollout=RolloutConfig(
+            batch_size=2,
+            samples_per_prompt=2,
+            max_retries=0,
+            request_timeout_s=0.5,
+            sampling=SamplingParams(max_new_tokens=2),
+        ),
+        checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
+    )
+    with _fake_vllm_in_a_thread(state) as url:
+        engine = VLLMEngine(url, max_retries=0, timeout_s=30.0)
+        with pytest.raises(RuntimeError, match="steps in a row produced no trainable sample") as caught:
+            run_rl_training(
+                build_components(model, config.optimizer, num_training_steps=8),
+                DataBuffer([{"prompt": "1+1="}, {"prompt": "2+2="}], shuffle=False),
+                engine,
+                config,
+                reward=lambda s, r: 1.0,
+                logger=NullLogger(),
+                run_dir=tmp_path,
+                encode_prompt=lambda r: [5, 6, 7],
+                resume=False,
+            )
+    message = str(caught.value)
+    assert url in message, message
+    if fault == "status":
+        assert "500" in message and "CUDA OOM" in message, message
+    else:
+        assert "timed out after 0.5 s waiting for " + url in message, message

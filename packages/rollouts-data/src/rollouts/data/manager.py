@@ -77,7 +77,10 @@ class AsyncRolloutManager:
         *,
         reward_fn: RewardFn | None = None,
         filter_fn: FilterFn | None = None,
+        source: str = "",
     ) -> None:
+        """`source`: what generates (an engine's name or URL), named in the failure of a request
+        that timed out, which otherwise has no error of its own to say where it hung."""
         if not callable(generate_fn):
             raise TypeError(f"generate_fn must be callable, got {type(generate_fn).__name__}")
         self._buffer = buffer
@@ -88,6 +91,7 @@ class AsyncRolloutManager:
             filter_fn = check_reward_nonzero_std()
         self._filter_fn = filter_fn
         self._takes_seed = _takes_seed(generate_fn)
+        self._source = source
         self._carry: list[tuple[Sample, ...]] = []
         self._pending_prompts: list[tuple[int | None, Any]] = []  # (position in the data stream, prompt)
         self._scope: anyio.CancelScope | None = None
@@ -160,7 +164,8 @@ class AsyncRolloutManager:
                     if not deadline.cancelled_caught:
                         counts["retries"] += attempt
                         return
-                    errors.append(f"timed out after {cfg.request_timeout_s} s")
+                    where = f" waiting for {self._source}" if self._source else ""
+                    errors.append(f"timed out after {cfg.request_timeout_s} s{where} (rollout.request_timeout_s)")
                 except Exception as e:  # a failed request is retried, then counted; never lost
                     errors.append(f"{type(e).__name__}: {e}")
         counts["retries"] += cfg.max_retries

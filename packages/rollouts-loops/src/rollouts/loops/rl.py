@@ -368,7 +368,9 @@ def _manager(run: _Run, extra: dict[str, Any]) -> AsyncRolloutManager | None:
     if run.context is None or rank_world()[0] != 0:
         return None
     generate = group_generator(run.hooks.rollout, run.context, run.hooks.reward)
-    manager = AsyncRolloutManager(run.buffer, run.config.rollout, generate, filter_fn=run.hooks.filter_fn)
+    manager = AsyncRolloutManager(
+        run.buffer, run.config.rollout, generate, filter_fn=run.hooks.filter_fn, source=run.context.engine.name
+    )
     if "buffer" in extra:
         run.buffer.load_state_dict(extra["buffer"])
     if "manager" in extra:
