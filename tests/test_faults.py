@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -233,3 +234,25 @@ def test_engine_failures_reach_the_user_with_engine_url_status_and_message(tiny_
         assert "500" in message and "CUDA OOM" in message, message
     else:
         assert "timed out after 0.5 s waiting for " + url in message, message
+
+
+def test_an_rl_record_without_its_answer_is_refused_at_load_time_naming_file_and_line(
+    tiny_run_inputs, tmp_path, capsys
+):
+    """Found only mid-run when the reward ran (and a rerun skipped the prompts drawn with it)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from run_configs import rl_toml
+
+    from rollouts.loops.app.cli import main
+
+    lines = (tiny_run_inputs / "prompts.jsonl").read_text().splitlines()
+    lines[5] = '{"prompt": "1+1="}'
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    config = rl_toml(tiny_run_inputs, tmp_path / "run", tiny_run_inputs / "model")
+    assert main(["rl", "--config", str(config), "--set", f"data.train_path={str(data)!r}"]) != 0
+    err = capsys.readouterr().err
+    assert f"{data}:6" in err and "answer" in err, err
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -77,6 +77,20 @@ def _prepare_run(run: Any, command: str, source: str) -> tuple[Any, bool]:
     return run, bool(verdict["resume"])
 
 
+def _load(loader: Any, *args: Any, **kwargs: Any) -> Any:
+    """A data loader's result; its ValueError (naming file, line and field) becomes a ConfigError."""
+    try:
+        return loader(*args, **kwargs)
+    except ValueError as e:
+        raise ConfigError(f"data error: {e}") from e
+
+
+def _answer_fields(run: Any) -> tuple[str, ...]:
+    """Fields every prompt record needs for the configured reward: the built-in graders read the
+    answer (checked for every record at load time, not when a record's turn comes mid-run)."""
+    return (run.data.answer_key,) if run.reward.fn in ("math_answer", "exact_match") else ()
+
+
 def _release(out: Path, rank: int) -> None:
     from rollouts.loops.run_dir import release_run_dir
 
@@ -186,11 +200,11 @@ def cmd_sft(run: SFTRun, source: str) -> Path:
     from rollouts.loops import CHECKPOINTS_DIR, run_sft_training
 
     rank, world = _distributed()
+    conversations = _load(load_conversations, run.data.train_path)  # bad data refused before the run dir is touched
     run, resume = _prepare_run(run, "sft", source)
     out = Path(run.run.out_dir)
     try:
         tokenizer = _tokenizer(run)
-        conversations = load_conversations(run.data.train_path)
         samples = [
             tokenize_conversation(list(c), tokenizer, max_length=run.sft.max_length, train_on=run.sft.train_on)
             for c in conversations
@@ -314,7 +328,9 @@ def _evaluation(run: RLRun) -> Any:
         return None
     if not run.data.eval_path:
         raise ConfigError("eval.every_steps > 0 needs data.eval_path")
-    records = load_prompts(run.data.eval_path, field=run.data.prompt_key)[: run.data.num_eval]
+    records = _load(load_prompts, run.data.eval_path, field=run.data.prompt_key, required_fields=_answer_fields(run))[
+        : run.data.num_eval
+    ]
     if run.data.prompt_key != "prompt":
         records = [{**r, "prompt": r[run.data.prompt_key]} for r in records]
     sampling = dc.replace(run.rl.rollout.sampling, n=run.eval.samples_per_prompt, temperature=run.eval.temperature)
@@ -338,13 +354,13 @@ def cmd_rl(run: RLRun, source: str) -> Path:
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from e
     rank, world = _distributed()
+    records = _load(load_prompts, run.data.train_path, field=run.data.prompt_key, required_fields=_answer_fields(run))
+    if run.data.prompt_key != "prompt":
+        records = [{**r, "prompt": r[run.data.prompt_key]} for r in records]
     run, resume = _prepare_run(run, "rl", source)
     out = Path(run.run.out_dir)
     try:
         tokenizer = _tokenizer(run)
-        records = load_prompts(run.data.train_path, field=run.data.prompt_key)
-        if run.data.prompt_key != "prompt":
-            records = [{**r, "prompt": r[run.data.prompt_key]} for r in records]
         components = _components(run, run.rl.optimizer, run.rl.num_steps * run.rl.algorithm.num_updates_per_batch)
         shares = run.engine.kind == "inprocess" and not run.rl.overlap and world == 1
         ref_components = None
