@@ -6,6 +6,8 @@ of the weights (overlap needs one), so they differ only in scheduling. Reports p
 over the measured steps (the first step is warm-up) and the overlap efficiency:
 overlapped step time / max(generate, train) of the synchronous run (1.0 is perfect overlap).
 
+Also prints the first batch's gather (CoalescingEngine adaptive vs a flat 10 ms window).
+
     uv run python benchmarks/bench_loops.py [--steps 6] [--threads 2]
 """
 
@@ -29,7 +31,7 @@ from rollouts.loops.rl import run_rl_training
 from rollouts.types import AlgorithmConfig, CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams
 
 
-def run(mode_overlap: bool, *, steps: int, demo: DemoConfig) -> list[dict[str, float]]:
+def run(mode_overlap: bool, *, steps: int, demo: DemoConfig, adaptive: bool = True) -> list[dict[str, float]]:
     records = addition_problems(4000, digits=demo.digits, seed=0)
     tokenizer = build_tokenizer((r["prompt"] + r["answer"] for r in records), vocab_size=32)
     model = build_tiny_model(
@@ -64,6 +66,7 @@ def run(mode_overlap: bool, *, steps: int, demo: DemoConfig) -> list[dict[str, f
     engine = CoalescingEngine(
         InProcessEngine(copy.deepcopy(model), shares_training_model=False, tokenizer=tokenizer),
         max_prompts_per_call=demo.rl_prompts_per_step,
+        adaptive=adaptive,
     )
 
     def encode(record):
@@ -109,6 +112,17 @@ def main() -> None:
             f"{name}: step {med['step_time_s']:.3f} s | generate {med['generate_s']:.3f} s "
             f"(waited {med['generate_wait_s']:.3f} s) | train {med['train_s']:.3f} s | sync {med['sync_s']:.3f} s"
         )
+    # The first batch's gather: waiting only while callers join vs a flat 10 ms window (synchronous),
+    # alternating runs, medians over every measured step of three runs each.
+    gen: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(3):
+        for adaptive in (True, False):
+            gen[adaptive] += [h["generate_s"] for h in run(False, steps=args.steps, demo=demo, adaptive=adaptive)]
+    adaptive_s, flat_s = statistics.median(gen[True]), statistics.median(gen[False])
+    print(
+        f"gather: generate {adaptive_s * 1e3:.1f} ms adaptive vs {flat_s * 1e3:.1f} ms with a flat 10 ms window "
+        f"(saves {(flat_s - adaptive_s) * 1e3:.1f} ms per step; flat / adaptive = {flat_s / adaptive_s:.2f}x)"
+    )
     sync = results[False]
     bound = max(sync["generate_s"], sync["train_s"])
     print(

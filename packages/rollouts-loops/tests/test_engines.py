@@ -94,6 +94,30 @@ def test_concurrent_calls_within_the_window_go_out_as_one_call():
     assert len(inner.calls) == 1 and len(inner.calls[0]) == 12
 
 
+def test_a_lone_caller_does_not_wait_out_the_window_and_a_burst_still_batches():
+    """The adaptive gather waits only while callers are still joining: a lone call goes out at once
+    (a 30 s window would otherwise hold it), a burst of start_soon callers goes out as one call."""
+    inner = BlockingEngine()
+    engine = CoalescingEngine(inner, max_prompts_per_call=64, window_s=30.0)
+    params = SamplingParams(max_new_tokens=1)
+
+    async def lone():
+        start = trio.current_time()
+        await engine.generate(_prompts(0, 1), params)
+        return trio.current_time() - start
+
+    assert trio.run(lone) < 30.0
+
+    async def burst():
+        async with trio.open_nursery() as nursery:
+            for caller in range(8):
+                nursery.start_soon(engine.generate, _prompts(caller, 1), params)
+
+    inner.calls.clear()
+    trio.run(burst)
+    assert [len(c) for c in inner.calls] == [8]
+
+
 def _timed_calls(engine, timeouts, *, start_gap_s=0.001):
     """Run one call per timeout, concurrently; returns {caller: ("ok" | "timeout" | error, seconds)}."""
     outcome: dict[int, tuple[str, float]] = {}
@@ -132,7 +156,7 @@ def test_a_leader_deadline_covers_only_its_own_batch():
 
 def test_a_leader_cancelled_in_its_window_hands_the_queue_on():
     inner = BlockingEngine(delay_s=0.05)
-    engine = CoalescingEngine(inner, max_prompts_per_call=64, window_s=0.5)
+    engine = CoalescingEngine(inner, max_prompts_per_call=64, window_s=0.5, adaptive=False)
     outcome = _timed_calls(engine, [0.1, 10.0, 10.0])
     assert outcome[0][0] == "timeout"
     assert outcome[1][0] == "ok" and outcome[2][0] == "ok"

@@ -2,7 +2,7 @@
 
 The rollout manager sends one request per group; a remote server batches them itself, but the
 in-process sampler runs one forward pass per call. `CoalescingEngine` gathers the requests that
-arrive within a short window into one batched call (run in a worker thread so the event loop,
+arrive together into one batched call (run in a worker thread so the event loop,
 and with it timeouts and overlapped training, keep running).
 """
 
@@ -18,6 +18,7 @@ import trio
 from rollouts.types import InferenceEngine, Sample, SamplingParams
 
 _DEFAULT_WINDOW_S = 0.01  # long enough for a nursery's start_soon burst, short next to a forward pass
+_QUIET_PASSES = 3  # scheduler passes without a new caller before the first batch goes out
 
 
 @dataclass(slots=True)
@@ -34,8 +35,10 @@ class _Request:
 class CoalescingEngine:
     """Wraps an engine whose `generate` blocks: batches concurrent calls and runs them in a thread.
 
-    Calls with equal SamplingParams that arrive within `window_s` of each other go out as one call
-    of at most `max_prompts_per_call` prompts. Seeded one-prompt calls that differ only in their
+    Calls with equal SamplingParams that arrive together go out as one call of at most
+    `max_prompts_per_call` prompts: the first caller after a quiet spell waits while others are
+    still joining (a few scheduler passes for a burst of `start_soon` tasks; at most `window_s`;
+    `adaptive=False` waits `window_s` flat), and calls that queue while a batch runs form the next. Seeded one-prompt calls that differ only in their
     seed go out together too when the inner engine samples with a seed per prompt
     (`generate_seeded`, as InProcessEngine does): each prompt keeps its own random stream, so a seeded
     run's samples do not depend on which calls happened to share a batch. Other methods pass
@@ -49,7 +52,12 @@ class CoalescingEngine:
     """
 
     def __init__(
-        self, inner: InferenceEngine, *, max_prompts_per_call: int = 64, window_s: float = _DEFAULT_WINDOW_S
+        self,
+        inner: InferenceEngine,
+        *,
+        max_prompts_per_call: int = 64,
+        window_s: float = _DEFAULT_WINDOW_S,
+        adaptive: bool = True,
     ) -> None:
         if max_prompts_per_call < 1:
             raise ValueError(f"max_prompts_per_call must be >= 1, got {max_prompts_per_call}")
@@ -58,6 +66,7 @@ class CoalescingEngine:
         self.inner = inner
         self.max_prompts_per_call = max_prompts_per_call
         self.window_s = window_s
+        self.adaptive = adaptive
         self._queue: list[_Request] = []
         self._leader: _Request | None = None
 
@@ -119,6 +128,24 @@ class CoalescingEngine:
             start += size
         self._finish(batch)
 
+    async def _gather(self) -> None:
+        """Wait for concurrent callers to join the first batch: with `adaptive`, only while the
+        queue is still filling (it grew during the last scheduler pass) and not full, at most
+        `window_s`; otherwise `window_s` flat."""
+        if not self.adaptive:
+            await trio.sleep(self.window_s)
+            return
+        deadline = trio.current_time() + self.window_s
+        queued, quiet = self._num_queued(), 0
+        while quiet < _QUIET_PASSES and queued < self.max_prompts_per_call and trio.current_time() < deadline:
+            await trio.sleep(0)  # one scheduler pass: callers started beside this one run up to their generate
+            now = self._num_queued()
+            quiet = quiet + 1 if now == queued else 0
+            queued = now
+
+    def _num_queued(self) -> int:
+        return sum(len(r.prompts) for r in self._queue)
+
     @staticmethod
     def _finish(batch: list[_Request], *, error: BaseException | None = None) -> None:
         for r in batch:
@@ -144,7 +171,7 @@ class CoalescingEngine:
         try:
             if self._leader is None:  # the first call after a quiet spell waits for others to join
                 self._leader = request
-                await trio.sleep(self.window_s)
+                await self._gather()
             while not request.finished:
                 if self._leader is request:
                     await self._run_batch(self._take_batch())

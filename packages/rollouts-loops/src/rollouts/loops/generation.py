@@ -7,6 +7,7 @@ order is the same on every rank because only the loop's one consumer task calls 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ def _batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:
         "num_failed": batch.num_failed,
         "num_carried_over": batch.num_carried_over,
         "filter_reasons": dict(batch.filter_reasons),
-        "metadata": {k: v for k, v in batch.metadata.items() if k in ("errors", "groups_requested", "num_rounds")},
+        "metadata": {k: v for k, v in batch.metadata.items() if k in ("errors", "groups_requested", "num_rounds", "generate_s")},
     }
 
 
@@ -56,7 +57,9 @@ class BatchSource:
             async with lock:
                 start = time.perf_counter()
                 try:
-                    result: Any = (await manager.generate_batch(step=step), time.perf_counter() - start)
+                    batch = await manager.generate_batch(step=step)
+                    seconds = time.perf_counter() - start  # logged as generate_s
+                    result: Any = (dataclasses.replace(batch, metadata={**batch.metadata, "generate_s": seconds}),)
                 except Exception as error:  # handed to the consumer, which raises it
                     result = error
             await self._results_tx.send(result)
