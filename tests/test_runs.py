@@ -135,3 +135,27 @@ def test_the_run_directory_lock_is_reentrant_in_one_process_and_released(tmp_pat
     finally:
         holder.kill()
         holder.wait(timeout=30)
+
+
+def test_gradient_checkpointing_is_honoured_in_one_process_with_the_same_gradients(tiny_run_inputs, tmp_path):
+    """model.gradient_checkpointing was applied only under torchrun."""
+    import torch
+
+    from rollouts.backends import forward_backward
+    from rollouts.data import pack_samples
+    from rollouts.loops.app.cli import _components
+    from rollouts.losses import sft_loss_fn
+    from rollouts.types import OptimizerConfig, Sample
+
+    grads = {}
+    for on in (False, True):
+        run = build_run(SFTRun, {"model": {"path": str(tiny_run_inputs / "model"), "gradient_checkpointing": on}})
+        components = _components(run, OptimizerConfig(), 1)
+        assert components.model.is_activation_checkpointing is on
+        sample = Sample(tokens=[3 + i % 8 for i in range(12)], num_prompt_tokens=4, loss_mask=[0.0] * 4 + [1.0] * 8)
+        micro_batches = pack_samples([sample], max_tokens=32)
+        forward_backward(components, micro_batches, sft_loss_fn(), num_tokens=8, num_sequences=1)
+        grads[on] = {n: p.grad.clone() for n, p in components.model.named_parameters() if p.grad is not None}
+    assert grads[True].keys() == grads[False].keys() and grads[True]
+    for name, grad in grads[False].items():  # recomputation gives the same gradients (float32 rounding)
+        torch.testing.assert_close(grads[True][name], grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-__all__ = ["data_parallel_size", "shard_model", "transformer_blocks"]
+__all__ = ["data_parallel_size", "enable_activation_checkpointing", "shard_model", "transformer_blocks"]
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -28,6 +28,17 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
             "cannot choose the units to shard"
         )
     return blocks
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer in backward instead of keeping its activations (an HF model);
+    non-reentrant, so it composes with FSDP2's hooks and with log-probs taken after the forward."""
+    kwargs = {"use_reentrant": False}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:  # transformers >= 5.x; the older name is deprecated there
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
 
 
 def shard_model(
@@ -46,8 +57,7 @@ def shard_model(
     if not torch.distributed.is_initialized():
         raise ValueError("shard_model needs torch.distributed initialized (launch with torchrun, init_process_group)")
     if activation_checkpointing:
-        # Recompute each layer in backward; non-reentrant so it composes with FSDP's hooks.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     kwargs: dict = {"reshard_after_forward": reshard_after_forward}
     if mesh is not None:
         kwargs["mesh"] = mesh

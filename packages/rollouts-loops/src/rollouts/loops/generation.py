@@ -30,7 +30,9 @@ def _batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:
         "num_failed": batch.num_failed,
         "num_carried_over": batch.num_carried_over,
         "filter_reasons": dict(batch.filter_reasons),
-        "metadata": {k: v for k, v in batch.metadata.items() if k in ("errors", "groups_requested", "num_rounds", "generate_s")},
+        "metadata": {
+            k: v for k, v in batch.metadata.items() if k in ("errors", "groups_requested", "num_rounds", "generate_s")
+        },
     }
 
 

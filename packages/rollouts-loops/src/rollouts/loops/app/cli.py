@@ -131,7 +131,7 @@ def _components(run: Any, optimizer, num_training_steps: int):
     if world > 1 and device.startswith("cuda"):
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     if world == 1:
-        return build_components(
+        components = build_components(
             run.model.path,
             optimizer,
             num_training_steps=num_training_steps,
@@ -139,6 +139,11 @@ def _components(run: Any, optimizer, num_training_steps: int):
             device=device,
             attn_implementation=run.model.attn_implementation,
         )
+        if run.model.gradient_checkpointing:  # as under torchrun: recompute each layer in backward
+            from rollouts.backends.distributed import enable_activation_checkpointing
+
+            enable_activation_checkpointing(components.model)
+        return components
     model = _sharded_model(run, device)
     opt = build_optimizer(model, optimizer)
     return TrainingComponents(
