@@ -6,10 +6,16 @@ from rollouts.loops.app.cli import main
 from rollouts.loops.loggers import read_jsonl
 
 
-def test_quick_demo_writes_summary_plot_metrics_and_a_loadable_model(tmp_path):
+def test_quick_demo_writes_summary_plot_metrics_and_a_loadable_model(tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", "--quick", "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    printed = printed.out + printed.err
     summary = json.loads((out / "summary.json").read_text())
+    # A smoke run says so and shows that learning happened (not 0.0% accuracies that read as broken).
+    assert "smoke run (--quick)" in printed and "SFT loss" in printed and "RL reward" in printed
+    first, last = summary["sft_loss_first_last"]
+    assert summary["smoke_run"] and last < 0.8 * first, summary["sft_loss_first_last"]
     for key in ("accuracy_before_sft", "accuracy_after_sft", "accuracy_after_rl"):
         assert 0.0 <= summary[key] <= 1.0
     assert summary["wall_time_s"] > 0
