@@ -159,3 +159,15 @@ def test_gradient_checkpointing_is_honoured_in_one_process_with_the_same_gradien
     assert grads[True].keys() == grads[False].keys() and grads[True]
     for name, grad in grads[False].items():  # recomputation gives the same gradients (float32 rounding)
         torch.testing.assert_close(grads[True][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_hub_id_the_hub_cannot_provide_is_a_config_error_naming_it(tiny_run_inputs, tmp_path, monkeypatch, capsys):
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    config = _sft_toml(tiny_run_inputs, tmp_path / "r.toml", out_dir=tmp_path / "run")
+    assert main(["sft", "--config", str(config), "--set", "model.path='rollouts-tests/no-such-model'"]) == 2
+    err = capsys.readouterr().err
+    assert "model.path: model path 'rollouts-tests/no-such-model' is not a local directory" in err, err

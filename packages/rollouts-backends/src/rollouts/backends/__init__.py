@@ -20,6 +20,7 @@ from rollouts.backends.components import (
     lr_multiplier,
 )
 from rollouts.backends.distributed import shard_model, transformer_blocks
+from rollouts.backends.model_files import load_tokenizer, resolve_model_dir
 from rollouts.backends.sampler import InProcessEngine, generate, sample_next_tokens
 from rollouts.backends.train import (
     NonFiniteError,
@@ -52,11 +53,13 @@ __all__ = [
     "load_checkpoint",
     "load_hf_model",
     "load_model_weights",
+    "load_tokenizer",
     "lr_multiplier",
     "micro_batch_to_torch",
     "optim_step",
     "packed_only",
     "read_weights",
+    "resolve_model_dir",
     "sample_next_tokens",
     "save_checkpoint",
     "shard_model",

@@ -171,9 +171,25 @@ def _sharded_model(run: Any, device: Any):
 
 
 def _tokenizer(run: Any):
-    from transformers import AutoTokenizer
+    from rollouts.backends import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(run.model.tokenizer_path or run.model.path, local_files_only=True)
+    return load_tokenizer(run.model.tokenizer_path or run.model.path)
+
+
+def _local_model(run: Any, source: str) -> Any:
+    """The run with model.path (and tokenizer_path) as local directories: a Hugging Face Hub id is
+    fetched (or read from the hub cache offline); one the hub cannot provide is a ConfigError."""
+    from rollouts.backends import resolve_model_dir
+
+    paths = {}
+    for key in ("path", "tokenizer_path"):
+        value = getattr(run.model, key)
+        if value and not Path(value).is_dir():
+            try:
+                paths[key] = str(resolve_model_dir(value))
+            except ValueError as e:
+                raise ConfigError(f"{source}: model.{key}: {e}") from e
+    return dataclasses.replace(run, model=dataclasses.replace(run.model, **paths)) if paths else run
 
 
 def _loggers(run: Any, out: Path, name: str, total: int, *, rank: int = 0):
@@ -200,6 +216,7 @@ def _loggers(run: Any, out: Path, name: str, total: int, *, rank: int = 0):
 
 def cmd_sft(run: SFTRun, source: str) -> Path:
     """Tokenize conversations with the model's chat template and train; returns the checkpoint root."""
+    run = _local_model(run, source)
     _check_paths(run, source)
     from rollouts.data import load_conversations, tokenize_conversation
     from rollouts.loops import CHECKPOINTS_DIR, run_sft_training
@@ -344,6 +361,7 @@ def _evaluation(run: RLRun) -> Any:
 
 def cmd_rl(run: RLRun, source: str) -> Path:
     """RL from the configured model against the configured engine(s); returns the checkpoint root."""
+    run = _local_model(run, source)
     _check_paths(run, source)
     from rollouts.data import DataBuffer, load_prompts
     from rollouts.loops import CHECKPOINTS_DIR, run_rl_training
