@@ -256,3 +256,38 @@ def test_an_rl_record_without_its_answer_is_refused_at_load_time_naming_file_and
     err = capsys.readouterr().err
     assert f"{data}:6" in err and "answer" in err, err
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("on_error", ["raise", "zero"])
+def test_a_failing_reward_functions_message_reaches_the_error_and_the_jsonl(
+    tiny_run_inputs, tmp_path, capsys, on_error
+):
+    """A reward given by file path that raises: its exception type and message are in the run's error
+    (on_error = "raise") or in each step's JSONL failure_causes (on_error = "zero")."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from run_configs import rl_toml
+
+    from rollouts.loops import read_jsonl
+    from rollouts.loops.app.cli import main
+
+    rewards = tmp_path / "my_rewards.py"
+    rewards.write_text("def strict(sample, record):\n    raise KeyError(f'no field named score in {sorted(record)}')\n")
+    config = rl_toml(
+        tiny_run_inputs,
+        tmp_path / "run",
+        tiny_run_inputs / "model",
+        extra=f'[reward]\nfn = "{rewards}:strict"\non_error = "{on_error}"\n',
+    )
+    text = config.read_text().replace('[reward]\nfn = "exact_match"\n', "")
+    config.write_text(text)
+    args = ["rl", "--config", str(config), "--set", "rl.num_steps=2"]
+    if on_error == "raise":
+        with pytest.raises(Exception, match=r"16 of 16 rewards failed; first: .KeyError: .no field named score") as e:
+            main(args)
+        assert type(e.value).__name__ == "RewardError"
+    else:
+        assert main(args) == 0, capsys.readouterr().err
+        records = read_jsonl(tmp_path / "run" / "metrics_rl.jsonl")
+        assert records and all("no field named score" in r["failure_causes"] for r in records), records
