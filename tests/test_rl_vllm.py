@@ -1,5 +1,12 @@
 """The RL loop against a real vLLM CPU server: rollouts from vLLM, weights synced back each step."""
 
+import os
+import signal
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 import trio
 from run_configs import rl_toml
@@ -7,30 +14,55 @@ from run_configs import rl_toml
 from rollouts.loops.app.cli import main
 from rollouts.loops.loggers import read_jsonl
 from rollouts.sync import VLLMEngine
-from rollouts.sync.testing import find_vllm_python, launch_vllm_server, vllm_unavailable_reason
+from rollouts.sync.testing import find_vllm_python, reference_greedy, vllm_unavailable_reason
+from rollouts.types import SamplingParams
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def vllm_for_tiny_model(tiny_run_inputs, tmp_path_factory):
+    """A vLLM server started the way a user starts one: `rollouts engine vllm` in another process,
+    from another working directory, its URL read from what it prints."""
     reason = vllm_unavailable_reason()
     if reason is not None:
         pytest.skip(f"vLLM CPU server unavailable: {reason}")
-    log = tmp_path_factory.mktemp("vllm_log") / "server.log"
-    with launch_vllm_server(
-        tiny_run_inputs / "model", python=find_vllm_python(), log_path=log, max_model_len=64
-    ) as server:
-        yield server
+    elsewhere = tmp_path_factory.mktemp("engine_cwd")
+    # fmt: off
+    cmd = [
+        sys.executable, "-m", "rollouts.loops.app.cli", "engine", "vllm",
+        "--model", str(tiny_run_inputs / "model"), "--python", find_vllm_python(),
+        "--dtype", "float32", "--max-model-len", "64", "--enforce-eager", "--startup-timeout-s", "600",
+    ]
+    # fmt: on
+    launcher = subprocess.Popen(
+        cmd, cwd=elsewhere, stdout=subprocess.PIPE, text=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    )
+    try:
+        line = launcher.stdout.readline()  # the launcher exits (EOF) if the server is not up in 600 s
+        assert line.startswith("engine ready: http://"), (line, launcher.poll(), list(elsewhere.iterdir()))
+        yield SimpleNamespace(url=line.split(": ", 1)[1].strip(), cwd=elsewhere)
+    finally:
+        launcher.send_signal(signal.SIGTERM)  # the launcher stops its server and exits
+        launcher.wait(timeout=120)
 
 
-def test_rl_loop_with_vllm_engine_syncs_weights(tiny_run_inputs, vllm_for_tiny_model, tmp_path):
+async def _served_version(url):
+    async with VLLMEngine(url, timeout_s=30.0) as engine:
+        return await engine.weight_version()
+
+
+@pytest.mark.parametrize("sync", ["disk", "http"])
+def test_rl_loop_with_vllm_engine_syncs_weights(tiny_run_inputs, vllm_for_tiny_model, tmp_path, sync):
+    """The trainer and the engine run in different working directories: "disk" sends an absolute path
+    (a relative one was unreadable there), "http" sends the weights in request bodies."""
     out = tmp_path / "rl_vllm"
     engine = f"""
 [engine]
 kind = "vllm"
 urls = ["{vllm_for_tiny_model.url}"]
 timeout_s = 60.0
+sync = "{sync}"
 """
     config = rl_toml(tiny_run_inputs, out, tiny_run_inputs / "model", extra=engine)
     assert main(["rl", "--config", str(config), "--set", "rl.rollout.request_timeout_s=60.0"]) == 0
@@ -38,9 +70,17 @@ timeout_s = 60.0
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [r["weight_version"] for r in records] == [1.0, 2.0, 3.0]
     assert all(r["num_samples"] == 16 for r in records)
+    assert trio.run(_served_version, vllm_for_tiny_model.url) == 3
+    # The engine serves the trained weights: greedy tokens and log-probs equal transformers' on the
+    # weights the run exported last (float32 on both sides).
+    prompt = [3, 4, 5, 6]
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=True)
 
-    async def served_version():
-        async with VLLMEngine(vllm_for_tiny_model.url, timeout_s=30.0) as engine:
-            return await engine.weight_version()
+    async def served():
+        async with VLLMEngine(vllm_for_tiny_model.url, timeout_s=60.0) as engine:
+            return (await engine.generate([prompt], params))[0]
 
-    assert trio.run(served_version) == 3
+    sample = trio.run(served)
+    tokens, logprobs = reference_greedy(out / "weights", prompt, 4, python=find_vllm_python())
+    assert list(sample.response_tokens) == tokens
+    np.testing.assert_allclose(sample.rollout_logprobs, logprobs, rtol=0, atol=1e-4)

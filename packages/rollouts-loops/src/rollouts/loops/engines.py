@@ -12,7 +12,10 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
+import torch
 import trio
 
 from rollouts.types import InferenceEngine, Sample, SamplingParams
@@ -200,19 +203,81 @@ class CoalescingEngine:
 
 
 def remote_engine(
-    kind: str, urls: Sequence[str], *, api_key_env: str, timeout_s: float, max_retries: int, sync_timeout_s: float
+    kind: str,
+    urls: Sequence[str],
+    *,
+    api_key_env: str,
+    timeout_s: float,
+    max_retries: int,
+    sync_timeout_s: float,
+    sync: str = "disk",
 ) -> InferenceEngine:
-    """A vLLM / SGLang client (a pool of them for several URLs); the API key comes from `api_key_env`."""
+    """A vLLM / SGLang client (a pool of them for several URLs); the API key comes from `api_key_env`.
+
+    `sync`: "disk" reloads each engine from the exported weights' absolute path (a shared
+    filesystem); "http" sends them in request bodies (`SendWeights`)."""
     from rollouts.sync import EnginePool, SGLangEngine, VLLMEngine
 
+    if sync not in ("disk", "http"):
+        raise ValueError(f"sync must be 'disk' or 'http', got {sync!r}")
     api_key = os.environ.get(api_key_env) if api_key_env else None
     if api_key_env and not api_key:
         raise ValueError(f"environment variable {api_key_env!r} (engine.api_key_env) is not set")
     cls = {"vllm": VLLMEngine, "sglang": SGLangEngine}[kind]
-    engines = [cls(url, api_key=api_key, timeout_s=timeout_s, max_retries=max_retries) for url in urls]
+    engines: list[InferenceEngine] = [
+        cls(url, api_key=api_key, timeout_s=timeout_s, max_retries=max_retries) for url in urls
+    ]
+    if sync == "http":
+        engines = [SendWeights(e) for e in engines]
     if len(engines) == 1:
         return BoundedSync(engines[0], sync_timeout_s=sync_timeout_s)
     return EnginePool(engines, sync_timeout_s=sync_timeout_s)
+
+
+class SendWeights:
+    """An engine synced through request bodies: `update_weights_from_disk(path, version)` reads the
+    exported safetensors at `path` here, in the trainer's process, and sends the tensors with
+    `update_weights_from_tensors` (chunked; vLLM with the worker extension), so the engine needs no
+    view of the trainer's disk. bfloat16 and float16 tensors travel as float32 (numpy has no
+    bfloat16); the engine casts them back to its parameters' dtype."""
+
+    def __init__(self, engine: InferenceEngine) -> None:
+        if not callable(getattr(engine, "update_weights_from_tensors", None)):
+            raise ValueError(
+                f"engine {engine.name} cannot take weights in request bodies (no update_weights_from_tensors): "
+                "use engine.sync = 'disk'"
+            )
+        self.engine = engine
+
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    def __getattr__(self, attribute: str) -> object:  # generate, weight_version, health, ...
+        return getattr(self.engine, attribute)
+
+    async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
+        tensors = await trio.to_thread.run_sync(read_numpy_weights, path)
+        await self.engine.update_weights_from_tensors(tensors, weight_version)  # type: ignore[attr-defined]
+
+
+def read_numpy_weights(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
+    """Every tensor of the safetensors files in directory `path`, as numpy arrays (16-bit floats as
+    float32)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} holds no .safetensors file to send")
+    out: dict[str, np.ndarray] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                tensor = f.get_tensor(name)
+                if tensor.dtype in (torch.bfloat16, torch.float16):
+                    tensor = tensor.float()
+                out[name] = tensor.numpy()
+    return out
 
 
 class BoundedSync:

@@ -47,6 +47,7 @@ MAY_CHANGE = (
     "engine.urls",
     "engine.timeout_s",
     "engine.sync_timeout_s",
+    "engine.sync",
     "engine.max_retries",
 )
 """Config keys (glob patterns over dotted paths) a resumed run may change: how long it runs, how it

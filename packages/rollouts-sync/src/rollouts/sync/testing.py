@@ -15,29 +15,19 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
-import rollouts.types
-from rollouts.sync.vllm import WORKER_EXTENSION_CLS
+from rollouts.sync import launch
+from rollouts.sync.launch import VLLMServer, free_port
 
 VENV_ENV_VAR = "ROLLOUTS_VLLM_VENV"
 # Run by the vLLM venv's python (it has torch); lives in the source tree, not in rollouts.sync,
 # which never imports torch.
 _SCRIPT = Path(__file__).resolve().parents[5] / "scripts" / "vllm_tiny_model.py"
-_SYNC_SRC = Path(__file__).resolve().parents[2]  # .../rollouts-sync/src
-_TYPES_SRC = Path(rollouts.types.__file__).resolve().parents[2]
-_POLL_INTERVAL_S = 1.0
-_STOP_GRACE_S = 15.0  # SIGTERM first, SIGKILL after this
 _SCRIPT_TIMEOUT_S = 300.0
 
 
@@ -76,13 +66,6 @@ def vllm_unavailable_reason(venv_dir: str | os.PathLike[str] | None = None) -> s
     return None
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on `host` a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _run_script(python: str, args: Sequence[str]) -> str:
     if not _SCRIPT.is_file():
         raise RuntimeError(f"{_SCRIPT} is missing: the tiny-model helpers need a source checkout of rollouts")
@@ -117,37 +100,6 @@ def reference_greedy(
     return out["tokens"], out["logprobs"]
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class VLLMServer:
-    """A running vLLM server started by launch_vllm_server."""
-
-    url: str
-    pid: int
-    port: int
-    log_path: Path
-    model_dir: Path
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    # The server was started in its own session, so its pid is also its process group: this
-    # reaches the engine-core child it forks, and nothing else.
-    for sig, wait_s in ((signal.SIGTERM, _STOP_GRACE_S), (signal.SIGKILL, _STOP_GRACE_S)):
-        if proc.poll() is not None:
-            break
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        try:
-            proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            continue
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # stragglers in the group (engine core) once the parent is gone
-    except ProcessLookupError:
-        pass
-
-
 @contextmanager
 def launch_vllm_server(
     model_dir: str | os.PathLike[str],
@@ -161,80 +113,28 @@ def launch_vllm_server(
     extra_args: Sequence[str] = (),
     log_path: str | os.PathLike[str] | None = None,
 ) -> Iterator[VLLMServer]:
-    """Start `python -m vllm.entrypoints.openai.api_server` for `model_dir` on loopback; stop it on exit.
-
-    Dev mode (weight reload endpoints) on, float32, eager, 1 GiB KV cache. Waits for /health up to
-    `startup_timeout_s` (start-up takes 70 to 100 s on CPU); raises with the log tail if the server
-    dies or does not come up. Stops the server by its own pid (SIGTERM, then SIGKILL).
-    """
+    """The tests' vLLM CPU server for `model_dir` on loopback (rollouts.sync.launch with float32,
+    eager mode and a 1 GiB KV cache); start-up takes 70 to 100 s on CPU."""
     python = python if python is not None else find_vllm_python()
     if python is None:
         raise RuntimeError(vllm_unavailable_reason() or "no vLLM python")
     port = port if port is not None else free_port()
-    log = Path(log_path) if log_path is not None else Path(model_dir).with_name(f"vllm-{port}.log")
-    cmd = [
-        python,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model_dir),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        str(max_model_len),
-        "--enforce-eager",
-        *(["--worker-extension-cls", WORKER_EXTENSION_CLS] if worker_extension else []),
-        *extra_args,
-    ]
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_SERVER_DEV_MODE": "1",
-        "PYTHONPATH": os.pathsep.join([str(_SYNC_SRC), str(_TYPES_SRC), os.environ.get("PYTHONPATH", "")]),
-    }
-    if api_key is not None:
-        env["VLLM_API_KEY"] = api_key  # via the environment, so the key is not on a command line
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "wb") as log_file:
-        proc = subprocess.Popen(
-            cmd,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            cwd=str(Path(model_dir).parent),
-        )
-    try:
-        _wait_healthy(proc, url, log, startup_timeout_s)
-        yield VLLMServer(url=url, pid=proc.pid, port=port, log_path=log, model_dir=Path(model_dir))
-    finally:
-        _stop(proc)
-
-
-def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    with httpx.Client(timeout=_POLL_INTERVAL_S * 5, trust_env=False) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited with {proc.returncode} during start-up:\n{_tail(log)}")
-            try:
-                if client.get(f"{url}/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(_POLL_INTERVAL_S)
-    raise RuntimeError(f"vLLM server at {url} not healthy after {timeout_s} s:\n{_tail(log)}")
-
-
-def _tail(log: Path, num_chars: int = 3000) -> str:
-    try:
-        return log.read_text(errors="replace")[-num_chars:]
-    except OSError:
-        return "(no log)"
+    log = Path(log_path) if log_path is not None else Path(model_dir).absolute().with_name(f"vllm-{port}.log")
+    with launch.launch_vllm_server(
+        model_dir,
+        python=python,
+        port=port,
+        dtype="float32",
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        startup_timeout_s=startup_timeout_s,
+        worker_extension=worker_extension,
+        api_key=api_key,
+        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+        extra_args=extra_args,
+        log_path=log,
+    ) as server:
+        yield server
 
 
 if __name__ == "__main__":  # python -m rollouts.sync.testing: say whether the vLLM tests can run here

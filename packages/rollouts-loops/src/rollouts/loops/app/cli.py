@@ -326,6 +326,7 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
             timeout_s=run.engine.timeout_s,
             max_retries=run.engine.max_retries,
             sync_timeout_s=run.engine.sync_timeout_s,
+            sync=run.engine.sync,
         )
     if shares:
         model = components.model
@@ -511,6 +512,9 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="PNG of a run's metrics")
     p.add_argument("run_dir")
     p.add_argument("--out", default=None)
+    from rollouts.loops.app.engine_cmd import add_engine_parser
+
+    add_engine_parser(sub)
     p = sub.add_parser("demo", help="tiny model: SFT then RL on addition, on CPU, in minutes")
     p.add_argument("--quick", action="store_true", help="a sub-minute variant (no accuracy targets)")
     p.add_argument("--out", default=None, help="run directory (default runs/demo-<time>)")
@@ -563,6 +567,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ),
             )
             cmd_rl(rl, args.rl_config)
+        elif args.command == "engine":
+            from rollouts.loops.app.engine_cmd import cmd_engine
+
+            return cmd_engine(args)
         elif args.command == "plot":
             from rollouts.loops.app.plot import plot_run
 

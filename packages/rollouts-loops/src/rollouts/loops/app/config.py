@@ -81,12 +81,19 @@ class EngineSpec:
     max_retries: int = 3
     sync_timeout_s: float = 600.0
     """Bound on one weight sync to all engines."""
+    sync: Literal["disk", "http"] = "disk"
+    """How new weights reach remote engines: "disk" sends the absolute path of the exported weights
+    (the engines must see the trainer's filesystem at that path); "http" sends the weights in request
+    bodies, chunked (no shared disk; vLLM started with the worker extension: `rollouts engine vllm`)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
         require(self.timeout_s > 0, "EngineSpec.timeout_s", self.timeout_s, "be > 0")
         require(self.max_retries >= 0, "EngineSpec.max_retries", self.max_retries, "be >= 0")
         require(self.sync_timeout_s > 0, "EngineSpec.sync_timeout_s", self.sync_timeout_s, "be > 0")
+        require(self.sync in ("disk", "http"), "EngineSpec.sync", self.sync, "be 'disk' or 'http'")
+        if self.sync == "http":
+            require(self.kind == "vllm", "EngineSpec.sync", self.sync, "be 'disk' unless kind='vllm'")
         if self.kind == "inprocess":
             require(not self.urls, "EngineSpec.urls", self.urls, "be empty for kind='inprocess'")
         else:

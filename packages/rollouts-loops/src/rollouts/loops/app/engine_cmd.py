@@ -1,0 +1,77 @@
+"""`rollouts engine vllm`: start a vLLM server that the RL loop can drive, the way `trl vllm-serve`
+does for TRL: dev-mode endpoints and the weight-receiving worker extension on, health waited for,
+the URL printed, the server stopped on Ctrl-C or SIGTERM.
+
+    rollouts engine vllm --model /models/qwen --python /opt/vllm/bin/python --port 8000
+    # then, in the run file: [engine] kind = "vllm", urls = ["http://127.0.0.1:8000"], sync = "http"
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+
+def add_engine_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "engine",
+        help="start an inference server for RL (vLLM with weight sync), print its URL, serve until stopped",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__,
+    )
+    p.add_argument("kind", choices=("vllm",))
+    p.add_argument("--model", required=True, help="HF-format model directory the server starts from")
+    p.add_argument("--python", default=None, help="python of an environment with vLLM (default: this one)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every one)")
+    p.add_argument("--port", type=int, default=None, help="port (default: a free one)")
+    p.add_argument("--dtype", default="auto", help="vLLM --dtype (auto, bfloat16, float32, ...)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation")
+    p.add_argument("--startup-timeout-s", type=float, default=900.0)
+    p.add_argument("--log", default=None, help="server log file (default: vllm-<port>.log here)")
+    p.add_argument(
+        "--vllm-args",
+        default="",
+        help="more vLLM server arguments, one quoted string (e.g. '--gpu-memory-utilization 0.8')",
+    )
+
+
+def cmd_engine(args: argparse.Namespace) -> int:
+    """Start the server, print 'engine ready: URL' once healthy, and serve until a signal."""
+    from rollouts.sync.launch import free_port, launch_vllm_server
+
+    port = args.port or free_port(args.host if args.host not in ("0.0.0.0", "") else "127.0.0.1")
+    log = Path(args.log or f"vllm-{port}.log").absolute()
+    extra = shlex.split(args.vllm_args)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"engine: starting vLLM for {Path(args.model).absolute()} (log {log})", file=sys.stderr, flush=True)
+    with launch_vllm_server(
+        args.model,
+        python=args.python,
+        host=args.host,
+        port=port,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        startup_timeout_s=args.startup_timeout_s,
+        extra_args=extra,
+        log_path=log,
+    ) as server:
+        print(f"engine ready: {server.url}", flush=True)
+        print(
+            f'engine: in the run file, [engine] kind = "vllm", urls = ["{server.url}"], sync = "http" '
+            '(or "disk" where this server sees the trainer\'s files); Ctrl-C stops it',
+            file=sys.stderr,
+            flush=True,
+        )
+        while not stop.wait(timeout=1.0):
+            pass
+    print("engine: stopped", file=sys.stderr, flush=True)
+    return 0
