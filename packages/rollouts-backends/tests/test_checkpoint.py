@@ -22,6 +22,7 @@ from rollouts.backends import (
     load_checkpoint,
     read_weights,
     save_checkpoint,
+    verify_checkpoint,
     wait_for_checkpoint,
 )
 from rollouts.types import OptimizerConfig, TrainingState
@@ -111,10 +112,16 @@ def test_retention_and_corruption_are_handled(tmp_path):
     assert latest_checkpoint(tmp_path) is None
     with pytest.raises(ValueError, match="not a checkpoint"):
         load_checkpoint(components, tmp_path / "step_2")
-    # The next save clears the stale temporary directory.
+    # The next save clears the stale temporary directory. Retention deletes step_4 (whole, its damage
+    # shows only in the CRC, which loading checks) but keeps step_2 and step_3, which fail the check
+    # it makes (a missing record, a cut file): the user decides about those.
     save_checkpoint(components, state.after_step(num_tokens=1, num_samples=1), tmp_path, keep_last=1)
     wait_for_checkpoint()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3", "step_5"]
+    assert verify_checkpoint(tmp_path / "step_5") == []
+    assert verify_checkpoint(tmp_path / "step_3") == [
+        f"optimizer.safetensors is {opt.stat().st_size} bytes, recorded {opt.stat().st_size + 10}"
+    ]
 
 
 def test_non_json_extra_is_rejected_before_writing(tmp_path):

@@ -8,6 +8,9 @@ from rollouts.backends.checkpoint import (
     load_model_weights,
     read_weights,
     save_checkpoint,
+    step_checkpoints,
+    sweep_temporary,
+    verify_checkpoint,
     wait_for_checkpoint,
 )
 from rollouts.backends.components import (
@@ -63,7 +66,10 @@ __all__ = [
     "sample_next_tokens",
     "save_checkpoint",
     "shard_model",
+    "step_checkpoints",
+    "sweep_temporary",
     "token_logprobs_of_model",
     "transformer_blocks",
+    "verify_checkpoint",
     "wait_for_checkpoint",
 ]

@@ -25,6 +25,7 @@ import atexit
 import ctypes
 import ctypes.util
 import json
+import logging
 import mmap
 import os
 import random
@@ -53,9 +54,13 @@ __all__ = [
     "load_model_weights",
     "read_weights",
     "save_checkpoint",
+    "step_checkpoints",
+    "sweep_temporary",
+    "verify_checkpoint",
     "wait_for_checkpoint",
 ]
 
+log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp-"
@@ -280,7 +285,7 @@ def _verify_files(components: TrainingComponents, path: Path, files: Mapping[str
         if bad:
             raise ValueError(
                 f"checkpoint {str(path)!r}: {bad} do not match the size and CRC-32 recorded in state.json "
-                "(corrupt or truncated); latest_checkpoint skips such a checkpoint"
+                "(corrupt or truncated)"
             )
 
     if _is_distributed(components.model):
@@ -696,9 +701,7 @@ def save_checkpoint(
             for path in unsynced:
                 _fsync_path(path)
             trash = _publish(tmp, final)
-            # Retention never counts `final` itself: a higher step left by a rolled-back run must not outrank it.
-            others = [d for d in _step_dirs(root) if d != final]
-            return trash + [_to_trash(old, root) for old in others[: max(0, len(others) - (keep_last - 1))]]
+            return trash + [_to_trash(old, root) for old in _retired(root, final, keep_last)]
 
         if wait:
             _delete_later(finish())
@@ -772,6 +775,88 @@ def _prepare_tmp(root: Path, tmp: Path) -> None:
         if stale.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
             shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir()
+
+
+def _retired(root: Path, final: Path, keep_last: int) -> list[Path]:
+    """The step directories retention deletes after publishing `final`: the oldest beyond
+    `keep_last` (counting `final`, never deleted), skipping any whose record is unreadable or whose
+    files are missing or of another size than recorded (a full CRC check is the loader's): a
+    checkpoint that fails its check is left for the user to look at, with a warning."""
+    others = [d for d in _step_dirs(root) if d != final]
+    excess = others[: max(0, len(others) - (keep_last - 1))]
+    out = []
+    for path in excess:
+        problems = _cheap_problems(path)
+        if problems:
+            log.warning(
+                "retention keeps %s: it failed its check (%s); delete it yourself if it is not needed",
+                path,
+                "; ".join(problems),
+            )
+        else:
+            out.append(path)
+    return out
+
+
+def _cheap_problems(path: Path) -> list[str]:
+    """What is wrong with a checkpoint directory short of reading its files: record and sizes."""
+    record = _read_record(path)
+    if record is None:
+        return ["state.json missing, unreadable or of another format"]
+    problems = []
+    for name, entry in record.get("files", {}).items():
+        try:
+            size = (path / name).stat().st_size
+        except OSError:
+            problems.append(f"{name} is missing")
+            continue
+        if not isinstance(entry, Mapping) or size != entry.get("bytes"):
+            problems.append(
+                f"{name} is {size} bytes, recorded {entry.get('bytes') if isinstance(entry, Mapping) else entry!r}"
+            )
+    return problems
+
+
+def verify_checkpoint(path: str | Path, *, full: bool = True) -> list[str]:
+    """What is wrong with the checkpoint at `path` (empty: nothing): its record (state.json) must be
+    readable and every file it lists present with the recorded size and (`full`: reading every
+    byte) CRC-32. load_checkpoint runs the full check itself."""
+    path = Path(path)
+    problems = _cheap_problems(path)
+    if problems or not full:
+        return problems
+    record = _read_record(path)
+    assert record is not None
+    files = record.get("files", {})
+    if "model.safetensors" not in files:
+        return ["state.json lists no model.safetensors"]
+    return [
+        f"{n} does not match its recorded CRC-32 (damaged)" for n, r in files.items() if not _file_matches(path / n, r)
+    ]
+
+
+def step_checkpoints(root: str | Path) -> list[Path]:
+    """Every step_<n> directory under `root`, newest first, verified or not (see verify_checkpoint).
+
+    Waits for this process's background save first."""
+    _publisher.wait(None)
+    return list(reversed(_step_dirs(Path(root))))
+
+
+def sweep_temporary(directory: str | Path) -> list[Path]:
+    """Delete what interrupted saves and exports left in `directory` (half-written checkpoints and
+    weights, renamed-away old ones); returns what was removed. Only safe while no other process
+    saves into it (the loops hold the run directory's lock)."""
+    _publisher.wait(None)  # this process's own background save is not a leftover: let it finish
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    removed = []
+    for entry in directory.iterdir():
+        if entry.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+            removed.append(entry)
+    return removed
 
 
 def _step_dirs(root: Path) -> list[Path]:

@@ -44,7 +44,7 @@ from rollouts.loops.rollout_fns import (
     model_vocab_size,
     single_turn_rollout,
 )
-from rollouts.loops.run_dir import CHECKPOINTS_DIR, lock_run_dir, resume_if_possible
+from rollouts.loops.run_dir import CHECKPOINTS_DIR, lock_run_dir, resume_if_possible, sweep_run_dir
 from rollouts.loops.scoring import Reward, check_reward_errors, reward_errors, summarize
 from rollouts.losses import LossFn, overlong_penalty
 from rollouts.types import (
@@ -202,6 +202,7 @@ class _Run:
     run_dir: Path
     shares_model: bool
     resume: bool
+    resume_from: str | Path | None
     tokenizer: Any
     on_step: Callable[[TrainingState, dict[str, float]], None] | None
     evaluation: Evaluation | None
@@ -225,6 +226,7 @@ def run_rl_training(
     engine_shares_model: bool = False,
     ref_components: TrainingComponents | None = None,
     resume: bool = True,
+    resume_from: str | Path | None = None,
     tokenizer: Any = None,
     on_step: Callable[[TrainingState, dict[str, float]], None] | None = None,
     evaluation: Evaluation | None = None,
@@ -292,6 +294,7 @@ def run_rl_training(
         run_dir=Path(run_dir),
         shares_model=engine_shares_model,
         resume=resume,
+        resume_from=resume_from,
         tokenizer=tokenizer,
         on_step=on_step,
         evaluation=evaluation,
@@ -299,6 +302,8 @@ def run_rl_training(
     )
     held = lock_run_dir(run.run_dir) if rank == 0 else contextlib.nullcontext()
     with held:  # one run per directory: another process on it is refused, naming its pid
+        if rank == 0:
+            sweep_run_dir(run.run_dir)
         try:
             return trio.run(_rl_main, run)
         except BaseExceptionGroup as group:  # the loop's nursery wraps even a lone error: raise that one
@@ -310,7 +315,7 @@ def run_rl_training(
 async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:
     config, updates, lock = run.config, run.config.algorithm.num_updates_per_batch, trio.Lock()
     total = config.num_steps * updates
-    state, extra, _ = resume_if_possible(run.components, run.run_dir, resume=run.resume)
+    state, extra, _ = resume_if_possible(run.components, run.run_dir, resume=run.resume, resume_from=run.resume_from)
     manager = _manager(run, extra)
     ahead = (
         RolloutBatch(samples=[Sample.from_dict(d) for d in extra["pending_batch"]], step=state.step // updates)

@@ -22,17 +22,27 @@ import json
 import logging
 import os
 import socket
+import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from rollouts.backends import TrainingComponents, has_optimizer_state, latest_checkpoint, load_checkpoint
+from rollouts.backends import (
+    TrainingComponents,
+    has_optimizer_state,
+    load_checkpoint,
+    step_checkpoints,
+    sweep_temporary,
+    verify_checkpoint,
+)
+from rollouts.loops.errors import DamagedCheckpointError
 from rollouts.types import TrainingState
 
 log = logging.getLogger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
+ABANDONED_DIR = "abandoned"
 WEIGHTS_DIR = "weights"
 IDENTITY_FILE = "run_identity.json"
 ResumeMode = Literal["auto", "never", "must"]
@@ -56,14 +66,41 @@ _HASH_BLOCK_BYTES = 16 * 1024**2
 
 
 def resume_if_possible(
-    components: TrainingComponents, run_dir: str | Path | None, *, resume: bool
+    components: TrainingComponents,
+    run_dir: str | Path | None,
+    *,
+    resume: bool,
+    resume_from: str | Path | None = None,
 ) -> tuple[TrainingState, dict[str, Any], Path | None]:
-    """(state, extra, checkpoint path) from the newest complete checkpoint under run_dir, or a fresh state."""
+    """(state, extra, checkpoint path) from run_dir's newest checkpoint, or a fresh state.
+
+    The newest checkpoint must pass its check (verify_checkpoint): one that does not stops the run
+    with the damaged files named, and nothing is loaded or deleted; an older one is used only when
+    the user names it (`resume_from`). Resuming from an older checkpoint than the newest moves the
+    newer ones to checkpoints/abandoned/ (kept, but no longer resumed from or retained).
+    """
     if run_dir is None or not resume:
         return TrainingState(), {}, None
-    path = latest_checkpoint(Path(run_dir) / CHECKPOINTS_DIR)
-    if path is None:
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    steps = step_checkpoints(root)
+    if resume_from is not None:
+        path = Path(resume_from)
+        problems = verify_checkpoint(path)
+        if problems:
+            raise ValueError(f"resume_from {str(path)!r} failed its check: {'; '.join(problems)}")
+        newer = [p for p in steps if _step_of(p) > _step_of(path)] if path.parent.resolve() == root.resolve() else []
+        for later in newer if _rank() == 0 else []:
+            (root / ABANDONED_DIR).mkdir(exist_ok=True)
+            moved = root / ABANDONED_DIR / f"{later.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+            os.rename(later, moved)
+            log.warning("resuming from %s: the newer %s is moved to %s", path, later.name, moved)
+    elif not steps:
         return TrainingState(), {}, None
+    else:
+        path = steps[0]
+        problems = verify_checkpoint(path, full=False)  # the rest of the check is load_checkpoint's
+        if problems:
+            raise damaged_checkpoint_error(steps, problems)
     saved_optimizer = has_optimizer_state(path)
     if not saved_optimizer:
         warnings.warn(
@@ -71,9 +108,46 @@ def resume_if_possible(
             "moments, so the run does not continue exactly as it would have",
             stacklevel=2,
         )
-    state, extra = load_checkpoint(components, path, load_optimizer=saved_optimizer)
+    try:
+        state, extra = load_checkpoint(components, path, load_optimizer=saved_optimizer)
+    except ValueError as e:
+        if resume_from is not None or "CRC-32" not in str(e):
+            raise
+        raise damaged_checkpoint_error(steps, [str(e)]) from e
     log.info("resuming from step %d in %s", state.step, path.parent.parent)
     return state, extra, path
+
+
+def damaged_checkpoint_error(steps: Sequence[Path], problems: Sequence[str]) -> DamagedCheckpointError:
+    """The error for a newest checkpoint (steps[0]) that failed its check, naming its damaged files
+    and an earlier checkpoint that passes the quick check, to resume from by choice."""
+    fallback = next((p for p in steps[1:] if not verify_checkpoint(p, full=False)), None)
+    return DamagedCheckpointError(
+        f"the newest checkpoint {str(steps[0])!r} failed its check: {'; '.join(problems)}. Nothing was "
+        "deleted. Replace the damaged files with intact copies and run again, or "
+        + (f"resume from an earlier checkpoint (--resume-from {fallback}), or " if fallback else "")
+        + "start over in a new out_dir"
+    )
+
+
+def _rank() -> int:
+    from rollouts.loops.distributed import rank_world
+
+    return rank_world()[0]
+
+
+def _step_of(path: Path) -> int:
+    name = path.name
+    return int(name.removeprefix("step_")) if name.startswith("step_") and name[5:].isdigit() else -1
+
+
+def sweep_run_dir(run_dir: str | Path) -> None:
+    """Remove what killed runs left half-written in the run directory (temporary checkpoints and
+    exported weights); call it holding the directory's lock, so no live run's files are touched."""
+    run_dir = Path(run_dir)
+    removed = sweep_temporary(run_dir) + sweep_temporary(run_dir / CHECKPOINTS_DIR)
+    if removed:
+        log.info("removed %d temporary entries left by an interrupted run in %s", len(removed), run_dir)
 
 
 def file_fingerprint(path: str | Path) -> str:
@@ -117,16 +191,22 @@ def identity_differences(
 
 
 def check_resume(
-    run_dir: str | Path, identity: Mapping[str, Any], *, mode: ResumeMode, may_change: Sequence[str] = MAY_CHANGE
+    run_dir: str | Path,
+    identity: Mapping[str, Any],
+    *,
+    mode: ResumeMode,
+    may_change: Sequence[str] = MAY_CHANGE,
+    check_newest: bool = True,
 ) -> bool:
-    """Whether the run in `run_dir` resumes; raises ValueError when `mode` or the identity forbid it.
+    """Whether the run in `run_dir` resumes; raises ValueError when `mode` or the identity forbid it,
+    or (with `check_newest`) when the newest checkpoint fails its check.
 
     Writes `identity` to run_identity.json for a new run (a resumed one keeps the first).
     """
     if mode not in ("auto", "never", "must"):
         raise ValueError(f"resume must be 'auto', 'never' or 'must', got {mode!r}")
     run_dir = Path(run_dir)
-    has_checkpoint = latest_checkpoint(run_dir / CHECKPOINTS_DIR) is not None
+    has_checkpoint = bool(step_checkpoints(run_dir / CHECKPOINTS_DIR))  # verified or not: it is the run's
     if mode == "never" and has_checkpoint:
         raise ValueError(
             f"{run_dir} already holds a run's checkpoints and resume is 'never': starting over there "
@@ -134,6 +214,11 @@ def check_resume(
         )
     if mode == "must" and not has_checkpoint:
         raise ValueError(f"resume is 'must' but {run_dir / CHECKPOINTS_DIR} holds no complete checkpoint")
+    if has_checkpoint and mode != "never" and check_newest:  # a damaged newest one stops the run here, named
+        steps = step_checkpoints(run_dir / CHECKPOINTS_DIR)
+        problems = verify_checkpoint(steps[0], full=False)  # missing or cut files; CRCs when it loads
+        if problems:
+            raise damaged_checkpoint_error(steps, problems)
     identity_path = run_dir / IDENTITY_FILE
     current = json.loads(json.dumps(identity))
     if has_checkpoint and identity_path.is_file():

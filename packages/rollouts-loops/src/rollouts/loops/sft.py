@@ -18,7 +18,7 @@ from rollouts.backends import TrainingComponents, forward_backward, optim_step, 
 from rollouts.data import DataBuffer
 from rollouts.loops.distributed import global_sum, rank_world
 from rollouts.loops.micro_batches import plan_shard
-from rollouts.loops.run_dir import CHECKPOINTS_DIR, lock_run_dir, resume_if_possible
+from rollouts.loops.run_dir import CHECKPOINTS_DIR, lock_run_dir, resume_if_possible, sweep_run_dir
 from rollouts.losses import sft_loss_fn
 from rollouts.types import MetricsLogger, Sample, SFTConfig, TrainingState
 
@@ -82,6 +82,7 @@ def run_sft_training(
     logger: MetricsLogger,
     run_dir: str | Path | None = None,
     resume: bool = True,
+    resume_from: str | Path | None = None,
     tokenizer: Any = None,
 ) -> tuple[TrainingState, list[dict[str, float]]]:
     """Train `config.num_steps` SFT steps on tokenized samples; returns (final state, per-step metrics).
@@ -93,7 +94,18 @@ def run_sft_training(
     check_trainable(buffer.prompts, max_length=config.max_length)
     held = lock_run_dir(run_dir) if run_dir is not None and rank_world()[0] == 0 else contextlib.nullcontext()
     with held:  # one run per directory: another process on it is refused, naming its pid
-        return _sft_loop(components, buffer, config, logger=logger, run_dir=run_dir, resume=resume, tokenizer=tokenizer)
+        if run_dir is not None and rank_world()[0] == 0:
+            sweep_run_dir(run_dir)
+        return _sft_loop(
+            components,
+            buffer,
+            config,
+            logger=logger,
+            run_dir=run_dir,
+            resume=resume,
+            resume_from=resume_from,
+            tokenizer=tokenizer,
+        )
 
 
 def _sft_loop(
@@ -104,9 +116,10 @@ def _sft_loop(
     logger: MetricsLogger,
     run_dir: str | Path | None,
     resume: bool,
+    resume_from: str | Path | None,
     tokenizer: Any,
 ) -> tuple[TrainingState, list[dict[str, float]]]:
-    state, extra, _ = resume_if_possible(components, run_dir, resume=resume)
+    state, extra, _ = resume_if_possible(components, run_dir, resume=resume, resume_from=resume_from)
     if "buffer" in extra:
         buffer.load_state_dict(extra["buffer"])
     history: list[dict[str, float]] = []

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rollouts.loops.app.config import ConfigError, RLRun, SFTRun, load_run, to_toml
+from rollouts.loops.errors import DamagedCheckpointError
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -63,7 +64,13 @@ def _prepare_run(run: Any, command: str, source: str) -> tuple[Any, bool]:
             acquire_run_dir(out)
             inputs = {"model": _model_fingerprint(run.model.path), "train_data": file_fingerprint(run.data.train_path)}
             identity = {"config": {k: v for k, v in dataclasses.asdict(run).items() if k != "run"}, "inputs": inputs}
-            verdict = {"resume": check_resume(out, identity, mode=run.run.resume)}
+            resumes = check_resume(
+                out,
+                identity,
+                mode="must" if run.run.resume_from else run.run.resume,
+                check_newest=not run.run.resume_from,
+            )
+            verdict = {"resume": resumes}
         except (ValueError, RunDirInUse) as e:
             verdict = {"error": f"{source}: {e}", "locked": not isinstance(e, RunDirInUse)}
     verdict = broadcast_json(verdict)
@@ -235,7 +242,14 @@ def cmd_sft(run: SFTRun, source: str) -> Path:
         logger = _loggers(run, out, "sft", run.sft.num_steps, rank=rank)
         try:
             state, _ = run_sft_training(
-                components, samples, run.sft, logger=logger, run_dir=out, resume=resume, tokenizer=tokenizer
+                components,
+                samples,
+                run.sft,
+                logger=logger,
+                run_dir=out,
+                resume=resume,
+                resume_from=run.run.resume_from or None,
+                tokenizer=tokenizer,
             )
         finally:
             logger.close()
@@ -403,6 +417,7 @@ def cmd_rl(run: RLRun, source: str) -> Path:
                 run_dir=out,
                 engine_shares_model=shares,
                 resume=resume,
+                resume_from=run.run.resume_from or None,
                 tokenizer=tokenizer,
                 ref_components=ref_components,
                 evaluation=evaluation,
@@ -497,6 +512,12 @@ def _parser() -> argparse.ArgumentParser:
             default=None,
             help="override run.resume: auto (if out_dir has a checkpoint), never, must",
         )
+        p.add_argument(
+            "--resume-from",
+            default=None,
+            metavar="CHECKPOINT",
+            help="resume from this checkpoint (out_dir/checkpoints/step_N) instead of the newest",
+        )
     p = sub.add_parser("config", help="print a run file with every key, its default and what it means")
     p.add_argument("action", choices=("show",))
     p.add_argument("kind", choices=("sft", "rl"))
@@ -531,6 +552,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     sets = [*getattr(args, "set", []), *([f"run.resume='{args.resume}'"] if getattr(args, "resume", None) else [])]
+    if getattr(args, "resume_from", None):
+        sets.append(f"run.resume_from={json.dumps(str(Path(args.resume_from).absolute()))}")
     clean = False
     try:
         if args.command == "sft":
@@ -585,6 +608,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         clean = True
     except ConfigError as e:
         print(f"rollouts {args.command}: config error: {e}", file=sys.stderr)
+        return 2
+    except DamagedCheckpointError as e:
+        print(f"rollouts {args.command}: {e}", file=sys.stderr)
         return 2
     finally:
         if "torch" in sys.modules:  # only a run that imported torch can have a process group

@@ -118,6 +118,9 @@ class RunSpec:
     resume: Literal["auto", "never", "must"] = "auto"
     """'auto': continue from out_dir's newest checkpoint if there is one; 'never': refuse a directory
     that has one; 'must': refuse one that has none. A resume whose config or inputs changed is refused."""
+    resume_from: str = ""
+    """A checkpoint directory (out_dir/checkpoints/step_N) to resume from instead of the newest, e.g.
+    when the newest failed its check; newer ones are moved to checkpoints/abandoned/."""
 
     def __post_init__(self) -> None:
         check_fields(self)
