@@ -166,7 +166,7 @@ def test_bfd_wastes_less_than_input_order_on_a_long_tailed_mix():
 def test_plan_counts_give_big_batch_loss(ss, budget_extra, layout):
     max_tokens = max(len(s.tokens) for s in ss) + budget_extra
     plan = plan_micro_batches(ss, max_tokens=max_tokens, layout=layout)
-    assert plan.num_sequences == len(ss)
+    assert plan.num_sequences == sum(1 for s in ss if s.num_loss_tokens > 0)  # fully masked: not a sequence
     assert plan.num_loss_tokens == sum(int((sample_arrays(s)["loss_mask"] > 0).sum()) for s in ss)
     assert plan.num_tokens == sum(len(s.tokens) for s in ss)
     assert all(mb["input_ids"].size <= max_tokens for mb in plan.micro_batches)

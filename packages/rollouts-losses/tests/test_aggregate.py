@@ -9,17 +9,28 @@ from losses_layouts import packed, padded, random_seqs
 from rollouts.losses import AGGREGATION_MODES, aggregate
 
 
-def _verl_agg_loss(loss, mask, mode):
-    """verl's agg_loss, written out as in verl/trainer/ppo/core_algos.py (padded rows)."""
+def _verl_agg_loss(loss, mask, mode, loss_scale_factor=None):
+    """verl's agg_loss as rewritten during 2026 (verl/trainer/ppo/core_algos.py, checked 2026-11),
+    written out naively for padded rows in one micro-batch: sequences without a loss token are not
+    counted in any seq-mean mode, and seq-mean-token-sum-norm is the mean over sequences of each
+    sequence's token sum divided by the constant (default: the padded length)."""
+    counted = [i for i in range(loss.shape[0]) if mask[i].sum() > 0]
+    sums = [float((loss[i] * mask[i]).sum()) for i in counted]
     if mode == "token-mean":
-        return (loss * mask).sum() / mask.sum()
+        return sum(sums) / float(mask.sum())
     if mode == "token-sum":
-        return (loss * mask).sum()
+        return sum(sums)
     if mode == "seq-mean-token-sum":
-        return (loss * mask).sum(-1).mean()
+        return sum(sums) / len(counted)
     if mode == "seq-mean-token-mean":
-        return ((loss * mask).sum(-1) / mask.sum(-1)).mean()
-    return (loss * mask).sum(-1).sum() / mask.shape[-1]
+        return sum(s / float(mask[i].sum()) for s, i in zip(sums, counted, strict=True)) / len(counted)
+    factor = loss.shape[-1] if loss_scale_factor is None else loss_scale_factor
+    return sum(s / factor for s in sums) / len(counted)
+
+
+def _trl_dr_grpo(loss, mask, max_completion_length):
+    """TRL's GRPO loss_type="dr_grpo": (per_token_loss * mask).sum() / (batch_size * max_completion_length)."""
+    return float((loss * mask).sum()) / (loss.shape[0] * max_completion_length)
 
 
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
@@ -27,14 +38,54 @@ def test_matches_verl_on_padded_rows(mode):
     g = torch.Generator().manual_seed(0)
     loss = torch.randn(4, 9, generator=g, dtype=torch.float64)
     mask = (torch.rand(4, 9, generator=g) > 0.4).double()
-    mask[:, 1] = 1.0  # every row has a token, as verl's formulas assume
-    torch.testing.assert_close(aggregate(loss, mask, mode), _verl_agg_loss(loss, mask, mode))
+    mask[:, 1] = 1.0  # every row has a token here; rows without one: the next test
+    assert aggregate(loss, mask, mode).item() == pytest.approx(_verl_agg_loss(loss, mask, mode), rel=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    rows=st.integers(1, 6),
+    width=st.integers(1, 9),
+    mode=st.sampled_from(AGGREGATION_MODES),
+    empty_rows=st.sets(st.integers(0, 5)),
+    norm=st.one_of(st.none(), st.floats(1.0, 64.0)),
+)
+def test_rows_without_loss_tokens_are_not_sequences_of_the_mean(seed, rows, width, mode, empty_rows, norm):
+    """A sample fully masked (overlong filtering, a tool-only turn) is left out of the sequence count,
+    in every seq-mean mode, locally and in a step-wide num_sequences counted the same way."""
+    g = torch.Generator().manual_seed(seed)
+    loss = torch.randn(rows, width, generator=g, dtype=torch.float64)
+    mask = (torch.rand(rows, width, generator=g) > 0.3).double()
+    for r in empty_rows:
+        if r < rows:
+            mask[r] = 0.0
+    if not bool(mask.sum()):
+        return  # nothing to count: the zero case has its own test
+    expected = _verl_agg_loss(loss, mask, mode, norm if mode == "seq-mean-token-sum-norm" else None)
+    kwargs = {"norm_constant": norm} if mode == "seq-mean-token-sum-norm" else {}
+    assert aggregate(loss, mask, mode, **kwargs).item() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    num_sequences = int((mask.sum(-1) > 0).sum())
+    got = aggregate(loss, mask, mode, num_sequences=num_sequences, num_tokens=int(mask.sum()), **kwargs)
+    assert got.item() == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+def test_dr_grpo_equals_trl_and_keeps_the_one_over_g():
+    """Dr.GRPO: TRL's dr_grpo divides the token sum by batch_size * max_completion_length; rollouts
+    divided by the constant only (B times larger, which changed what gradient clipping did)."""
+    g = torch.Generator().manual_seed(3)
+    loss = torch.randn(8, 16, generator=g, dtype=torch.float64)
+    mask = (torch.rand(8, 16, generator=g) > 0.5).double()
+    mask[:, 0] = 1.0
+    got = aggregate(loss, mask, "seq-mean-token-sum-norm", norm_constant=16.0)
+    assert got.item() == pytest.approx(_trl_dr_grpo(loss, mask, 16), rel=1e-12)
+    assert got.item() == pytest.approx(float((loss * mask).sum()) / 16.0 / 8, rel=1e-12)
 
 
 def test_norm_constant_replaces_t():
     loss, mask = torch.ones(2, 5), torch.ones(2, 5)
-    assert aggregate(loss, mask, "seq-mean-token-sum-norm", norm_constant=20.0).item() == pytest.approx(0.5)
-    assert aggregate(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(2.0)
+    assert aggregate(loss, mask, "seq-mean-token-sum-norm", norm_constant=20.0).item() == pytest.approx(0.25)
+    assert aggregate(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("mode", AGGREGATION_MODES)
@@ -77,7 +128,8 @@ def test_micro_batches_sum_to_whole_batch(seed, lengths, mode, split):
     split = min(split, len(seqs) - 1)
     whole = packed(seqs)
     num_tokens = int((whole["loss_mask"] > 0).sum())
-    opts = {"num_tokens": num_tokens, "num_sequences": len(seqs), "norm_constant": 8.0}
+    num_sequences = sum(1 for q in seqs if bool((q["loss_mask"] > 0).any()))  # as StepPlan counts them
+    opts = {"num_tokens": num_tokens, "num_sequences": num_sequences, "norm_constant": 8.0}
     # the whole batch with a binary mask: sum(mask) == count of loss tokens
     ref = aggregate(
         whole["logprobs"], whole["loss_mask"], mode, segment_ids_B_T=whole["segment_ids"], norm_constant=8.0

@@ -224,6 +224,19 @@ def test_bad_options_raise():
     with pytest.raises(ValueError, match="dual_clip_c"):
         ppo_clip_loss(logp, old, adv, mask, dual_clip_c=1.0)
     with pytest.raises(ValueError, match="eps_low"):
-        ppo_clip_loss(logp, old, adv, mask, eps_low=1.0)
+        ppo_clip_loss(logp, old, adv, mask, eps_low=-0.1)
     with pytest.raises(ValueError, match="one shape"):
         pg_loss(logp, adv[:, :2], mask)
+
+
+@pytest.mark.parametrize("eps_low", [1.0, 10.0])
+def test_cispo_eps_low_of_one_or_more_means_no_lower_clip(eps_low):
+    """verl's CISPO example sets clip_ratio_low = 10: the weight is clipped above only. rollouts
+    raised ("eps_low must be in [0, 1)")."""
+    logp, old, adv, mask = _batch(7)
+    old = old + 2.0  # ratios far below 1, where a lower clip would bind
+    ours, metrics = cispo_loss(logp, old, adv, mask, eps_low=eps_low, eps_high=0.28)
+    weight = torch.clamp(torch.exp(logp - old), max=1.28).detach()
+    ref = -(weight * adv * logp * mask).sum() / mask.sum()
+    torch.testing.assert_close(ours, ref)
+    assert metrics["clip_frac_low"] == 0.0

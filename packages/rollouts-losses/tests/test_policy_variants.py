@@ -160,7 +160,7 @@ def _gmpo_naive(seqs, eps_low, eps_high):
             terms.append(sign * torch.minimum(sign * lr, sign * clipped))
             adv.append(a)
         losses.append(-(sum(adv) / len(adv)) * torch.exp(sum(terms) / len(terms)))
-    loss = sum(losses) / len(seqs)
+    loss = sum(losses) / sum(1 for s in seqs if _tokens(s))  # sequences with a loss token (current verl)
     return loss, list(torch.autograd.grad(loss, logps))
 
 

@@ -122,7 +122,7 @@ def test_config_round_trips_through_asdict(cls, data):
         (RolloutConfig, "over_sampling_factor", 0.5),
         (RolloutConfig, "request_timeout_s", 0.0),
         (AlgorithmConfig, "dual_clip_c", 1.0),
-        (AlgorithmConfig, "eps_low", 1.0),
+        (AlgorithmConfig, "eps_low", -0.5),
         (AlgorithmConfig, "policy_loss", "sgd"),
         (AlgorithmConfig, "loss_aggregation", "mean"),
         (SFTConfig, "num_steps", 0),

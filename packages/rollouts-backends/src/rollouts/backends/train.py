@@ -188,8 +188,8 @@ def forward_backward(
     """
     if not micro_batches:
         raise ValueError("forward_backward needs at least one micro-batch")
-    if num_tokens < 0 or num_sequences < 1:
-        raise ValueError(f"num_tokens ({num_tokens}) must be >= 0 and num_sequences ({num_sequences}) >= 1")
+    if num_tokens < 0 or num_sequences < 0:
+        raise ValueError(f"num_tokens ({num_tokens}) and num_sequences ({num_sequences}) must be >= 0")
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     model = components.model

@@ -260,7 +260,8 @@ class StepPlan:
     num_loss_tokens: int
     """Tokens with loss_mask > 0 over the whole step (global token-mean denominator)."""
     num_sequences: int
-    """Sequences in the whole step (global sequence-mean denominator)."""
+    """Sequences with at least one loss token in the whole step (global sequence-mean denominator;
+    a fully masked sample is not counted, as in verl)."""
     num_tokens: int
     """Real (non-padding) tokens over the whole step."""
     num_padding_tokens: int
@@ -310,7 +311,7 @@ def plan_micro_batches(
     return StepPlan(
         micro_batches=tuple(micro_batches),
         num_loss_tokens=int(sum(int((mb["loss_mask"] > 0).sum()) for mb in micro_batches)),
-        num_sequences=len(samples),
+        num_sequences=sum(1 for s in samples if s.num_loss_tokens > 0),
         num_tokens=num_tokens,
         num_padding_tokens=sum(mb["input_ids"].size for mb in micro_batches) - num_tokens,
     )

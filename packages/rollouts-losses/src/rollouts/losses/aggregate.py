@@ -2,18 +2,27 @@
 
 Legend: B rows, T tokens per row, S sequences (bins; on packed rows S = B * T, most of them empty).
 
-Modes follow verl's `agg_loss`:
-  token-mean               sum(loss * mask) / sum(mask)
+Modes follow verl's `agg_loss` (verl/trainer/ppo/core_algos.py as of 2026-11, its rewrite with
+`global_batch_size` / `loss_scale_factor`) and TRL's GRPO `loss_type`:
+  token-mean               sum(loss * mask) / sum(mask)                        (TRL "dapo")
   token-sum                sum(loss * mask)
   seq-mean-token-sum       sum over sequences of sum(loss * mask) / number of sequences
   seq-mean-token-mean      sum over sequences of [sum(loss * mask) / sum(mask)] / number of sequences
-  seq-mean-token-sum-norm  sum(loss * mask) / norm_constant (Dr.GRPO; default: the padded length T)
+                                                                               (TRL "grpo")
+  seq-mean-token-sum-norm  sum over sequences of [sum(loss * mask) / norm_constant] / number of
+                           sequences (Dr.GRPO; default norm: the padded length T). TRL "dr_grpo"
+                           divides the token sum by batch_size * max_completion_length: the same.
+The number of sequences counts only sequences with at least one loss token, as current verl does
+(a sample fully masked by overlong filtering, or a tool-only turn, is not a sequence of the mean),
+in the local count and in the step-wide `num_sequences` alike (rollouts-data's StepPlan counts
+the same way).
+
 Departures from verl: a sequence (or a batch) without loss tokens contributes 0 instead of NaN;
 rows may be packed (`segment_ids_B_T`: several sequences in one row, -1 on padding); and the
 denominators can be given for the whole step (`num_tokens`, `num_sequences`) so that summing the
 losses of a step's micro-batches equals the loss of the step as one batch. With packed rows and
 no `norm_constant`, seq-mean-token-sum-norm divides by the longest sequence in the rows (the T the
-sequences would have padded to).
+sequences would have padded to): give the constant (the generation limit) to keep it fixed.
 """
 
 from __future__ import annotations
@@ -71,10 +80,8 @@ def to_tokens(x_S: Tensor, segment_ids_B_T: Tensor | None, shape: torch.Size) ->
 
 
 def sequence_present(mask_B_T: Tensor, segment_ids_B_T: Tensor | None) -> Tensor:
-    """[S] bool: which sequence bins hold a sequence (every row without segment ids)."""
-    if segment_ids_B_T is None:
-        return torch.ones(mask_B_T.shape[0], dtype=torch.bool, device=mask_B_T.device)
-    return sequence_sums(torch.ones_like(mask_B_T, dtype=torch.float32), segment_ids_B_T) > 0
+    """[S] bool: which sequence bins hold a sequence with at least one loss token (mask > 0)."""
+    return sequence_sums((mask_B_T > 0).to(torch.float32), segment_ids_B_T) > 0
 
 
 def _default_norm(mask_B_T: Tensor, segment_ids_B_T: Tensor | None) -> Tensor | float:
@@ -115,6 +122,7 @@ def aggregate(
         "token-mean": ("num_tokens", num_tokens),
         "seq-mean-token-sum": ("num_sequences", num_sequences),
         "seq-mean-token-mean": ("num_sequences", num_sequences),
+        "seq-mean-token-sum-norm": ("num_sequences", num_sequences),
     }
     name, count = denominators.get(mode, ("", None))
     # Checked only when 0 (no device sync otherwise): a zero step-wide count with loss tokens here
@@ -129,10 +137,10 @@ def aggregate(
     if mode == "token-mean":
         denominator = mask_B_T.sum() if num_tokens is None else num_tokens
         return safe_divide(weighted_B_T.sum(), denominator)
+    per_seq_S = sequence_sums(weighted_B_T, segment_ids_B_T)
     if mode == "seq-mean-token-sum-norm":
         norm = _default_norm(mask_B_T, segment_ids_B_T) if norm_constant is None else norm_constant
-        return safe_divide(weighted_B_T.sum(), norm)
-    per_seq_S = sequence_sums(weighted_B_T, segment_ids_B_T)
+        per_seq_S = safe_divide(per_seq_S, norm)
     if mode == "seq-mean-token-mean":
         per_seq_S = safe_divide(per_seq_S, sequence_sums(mask_B_T, segment_ids_B_T))
     if num_sequences is None:

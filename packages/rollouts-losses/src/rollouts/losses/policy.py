@@ -49,9 +49,10 @@ def metrics_to_floats(**named: Tensor | float) -> dict[str, float]:
 
 
 def _check_eps(eps_low: float, eps_high: float) -> None:
-    """Raise unless 0 <= eps_low < 1 and eps_high >= 0."""
-    if not 0.0 <= eps_low < 1.0:
-        raise ValueError(f"eps_low must be in [0, 1) (the ratio is clipped at 1 - eps_low > 0), got {eps_low!r}")
+    """Raise unless eps_low >= 0 and eps_high >= 0. eps_low >= 1 puts the lower clip at or below 0,
+    where no ratio reaches it: no lower clip (verl's CISPO example sets clip_ratio_low = 10)."""
+    if not eps_low >= 0.0:
+        raise ValueError(f"eps_low must be >= 0 (>= 1: no lower clip), got {eps_low!r}")
     if not eps_high >= 0.0:
         raise ValueError(f"eps_high must be >= 0, got {eps_high!r}")
 

@@ -241,7 +241,7 @@ class AlgorithmConfig:
         check_fields(self)
         n = "AlgorithmConfig"
         self._check_loss_variant_fields()
-        require(0.0 <= self.eps_low < 1.0, f"{n}.eps_low", self.eps_low, "be in [0, 1)")
+        require(self.eps_low >= 0.0, f"{n}.eps_low", self.eps_low, "be >= 0 (>= 1: no lower clip)")
         require(self.eps_high >= 0.0, f"{n}.eps_high", self.eps_high, "be >= 0")
         if self.dual_clip_c is not None:
             require(self.dual_clip_c > 1.0, f"{n}.dual_clip_c", self.dual_clip_c, "be > 1 or None")
