@@ -279,3 +279,57 @@ def test_a_seeded_run_gives_the_same_weights_at_any_concurrency(tiny_run_inputs,
     assert seen[1] == seen[4] and len(set(seen[1])) > 8  # the same samples, and not all alike
     for name, tensor in alone.items():
         torch.testing.assert_close(together[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def _stale_and_fresh_batch(tiny_run_inputs):
+    """One group of 2 fresh samples (version 5) and one of 2 samples three versions old (version 2)."""
+    from rollouts.types import RolloutBatch, Sample, Status
+
+    def sample(version, group, reward, tail):
+        return Sample(
+            tokens=(3, 4, 5, tail, tail),
+            num_prompt_tokens=3,
+            loss_mask=(0.0, 0.0, 0.0, 1.0, 1.0),
+            rollout_logprobs=(-1.5, -2.0),
+            weight_version=version,
+            group_index=group,
+            reward=reward,
+            status=Status.COMPLETED,
+        )
+
+    samples = [sample(5, 0, 1.0, 6), sample(5, 0, 0.0, 7), sample(2, 1, 1.0, 6), sample(2, 1, 0.0, 7)]
+    return RolloutBatch(samples=[s.with_metadata(id=i) for i, s in enumerate(samples)], step=0)
+
+
+def test_overlap_corrects_for_the_older_policy_by_default_and_drops_samples_too_stale(tiny_run_inputs):
+    """In overlap mode samples come from a policy up to max_staleness versions old: truncated
+    importance weights against their rollout log-probs are applied unless turned off, and samples
+    older than that are dropped (not trained), counted in num_too_stale."""
+    from rollouts.loops.rl import rl_step
+    from rollouts.types import TrainingState
+
+    _, model, _ = _setup(tiny_run_inputs)
+    batch = _stale_and_fresh_batch(tiny_run_inputs)
+    state = TrainingState(weight_version=5)
+    base = RLConfig(num_steps=1, overlap=True, max_staleness=1)
+    assert base.effective_algorithm.is_cap == 2.0 and base.algorithm.is_cap is None
+
+    def step(config):
+        components = build_components(model, config.optimizer, num_training_steps=1)
+        return rl_step(components, state, batch, config)[1]
+
+    metrics = step(base)
+    assert metrics["num_too_stale"] == 2.0 and metrics["num_trained"] == 2.0
+    assert "is_weight_mean" in metrics  # the correction ran
+    off = dataclasses.replace(base, overlap_is_cap=None)
+    assert off.effective_algorithm.is_cap is None and "is_weight_mean" not in step(off)
+    own = dataclasses.replace(base, algorithm=dataclasses.replace(base.algorithm, is_cap=3.0))
+    assert own.effective_algorithm.is_cap == 3.0  # the algorithm's own setting wins
+    synchronous = dataclasses.replace(base, overlap=False)
+    assert synchronous.effective_algorithm.is_cap is None
+
+
+def test_overlap_with_a_correction_needs_the_engines_log_probs():
+    with pytest.raises(ValueError, match="rollout.sampling.logprobs"):
+        RLConfig(overlap=True, rollout=RolloutConfig(sampling=SamplingParams(logprobs=False)))
+    RLConfig(overlap=True, overlap_is_cap=None, rollout=RolloutConfig(sampling=SamplingParams(logprobs=False)))

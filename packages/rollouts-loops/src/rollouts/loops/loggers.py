@@ -164,6 +164,8 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
                 continue
             raise ValueError(f"{path}:{i + 1}: not a JSON object: {raw[:80]!r}") from None
         if not isinstance(record, dict):
+            if i == torn_possible:  # the start of a record cut off ("0", "[1"): torn, skipped
+                continue
             raise ValueError(f"{path}:{i + 1}: not a JSON object: {raw[:80]!r}")
         records.append(record)
     return records

@@ -47,8 +47,10 @@ def default_loss_fn(config: RLConfig) -> LossFn:
 
     (A constant that is the same in every micro-batch and step: each micro-batch's padded length
     would make the gradient depend on how the step was split.)
+    With overlap, `config.effective_algorithm` adds the truncated importance weights of
+    RLConfig.overlap_is_cap unless the algorithm sets its own is_cap.
     """
-    algorithm = config.algorithm
+    algorithm = config.effective_algorithm
     if algorithm.loss_aggregation == "seq-mean-token-sum-norm" and algorithm.norm_constant is None:
         algorithm = dataclasses.replace(algorithm, norm_constant=float(config.rollout.sampling.max_new_tokens))
     return loss_fn_from_config(algorithm)
@@ -144,7 +146,7 @@ def rl_update(
     REINFORCE++'s batch whitening), come from every rank's per-token masks and KL, gathered as
     tensors, so each rank computes exactly what one process would.
     """
-    algorithm = config.algorithm
+    algorithm = config.effective_algorithm
     rank, world = rank_world()
     shard = plan_shard(components, samples, max_tokens_per_micro_batch=config.max_tokens_per_micro_batch)
     real = shard.micro_batches[: shard.num_real]

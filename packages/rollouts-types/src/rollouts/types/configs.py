@@ -7,6 +7,7 @@ followed by `from_dict(type(config), ...)` gives back an equal config.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -369,8 +370,18 @@ class RLConfig:
     """Generate step n+1 while step n trains (off-policy by at most `max_staleness` versions)."""
     max_staleness: int = 1
     """With overlap: how many weight versions a sample may lag the trained policy."""
+    overlap_is_cap: float | None = 2.0
+    """With overlap and no algorithm.is_cap: truncated importance weights (token level) against the
+    engine's log-probs at this cap, correcting for samples of an older policy; None: off."""
     seed: int = 0
     log_every: int = 1
+
+    @property
+    def effective_algorithm(self) -> AlgorithmConfig:
+        """The algorithm as trained: with overlap, `overlap_is_cap` fills in an unset is_cap."""
+        if self.overlap and self.algorithm.is_cap is None and self.overlap_is_cap is not None:
+            return dataclasses.replace(self.algorithm, is_cap=self.overlap_is_cap)
+        return self.algorithm
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -394,5 +405,15 @@ class RLConfig:
             "is 0 and nothing is learned",
         )
         require(self.max_staleness >= 1, f"{n}.max_staleness", self.max_staleness, "be >= 1")
+        if self.overlap_is_cap is not None:
+            require(self.overlap_is_cap >= 1.0, f"{n}.overlap_is_cap", self.overlap_is_cap, "be >= 1 or None")
+        corrected = self.effective_algorithm.is_cap is not None or self.effective_algorithm.needs_rollout_logprobs
+        require(
+            not corrected or self.rollout.sampling.logprobs,
+            f"{n}.rollout.sampling.logprobs",
+            self.rollout.sampling.logprobs,
+            "be true: the off-policy correction (algorithm.is_cap, or overlap_is_cap with overlap) weighs "
+            "samples by the engine's log-probs",
+        )
         require(self.seed >= 0, f"{n}.seed", self.seed, "be >= 0")
         require(self.log_every >= 1, f"{n}.log_every", self.log_every, "be >= 1")
