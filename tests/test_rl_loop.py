@@ -333,3 +333,54 @@ def test_overlap_with_a_correction_needs_the_engines_log_probs():
     with pytest.raises(ValueError, match="rollout.sampling.logprobs"):
         RLConfig(overlap=True, rollout=RolloutConfig(sampling=SamplingParams(logprobs=False)))
     RLConfig(overlap=True, overlap_is_cap=None, rollout=RolloutConfig(sampling=SamplingParams(logprobs=False)))
+
+
+class _ForgetfulEngine(InProcessEngine):
+    """An engine whose weight update reports success and records the version but loads nothing (a
+    sync that silently does not apply, as verl#7495 went unnoticed for two months)."""
+
+    async def update_weights_from_disk(self, path, weight_version):
+        self._weight_version = weight_version
+
+
+@pytest.mark.parametrize("engine_cls", [InProcessEngine, _ForgetfulEngine], ids=["applied", "not-applied"])
+def test_the_sync_probe_catches_weights_that_did_not_arrive(tiny_run_inputs, tmp_path, engine_cls):
+    import copy
+
+    from rollouts.loops.probe import SyncProbeError
+
+    tokenizer, model, records = _setup(tiny_run_inputs)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=(tokenizer.eos_token_id,))
+    config = RLConfig(
+        num_steps=2,
+        rollout=RolloutConfig(batch_size=4, samples_per_prompt=4, sampling=sampling),
+        algorithm=ALGORITHMS["grpo"],
+        optimizer=OptimizerConfig(lr=5e-2, schedule="constant"),  # large: a step moves the log-probs
+        checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
+        max_tokens_per_micro_batch=256,
+        sync_probe_tokens=4,
+        sync_probe_tolerance=1e-3,
+    )
+    components = build_components(model, config.optimizer, num_training_steps=2)
+    engine = engine_cls(copy.deepcopy(model), shares_training_model=False, tokenizer=tokenizer, name="engine-x")
+
+    def run():
+        return run_rl_training(
+            components,
+            DataBuffer(records, seed=0),
+            CoalescingEngine(engine, max_prompts_per_call=4),
+            config,
+            reward=lambda s, r: float(sum(s.response_tokens) % 2),
+            encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
+            logger=NullLogger(),
+            run_dir=tmp_path,
+            resume=False,
+        )
+
+    if engine_cls is InProcessEngine:
+        _, history = run()
+        diffs = [h["sync_probe_logprob_diff"] for h in history]
+        assert len(diffs) == 2 and max(diffs) < 1e-4, diffs  # float32 on both sides, same weights
+    else:
+        with pytest.raises(SyncProbeError, match=r"engine engine-x reports log-probs .* away from the trainer"):
+            run()

@@ -35,6 +35,7 @@ from rollouts.loops.distributed import rank_world
 from rollouts.loops.evaluation import Evaluation, evaluate_groups, group_metrics
 from rollouts.loops.generation import BatchSource, sync_engine
 from rollouts.loops.policy_update import AdvantageFn, check_algorithm, rl_update
+from rollouts.loops.probe import probe_sync
 from rollouts.loops.rollout_fns import (
     PromptEncoder,
     RolloutContext,
@@ -207,6 +208,7 @@ class _Run:
     on_step: Callable[[TrainingState, dict[str, float]], None] | None
     evaluation: Evaluation | None
     num_logged_completions: int
+    probe_prompt: tuple[int, ...]
 
 
 def run_rl_training(
@@ -299,6 +301,7 @@ def run_rl_training(
         on_step=on_step,
         evaluation=evaluation,
         num_logged_completions=num_logged_completions,
+        probe_prompt=tuple(encode_prompt(buffer.prompts[0])) if config.sync_probe_tokens and rank == 0 else (),
     )
     held = lock_run_dir(run.run_dir) if rank == 0 else contextlib.nullcontext()
     with held:  # one run per directory: another process on it is refused, naming its pid
@@ -407,6 +410,18 @@ async def _train(
             run.components, run.engine, state, run.run_dir, shares_model=run.shares_model, lock=lock
         )
         metrics.update(sync_metrics)
+        if config.sync_probe_tokens:  # the engine serves what was trained, or the step fails naming it
+            async with lock:
+                metrics.update(
+                    await probe_sync(
+                        run.components,
+                        run.engine,
+                        run.probe_prompt,
+                        num_tokens=config.sync_probe_tokens,
+                        tolerance=config.sync_probe_tolerance,
+                        weight_version=state.weight_version,
+                    )
+                )
     metrics["weight_version"] = float(state.weight_version)
     return state, metrics
 

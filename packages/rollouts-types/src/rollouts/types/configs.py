@@ -350,6 +350,8 @@ class SFTConfig:
             self.max_tokens_per_micro_batch,
             f"be >= max_length ({self.max_length}) so every sample fits a micro-batch",
         )
+        require(self.sync_probe_tokens >= 0, f"{n}.sync_probe_tokens", self.sync_probe_tokens, "be >= 0")
+        require(self.sync_probe_tolerance > 0, f"{n}.sync_probe_tolerance", self.sync_probe_tolerance, "be > 0")
         require(self.seed >= 0, f"{n}.seed", self.seed, "be >= 0")
         require(self.log_every >= 1, f"{n}.log_every", self.log_every, "be >= 1")
 
@@ -373,6 +375,11 @@ class RLConfig:
     overlap_is_cap: float | None = 2.0
     """With overlap and no algorithm.is_cap: truncated importance weights (token level) against the
     engine's log-probs at this cap, correcting for samples of an older policy; None: off."""
+    sync_probe_tokens: int = 0
+    """After each sync, check the engine serves the trained weights: greedy tokens of the first prompt
+    whose engine log-probs must match the trainer's (0: off; logged as sync_probe_logprob_diff)."""
+    sync_probe_tolerance: float = 1e-2
+    """Mean |engine - trainer| log-prob the probe accepts (float32 on both sides: ~1e-5; bf16: ~1e-2)."""
     seed: int = 0
     log_every: int = 1
 
@@ -415,5 +422,7 @@ class RLConfig:
             "be true: the off-policy correction (algorithm.is_cap, or overlap_is_cap with overlap) weighs "
             "samples by the engine's log-probs",
         )
+        require(self.sync_probe_tokens >= 0, f"{n}.sync_probe_tokens", self.sync_probe_tokens, "be >= 0")
+        require(self.sync_probe_tolerance > 0, f"{n}.sync_probe_tolerance", self.sync_probe_tolerance, "be > 0")
         require(self.seed >= 0, f"{n}.seed", self.seed, "be >= 0")
         require(self.log_every >= 1, f"{n}.log_every", self.log_every, "be >= 1")
