@@ -350,8 +350,6 @@ class SFTConfig:
             self.max_tokens_per_micro_batch,
             f"be >= max_length ({self.max_length}) so every sample fits a micro-batch",
         )
-        require(self.sync_probe_tokens >= 0, f"{n}.sync_probe_tokens", self.sync_probe_tokens, "be >= 0")
-        require(self.sync_probe_tolerance > 0, f"{n}.sync_probe_tolerance", self.sync_probe_tolerance, "be > 0")
         require(self.seed >= 0, f"{n}.seed", self.seed, "be >= 0")
         require(self.log_every >= 1, f"{n}.log_every", self.log_every, "be >= 1")
 
