@@ -384,3 +384,32 @@ def test_the_sync_probe_catches_weights_that_did_not_arrive(tiny_run_inputs, tmp
     else:
         with pytest.raises(SyncProbeError, match=r"engine engine-x reports log-probs .* away from the trainer"):
             run()
+
+
+def test_log_probs_of_another_distribution_are_refused_when_the_loss_weighs_by_them():
+    """Truncated sampling and an engine reporting the full softmax (vLLM's default raw_logprobs):
+    importance weights against those log-probs would be biased (TRL#6789), so the step refuses."""
+    from rollouts.loops.rl import check_logprobs_distribution
+    from rollouts.types import Sample
+
+    def samples(of):
+        return [
+            Sample(
+                tokens=(1, 2, 3),
+                num_prompt_tokens=1,
+                loss_mask=(0, 1, 1),
+                rollout_logprobs=(-1.0, -1.0),
+                metadata={"logprobs_of": of},
+            )
+        ]
+
+    truncated = RLConfig(
+        rollout=RolloutConfig(sampling=SamplingParams(temperature=0.7, top_p=0.9)),
+        algorithm=dataclasses.replace(ALGORITHMS["grpo"], is_cap=2.0),
+    )
+    with pytest.raises(ValueError, match="--logprobs-mode processed_logprobs"):
+        check_logprobs_distribution(samples("model"), truncated)
+    check_logprobs_distribution(samples("sampling"), truncated)  # the distribution sampled from: fine
+    check_logprobs_distribution(samples("model"), RLConfig())  # T = 1, no truncation: the same distribution
+    no_weights = dataclasses.replace(truncated, algorithm=ALGORITHMS["grpo"])
+    check_logprobs_distribution(samples("model"), no_weights)  # the loss does not use them

@@ -84,3 +84,30 @@ sync = "{sync}"
     tokens, logprobs = reference_greedy(out / "weights", prompt, 4, python=find_vllm_python())
     assert list(sample.response_tokens) == tokens
     np.testing.assert_allclose(sample.rollout_logprobs, logprobs, rtol=0, atol=1e-4)
+
+
+def test_vllm_and_the_trainer_describe_the_same_truncated_distribution(tiny_run_inputs, vllm_for_tiny_model):
+    """The engine (started by the launcher with processed log-probs) samples at T = 0.7, top_p = 0.9,
+    top_k = 20; the trainer, given the same settings, computes log-probs of the same distribution:
+    mean |trainer - engine| over the sampled tokens <= 1e-3."""
+    from rollouts.backends import build_components, compute_logprobs, load_hf_model
+    from rollouts.data import pack_samples
+    from rollouts.types import OptimizerConfig
+
+    model_dir = tiny_run_inputs / "model"
+    params = SamplingParams(n=4, max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=20, seed=7, logprobs=True)
+
+    async def sample():
+        async with VLLMEngine(vllm_for_tiny_model.url, timeout_s=60.0) as engine:
+            version = (await engine.weight_version() or 0) + 1
+            await engine.update_weights_from_disk(str(model_dir), version)  # the weights the trainer loads
+            return await engine.generate([[3, 4, 5, 6], [7, 8]], params)
+
+    samples = trio.run(sample)
+    components = build_components(load_hf_model(model_dir), OptimizerConfig(), num_training_steps=1)
+    diffs = []
+    for s in samples:
+        (lp,) = compute_logprobs(components, pack_samples([s], max_tokens=64), temperature=0.7, top_k=20, top_p=0.9)
+        trainer = lp[0, s.num_prompt_tokens : len(s.tokens)]
+        diffs.extend(abs(float(a) - float(b)) for a, b in zip(trainer, s.rollout_logprobs, strict=True))
+    assert sum(diffs) / len(diffs) <= 1e-3, (sum(diffs) / len(diffs), max(diffs))

@@ -169,3 +169,25 @@ def test_one_seed_per_prompt_must_match_the_prompts(model):
     a = trio.run(engine.generate_seeded, PROMPTS[:2], SamplingParams(n=2, max_new_tokens=4), [5, 6])
     b = trio.run(engine.generate, PROMPTS[1:2], SamplingParams(n=2, max_new_tokens=4, seed=6))
     assert [s.tokens for s in a[2:]] == [s.tokens for s in b]
+
+
+def test_trainer_log_probs_describe_the_truncated_distribution_the_sampler_drew_from(model):
+    """T = 0.7, top_p = 0.9, top_k = 20: the in-process sampler reports log-probs after truncation;
+    the trainer, given the same settings, computes the same ones (without them it would compare
+    against the full softmax: biased ratios and KL)."""
+    from rollouts.backends import build_components, compute_logprobs
+    from rollouts.data import pack_samples
+    from rollouts.types import OptimizerConfig
+
+    settings_ = {"temperature": 0.7, "top_p": 0.9, "top_k": 20}
+    samples = generate(model, PROMPTS, n=4, max_new_tokens=8, seed=5, **settings_)
+    components = build_components(model, OptimizerConfig(), num_training_steps=1)
+    diffs, full_diffs = [], []
+    for s in samples:
+        (mb,) = pack_samples([s], max_tokens=64)
+        for dist, out in ((settings_, diffs), ({"temperature": 0.7}, full_diffs)):
+            (lp,) = compute_logprobs(components, [mb], **dist)
+            trainer = lp[0, s.num_prompt_tokens : len(s.tokens)]
+            out.extend(abs(float(a) - float(b)) for a, b in zip(trainer, s.rollout_logprobs, strict=True))
+    assert sum(diffs) / len(diffs) <= 1e-3 and max(diffs) < 1e-4  # float32 rounding only
+    assert sum(full_diffs) / len(full_diffs) > 1e-3  # the untruncated softmax is another distribution

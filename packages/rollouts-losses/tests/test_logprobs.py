@@ -218,3 +218,53 @@ def test_fused_chunk_size_bounds_memory(n, v, entropy):
 def test_fused_chunk_size_refuses_bad_sizes():
     with pytest.raises(ValueError, match="vocab_size"):
         fused_chunk_size(10, 0)
+
+
+def _naive_truncated_logprobs(hidden, weight, labels, temperature, top_k, top_p):
+    """Softmax over the tokens a top-k-then-top-p sampler keeps, written out row by row."""
+    out = []
+    for h, label in zip(hidden, labels, strict=True):
+        logits = (h @ weight.t()) / temperature
+        order = sorted(range(logits.shape[0]), key=lambda i: -float(logits[i]))
+        kept = set(order)
+        if 0 < top_k < logits.shape[0]:
+            kth = float(logits[order[top_k - 1]])
+            kept = {i for i in kept if float(logits[i]) >= kth}
+        if top_p < 1.0:
+            in_k = [i for i in order if i in kept]
+            probs = torch.softmax(logits[in_k], dim=0)
+            mass, survivors = 0.0, set()
+            for i, p in zip(in_k, probs.tolist(), strict=True):
+                if mass >= top_p:
+                    break
+                survivors.add(i)
+                mass += p
+            kept = survivors
+        kept.add(int(label))
+        idx = torch.tensor(sorted(kept))
+        lse = torch.logsumexp(logits[idx], dim=0)
+        out.append(logits[int(label)] - lse)
+    return torch.stack(out)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    top_k=st.sampled_from([-1, 1, 3, 7, 40]),
+    top_p=st.sampled_from([1.0, 0.95, 0.7, 0.3]),
+    temperature=st.sampled_from([1.0, 0.7]),
+)
+def test_truncated_logprobs_match_the_distribution_a_top_k_top_p_sampler_draws_from(seed, top_k, top_p, temperature):
+    """With top_k / top_p the trainer's log-probs are those of the truncated, renormalised
+    distribution the sampler drew from (values and gradients), so ratios and KL compare like with like."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(24, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 24, (2, 5), generator=g)
+    ours = fused_token_logprobs(hidden, weight, labels, temperature=temperature, top_k=top_k, top_p=top_p, chunk_size=3)
+    ref = _naive_truncated_logprobs(hidden.reshape(10, 8), weight, labels.reshape(10), temperature, top_k, top_p)
+    torch.testing.assert_close(ours.reshape(10), ref, rtol=1e-10, atol=1e-10)
+    grads = torch.autograd.grad(ours.sum(), (hidden, weight))
+    ref_grads = torch.autograd.grad(ref.sum(), (hidden, weight))
+    for a, b in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)

@@ -21,6 +21,7 @@ import torch
 from rollouts.backends.checkpoint import load_model_weights, read_weights
 from rollouts.backends.decode import FastDecoder, fast_decoder
 from rollouts.backends.train import attention_mask_4d
+from rollouts.losses import truncation_mask
 from rollouts.types import Sample, SamplingParams, Status
 
 __all__ = ["InProcessEngine", "generate", "sample_next_tokens"]
@@ -48,17 +49,10 @@ def sample_next_tokens(
         tokens = logits.argmax(dim=-1)
         return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     logits = logits / temperature
-    if 0 < top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, -math.inf)
-    if top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the tokens ranked above it already hold top_p of the mass; the
-        # first token always stays, so the distribution is never empty.
-        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, -math.inf)
+    if 0 < top_k < logits.shape[-1] or top_p < 1.0:
+        # The same set the trainer renormalises over (rollouts.losses.truncation_mask): the first
+        # token always stays, so the distribution is never empty.
+        logits = logits.masked_fill(~truncation_mask(logits, top_k=top_k, top_p=top_p), -math.inf)
     logprobs_R_V = torch.log_softmax(logits, dim=-1)
     # Inverse-CDF sampling (one uniform per row; several times faster than torch.multinomial on
     # CPU). u lies in (0, total], so the first index whose CDF reaches u has non-zero probability.
@@ -276,6 +270,9 @@ def generate(
     finally:
         model.train(was_training)
 
+    # Which distribution rollout_logprobs describe (see rollouts.sync's make_sample): the one sampled
+    # from, or at temperature 0 the model's full softmax.
+    logprobs_of = {"logprobs_of": "sampling" if temperature > 0 else "model"}
     tokens_rows = tokens_R_N.cpu().tolist()
     logprob_rows = logprobs_R_N.cpu().tolist()
     lengths = lengths_R.cpu().tolist()
@@ -294,6 +291,7 @@ def generate(
                 status=Status.COMPLETED if completed[row] else Status.TRUNCATED,
                 index=row,
                 group_index=row // n,
+                metadata=logprobs_of,
             )
         )
     return samples

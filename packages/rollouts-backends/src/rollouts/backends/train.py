@@ -149,14 +149,32 @@ def token_logprobs_of_model(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    top_k: int = -1,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[B, T] log p(token t | tokens < t) (0 at sequence starts and padding), and entropy if asked."""
+    """[B, T] log p(token t | tokens < t) (0 at sequence starts and padding), and entropy if asked.
+
+    `top_k` / `top_p`: log-probs of the truncated, renormalised distribution a sampler with those
+    settings draws from (the entropy stays the full softmax's)."""
     hidden_B_T_H, weight_V_H = _final_hidden(model, batch)
     labels_B_T = batch["input_ids"][:, 1:]
+    truncated = top_k > 0 or top_p < 1.0
     result = fused_token_logprobs(
-        hidden_B_T_H[:, :-1], weight_V_H, labels_B_T, temperature=temperature, return_entropy=with_entropy
+        hidden_B_T_H[:, :-1],
+        weight_V_H,
+        labels_B_T,
+        temperature=temperature,
+        return_entropy=with_entropy and not truncated,
+        top_k=top_k,
+        top_p=top_p,
     )
-    logprobs, entropy = result if with_entropy else (result, None)
+    if truncated and with_entropy:
+        logprobs = result
+        _, entropy = fused_token_logprobs(
+            hidden_B_T_H[:, :-1], weight_V_H, labels_B_T, temperature=temperature, return_entropy=True
+        )
+    else:
+        logprobs, entropy = result if with_entropy else (result, None)
     # Token t is predicted from position t-1 of the same sequence: no prediction at a sequence
     # start (position 0, which in packed rows follows another sequence's last token) or padding.
     predicted_B_T = (batch["position_ids"][:, 1:] > 0) & (batch["attention_mask"][:, 1:] > 0)
@@ -178,6 +196,8 @@ def forward_backward(
     num_tokens: int,
     num_sequences: int,
     temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
 ) -> dict[str, float]:
     """Forward and backward over a step's micro-batches; gradients accumulate in the model.
 
@@ -204,7 +224,7 @@ def forward_backward(
     for micro_batch in micro_batches:
         batch = micro_batch_to_torch(micro_batch, components.device)
         logprobs_B_T, entropy_B_T = token_logprobs_of_model(
-            model, batch, temperature=temperature, with_entropy=with_entropy
+            model, batch, temperature=temperature, with_entropy=with_entropy, top_k=top_k, top_p=top_p
         )
         kwargs: dict[str, Any] = {"num_tokens": num_tokens, "num_sequences": num_sequences}
         if with_entropy:
@@ -237,6 +257,8 @@ def compute_logprobs(
     micro_batches: Sequence[Mapping[str, np.ndarray]],
     *,
     temperature: float = 1.0,
+    top_k: int = -1,
+    top_p: float = 1.0,
 ) -> list[np.ndarray]:
     """Token-aligned log-probs [B, T] float32 per micro-batch, without gradients (old/ref policy)."""
     model = components.model
@@ -246,7 +268,7 @@ def compute_logprobs(
         out = []
         for micro_batch in micro_batches:
             batch = micro_batch_to_torch(micro_batch, components.device)
-            logprobs_B_T, _ = token_logprobs_of_model(model, batch, temperature=temperature)
+            logprobs_B_T, _ = token_logprobs_of_model(model, batch, temperature=temperature, top_k=top_k, top_p=top_p)
             out.append(logprobs_B_T.float().cpu().numpy())
         return out
     finally:

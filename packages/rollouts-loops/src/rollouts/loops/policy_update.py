@@ -154,16 +154,19 @@ def rl_update(
     masks = unpack_values(real, [mb["loss_mask"] for mb in real])
     metrics: dict[str, float] = {}
     need_old = algorithm.num_updates_per_batch > 1 or algorithm.kl_placement == "reward"
-    # The policy trained is the one sampled from: logits / sampling temperature (0 means greedy: 1).
-    temperature = config.rollout.sampling.temperature or 1.0
-    old = compute_logprobs(components, mbs, temperature=temperature) if need_old else None
+    # The policy trained is the one sampled from: logits / sampling temperature, truncated by top-k
+    # and top-p and renormalised, as the engine drew from it (temperature 0, greedy: the plain softmax).
+    sampling = config.rollout.sampling
+    temperature = sampling.temperature or 1.0
+    dist = {"top_k": sampling.top_k, "top_p": sampling.top_p} if sampling.temperature else {}
+    old = compute_logprobs(components, mbs, temperature=temperature, **dist) if need_old else None
     if old is not None and algorithm.num_updates_per_batch > 1:
         mbs = _with_arrays(mbs, "old_logprobs", old)
     kl_local = None
     if algorithm.needs_reference:
         if ref_components is None:
             raise ValueError("the algorithm puts a KL term in the loss or reward but no reference model was given")
-        ref = compute_logprobs(ref_components, mbs, temperature=temperature)
+        ref = compute_logprobs(ref_components, mbs, temperature=temperature, **dist)
         mbs = _with_arrays(mbs, "ref_logprobs", ref)
         if algorithm.kl_placement == "reward":
             assert old is not None
@@ -187,6 +190,7 @@ def rl_update(
             num_tokens=shard.num_tokens,
             num_sequences=shard.num_sequences,
             temperature=temperature,
+            **dist,
         )
         fb["loss"] = global_sum(fb["loss"])  # the step's loss over all ranks (itself on one process)
         state, om = optim_step(

@@ -148,6 +148,7 @@ def rl_step(
     Under torchrun every rank calls it with the same batch. A batch with no fresh sample leaves
     the state as it is (metrics say why).
     """
+    check_logprobs_distribution(batch.samples, config)
     samples = with_overlong_penalty(
         batch.samples, config.algorithm, max_new_tokens=config.rollout.sampling.max_new_tokens
     )
@@ -168,6 +169,28 @@ def rl_step(
         )
         metrics.update(train_metrics)
     return state, metrics
+
+
+def check_logprobs_distribution(samples: Sequence[Sample], config: RLConfig) -> None:
+    """Refuse rollout log-probs of another distribution than the trainer's when the loss uses them.
+
+    The trainer computes log-probs of the distribution sampled from (temperature, top-k, top-p).
+    Samples whose metadata["logprobs_of"] is "model" (an engine reporting the full softmax: vLLM's
+    default raw_logprobs) describe another one whenever sampling changes it; importance weights
+    against them would be biased, so that is an error naming the fix.
+    """
+    sampling, algorithm = config.rollout.sampling, config.effective_algorithm
+    changes_dist = sampling.temperature not in (0.0, 1.0) or 0 < sampling.top_k or sampling.top_p < 1.0
+    if not changes_dist or not (algorithm.is_cap is not None or algorithm.needs_rollout_logprobs):
+        return
+    raw = [s for s in samples if s.metadata.get("logprobs_of") == "model"]
+    if raw:
+        raise ValueError(
+            f"{len(raw)} samples carry log-probs of the model's full softmax, but they were sampled at "
+            f"temperature={sampling.temperature}, top_k={sampling.top_k}, top_p={sampling.top_p} and the loss "
+            "weighs them against the trainer's log-probs of that sampling distribution: start vLLM with "
+            "--logprobs-mode processed_logprobs (rollouts engine vllm does) and give VLLMEngine that logprobs_mode"
+        )
 
 
 def failure_causes(batch: RolloutBatch) -> list[str]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["fused_chunk_size", "fused_token_logprobs", "token_entropy", "token_logprobs"]
+__all__ = ["fused_chunk_size", "fused_token_logprobs", "token_entropy", "token_logprobs", "truncation_mask"]
 
 DEFAULT_CHUNK_SIZE = 1024
 """Tokens per chunk for `token_logprobs` / `token_entropy`: a C x V float32 temporary (0.6 GB at V=151936)."""
@@ -314,6 +314,70 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         return grad_h_N_H, grad_w_V_H, None, None, None, None
 
 
+def truncation_mask(logits_N_V: Tensor, *, top_k: int = -1, top_p: float = 1.0) -> Tensor:
+    """[N, V] bool: the tokens a sampler with top-k and then top-p keeps, from temperature-scaled logits.
+
+    top-k keeps every logit >= the k-th largest (ties kept); top-p then drops a token once the
+    tokens ranked above it hold `top_p` of the top-k distribution's mass (the most likely token
+    always stays). The in-process sampler draws from exactly this set, and the trainer's
+    log-probs renormalise over it (vLLM's sampler applies the same two steps in this order).
+    """
+    keep = torch.ones_like(logits_N_V, dtype=torch.bool)
+    v = logits_N_V.shape[-1]
+    if 0 < top_k < v:
+        kth = logits_N_V.topk(top_k, dim=-1).values[:, -1:]
+        keep = logits_N_V >= kth
+    if top_p < 1.0:
+        masked = logits_N_V.masked_fill(~keep, -torch.inf)
+        sorted_N_V, order = masked.sort(dim=-1, descending=True)
+        probs = sorted_N_V.softmax(dim=-1)
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        keep = keep & ~torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return keep
+
+
+def _truncated_chunk(h_C_H: Tensor, weight_V_H: Tensor, labels_C: Tensor, temperature: float, top_k: int, top_p: float):
+    dtype = _compute_dtype(h_C_H, weight_V_H)
+    logits = (h_C_H.to(dtype) / temperature) @ weight_V_H.to(dtype).t()
+    with torch.no_grad():
+        keep = truncation_mask(logits, top_k=top_k, top_p=top_p)
+        # The sampled token is in the set by construction; where float rounding puts it on the other
+        # side of a boundary, keep it (a log-prob of -inf would poison the loss).
+        keep.scatter_(1, labels_C[:, None], True)
+    logprobs = torch.log_softmax(logits.masked_fill(~keep, -torch.inf), dim=-1)
+    return logprobs.gather(1, labels_C[:, None]).squeeze(1)
+
+
+def _truncated_token_logprobs(
+    hidden_N_H: Tensor,
+    weight_V_H: Tensor,
+    labels_N: Tensor,
+    chunk_size: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+) -> Tensor:
+    """[N] log-probs under the truncated, renormalised distribution, chunk by chunk; each chunk's
+    logits are recomputed in backward (checkpointed), so memory stays at one chunk's."""
+    from torch.utils.checkpoint import checkpoint
+
+    out = []
+    for s, e in _chunks(hidden_N_H.shape[0], chunk_size):
+        out.append(
+            checkpoint(
+                _truncated_chunk,
+                hidden_N_H[s:e],
+                weight_V_H,
+                labels_N[s:e],
+                temperature,
+                top_k,
+                top_p,
+                use_reentrant=False,
+            )
+        )
+    return torch.cat(out) if out else hidden_N_H.new_zeros(0, dtype=_compute_dtype(hidden_N_H, weight_V_H))
+
+
 def fused_token_logprobs(
     hidden_B_T_H: Tensor,
     lm_head_weight_V_H: Tensor,
@@ -322,6 +386,8 @@ def fused_token_logprobs(
     chunk_size: int | None = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    top_k: int = -1,
+    top_p: float = 1.0,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """[B, T, H] hidden, [V, H] output projection, [B, T] labels -> [B, T] log p(label) of softmax(h W.T / temperature).
 
@@ -329,6 +395,11 @@ def fused_token_logprobs(
     B x T x V logits are never materialized, in forward or backward. chunk_size None (the default)
     picks `fused_chunk_size(B * T, V)`, which bounds the extra memory by a fraction of naive's at
     every size; the result does not depend on it beyond float rounding.
+
+    `top_k` (> 0) / `top_p` (< 1): the log-probs of the distribution a sampler with those settings
+    draws from (`truncation_mask`, renormalised), so importance ratios and KL compare the policy
+    that was sampled; each chunk is then recomputed in backward (checkpointed). Not with
+    return_entropy.
     """
     if chunk_size is not None:
         _check_chunk_size(chunk_size)
@@ -347,6 +418,23 @@ def fused_token_logprobs(
     _check_labels(labels_B_T, lm_head_weight_V_H.shape[0])
     if chunk_size is None:
         chunk_size = fused_chunk_size(b * t, lm_head_weight_V_H.shape[0], with_entropy=return_entropy)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not (top_k == -1 or top_k >= 1):
+        raise ValueError(f"top_k must be -1 (off) or an int >= 1, got {top_k!r}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if 0 < top_k < lm_head_weight_V_H.shape[0] or top_p < 1.0:
+        if return_entropy:
+            raise ValueError("return_entropy is not supported with top_k / top_p truncation")
+        logprobs_N = _truncated_token_logprobs(
+            hidden_B_T_H.reshape(b * t, h),
+            lm_head_weight_V_H,
+            labels_B_T.reshape(b * t).long(),
+            chunk_size,
+            float(temperature),
+            top_k,
+            float(top_p),
+        )
+        return logprobs_N.view(b, t)
     logprobs_N, entropy_N = _FusedTokenLogprobs.apply(
         hidden_B_T_H.reshape(b * t, h),
         lm_head_weight_V_H,

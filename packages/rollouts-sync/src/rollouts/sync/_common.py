@@ -46,6 +46,10 @@ def check_params(params: SamplingParams) -> SamplingParams:
     return params
 
 
+LOGPROBS_OF = "logprobs_of"
+"""Sample.metadata key: which distribution the rollout log-probs describe ("sampling" or "model")."""
+
+
 def make_sample(
     *,
     prompt_ids: Sequence[int],
@@ -54,8 +58,13 @@ def make_sample(
     truncated: bool,
     weight_version: int | None,
     engine: str,
+    logprobs_of: str | None = None,
 ) -> Sample:
-    """One Sample: tokens = prompt + response, loss mask 0 on the prompt and 1 on the response."""
+    """One Sample: tokens = prompt + response, loss mask 0 on the prompt and 1 on the response.
+
+    `logprobs_of` goes to metadata["logprobs_of"]: which distribution rollout_logprobs describe,
+    "sampling" (after temperature, top-k and top-p: what the tokens were drawn from) or "model"
+    (the model's full softmax)."""
     if logprobs_R is not None:
         if len(logprobs_R) != len(response_ids):
             raise RuntimeError(
@@ -72,6 +81,7 @@ def make_sample(
         rollout_logprobs=None if logprobs_R is None else tuple(float(x) for x in logprobs_R),
         weight_version=weight_version,
         status=Status.TRUNCATED if truncated else Status.COMPLETED,
+        metadata={} if logprobs_of is None or logprobs_R is None else {LOGPROBS_OF: logprobs_of},
     )
 
 

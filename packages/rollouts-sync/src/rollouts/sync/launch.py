@@ -65,9 +65,14 @@ def vllm_server_command(
     max_model_len: int | None = None,
     enforce_eager: bool = False,
     worker_extension: bool = True,
+    logprobs_mode: str = "processed_logprobs",
     extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """The command line of vLLM's OpenAI server for `model_dir` with what rollouts' clients need."""
+    """The command line of vLLM's OpenAI server for `model_dir` with what rollouts' clients need.
+
+    `logprobs_mode` "processed_logprobs": the log-probs returned are those of the distribution
+    the tokens were drawn from (after temperature, top-k and top-p), which is what the trainer
+    computes for its importance ratios; "raw_logprobs" is vLLM's default (the full softmax)."""
     return [
         python,
         "-m",
@@ -83,6 +88,8 @@ def vllm_server_command(
         *(["--max-model-len", str(max_model_len)] if max_model_len is not None else []),
         *(["--enforce-eager"] if enforce_eager else []),
         *(["--worker-extension-cls", f"{EXTENSION_MODULE}.SafetensorsWeightLoader"] if worker_extension else []),
+        "--logprobs-mode",
+        logprobs_mode,
         *extra_args,
     ]
 

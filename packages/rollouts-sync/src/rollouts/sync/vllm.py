@@ -47,9 +47,16 @@ class VLLMEngine(HTTPEngineBase):
         pause_mode: str = "wait",
         retry: RetryPolicy | None = None,
         seed: int | None = None,
+        logprobs_mode: str = "processed_logprobs",
     ) -> None:
+        """`logprobs_mode`: the --logprobs-mode the server was started with (`rollouts engine vllm`
+        and rollouts.sync.launch start it with "processed_logprobs"); samples record which
+        distribution their log-probs describe from it (metadata["logprobs_of"])."""
         if pause_mode not in ("wait", "abort", "keep"):
             raise ValueError(f"pause_mode must be 'wait', 'abort' or 'keep', got {pause_mode!r}")
+        if logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
+            raise ValueError(f"logprobs_mode must be 'processed_logprobs' or 'raw_logprobs', got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
         super().__init__(
             base_url,
             api_key=api_key,
@@ -101,7 +108,10 @@ class VLLMEngine(HTTPEngineBase):
         body = self.completion_request(prompts_P, params, await self.model_name())
         version = self._weight_version
         data = (await self._call("POST", "/v1/completions", json=body)).json()
-        return parse_completion_response(data, prompts_P, params, weight_version=version, engine=self.name)
+        of = "sampling" if self.logprobs_mode == "processed_logprobs" and params.temperature > 0 else "model"
+        return parse_completion_response(
+            data, prompts_P, params, weight_version=version, engine=self.name, logprobs_of=of
+        )
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
         """Reload weights from checkpoint dir `path` (as the server sees it) and record `weight_version`."""
@@ -210,6 +220,7 @@ def parse_completion_response(
     *,
     weight_version: int | None,
     engine: str,
+    logprobs_of: str | None = None,
 ) -> list[Sample]:
     """[P * N] Samples from a /v1/completions response, ordered by choice index (prompt-major)."""
     choices = sorted(data.get("choices") or [], key=lambda c: c["index"])
@@ -244,6 +255,7 @@ def parse_completion_response(
                 truncated=finish == "length",
                 weight_version=weight_version,
                 engine=engine,
+                logprobs_of=logprobs_of,
             )
         )
     return samples
