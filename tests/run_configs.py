@@ -30,3 +30,25 @@ lr = 1e-3
 {extra}
 """)
     return path
+
+
+def tiny_rl_config(tokenizer, *, algorithm, steps: int, lr: float, prompts: int = 8, n: int = 8, seed=None, **rollout):
+    """The RLConfig of the in-process loop tests: `prompts` x `n` samples of 4 new tokens per step."""
+    from rollouts.types import CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams
+
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=(tokenizer.eos_token_id,), seed=seed)
+    return RLConfig(
+        num_steps=steps,
+        rollout=RolloutConfig(
+            batch_size=prompts,
+            samples_per_prompt=n,
+            max_concurrency=prompts,
+            request_timeout_s=120.0,
+            sampling=sampling,
+            **rollout,
+        ),
+        algorithm=algorithm,
+        optimizer=OptimizerConfig(lr=lr, schedule="constant"),
+        checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
+        max_tokens_per_micro_batch=256,
+    )

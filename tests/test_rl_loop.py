@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from run_configs import tiny_rl_config
 
 from rollouts.backends import InProcessEngine, build_components, load_hf_model
 from rollouts.data import DataBuffer
@@ -27,21 +28,8 @@ def _setup(inputs, *, overlap=False):
 
 def _run(inputs, tmp_path, *, algorithm, rollout_overrides=(), steps, lr, reward, prompts=8, n=8, resume=False):
     tokenizer, model, records = _setup(inputs)
-    rollout = RolloutConfig(
-        batch_size=prompts,
-        samples_per_prompt=n,
-        max_concurrency=prompts,
-        request_timeout_s=120.0,
-        sampling=SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=(tokenizer.eos_token_id,)),
-    )
-    rollout = dataclasses.replace(rollout, **dict(rollout_overrides))
-    config = RLConfig(
-        num_steps=steps,
-        rollout=rollout,
-        algorithm=algorithm,
-        optimizer=OptimizerConfig(lr=lr, schedule="constant"),
-        checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
-        max_tokens_per_micro_batch=256,
+    config = tiny_rl_config(
+        tokenizer, algorithm=algorithm, steps=steps, lr=lr, prompts=prompts, n=n, **dict(rollout_overrides)
     )
     components = build_components(model, config.optimizer, num_training_steps=steps * algorithm.num_updates_per_batch)
     engine = CoalescingEngine(InProcessEngine(model, tokenizer=tokenizer), max_prompts_per_call=prompts)

@@ -45,6 +45,8 @@ import safetensors.torch
 import torch
 
 from rollouts.backends.components import TrainingComponents
+from rollouts.backends.lora import adapter_state_dict, has_lora, merge_lora_tensors
+from rollouts.backends.lora_files import ADAPTER_WEIGHTS, load_adapter_dir, write_adapter_files
 from rollouts.types import TrainingState
 
 __all__ = [
@@ -389,7 +391,7 @@ def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             continue
         seen.add(key)
         out[name] = tensor.detach().to("cpu").contiguous()
-    return out
+    return merge_lora_tensors(model, out) if has_lora(model) else out
 
 
 def _optimizer_state(components: TrainingComponents) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
@@ -646,7 +648,8 @@ def save_checkpoint(
     root = Path(root)
     final = root / f"step_{state.step}"
     distributed = _is_distributed(components.model)
-    weights = _model_tensors(components.model)
+    lora = has_lora(components.model)  # LoRA: the adapter alone, in PEFT's format
+    weights = adapter_state_dict(components.model) if lora else _model_tensors(components.model)
     files: dict[str, dict[str, int]] = {}
     optim_groups: list[dict[str, Any]] = []
     if distributed:
@@ -675,8 +678,11 @@ def save_checkpoint(
                 files["optimizer.safetensors"] = _write_tensors(
                     tmp / "optimizer.safetensors", optim_tensors, {}, sync=wait
                 )
-        files["config.json"] = _write_config(tmp / "config.json", components.model, sync=wait)
-        files["model.safetensors"] = _write_tensors(tmp / "model.safetensors", weights, {"format": "pt"}, sync=wait)
+        if lora:
+            files.update(write_adapter_files(tmp, components.model, weights, _write_json, _write_tensors, sync=wait))
+        else:
+            files["config.json"] = _write_config(tmp / "config.json", components.model, sync=wait)
+            files["model.safetensors"] = _write_tensors(tmp / "model.safetensors", weights, {"format": "pt"}, sync=wait)
         tokenizer_files: list[Path] = []
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
@@ -828,8 +834,8 @@ def verify_checkpoint(path: str | Path, *, full: bool = True) -> list[str]:
     record = _read_record(path)
     assert record is not None
     files = record.get("files", {})
-    if "model.safetensors" not in files:
-        return ["state.json lists no model.safetensors"]
+    if not _weights_file(files):
+        return ["state.json lists no model.safetensors (nor adapter_model.safetensors)"]
     return [
         f"{n} does not match its recorded CRC-32 (damaged)" for n, r in files.items() if not _file_matches(path / n, r)
     ]
@@ -877,6 +883,11 @@ def _read_record(path: Path) -> dict[str, Any] | None:
     return record
 
 
+def _weights_file(files: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint's record lists its weights: the full model or (LoRA) the adapter."""
+    return "model.safetensors" in files or ADAPTER_WEIGHTS in files
+
+
 def has_optimizer_state(path: str | Path) -> bool:
     """Whether the checkpoint at `path` holds optimizer state (it was saved with save_optimizer=True)."""
     record = _read_record(Path(path))
@@ -896,7 +907,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
         if record is None:
             continue
         files = record.get("files", {})
-        if "model.safetensors" in files and all(_file_matches(path / n, r) for n, r in files.items()):
+        if _weights_file(files) and all(_file_matches(path / n, r) for n, r in files.items()):
             return path
     return None
 
@@ -962,11 +973,14 @@ def load_checkpoint(
         _publisher.wait(None)
     path = Path(path)
     record = _read_record(path)
-    if record is None or "model.safetensors" not in record.get("files", {}):
+    if record is None or not _weights_file(record.get("files", {})):
         raise ValueError(f"{str(path)!r} is not a checkpoint: state.json missing, unreadable or of another format")
     files = record["files"]
     _verify_files(components, path, files, [n for n in files if not n.startswith("optimizer")])
-    load_model_weights(components.model, read_weights(path))
+    if ADAPTER_WEIGHTS in files:
+        load_adapter_dir(components.model, path)
+    else:
+        load_model_weights(components.model, read_weights(path))
     if load_optimizer:
         _load_optimizer(components, path, record)
     components.scheduler.load_state_dict(

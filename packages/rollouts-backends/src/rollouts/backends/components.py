@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from rollouts.types import OptimizerConfig
+from rollouts.types import LoraConfig, OptimizerConfig
 
 __all__ = [
     "TrainingComponents",
@@ -170,12 +170,20 @@ def build_components(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
+    lora: LoraConfig | None = None,
 ) -> TrainingComponents:
-    """Model (loaded from a local path, or given), AdamW and schedule, bundled."""
+    """Model (loaded from a local path, or given), AdamW and schedule, bundled.
+
+    With `lora` (rank > 0) the model gets a PEFT LoRA adapter and the optimizer holds only its weights.
+    """
     if isinstance(model_path, torch.nn.Module):
         model = model_path.to(torch.device(device))
     else:
         model = load_hf_model(model_path, dtype=dtype, device=device, attn_implementation=attn_implementation)
+    if lora is not None and lora.enabled:
+        from rollouts.backends.lora import apply_lora
+
+        model = apply_lora(model, lora)
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config, num_training_steps=num_training_steps)
     return TrainingComponents(model=model, optimizer=optimizer, scheduler=scheduler, device=torch.device(device))

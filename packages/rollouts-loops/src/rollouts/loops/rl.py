@@ -30,6 +30,7 @@ import numpy as np
 import trio
 
 from rollouts.backends import TrainingComponents, save_checkpoint
+from rollouts.backends.lora import has_lora, reference_components
 from rollouts.data import AsyncRolloutManager, DataBuffer
 from rollouts.loops.distributed import rank_world
 from rollouts.loops.evaluation import Evaluation, evaluate_groups, group_metrics
@@ -234,6 +235,14 @@ class _Run:
     probe_prompt: tuple[int, ...]
 
 
+def _default_reference(components: TrainingComponents) -> TrainingComponents:
+    """The KL reference when none is given: with LoRA the same weights with the adapter off (no copy);
+    otherwise the starting weights, copied before a resume loads later ones into `components`."""
+    if has_lora(components.model):
+        return reference_components(components)
+    return dataclasses.replace(components, model=copy.deepcopy(components.model).eval())
+
+
 def run_rl_training(
     components: TrainingComponents,
     buffer: DataBuffer,
@@ -275,14 +284,13 @@ def run_rl_training(
         raise ValueError("rank 0 generates: it needs an engine")
     if world > 1 and engine_shares_model:
         raise ValueError("under torchrun the engine needs its own weights (rank 0 samples; the model is sharded)")
-    if world > 1 and config.algorithm.needs_reference and ref_components is None:
+    if world > 1 and config.algorithm.needs_reference and ref_components is None and not has_lora(components.model):
         raise ValueError(
             "under torchrun a KL term needs ref_components on every rank: the starting model, "
             "sharded like the trained one (a sharded model cannot be copied here)"
         )
     if config.algorithm.needs_reference and ref_components is None:
-        # The starting weights, copied before a resume loads later ones into `components`.
-        ref_components = dataclasses.replace(components, model=copy.deepcopy(components.model).eval())
+        ref_components = _default_reference(components)
     if rank == 0 and rollout is single_turn_rollout:  # every prompt checked before the run, not mid-run
         check_prompt_lengths(
             buffer.prompts,

@@ -12,6 +12,7 @@ from rollouts.types.configs import (
     SFTConfig,
     from_dict,
 )
+from rollouts.types.lora import DEFAULT_LORA_TARGETS, LoraConfig, LoraSync
 from rollouts.types.protocols import (
     Environment,
     EnvStep,
@@ -28,6 +29,9 @@ from rollouts.types.state import TrainingState
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_LORA_TARGETS",
+    "LoraConfig",
+    "LoraSync",
     "AlgorithmConfig",
     "CheckpointConfig",
     "EnvStep",

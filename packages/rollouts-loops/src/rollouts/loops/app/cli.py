@@ -145,6 +145,7 @@ def _components(run: Any, optimizer, num_training_steps: int):
             dtype=dtype,
             device=device,
             attn_implementation=run.model.attn_implementation,
+            lora=run.model.lora,
         )
         if run.model.gradient_checkpointing:  # as under torchrun: recompute each layer in backward
             from rollouts.backends.distributed import enable_activation_checkpointing
@@ -174,6 +175,10 @@ def _sharded_model(run: Any, device: Any):
         device=device,
         attn_implementation=run.model.attn_implementation,
     )
+    if run.model.lora.enabled:  # the adapter goes in before sharding; only its weights train
+        from rollouts.backends.lora import apply_lora
+
+        model = apply_lora(model, run.model.lora)
     return shard_model(model, activation_checkpointing=run.model.gradient_checkpointing)
 
 
@@ -344,6 +349,10 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
         )
     if shares:
         model = components.model
+    elif world == 1 and run.model.lora.enabled:  # the engine's copy: merged weights, no adapter
+        from rollouts.backends.lora import merged_copy
+
+        model = merged_copy(components.model)
     elif world == 1:
         model = copy.deepcopy(components.model)
     else:  # the trained model is sharded: rank 0 samples from a full copy of its own
@@ -402,7 +411,11 @@ def cmd_rl(run: RLRun, source: str) -> Path:
         components = _components(run, run.rl.optimizer, run.rl.num_steps * run.rl.algorithm.num_updates_per_batch)
         shares = run.engine.kind == "inprocess" and not run.rl.overlap and world == 1
         ref_components = None
-        if world > 1 and run.rl.algorithm.needs_reference:
+        if run.rl.algorithm.needs_reference and run.model.lora.enabled:
+            from rollouts.backends.lora import reference_components
+
+            ref_components = reference_components(components)  # the base: the adapter switched off
+        elif world > 1 and run.rl.algorithm.needs_reference:
             # The starting model, sharded like the trained one (one process copies it itself).
             ref_components = dataclasses.replace(components, model=_sharded_model(run, components.device).eval())
         logger = _loggers(run, out, "rl", run.rl.num_steps * run.rl.algorithm.num_updates_per_batch, rank=rank)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rollouts.loops.algorithms import ALGORITHMS, preset_dicts
-from rollouts.types import RLConfig, SFTConfig, check_fields, from_dict, require
+from rollouts.types import LoraConfig, RLConfig, SFTConfig, check_fields, from_dict, require
 
 EngineKind = Literal["inprocess", "vllm", "sglang"]
 
@@ -45,6 +45,8 @@ class ModelSpec:
     device: str = "cpu"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     gradient_checkpointing: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning (rank 0: off); needs rollouts-backends[lora]."""
 
     def __post_init__(self) -> None:
         check_fields(self)
