@@ -87,7 +87,7 @@ def test_step_logits_match_a_full_forward():
         cache = DynamicCache(config=model.config)
         model(input_ids=prompt, past_key_values=cache, use_cache=True)
         decoder = fast_decoder(model, total_length=7)
-        decoder.load_cache(cache, repeats=2, capacity=7, mask_R_L=None)
+        decoder.load_cache(cache, repeats=2, capacity=7, mask_B_L=None)
         full = model(input_ids=torch.tensor([[5, 6, 7, 8, *continuation]])).logits[0]
         for i, token in enumerate(continuation):
             logits = decoder.step(torch.tensor([token, token]), torch.tensor([4 + i, 4 + i]))

@@ -102,10 +102,10 @@ def test_bad_requests_are_rejected(model):
     seed=st.integers(0, 2**31),
 )
 def test_sampled_token_lies_in_the_truncated_set(logits, temperature, top_p, top_k, seed):
-    logits_R_V = torch.tensor([logits], dtype=torch.float32)
+    logits_B_V = torch.tensor([logits], dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
-    token, logprob = sample_next_tokens(logits_R_V, temperature=temperature, top_p=top_p, top_k=top_k, generator=g)
-    probs = torch.softmax(logits_R_V[0] / temperature, -1)
+    token, logprob = sample_next_tokens(logits_B_V, temperature=temperature, top_p=top_p, top_k=top_k, generator=g)
+    probs = torch.softmax(logits_B_V[0] / temperature, -1)
     rank = int((probs > probs[token]).sum())
     if top_k > 0:
         assert rank < top_k

@@ -36,7 +36,17 @@ from rollouts.backends.train import (
     token_logprobs_of_model,
 )
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rollouts-backends")  # written once, in pyproject.toml
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "InProcessEngine",

@@ -1,6 +1,6 @@
 """A lean decode step for Llama-family decoders (Llama, Qwen2): the sampler's fast path.
 
-Legend: R rows being sampled, T cache capacity (prompt + max_new_tokens), H query heads,
+Legend: B rows being sampled, T cache capacity (prompt + max_new_tokens), H query heads,
 G key/value heads, D head dim, E hidden size.
 
 One new token per row per step is overhead-bound on small models: transformers' forward spends
@@ -74,14 +74,14 @@ class FastDecoder:
         self._scaling = self._body.layers[0].self_attn.scaling
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
-        self._mask_R_T: torch.Tensor | None = None
+        self._mask_B_T: torch.Tensor | None = None
         self._length = 0
 
-    def load_cache(self, cache: object, repeats: int, capacity: int, mask_R_L: torch.Tensor | None) -> None:
+    def load_cache(self, cache: object, repeats: int, capacity: int, mask_B_L: torch.Tensor | None) -> None:
         """Copy a prefilled HF DynamicCache ([P, G, L, D] per layer) in, each prompt's entries
         repeated `repeats` times, into buffers with room for `capacity` positions.
 
-        `mask_R_L` (1 = real token) marks left padding in the prompt part; None when there is none.
+        `mask_B_L` (1 = real token) marks left padding in the prompt part; None when there is none.
         """
         self._keys, self._values = [], []
         for layer in cache.layers:  # type: ignore[attr-defined]
@@ -91,34 +91,34 @@ class FastDecoder:
                 buffer[:, :, :length] = source.repeat_interleave(repeats, dim=0)
                 target.append(buffer)
         self._length = length
-        self._mask_R_T = None
-        if mask_R_L is not None:
-            self._mask_R_T = torch.ones((mask_R_L.shape[0], capacity), dtype=torch.bool, device=mask_R_L.device)
-            self._mask_R_T[:, :length] = mask_R_L > 0
+        self._mask_B_T = None
+        if mask_B_L is not None:
+            self._mask_B_T = torch.ones((mask_B_L.shape[0], capacity), dtype=torch.bool, device=mask_B_L.device)
+            self._mask_B_T[:, :length] = mask_B_L > 0
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only `rows` (indices into the current rows) in the cache."""
         self._keys = [k.index_select(0, rows) for k in self._keys]
         self._values = [v.index_select(0, rows) for v in self._values]
-        if self._mask_R_T is not None:
-            self._mask_R_T = self._mask_R_T.index_select(0, rows)
+        if self._mask_B_T is not None:
+            self._mask_B_T = self._mask_B_T.index_select(0, rows)
 
-    def step(self, tokens_R: torch.Tensor, positions_R: torch.Tensor) -> torch.Tensor:
-        """Append one token per row at `positions_R` (rotary positions); returns [R, V] logits."""
+    def step(self, tokens_B: torch.Tensor, positions_B: torch.Tensor) -> torch.Tensor:
+        """Append one token per row at `positions_B` (rotary positions); returns [B, V] logits."""
         t = self._length
         if t >= self._keys[0].shape[2]:
             raise ValueError(f"decode cache is full ({t} positions): load_cache was given too small a capacity")
         body = self._body
-        rows = tokens_R.shape[0]
-        x_R_E = F.embedding(tokens_R, body.embed_tokens.weight)
-        cos, sin = body.rotary_emb(x_R_E, positions_R[:, None])  # [R, 1, D] each, in x's dtype
-        cos, sin = cos[:, None], sin[:, None]  # [R, 1, 1, D]: broadcast over heads
-        mask = None if self._mask_R_T is None else self._mask_R_T[:, None, None, : t + 1]
+        rows = tokens_B.shape[0]
+        x_B_E = F.embedding(tokens_B, body.embed_tokens.weight)
+        cos, sin = body.rotary_emb(x_B_E, positions_B[:, None])  # [B, 1, D] each, in x's dtype
+        cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, D]: broadcast over heads
+        mask = None if self._mask_B_T is None else self._mask_B_T[:, None, None, : t + 1]
         h, g, d = self._num_heads, self._num_kv_heads, self._head_dim
         for layer, keys, values in zip(body.layers, self._keys, self._values, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             norm = layer.input_layernorm
-            hidden = _rms_norm(x_R_E, norm.weight, norm.variance_epsilon)
+            hidden = _rms_norm(x_B_E, norm.weight, norm.variance_epsilon)
             q = F.linear(hidden, attn.q_proj.weight, attn.q_proj.bias).view(rows, h, 1, d)
             k = F.linear(hidden, attn.k_proj.weight, attn.k_proj.bias).view(rows, g, 1, d)
             v = F.linear(hidden, attn.v_proj.weight, attn.v_proj.bias).view(rows, g, 1, d)
@@ -129,14 +129,14 @@ class FastDecoder:
             out = F.scaled_dot_product_attention(
                 q, keys[:, :, : t + 1], values[:, :, : t + 1], attn_mask=mask, scale=self._scaling, enable_gqa=g != h
             )
-            x_R_E = x_R_E + F.linear(out.reshape(rows, h * d), attn.o_proj.weight, attn.o_proj.bias)
+            x_B_E = x_B_E + F.linear(out.reshape(rows, h * d), attn.o_proj.weight, attn.o_proj.bias)
             norm = layer.post_attention_layernorm
-            hidden = _rms_norm(x_R_E, norm.weight, norm.variance_epsilon)
+            hidden = _rms_norm(x_B_E, norm.weight, norm.variance_epsilon)
             gate = F.linear(hidden, mlp.gate_proj.weight, mlp.gate_proj.bias)
             up = F.linear(hidden, mlp.up_proj.weight, mlp.up_proj.bias)
-            x_R_E = x_R_E + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
+            x_B_E = x_B_E + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         self._length = t + 1
         norm = body.norm
-        hidden = _rms_norm(x_R_E, norm.weight, norm.variance_epsilon)
+        hidden = _rms_norm(x_B_E, norm.weight, norm.variance_epsilon)
         head = self._model.lm_head
         return F.linear(hidden, head.weight, head.bias)

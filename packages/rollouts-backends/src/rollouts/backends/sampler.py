@@ -1,6 +1,7 @@
 """In-process sampling with a KV cache, and the InferenceEngine adapter around it.
 
-Legend: P prompts, R = P * n rows being sampled, L padded prompt length, V vocabulary.
+Legend: P prompts, G samples per prompt, B = P * G rows being sampled, R new (response) tokens, L padded
+prompt length, V vocabulary.
 
 Each distinct prompt is prefilled once and its KV cache repeated n times; prompts are
 left-padded so every row's next token sits in the last column; rows that finish are dropped
@@ -31,20 +32,20 @@ _PAD_TOKEN_ID = 0
 
 
 def sample_next_tokens(
-    logits_R_V: torch.Tensor,
+    logits_B_V: torch.Tensor,
     *,
     temperature: float,
     top_p: float,
     top_k: int,
     generator: torch.Generator | Sequence[tuple[torch.Generator, int]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[R] sampled tokens and [R] their log-probs under the sampling distribution (after temperature/top-k/top-p).
+    """[B] sampled tokens and [B] their log-probs under the sampling distribution (after temperature/top-k/top-p).
 
     `generator` draws every row's uniform, or a sequence of (generator, k) runs draws the rows in
     order, k rows from each (rows of one prompt from that prompt's own generator).
     Greedy (temperature 0) reports the log-prob under the unscaled model distribution instead of 0.
     """
-    logits = logits_R_V.float()
+    logits = logits_B_V.float()
     if temperature == 0.0:
         tokens = logits.argmax(dim=-1)
         return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
@@ -53,19 +54,19 @@ def sample_next_tokens(
         # The same set the trainer renormalises over (rollouts.losses.truncation_mask): the first
         # token always stays, so the distribution is never empty.
         logits = logits.masked_fill(~truncation_mask(logits, top_k=top_k, top_p=top_p), -math.inf)
-    logprobs_R_V = torch.log_softmax(logits, dim=-1)
+    logprobs_B_V = torch.log_softmax(logits, dim=-1)
     # Inverse-CDF sampling (one uniform per row; several times faster than torch.multinomial on
     # CPU). u lies in (0, total], so the first index whose CDF reaches u has non-zero probability.
-    cdf_R_V = logprobs_R_V.exp().cumsum(dim=-1)
-    u_R_1 = (1.0 - _uniforms(cdf_R_V.shape[0], generator, cdf_R_V.device)) * cdf_R_V[:, -1:]
-    tokens = torch.searchsorted(cdf_R_V, u_R_1).squeeze(-1).clamp(max=cdf_R_V.shape[-1] - 1)
-    return tokens, logprobs_R_V.gather(-1, tokens[:, None]).squeeze(-1)
+    cdf_B_V = logprobs_B_V.exp().cumsum(dim=-1)
+    u_B_1 = (1.0 - _uniforms(cdf_B_V.shape[0], generator, cdf_B_V.device)) * cdf_B_V[:, -1:]
+    tokens = torch.searchsorted(cdf_B_V, u_B_1).squeeze(-1).clamp(max=cdf_B_V.shape[-1] - 1)
+    return tokens, logprobs_B_V.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 def _uniforms(
     num_rows: int, generator: torch.Generator | Sequence[tuple[torch.Generator, int]], device: torch.device
 ) -> torch.Tensor:
-    """[R, 1] uniforms in [0, 1): from one generator, or k rows from each (generator, k) in order."""
+    """[B, 1] uniforms in [0, 1): from one generator, or k rows from each (generator, k) in order."""
     if isinstance(generator, torch.Generator):
         return torch.rand((num_rows, 1), generator=generator, device=device)
     parts = [torch.rand((k, 1), generator=g, device=device) for g, k in generator]
@@ -95,11 +96,11 @@ def _prefill_mask(model: torch.nn.Module, mask_P_L: torch.Tensor) -> torch.Tenso
     return attention_mask_4d(segment_ids, dtype=_additive_dtype(model))
 
 
-def _decode_mask(model: torch.nn.Module, mask_R_K: torch.Tensor) -> torch.Tensor:
-    """One new query per row: a [R, 1, 1, K] mask of the keys it may see (its real tokens)."""
+def _decode_mask(model: torch.nn.Module, mask_B_K: torch.Tensor) -> torch.Tensor:
+    """One new query per row: a [B, 1, 1, K] mask of the keys it may see (its real tokens)."""
     if not _dense_mask(model):
-        return mask_R_K
-    allowed = (mask_R_K > 0)[:, None, None, :]
+        return mask_B_K
+    allowed = (mask_B_K > 0)[:, None, None, :]
     dtype = _additive_dtype(model)
     if dtype is None:
         return allowed
@@ -120,19 +121,19 @@ def _additive_dtype(model: torch.nn.Module) -> torch.dtype | None:
 class _HFDecoder:
     """Decode steps through the model's own forward and DynamicCache: any architecture."""
 
-    def __init__(self, model: torch.nn.Module, cache: object, mask_R_L: torch.Tensor, padded: bool) -> None:
-        self._model, self._cache, self._mask_R_K, self._padded = model, cache, mask_R_L, padded
+    def __init__(self, model: torch.nn.Module, cache: object, mask_B_L: torch.Tensor, padded: bool) -> None:
+        self._model, self._cache, self._mask_B_K, self._padded = model, cache, mask_B_L, padded
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self._cache.batch_select_indices(rows)  # type: ignore[attr-defined]
-        self._mask_R_K = self._mask_R_K[rows]
+        self._mask_B_K = self._mask_B_K[rows]
 
-    def step(self, tokens_R: torch.Tensor, positions_R: torch.Tensor) -> torch.Tensor:
-        self._mask_R_K = torch.cat([self._mask_R_K, self._mask_R_K.new_ones(self._mask_R_K.shape[0], 1)], dim=1)
+    def step(self, tokens_B: torch.Tensor, positions_B: torch.Tensor) -> torch.Tensor:
+        self._mask_B_K = torch.cat([self._mask_B_K, self._mask_B_K.new_ones(self._mask_B_K.shape[0], 1)], dim=1)
         out = self._model(
-            input_ids=tokens_R[:, None],
-            attention_mask=_decode_mask(self._model, self._mask_R_K) if self._padded else None,
-            position_ids=positions_R[:, None],
+            input_ids=tokens_B[:, None],
+            attention_mask=_decode_mask(self._model, self._mask_B_K) if self._padded else None,
+            position_ids=positions_B[:, None],
             past_key_values=self._cache,
             use_cache=True,
         )
@@ -222,7 +223,7 @@ def generate(
             logits_to_keep=1,
         )
         # Prefill once per prompt, then give each of the n rows its own copy of the cache.
-        logits_R_V = out.logits[:, -1].repeat_interleave(n, dim=0)
+        logits_B_V = out.logits[:, -1].repeat_interleave(n, dim=0)
         mask = mask.repeat_interleave(n, dim=0)
         fast = fast_decoder(model, max_len + max_new_tokens) if fast_decode else None
         if fast is not None:
@@ -235,48 +236,48 @@ def generate(
         next_position = position[:, -1].repeat_interleave(n, dim=0) + 1
         num_rows = num_prompts * n
         # Sampled tokens and log-probs stay on the device; rows that finish leave `active`.
-        tokens_R_N = torch.zeros((num_rows, max_new_tokens), dtype=torch.long, device=device)
-        logprobs_R_N = torch.zeros((num_rows, max_new_tokens), dtype=torch.float32, device=device)
-        lengths_R = torch.full((num_rows,), max_new_tokens, dtype=torch.long, device=device)
-        completed_R = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        tokens_B_B = torch.zeros((num_rows, max_new_tokens), dtype=torch.long, device=device)
+        logprobs_B_B = torch.zeros((num_rows, max_new_tokens), dtype=torch.float32, device=device)
+        lengths_B = torch.full((num_rows,), max_new_tokens, dtype=torch.long, device=device)
+        completed_B = torch.zeros(num_rows, dtype=torch.bool, device=device)
         active = torch.arange(num_rows, device=device)
         for step in range(max_new_tokens):
             draw = _runs(active, n, generators) if per_prompt else generator
             tokens, logprobs = sample_next_tokens(
-                logits_R_V, temperature=temperature, top_p=top_p, top_k=top_k, generator=draw
+                logits_B_V, temperature=temperature, top_p=top_p, top_k=top_k, generator=draw
             )
-            tokens_R_N[active, step] = tokens
-            logprobs_R_N[active, step] = logprobs.float()
+            tokens_B_B[active, step] = tokens
+            logprobs_B_B[active, step] = logprobs.float()
             if step == max_new_tokens - 1:
                 break
             if stop.numel():
                 is_stop = torch.isin(tokens, stop)
                 if bool(is_stop.any()):
                     finished = active[is_stop]
-                    lengths_R[finished] = step + 1
-                    completed_R[finished] = True
+                    lengths_B[finished] = step + 1
+                    completed_B[finished] = True
                     keep = ~is_stop
                     if not bool(keep.any()):
                         break
                     kept = keep.nonzero().squeeze(-1)
                     decoder.select_rows(kept)
                     active, tokens, next_position = active[kept], tokens[kept], next_position[kept]
-            logits_R_V = decoder.step(tokens, next_position)
+            logits_B_V = decoder.step(tokens, next_position)
             next_position = next_position + 1
         if stop.numel():
             # The last step's stop tokens (the loop ended before checking them).
-            last = torch.isin(tokens_R_N[:, max_new_tokens - 1], stop) & (lengths_R == max_new_tokens)
-            completed_R |= last
+            last = torch.isin(tokens_B_B[:, max_new_tokens - 1], stop) & (lengths_B == max_new_tokens)
+            completed_B |= last
     finally:
         model.train(was_training)
 
     # Which distribution rollout_logprobs describe (see rollouts.sync's make_sample): the one sampled
     # from, or at temperature 0 the model's full softmax.
     logprobs_of = {"logprobs_of": "sampling" if temperature > 0 else "model"}
-    tokens_rows = tokens_R_N.cpu().tolist()
-    logprob_rows = logprobs_R_N.cpu().tolist()
-    lengths = lengths_R.cpu().tolist()
-    completed = completed_R.cpu().tolist()
+    tokens_rows = tokens_B_B.cpu().tolist()
+    logprob_rows = logprobs_B_B.cpu().tolist()
+    lengths = lengths_B.cpu().tolist()
+    completed = completed_B.cpu().tolist()
     samples = []
     for row in range(num_rows):
         prompt = prompts[row // n]

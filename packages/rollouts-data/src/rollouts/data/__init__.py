@@ -20,7 +20,17 @@ from rollouts.data.chat import tokenize_conversation, tokenize_conversation_turn
 from rollouts.data.loading import load_conversations, load_prompts
 from rollouts.data.manager import AsyncRolloutManager
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rollouts-data")  # written once, in pyproject.toml
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "AsyncRolloutManager",

@@ -41,7 +41,17 @@ from rollouts.losses.rewards import (
     score_math_answer,
 )
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rollouts-losses")  # written once, in pyproject.toml
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "AGGREGATION_MODES",

@@ -1,11 +1,11 @@
 """Per-token log-probabilities and entropy without a second B x T x V tensor.
 
-Legend: B sequences, T tokens, V vocabulary, H hidden, N = B * T flattened tokens, C tokens per chunk.
+Legend: B sequences, T tokens, V vocabulary, H hidden, K = B * T flattened tokens, C tokens per chunk.
 
 The vocabulary axis dominates RL memory (V = 151936 for Qwen2), so every function here walks the
 tokens in chunks of C and keeps at most a couple of C x V buffers alive. `fused_token_logprobs`
 goes further and never holds the logits at all: its backward recomputes each chunk's logits from
-the hidden states (one extra matmul) instead of storing them, and its chunk size adapts to N and V
+the hidden states (one extra matmul) instead of storing them, and its chunk size adapts to K and V
 (`fused_chunk_size`) so its extra memory stays a small fraction of naive's at every size. All
 arithmetic on the vocabulary axis is float32 (float64 for float64 inputs) whatever the input
 dtype: bf16 hidden states are upcast before the temperature divides them, and a bf16 W is upcast
@@ -23,13 +23,13 @@ DEFAULT_CHUNK_SIZE = 1024
 """Tokens per chunk for `token_logprobs` / `token_entropy`: a C x V float32 temporary (0.6 GB at V=151936)."""
 
 
-def _check_labels(labels_N: Tensor, vocab_size: int) -> None:
+def _check_labels(labels_K: Tensor, vocab_size: int) -> None:
     """Raise unless every label is a valid vocabulary index (an invalid one would read past the logits)."""
-    if labels_N.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"labels must be an int64 or int32 tensor, got {labels_N.dtype}")
-    if labels_N.numel() == 0:
+    if labels_K.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"labels must be an int64 or int32 tensor, got {labels_K.dtype}")
+    if labels_K.numel() == 0:
         return
-    low, high = int(labels_N.min()), int(labels_N.max())
+    low, high = int(labels_K.min()), int(labels_K.max())
     if low < 0 or high >= vocab_size:
         raise ValueError(
             f"labels must lie in [0, {vocab_size}) (the vocabulary), got values in [{low}, {high}]: "
@@ -52,36 +52,36 @@ class _TokenLogprobs(torch.autograd.Function):
     """log p(label) from logits; backward writes softmax - onehot chunk by chunk into the gradient."""
 
     @staticmethod
-    def forward(ctx, logits_N_V: Tensor, labels_N: Tensor, chunk_size: int) -> Tensor:  # type: ignore[override]
-        """[N, V] logits, [N] labels -> [N] float32 log-probs."""
-        n, dtype = logits_N_V.shape[0], _compute_dtype(logits_N_V)
-        lse_N = torch.empty(n, dtype=dtype, device=logits_N_V.device)
-        out_N = torch.empty(n, dtype=dtype, device=logits_N_V.device)
+    def forward(ctx, logits_K_V: Tensor, labels_K: Tensor, chunk_size: int) -> Tensor:  # type: ignore[override]
+        """[K, V] logits, [K] labels -> [K] float32 log-probs."""
+        n, dtype = logits_K_V.shape[0], _compute_dtype(logits_K_V)
+        lse_K = torch.empty(n, dtype=dtype, device=logits_K_V.device)
+        out_K = torch.empty(n, dtype=dtype, device=logits_K_V.device)
         for s, e in _chunks(n, chunk_size):
-            chunk_C_V = logits_N_V[s:e].to(dtype)
-            torch.logsumexp(chunk_C_V, dim=-1, out=lse_N[s:e])
-            picked_C = chunk_C_V.gather(1, labels_N[s:e, None]).squeeze(1)
-            out_N[s:e] = picked_C - lse_N[s:e]
-        ctx.save_for_backward(logits_N_V, labels_N, lse_N)
+            chunk_C_V = logits_K_V[s:e].to(dtype)
+            torch.logsumexp(chunk_C_V, dim=-1, out=lse_K[s:e])
+            picked_C = chunk_C_V.gather(1, labels_K[s:e, None]).squeeze(1)
+            out_K[s:e] = picked_C - lse_K[s:e]
+        ctx.save_for_backward(logits_K_V, labels_K, lse_K)
         ctx.chunk_size = chunk_size
-        return out_N
+        return out_K
 
     @staticmethod
-    def backward(ctx, grad_N: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, grad_K: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
         """d logprob / d logits = onehot(label) - softmax, scaled by the incoming gradient."""
-        logits_N_V, labels_N, lse_N = ctx.saved_tensors
-        grad_N_V = torch.empty_like(logits_N_V)
-        in_place = logits_N_V.dtype == lse_N.dtype
-        for s, e in _chunks(logits_N_V.shape[0], ctx.chunk_size):
-            g_C1 = grad_N[s:e, None].to(lse_N.dtype)
+        logits_K_V, labels_K, lse_K = ctx.saved_tensors
+        grad_K_V = torch.empty_like(logits_K_V)
+        in_place = logits_K_V.dtype == lse_K.dtype
+        for s, e in _chunks(logits_K_V.shape[0], ctx.chunk_size):
+            g_C1 = grad_K[s:e, None].to(lse_K.dtype)
             if in_place:
-                chunk_C_V = torch.sub(logits_N_V[s:e], lse_N[s:e, None], out=grad_N_V[s:e])
+                chunk_C_V = torch.sub(logits_K_V[s:e], lse_K[s:e, None], out=grad_K_V[s:e])
             else:
-                chunk_C_V = logits_N_V[s:e].to(lse_N.dtype).sub_(lse_N[s:e, None])
-            chunk_C_V.exp_().mul_(-g_C1).scatter_add_(1, labels_N[s:e, None], g_C1)
+                chunk_C_V = logits_K_V[s:e].to(lse_K.dtype).sub_(lse_K[s:e, None])
+            chunk_C_V.exp_().mul_(-g_C1).scatter_add_(1, labels_K[s:e, None], g_C1)
             if not in_place:
-                grad_N_V[s:e] = chunk_C_V
-        return grad_N_V, None, None
+                grad_K_V[s:e] = chunk_C_V
+        return grad_K_V, None, None
 
 
 def token_logprobs(logits_B_T_V: Tensor, labels_B_T: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
@@ -93,44 +93,44 @@ def token_logprobs(logits_B_T_V: Tensor, labels_B_T: Tensor, *, chunk_size: int 
         )
     b, t, v = logits_B_T_V.shape
     _check_labels(labels_B_T, v)
-    out_N = _TokenLogprobs.apply(logits_B_T_V.reshape(b * t, v), labels_B_T.reshape(b * t).long(), chunk_size)
-    return out_N.view(b, t)
+    out_K = _TokenLogprobs.apply(logits_B_T_V.reshape(b * t, v), labels_B_T.reshape(b * t).long(), chunk_size)
+    return out_K.view(b, t)
 
 
 class _TokenEntropy(torch.autograd.Function):
     """Entropy of softmax(logits) per token; backward recomputes the softmax chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, logits_N_V: Tensor, chunk_size: int) -> Tensor:  # type: ignore[override]
-        """[N, V] logits -> [N] float32 entropy."""
-        n, dtype = logits_N_V.shape[0], _compute_dtype(logits_N_V)
-        lse_N = torch.empty(n, dtype=dtype, device=logits_N_V.device)
-        entropy_N = torch.empty(n, dtype=dtype, device=logits_N_V.device)
+    def forward(ctx, logits_K_V: Tensor, chunk_size: int) -> Tensor:  # type: ignore[override]
+        """[K, V] logits -> [K] float32 entropy."""
+        n, dtype = logits_K_V.shape[0], _compute_dtype(logits_K_V)
+        lse_K = torch.empty(n, dtype=dtype, device=logits_K_V.device)
+        entropy_K = torch.empty(n, dtype=dtype, device=logits_K_V.device)
         for s, e in _chunks(n, chunk_size):
-            shifted_C_V = logits_N_V[s:e].to(dtype)
+            shifted_C_V = logits_K_V[s:e].to(dtype)
             max_C1 = shifted_C_V.amax(dim=-1, keepdim=True)
             shifted_C_V = shifted_C_V - max_C1
             exp_C_V = shifted_C_V.exp()
             sum_C = exp_C_V.sum(dim=-1)
             weighted_C = shifted_C_V.mul_(exp_C_V).sum(dim=-1)
             # H = -sum p log p with log p = x - log(sum e^x), x = logits - max
-            entropy_N[s:e] = sum_C.log() - weighted_C / sum_C
-            lse_N[s:e] = max_C1.squeeze(1) + sum_C.log()
-        ctx.save_for_backward(logits_N_V, lse_N, entropy_N)
+            entropy_K[s:e] = sum_C.log() - weighted_C / sum_C
+            lse_K[s:e] = max_C1.squeeze(1) + sum_C.log()
+        ctx.save_for_backward(logits_K_V, lse_K, entropy_K)
         ctx.chunk_size = chunk_size
-        return entropy_N
+        return entropy_K
 
     @staticmethod
-    def backward(ctx, grad_N: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad_K: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
         """d H / d logit_j = -p_j (log p_j + H), scaled by the incoming gradient."""
-        logits_N_V, lse_N, entropy_N = ctx.saved_tensors
-        grad_N_V = torch.empty_like(logits_N_V)
-        for s, e in _chunks(logits_N_V.shape[0], ctx.chunk_size):
-            logp_C_V = logits_N_V[s:e].to(lse_N.dtype) - lse_N[s:e, None]
+        logits_K_V, lse_K, entropy_K = ctx.saved_tensors
+        grad_K_V = torch.empty_like(logits_K_V)
+        for s, e in _chunks(logits_K_V.shape[0], ctx.chunk_size):
+            logp_C_V = logits_K_V[s:e].to(lse_K.dtype) - lse_K[s:e, None]
             p_C_V = logp_C_V.exp()
-            logp_C_V.add_(entropy_N[s:e, None]).mul_(p_C_V).mul_(-grad_N[s:e, None].to(lse_N.dtype))
-            grad_N_V[s:e] = logp_C_V
-        return grad_N_V, None
+            logp_C_V.add_(entropy_K[s:e, None]).mul_(p_C_V).mul_(-grad_K[s:e, None].to(lse_K.dtype))
+            grad_K_V[s:e] = logp_C_V
+        return grad_K_V, None
 
 
 def token_entropy(logits_B_T_V: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Tensor:
@@ -194,9 +194,9 @@ def _scaled(hidden_C_H: Tensor, temperature: float, dtype: torch.dtype) -> Tenso
 FUSED_MEMORY_BUDGET_BYTES = 512 * 2**20
 """Upper bound on the C x V float32 buffers of `fused_token_logprobs` when chunk_size is chosen for you."""
 _FUSED_FRACTION_OF_LOGITS = 16
-"""Adaptive chunks keep the C x V buffers within 1/16 of one N x V float32 logits tensor: the naive
+"""Adaptive chunks keep the C x V buffers within 1/16 of one K x V float32 logits tensor: the naive
 log_softmax(h @ W.T).gather holds at least that tensor and its log-softmax (>= 2 of them) through
-backward, so the buffers stay below 1/32 of naive and the rest (the [N, H] gradient) has room
+backward, so the buffers stay below 1/32 of naive and the rest (the [K, H] gradient) has room
 under the 1/8 goal."""
 _MIN_FUSED_CHUNK = 16
 """Below 16 rows a [C, H] @ [H, V] matmul loses much of its efficiency on CPU and GPU alike."""
@@ -205,8 +205,8 @@ _MIN_FUSED_CHUNK = 16
 def fused_chunk_size(
     num_tokens: int, vocab_size: int, *, with_entropy: bool = False, budget_bytes: int = FUSED_MEMORY_BUDGET_BYTES
 ) -> int:
-    """Tokens per chunk for `fused_token_logprobs`: grows with N (so the matmuls stay large) but keeps the
-    C x V float32 buffers (two with entropy) within 1/16 of the N x V logits and within budget_bytes."""
+    """Tokens per chunk for `fused_token_logprobs`: grows with K (so the matmuls stay large) but keeps the
+    C x V float32 buffers (two with entropy) within 1/16 of the K x V logits and within budget_bytes."""
     if num_tokens < 0 or vocab_size < 1 or budget_bytes < 1:
         raise ValueError(
             f"need num_tokens >= 0, vocab_size >= 1, budget_bytes >= 1, got {num_tokens}, {vocab_size}, {budget_bytes}"
@@ -220,7 +220,7 @@ def fused_chunk_size(
 class _FusedTokenLogprobs(torch.autograd.Function):
     """log p(label) (and entropy) from hidden states and the output projection, chunk by chunk.
 
-    Saves only the [N] log-sum-exp (and entropy); backward recomputes each chunk's logits, turns
+    Saves only the [K] log-sum-exp (and entropy); backward recomputes each chunk's logits, turns
     them in place into probabilities p, and spends one matmul each on G @ W and G.T @ h where
     G = g (onehot - p): the per-token scale -g is applied to the small [C, H] operands and the
     onehot part is a gather / index_add of H-vectors, so the C x V buffer is touched only by exp.
@@ -230,107 +230,107 @@ class _FusedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx,
-        hidden_N_H: Tensor,
+        hidden_K_H: Tensor,
         weight_V_H: Tensor,
-        labels_N: Tensor,
+        labels_K: Tensor,
         chunk_size: int,
         temperature: float,
         with_entropy: bool,
     ) -> tuple[Tensor, Tensor]:
-        """[N, H] hidden, [V, H] weight, [N] labels -> ([N] log-probs, [N] entropy or empty)."""
+        """[K, H] hidden, [V, H] weight, [K] labels -> ([K] log-probs, [K] entropy or empty)."""
         ctx.set_materialize_grads(False)
-        n, device = hidden_N_H.shape[0], hidden_N_H.device
-        dtype = _compute_dtype(hidden_N_H, weight_V_H)
+        n, device = hidden_K_H.shape[0], hidden_K_H.device
+        dtype = _compute_dtype(hidden_K_H, weight_V_H)
         c = min(chunk_size, max(n, 1))
         buf_C_V = torch.empty(c, weight_V_H.shape[0], dtype=dtype, device=device)
         aux_C_V = torch.empty_like(buf_C_V) if with_entropy else None
-        lse_N = torch.empty(n, dtype=dtype, device=device)
-        logprobs_N = torch.empty(n, dtype=dtype, device=device)
-        entropy_N = torch.empty(n if with_entropy else 0, dtype=dtype, device=device)
+        lse_K = torch.empty(n, dtype=dtype, device=device)
+        logprobs_K = torch.empty(n, dtype=dtype, device=device)
+        entropy_K = torch.empty(n if with_entropy else 0, dtype=dtype, device=device)
         for s, e in _chunks(n, chunk_size):
-            x_C_V = _chunk_logits(_scaled(hidden_N_H[s:e], temperature, dtype), weight_V_H, buf_C_V[: e - s])
+            x_C_V = _chunk_logits(_scaled(hidden_K_H[s:e], temperature, dtype), weight_V_H, buf_C_V[: e - s])
             max_C1 = x_C_V.amax(dim=-1, keepdim=True)
-            picked_C = x_C_V.gather(1, labels_N[s:e, None]).squeeze(1)
+            picked_C = x_C_V.gather(1, labels_K[s:e, None]).squeeze(1)
             x_C_V.sub_(max_C1)
             if aux_C_V is not None:
                 exp_C_V = torch.exp(x_C_V, out=aux_C_V[: e - s])
                 sum_C = exp_C_V.sum(dim=-1)
                 weighted_C = x_C_V.mul_(exp_C_V).sum(dim=-1)
-                entropy_N[s:e] = sum_C.log() - weighted_C / sum_C
+                entropy_K[s:e] = sum_C.log() - weighted_C / sum_C
             else:
                 sum_C = x_C_V.exp_().sum(dim=-1)
-            lse_N[s:e] = max_C1.squeeze(1) + sum_C.log()
-            logprobs_N[s:e] = picked_C - lse_N[s:e]
-        ctx.save_for_backward(hidden_N_H, weight_V_H, labels_N, lse_N, entropy_N)
+            lse_K[s:e] = max_C1.squeeze(1) + sum_C.log()
+            logprobs_K[s:e] = picked_C - lse_K[s:e]
+        ctx.save_for_backward(hidden_K_H, weight_V_H, labels_K, lse_K, entropy_K)
         ctx.chunk_size, ctx.temperature, ctx.with_entropy = chunk_size, temperature, with_entropy
-        return logprobs_N, entropy_N
+        return logprobs_K, entropy_K
 
     @staticmethod
     def backward(  # type: ignore[override]
-        ctx, grad_logprobs_N: Tensor | None, grad_entropy_N: Tensor | None
+        ctx, grad_logprobs_K: Tensor | None, grad_entropy_K: Tensor | None
     ) -> tuple[Tensor | None, Tensor | None, None, None, None, None]:
         """Recompute logits per chunk; G = g (onehot - p) - g_H p (log p + H); dh = G W / temp; dW = G.T h / temp."""
-        hidden_N_H, weight_V_H, labels_N, lse_N, entropy_N = ctx.saved_tensors
+        hidden_K_H, weight_V_H, labels_K, lse_K, entropy_K = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        use_entropy = ctx.with_entropy and grad_entropy_N is not None
-        if (grad_logprobs_N is None and not use_entropy) or not (need_h or need_w):
+        use_entropy = ctx.with_entropy and grad_entropy_K is not None
+        if (grad_logprobs_K is None and not use_entropy) or not (need_h or need_w):
             return None, None, None, None, None, None
-        n, device, temperature = hidden_N_H.shape[0], hidden_N_H.device, ctx.temperature
-        dtype = _compute_dtype(hidden_N_H, weight_V_H)
+        n, device, temperature = hidden_K_H.shape[0], hidden_K_H.device, ctx.temperature
+        dtype = _compute_dtype(hidden_K_H, weight_V_H)
         c = min(ctx.chunk_size, max(n, 1))
         buf_C_V = torch.empty(c, weight_V_H.shape[0], dtype=dtype, device=device)
         aux_C_V = torch.empty_like(buf_C_V) if use_entropy else None
-        grad_h_N_H = torch.empty(n, hidden_N_H.shape[1], dtype=dtype, device=device) if need_h else None
-        # float32 accumulator across chunks even for a bf16 W: summing N chunks in bf16 would lose the small ones
+        grad_h_K_H = torch.empty(n, hidden_K_H.shape[1], dtype=dtype, device=device) if need_h else None
+        # float32 accumulator across chunks even for a bf16 W: summing the chunks in bf16 would lose the small ones
         grad_w_V_H = torch.zeros(weight_V_H.shape, dtype=dtype, device=device) if need_w else None
-        g_N = grad_logprobs_N.to(dtype) if grad_logprobs_N is not None else torch.zeros(n, dtype=dtype, device=device)
+        g_K = grad_logprobs_K.to(dtype) if grad_logprobs_K is not None else torch.zeros(n, dtype=dtype, device=device)
         for s, e in _chunks(n, ctx.chunk_size):
-            h_C_H = _scaled(hidden_N_H[s:e], temperature, dtype)
-            g_C1 = g_N[s:e, None]
-            labels_C = labels_N[s:e]
-            x_C_V = _chunk_logits(h_C_H, weight_V_H, buf_C_V[: e - s]).sub_(lse_N[s:e, None])  # log p
+            h_C_H = _scaled(hidden_K_H[s:e], temperature, dtype)
+            g_C1 = g_K[s:e, None]
+            labels_C = labels_K[s:e]
+            x_C_V = _chunk_logits(h_C_H, weight_V_H, buf_C_V[: e - s]).sub_(lse_K[s:e, None])  # log p
             if aux_C_V is not None:
                 p_C_V = torch.exp(x_C_V, out=aux_C_V[: e - s])
-                g_h_C1 = grad_entropy_N[s:e, None].to(dtype)
+                g_h_C1 = grad_entropy_K[s:e, None].to(dtype)
                 # G = -p * (g + g_H (log p + H)); the label's +g is added below
-                x_C_V.add_(entropy_N[s:e, None]).mul_(g_h_C1).add_(g_C1).mul_(p_C_V)
+                x_C_V.add_(entropy_K[s:e, None]).mul_(g_h_C1).add_(g_C1).mul_(p_C_V)
             else:
                 x_C_V.exp_()  # p; G = -g p + g onehot, and the row scale -g moves into the matmuls below
             row_scale_C1 = -g_C1 if aux_C_V is None else torch.full_like(g_C1, -1.0)
-            if grad_h_N_H is not None:
+            if grad_h_K_H is not None:
                 # G @ W = row_scale * (x @ W) + g * W[label]
-                grad_h_C_H = _chunk_grad_hidden(x_C_V, weight_V_H, grad_h_N_H[s:e])
+                grad_h_C_H = _chunk_grad_hidden(x_C_V, weight_V_H, grad_h_K_H[s:e])
                 grad_h_C_H.mul_(row_scale_C1).add_(weight_V_H[labels_C].to(dtype) * g_C1)
             if grad_w_V_H is not None:
                 # G.T @ h = x.T @ (row_scale * h) + g h scattered onto the label rows
                 grad_w_V_H.addmm_(x_C_V.t(), h_C_H * row_scale_C1)
                 grad_w_V_H.index_add_(0, labels_C, h_C_H * g_C1)
-        if grad_h_N_H is not None:
+        if grad_h_K_H is not None:
             if temperature != 1.0:
-                grad_h_N_H.div_(temperature)
-            grad_h_N_H = grad_h_N_H.to(hidden_N_H.dtype)
+                grad_h_K_H.div_(temperature)
+            grad_h_K_H = grad_h_K_H.to(hidden_K_H.dtype)
         if grad_w_V_H is not None:
             grad_w_V_H = grad_w_V_H.to(weight_V_H.dtype)
-        return grad_h_N_H, grad_w_V_H, None, None, None, None
+        return grad_h_K_H, grad_w_V_H, None, None, None, None
 
 
-def truncation_mask(logits_N_V: Tensor, *, top_k: int = -1, top_p: float = 1.0) -> Tensor:
-    """[N, V] bool: the tokens a sampler with top-k and then top-p keeps, from temperature-scaled logits.
+def truncation_mask(logits_K_V: Tensor, *, top_k: int = -1, top_p: float = 1.0) -> Tensor:
+    """[K, V] bool: the tokens a sampler with top-k and then top-p keeps, from temperature-scaled logits.
 
     top-k keeps every logit >= the k-th largest (ties kept); top-p then drops a token once the
     tokens ranked above it hold `top_p` of the top-k distribution's mass (the most likely token
     always stays). The in-process sampler draws from exactly this set, and the trainer's
     log-probs renormalise over it (vLLM's sampler applies the same two steps in this order).
     """
-    keep = torch.ones_like(logits_N_V, dtype=torch.bool)
-    v = logits_N_V.shape[-1]
+    keep = torch.ones_like(logits_K_V, dtype=torch.bool)
+    v = logits_K_V.shape[-1]
     if 0 < top_k < v:
-        kth = logits_N_V.topk(top_k, dim=-1).values[:, -1:]
-        keep = logits_N_V >= kth
+        kth = logits_K_V.topk(top_k, dim=-1).values[:, -1:]
+        keep = logits_K_V >= kth
     if top_p < 1.0:
-        masked = logits_N_V.masked_fill(~keep, -torch.inf)
-        sorted_N_V, order = masked.sort(dim=-1, descending=True)
-        probs = sorted_N_V.softmax(dim=-1)
+        masked = logits_K_V.masked_fill(~keep, -torch.inf)
+        sorted_K_V, order = masked.sort(dim=-1, descending=True)
+        probs = sorted_K_V.softmax(dim=-1)
         drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
         keep = keep & ~torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return keep
@@ -349,33 +349,33 @@ def _truncated_chunk(h_C_H: Tensor, weight_V_H: Tensor, labels_C: Tensor, temper
 
 
 def _truncated_token_logprobs(
-    hidden_N_H: Tensor,
+    hidden_K_H: Tensor,
     weight_V_H: Tensor,
-    labels_N: Tensor,
+    labels_K: Tensor,
     chunk_size: int,
     temperature: float,
     top_k: int,
     top_p: float,
 ) -> Tensor:
-    """[N] log-probs under the truncated, renormalised distribution, chunk by chunk; each chunk's
+    """[K] log-probs under the truncated, renormalised distribution, chunk by chunk; each chunk's
     logits are recomputed in backward (checkpointed), so memory stays at one chunk's."""
     from torch.utils.checkpoint import checkpoint
 
     out = []
-    for s, e in _chunks(hidden_N_H.shape[0], chunk_size):
+    for s, e in _chunks(hidden_K_H.shape[0], chunk_size):
         out.append(
             checkpoint(
                 _truncated_chunk,
-                hidden_N_H[s:e],
+                hidden_K_H[s:e],
                 weight_V_H,
-                labels_N[s:e],
+                labels_K[s:e],
                 temperature,
                 top_k,
                 top_p,
                 use_reentrant=False,
             )
         )
-    return torch.cat(out) if out else hidden_N_H.new_zeros(0, dtype=_compute_dtype(hidden_N_H, weight_V_H))
+    return torch.cat(out) if out else hidden_K_H.new_zeros(0, dtype=_compute_dtype(hidden_K_H, weight_V_H))
 
 
 def fused_token_logprobs(
@@ -425,7 +425,7 @@ def fused_token_logprobs(
     if 0 < top_k < lm_head_weight_V_H.shape[0] or top_p < 1.0:
         if return_entropy:
             raise ValueError("return_entropy is not supported with top_k / top_p truncation")
-        logprobs_N = _truncated_token_logprobs(
+        logprobs_K = _truncated_token_logprobs(
             hidden_B_T_H.reshape(b * t, h),
             lm_head_weight_V_H,
             labels_B_T.reshape(b * t).long(),
@@ -434,8 +434,8 @@ def fused_token_logprobs(
             top_k,
             float(top_p),
         )
-        return logprobs_N.view(b, t)
-    logprobs_N, entropy_N = _FusedTokenLogprobs.apply(
+        return logprobs_K.view(b, t)
+    logprobs_K, entropy_K = _FusedTokenLogprobs.apply(
         hidden_B_T_H.reshape(b * t, h),
         lm_head_weight_V_H,
         labels_B_T.reshape(b * t).long(),
@@ -444,5 +444,5 @@ def fused_token_logprobs(
         return_entropy,
     )
     if return_entropy:
-        return logprobs_N.view(b, t), entropy_N.view(b, t)
-    return logprobs_N.view(b, t)
+        return logprobs_K.view(b, t), entropy_K.view(b, t)
+    return logprobs_K.view(b, t)

@@ -6,7 +6,17 @@ from rollouts.sync.sglang import SGLangEngine
 from rollouts.sync.vllm import WORKER_EXTENSION_CLS, VLLMEngine
 from rollouts.sync.weight_sync import EngineFailure, SyncResult, WeightSyncError, sync_weights_to_engines
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rollouts-sync")  # written once, in pyproject.toml
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "WORKER_EXTENSION_CLS",

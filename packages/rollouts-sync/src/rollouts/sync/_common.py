@@ -1,6 +1,6 @@
 """What both engine clients share: prompt validation, Sample assembly, version parsing.
 
-Legend: P prompts, N samples per prompt, R response tokens.
+Legend: P prompts, G samples per prompt, R response tokens.
 """
 
 from __future__ import annotations

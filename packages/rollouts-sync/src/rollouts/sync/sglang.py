@@ -9,9 +9,9 @@ Shapes follow sglang/srt/entrypoints/http_server.py:
   -> {"success", "message", "num_paused_requests"} (400 with success=false on failure)
 - POST /flush_cache, POST /pause_generation, POST /continue_generation, GET /health_generate,
   GET /get_weight_version -> {"weight_version": str}
-Each prompt is sent N times (prompt-major) with n=1, so the response order is the Sample order.
+Each prompt is sent G times (prompt-major) with n=1, so the response order is the Sample order.
 
-Legend: P prompts, N samples per prompt, R response tokens.
+Legend: P prompts, G samples per prompt, R response tokens.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class SGLangEngine(HTTPEngineBase):
 
     @staticmethod
     def generate_request(prompts_P: list[list[int]], params: SamplingParams) -> dict[str, Any]:
-        """The /generate body: each prompt repeated N times, prompt-major (pure; exposed for tests)."""
+        """The /generate body: each prompt repeated G times, prompt-major (pure; exposed for tests)."""
         sampling: dict[str, Any] = {
             "max_new_tokens": params.max_new_tokens,
             "temperature": params.temperature,
@@ -67,7 +67,7 @@ class SGLangEngine(HTTPEngineBase):
         per_row: dict[str, Any] | list[dict[str, Any]] = sampling
         if params.seed is not None:
             # SGLang's seeded sampler draws from (seed, position): one seed for every copy of a
-            # prompt would give N identical responses (a group with no signal). Each row gets its own.
+            # prompt would give G identical responses (a group with no signal). Each row gets its own.
             per_row = [{**sampling, "sampling_seed": (params.seed + i) % 2**63} for i in range(len(rows))]
         return {
             "input_ids": rows,
@@ -77,7 +77,7 @@ class SGLangEngine(HTTPEngineBase):
         }
 
     async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
-        """[P * N] Samples in prompt-major order (all N of prompt 0, then prompt 1, ...)."""
+        """[P * G] Samples in prompt-major order (all G of prompt 0, then prompt 1, ...)."""
         prompts_P = check_prompts(prompts)
         params = check_params(params)
         data = (await self._call("POST", "/generate", json=self.generate_request(prompts_P, params))).json()
@@ -114,7 +114,7 @@ class SGLangEngine(HTTPEngineBase):
 def parse_generate_response(
     data: Any, prompts_P: list[list[int]], params: SamplingParams, *, engine: str, fallback_version: int | None
 ) -> list[Sample]:
-    """[P * N] Samples from a /generate response (a list for batched input_ids)."""
+    """[P * G] Samples from a /generate response (a list for batched input_ids)."""
     outputs = data if isinstance(data, list) else [data]
     expected = len(prompts_P) * params.n
     if len(outputs) != expected:

@@ -5,7 +5,7 @@ POST /pause?mode=wait, POST /collective_rpc {"method": "reload_weights"}, POST /
 POST /update_weight_version {"new_version"}, POST /resume, GET /weight_info. vLLM keeps the
 weight version as a string; this client writes str(int) and reads it back as an int.
 
-Legend: P prompts, N samples per prompt, R response tokens.
+Legend: P prompts, G samples per prompt, R response tokens.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class VLLMEngine(HTTPEngineBase):
         return body
 
     async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
-        """[P * N] Samples in prompt-major order (all N of prompt 0, then prompt 1, ...)."""
+        """[P * G] Samples in prompt-major order (all G of prompt 0, then prompt 1, ...)."""
         prompts_P = check_prompts(prompts)
         params = check_params(params)
         body = self.completion_request(prompts_P, params, await self.model_name())
@@ -222,7 +222,7 @@ def parse_completion_response(
     engine: str,
     logprobs_of: str | None = None,
 ) -> list[Sample]:
-    """[P * N] Samples from a /v1/completions response, ordered by choice index (prompt-major)."""
+    """[P * G] Samples from a /v1/completions response, ordered by choice index (prompt-major)."""
     choices = sorted(data.get("choices") or [], key=lambda c: c["index"])
     expected = len(prompts_P) * params.n
     if len(choices) != expected:

@@ -26,7 +26,17 @@ from rollouts.types.protocols import (
 from rollouts.types.samples import Prompt, RolloutBatch, Sample, Status
 from rollouts.types.state import TrainingState
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("rollouts-types")  # written once, in pyproject.toml
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+
+__version__ = _version()
 
 __all__ = [
     "DEFAULT_LORA_TARGETS",
