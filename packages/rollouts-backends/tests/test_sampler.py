@@ -175,8 +175,9 @@ def test_trainer_log_probs_describe_the_truncated_distribution_the_sampler_drew_
     """T = 0.7, top_p = 0.9, top_k = 20: the in-process sampler reports log-probs after truncation;
     the trainer, given the same settings, computes the same ones (without them it would compare
     against the full softmax: biased ratios and KL)."""
+    from helpers import packed_batch
+
     from rollouts.backends import build_components, compute_logprobs
-    from rollouts.data import pack_samples
     from rollouts.types import OptimizerConfig
 
     settings_ = {"temperature": 0.7, "top_p": 0.9, "top_k": 20}
@@ -184,7 +185,7 @@ def test_trainer_log_probs_describe_the_truncated_distribution_the_sampler_drew_
     components = build_components(model, OptimizerConfig(), num_training_steps=1)
     diffs, full_diffs = [], []
     for s in samples:
-        (mb,) = pack_samples([s], max_tokens=64)
+        mb = packed_batch([s.tokens], num_prompt=s.num_prompt_tokens)
         for dist, out in ((settings_, diffs), ({"temperature": 0.7}, full_diffs)):
             (lp,) = compute_logprobs(components, [mb], **dist)
             trainer = lp[0, s.num_prompt_tokens : len(s.tokens)]

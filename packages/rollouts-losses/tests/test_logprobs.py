@@ -225,14 +225,15 @@ def _naive_truncated_logprobs(hidden, weight, labels, temperature, top_k, top_p)
     out = []
     for h, label in zip(hidden, labels, strict=True):
         logits = (h @ weight.t()) / temperature
-        order = sorted(range(logits.shape[0]), key=lambda i: -float(logits[i]))
+        values = logits.detach().tolist()  # the set is chosen without gradient, as in the sampler
+        order = sorted(range(len(values)), key=lambda i: -values[i])
         kept = set(order)
-        if 0 < top_k < logits.shape[0]:
-            kth = float(logits[order[top_k - 1]])
-            kept = {i for i in kept if float(logits[i]) >= kth}
+        if 0 < top_k < len(values):
+            kth = values[order[top_k - 1]]
+            kept = {i for i in kept if values[i] >= kth}
         if top_p < 1.0:
             in_k = [i for i in order if i in kept]
-            probs = torch.softmax(logits[in_k], dim=0)
+            probs = torch.softmax(logits.detach()[in_k], dim=0)
             mass, survivors = 0.0, set()
             for i, p in zip(in_k, probs.tolist(), strict=True):
                 if mass >= top_p:

@@ -71,7 +71,7 @@ def sample_arrays(sample: Sample, *, fields: Sequence[str] = ()) -> dict[str, np
         raise ValueError("a sample with no tokens cannot be batched")
     loss_mask = np.asarray(sample.loss_mask, dtype=np.float32)
     loss_mask[0] = 0.0  # position 0 has no prediction
-    out = {"input_ids": np.asarray(sample.tokens, dtype=np.int64), "loss_mask": loss_mask}
+    out: dict[str, np.ndarray] = {"input_ids": np.asarray(sample.tokens, dtype=np.int64), "loss_mask": loss_mask}
     if "advantages" in fields:
         out["advantages"] = np.full(t, sample.advantage, dtype=np.float32)
     if "rollout_logprobs" in fields:
@@ -210,7 +210,8 @@ def segment_attention_mask(segment_ids_B_T: np.ndarray) -> np.ndarray:
     t = seg.shape[1]
     allowed = (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] >= 0) & np.tri(t, dtype=bool)
     allowed |= np.eye(t, dtype=bool)
-    return allowed[:, None]
+    out: np.ndarray = allowed[:, None]
+    return out
 
 
 def _sequence_slices(micro_batch: Mapping[str, np.ndarray]) -> list[tuple[int, int, int, int]]:

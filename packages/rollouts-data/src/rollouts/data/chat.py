@@ -284,9 +284,9 @@ def tokenize_conversation(
     return Sample(
         prompt=messages[: assistant[0]] if assistant and train_on != "all" else messages,
         response=messages[assistant[-1]]["content"] if assistant and train_on != "all" else "",
-        tokens=tokens,
+        tokens=tuple(tokens),
         num_prompt_tokens=first,
-        loss_mask=mask,
+        loss_mask=tuple(mask),
         status=Status.TRUNCATED if num_truncated else Status.COMPLETED,
         metadata={
             "num_truncated_tokens": num_truncated,

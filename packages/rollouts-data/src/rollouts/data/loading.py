@@ -70,7 +70,7 @@ def load_records(path: str | Path) -> list[tuple[str, Any]]:
     lines = [_decode(raw_line, f"{path}:{i}") for i, raw_line in enumerate(path.read_bytes().split(b"\n"), start=1)]
     lines[0] = lines[0].removeprefix(_BOM)
     if suffix == ".jsonl":
-        out = []
+        out: list[tuple[str, Any]] = []
         for lineno, line in enumerate(lines, start=1):
             if line.strip():
                 out.append((_where(path, lineno, len(out)), _parse(line, f"{path}:{lineno}")))

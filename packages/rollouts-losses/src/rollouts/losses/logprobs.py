@@ -14,6 +14,8 @@ block by block into float32 matmuls, so no logit is rounded to bf16.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -52,7 +54,7 @@ class _TokenLogprobs(torch.autograd.Function):
     """log p(label) from logits; backward writes softmax - onehot chunk by chunk into the gradient."""
 
     @staticmethod
-    def forward(ctx, logits_K_V: Tensor, labels_K: Tensor, chunk_size: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, logits_K_V: Tensor, labels_K: Tensor, chunk_size: int) -> Tensor:
         """[K, V] logits, [K] labels -> [K] float32 log-probs."""
         n, dtype = logits_K_V.shape[0], _compute_dtype(logits_K_V)
         lse_K = torch.empty(n, dtype=dtype, device=logits_K_V.device)
@@ -67,7 +69,7 @@ class _TokenLogprobs(torch.autograd.Function):
         return out_K
 
     @staticmethod
-    def backward(ctx, grad_K: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad_K: Tensor) -> tuple[Tensor, None, None]:
         """d logprob / d logits = onehot(label) - softmax, scaled by the incoming gradient."""
         logits_K_V, labels_K, lse_K = ctx.saved_tensors
         grad_K_V = torch.empty_like(logits_K_V)
@@ -93,7 +95,7 @@ def token_logprobs(logits_B_T_V: Tensor, labels_B_T: Tensor, *, chunk_size: int 
         )
     b, t, v = logits_B_T_V.shape
     _check_labels(labels_B_T, v)
-    out_K = _TokenLogprobs.apply(logits_B_T_V.reshape(b * t, v), labels_B_T.reshape(b * t).long(), chunk_size)
+    out_K: Tensor = _TokenLogprobs.apply(logits_B_T_V.reshape(b * t, v), labels_B_T.reshape(b * t).long(), chunk_size)
     return out_K.view(b, t)
 
 
@@ -101,7 +103,7 @@ class _TokenEntropy(torch.autograd.Function):
     """Entropy of softmax(logits) per token; backward recomputes the softmax chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, logits_K_V: Tensor, chunk_size: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, logits_K_V: Tensor, chunk_size: int) -> Tensor:
         """[K, V] logits -> [K] float32 entropy."""
         n, dtype = logits_K_V.shape[0], _compute_dtype(logits_K_V)
         lse_K = torch.empty(n, dtype=dtype, device=logits_K_V.device)
@@ -121,7 +123,7 @@ class _TokenEntropy(torch.autograd.Function):
         return entropy_K
 
     @staticmethod
-    def backward(ctx, grad_K: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad_K: Tensor) -> tuple[Tensor, None]:
         """d H / d logit_j = -p_j (log p_j + H), scaled by the incoming gradient."""
         logits_K_V, lse_K, entropy_K = ctx.saved_tensors
         grad_K_V = torch.empty_like(logits_K_V)
@@ -139,7 +141,8 @@ def token_entropy(logits_B_T_V: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE)
     if logits_B_T_V.dim() != 3:
         raise ValueError(f"logits must be [B, T, V], got {tuple(logits_B_T_V.shape)}")
     b, t, v = logits_B_T_V.shape
-    return _TokenEntropy.apply(logits_B_T_V.reshape(b * t, v), chunk_size).view(b, t)
+    entropy_K: Tensor = _TokenEntropy.apply(logits_B_T_V.reshape(b * t, v), chunk_size)
+    return entropy_K.view(b, t)
 
 
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:
@@ -228,8 +231,8 @@ class _FusedTokenLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx,
+    def forward(
+        ctx: Any,
         hidden_K_H: Tensor,
         weight_V_H: Tensor,
         labels_K: Tensor,
@@ -266,8 +269,8 @@ class _FusedTokenLogprobs(torch.autograd.Function):
         return logprobs_K, entropy_K
 
     @staticmethod
-    def backward(  # type: ignore[override]
-        ctx, grad_logprobs_K: Tensor | None, grad_entropy_K: Tensor | None
+    def backward(
+        ctx: Any, grad_logprobs_K: Tensor | None, grad_entropy_K: Tensor | None
     ) -> tuple[Tensor | None, Tensor | None, None, None, None, None]:
         """Recompute logits per chunk; G = g (onehot - p) - g_H p (log p + H); dh = G W / temp; dW = G.T h / temp."""
         hidden_K_H, weight_V_H, labels_K, lse_K, entropy_K = ctx.saved_tensors
@@ -291,6 +294,7 @@ class _FusedTokenLogprobs(torch.autograd.Function):
             x_C_V = _chunk_logits(h_C_H, weight_V_H, buf_C_V[: e - s]).sub_(lse_K[s:e, None])  # log p
             if aux_C_V is not None:
                 p_C_V = torch.exp(x_C_V, out=aux_C_V[: e - s])
+                assert grad_entropy_K is not None  # use_entropy
                 g_h_C1 = grad_entropy_K[s:e, None].to(dtype)
                 # G = -p * (g + g_H (log p + H)); the label's +g is added below
                 x_C_V.add_(entropy_K[s:e, None]).mul_(g_h_C1).add_(g_C1).mul_(p_C_V)
@@ -336,7 +340,9 @@ def truncation_mask(logits_K_V: Tensor, *, top_k: int = -1, top_p: float = 1.0) 
     return keep
 
 
-def _truncated_chunk(h_C_H: Tensor, weight_V_H: Tensor, labels_C: Tensor, temperature: float, top_k: int, top_p: float):
+def _truncated_chunk(
+    h_C_H: Tensor, weight_V_H: Tensor, labels_C: Tensor, temperature: float, top_k: int, top_p: float
+) -> Tensor:
     dtype = _compute_dtype(h_C_H, weight_V_H)
     logits = (h_C_H.to(dtype) / temperature) @ weight_V_H.to(dtype).t()
     with torch.no_grad():
@@ -435,7 +441,7 @@ def fused_token_logprobs(
             float(top_p),
         )
         return logprobs_K.view(b, t)
-    logprobs_K, entropy_K = _FusedTokenLogprobs.apply(
+    fused: tuple[Tensor, Tensor] = _FusedTokenLogprobs.apply(
         hidden_B_T_H.reshape(b * t, h),
         lm_head_weight_V_H,
         labels_B_T.reshape(b * t).long(),
@@ -443,6 +449,7 @@ def fused_token_logprobs(
         float(temperature),
         return_entropy,
     )
+    logprobs_K, entropy_K = fused
     if return_entropy:
         return logprobs_K.view(b, t), entropy_K.view(b, t)
     return logprobs_K.view(b, t)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypedDict, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -56,11 +56,27 @@ class LossFn(Protocol):
     ) -> tuple[Tensor, dict[str, float]]: ...
 
 
+class _Aggregation(TypedDict):
+    """The aggregation keywords every loss takes (rollouts.losses.aggregate)."""
+
+    mode: Aggregation
+    norm_constant: float | None
+    segment_ids_B_T: Tensor | None
+    num_tokens: int | None
+    num_sequences: int | None
+
+
+class _Clip(TypedDict):
+    eps_low: float
+    eps_high: float
+
+
 def _require(batch: Mapping[str, Any], key: str, why: str) -> Tensor:
     """batch[key], or a ValueError naming the key and why it is needed."""
     if key not in batch or batch[key] is None:
         raise ValueError(f"batch has no {key!r} (keys: {sorted(batch)}), which {why}")
-    return batch[key]
+    value: Tensor = batch[key]
+    return value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -121,10 +137,13 @@ def _token_weights(
     rollout_B_T = batch.get("rollout_logprobs")
     if cfg.needs_rollout_logprobs:
         rollout_B_T = _require(batch, "rollout_logprobs", "IS weights, rejection and the off-policy mask need")
-    weights_B_T, metrics = None, {}
+    weights_B_T: Tensor | None = None
+    metrics: dict[str, float] = {}
     if rollout_B_T is not None:
         metrics |= off_policy_diagnostics(old_B_T, rollout_B_T, mask_B_T, segment_ids_B_T=segment_ids_B_T)
+    # Each branch below is one that cfg.needs_rollout_logprobs names, so _require gave rollout_B_T.
     if cfg.is_cap is not None:
+        assert rollout_B_T is not None
         weights_B_T, is_metrics = importance_weights(
             old_B_T,
             rollout_B_T,
@@ -136,6 +155,7 @@ def _token_weights(
         )
         metrics |= is_metrics
     if cfg.rs_level != "none":
+        assert rollout_B_T is not None
         keep_B_T, rs_metrics = rejection_mask(
             old_B_T,
             rollout_B_T,
@@ -148,6 +168,7 @@ def _token_weights(
         )
         weights_B_T, metrics = _times(weights_B_T, keep_B_T), metrics | rs_metrics
     if cfg.off_policy_mask_threshold is not None:
+        assert rollout_B_T is not None
         keep_B_T, opm_metrics = off_policy_sequence_mask(
             logprobs_B_T,
             rollout_B_T,
@@ -175,11 +196,11 @@ def _policy_loss(
     old_B_T: Tensor,
     batch: Mapping[str, Tensor],
     is_weights: Tensor | None,
-    agg: dict[str, Any],
+    agg: _Aggregation,
 ) -> tuple[Tensor, dict[str, float]]:
     """The configured policy loss on one micro-batch."""
     args = (logprobs_B_T, old_B_T, batch["advantages"], batch["loss_mask"])
-    clip = {"eps_low": cfg.eps_low, "eps_high": cfg.eps_high}
+    clip = _Clip(eps_low=cfg.eps_low, eps_high=cfg.eps_high)
     loss = cfg.policy_loss
     if loss == "ppo_clip":
         return ppo_clip_loss(*args, dual_clip_c=cfg.dual_clip_c, is_weights=is_weights, **clip, **agg)
@@ -227,13 +248,13 @@ class PolicyLossFn:
         _require(batch, "advantages", "policy losses need")
         old_B_T = batch.get("old_logprobs")
         old_B_T = logprobs_B_T.detach() if old_B_T is None else old_B_T
-        agg: dict[str, Any] = {
-            "mode": cfg.loss_aggregation,
-            "norm_constant": cfg.norm_constant,
-            "segment_ids_B_T": batch.get("segment_ids"),
-            "num_tokens": num_tokens,
-            "num_sequences": num_sequences,
-        }
+        agg = _Aggregation(
+            mode=cfg.loss_aggregation,
+            norm_constant=cfg.norm_constant,
+            segment_ids_B_T=batch.get("segment_ids"),
+            num_tokens=num_tokens,
+            num_sequences=num_sequences,
+        )
         is_weights, metrics = _token_weights(cfg, logprobs_B_T, old_B_T, batch, entropy_B_T)
         ratio_base_B_T = old_B_T
         if cfg.policy_loss in ("dppo_tv", "dppo_kl") and batch.get("rollout_logprobs") is not None:

@@ -31,7 +31,7 @@ Each is written from its paper and checked against a peer's formula (files read 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -60,7 +60,7 @@ def _log_ratio(logprobs_B_T: Tensor, old_logprobs_B_T: Tensor) -> Tensor:
     return torch.clamp(logprobs_B_T - old_logprobs_B_T.detach(), -MAX_LOG_RATIO, MAX_LOG_RATIO)
 
 
-def _reduce(loss_B_T: Tensor, mask_B_T: Tensor, is_weights: Tensor | None, agg: dict) -> Tensor:
+def _reduce(loss_B_T: Tensor, mask_B_T: Tensor, is_weights: Tensor | None, agg: dict[str, Any]) -> Tensor:
     """aggregate() of the (IS-weighted) per-token loss with the caller's aggregation options."""
     return aggregate(_weighted(loss_B_T, is_weights), mask_B_T, agg.pop("mode"), **agg)
 

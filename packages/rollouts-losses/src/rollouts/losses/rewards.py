@@ -15,6 +15,7 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -46,7 +47,7 @@ class _NoTimeoutWarning(logging.Filter):
         return "Timeout is disabled" not in record.getMessage()
 
 
-def _math_verify():
+def _math_verify() -> Any:
     try:
         import math_verify
     except ImportError as e:

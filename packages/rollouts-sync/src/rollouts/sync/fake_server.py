@@ -95,7 +95,8 @@ class FakeEngineState:
         """[V] next-token log-probs after `context` under the loaded weights."""
         rng = np.random.default_rng([self.weights_seed, len(context), context[-1] if context else 0])
         logits = rng.standard_normal(self.vocab_size) * 3.0
-        return logits - (logits.max() + math.log(np.exp(logits - logits.max()).sum()))
+        out: np.ndarray = logits - (logits.max() + math.log(np.exp(logits - logits.max()).sum()))
+        return out
 
     def greedy(self, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
         """Greedy response ids and their log-probs (the reference a test compares against)."""
@@ -189,7 +190,7 @@ async def _generate_vllm(state: FakeEngineState, body: dict[str, Any]) -> tuple[
     want_lp = body.get("logprobs") is not None
     as_ids = bool(body.get("return_tokens_as_token_ids"))
     rng = np.random.default_rng(body.get("seed"))
-    choices = []
+    choices: list[dict[str, Any]] = []
     for prompt in prompts:
         for _ in range(n):
             ids, lps, finish = state.sample(

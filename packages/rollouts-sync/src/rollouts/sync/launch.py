@@ -52,7 +52,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on `host` a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def vllm_server_command(

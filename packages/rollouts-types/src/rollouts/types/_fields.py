@@ -17,8 +17,12 @@ from typing import Any, Literal, TypeVar, Union
 T = TypeVar("T")
 
 
-@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
+    return _cached_hints(cls)
+
+
+@functools.cache
+def _cached_hints(cls: Any) -> dict[str, Any]:  # Any: classes are hashable, which `type` does not say
     return typing.get_type_hints(cls)
 
 
@@ -103,7 +107,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str | None = None)
     path = path or cls.__name__
     if not isinstance(data, Mapping):
         raise TypeError(f"{path} must be a table, got {type(data).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]  # T is a dataclass
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {unknown}; allowed keys: {sorted(fields)}")

@@ -74,8 +74,11 @@ class Tokenizer(Protocol):
         """Text of `token_ids`."""
         ...
 
-    def apply_chat_template(self, conversation: Sequence[Mapping[str, Any]], **kwargs: Any) -> Any:
-        """Render chat messages with the tokenizer's template (tokenize=True gives ids)."""
+    def apply_chat_template(
+        self, conversation: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]], **kwargs: Any
+    ) -> Any:
+        """Render chat messages (or a batch of conversations) with the tokenizer's template
+        (tokenize=True gives ids)."""
         ...
 
 
