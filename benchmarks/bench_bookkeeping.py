@@ -1,0 +1,111 @@
+"""CPU bookkeeping of one RL step at a real batch size, without a model (issue target: < 0.2 s).
+
+Workload: 1024 samples (128 prompts x 8) of 4096 tokens (512 prompt + 3584 response), synthetic.
+Phases, each what the loop does outside the model for one step:
+  build      Samples from engine output (tokens, loss mask, rollout log-probs), validated
+  rewards    a reward and a group index per sample (frozen replace)
+  advantage  GRPO group advantages (rollouts.losses) and the per-sample replace
+  pack       packed micro-batches of 16384 tokens with step-wide counts (rollouts.data)
+  unpack     per-token values scattered back to samples
+  broadcast  the batch to JSON and back (what rank 0 sends the other ranks)
+Also prints the bytes a Sample's token storage takes per token. Medians of --repeats runs.
+
+    OMP_NUM_THREADS=1 uv run python benchmarks/bench_bookkeeping.py [--samples 1024] [--tokens 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from rollouts.data import plan_micro_batches, unpack_values
+from rollouts.losses import group_advantages
+from rollouts.types import Sample, Status
+
+GOAL_S = 0.2
+
+
+def _engine_output(num_samples: int, num_tokens: int, prompt: int) -> list[tuple[list[int], list[float]]]:
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 151_000, size=(num_samples, num_tokens)).tolist()
+    lps = (-rng.random((num_samples, num_tokens - prompt))).tolist()
+    return list(zip(ids, lps, strict=True))
+
+
+def one_step(outputs, *, prompt: int, group: int) -> dict[str, float]:
+    times: dict[str, float] = {}
+    t = time.perf_counter()
+    samples = [
+        Sample(
+            tokens=tuple(ids),
+            num_prompt_tokens=prompt,
+            loss_mask=(0.0,) * prompt + (1.0,) * (len(ids) - prompt),
+            rollout_logprobs=tuple(lps),
+            status=Status.COMPLETED,
+        )
+        for ids, lps in outputs
+    ]
+    times["build"] = time.perf_counter() - t
+    t = time.perf_counter()
+    samples = [dataclasses.replace(s, reward=float(i % 3 == 0), group_index=i // group) for i, s in enumerate(samples)]
+    times["rewards"] = time.perf_counter() - t
+    t = time.perf_counter()
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    groups = torch.tensor([s.group_index for s in samples])
+    advantages = group_advantages(rewards, groups).tolist()
+    samples = [s.with_advantage(a) for s, a in zip(samples, advantages, strict=True)]
+    times["advantage"] = time.perf_counter() - t
+    t = time.perf_counter()
+    plan = plan_micro_batches(samples, max_tokens=16_384)
+    times["pack"] = time.perf_counter() - t
+    t = time.perf_counter()
+    unpack_values(list(plan.micro_batches), [mb["loss_mask"] for mb in plan.micro_batches])
+    times["unpack"] = time.perf_counter() - t
+    t = time.perf_counter()
+    payload = json.dumps([s.to_dict() for s in samples])
+    [Sample.from_dict(d) for d in json.loads(payload)]
+    times["broadcast"] = time.perf_counter() - t
+    times["total"] = sum(times.values())
+    return times
+
+
+def token_bytes(sample: Sample) -> float:
+    """Bytes of the token storage (the container and its int objects) per token."""
+    tokens = sample.tokens
+    ints = sum(sys.getsizeof(t) for t in tokens if not -5 <= t <= 256)  # small ints are shared
+    return (sys.getsizeof(tokens) + ints) / len(tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--samples", type=int, default=1024)
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    outputs = _engine_output(args.samples, args.tokens, args.prompt)
+    runs = [one_step(outputs, prompt=args.prompt, group=args.group) for _ in range(args.repeats)]
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    print(f"workload: {args.samples} samples x {args.tokens} tokens, {args.repeats} repeats (medians), 1 thread")
+    for key, value in med.items():
+        print(f"  {key:<10} {value:8.3f} s")
+    verdict = "met" if med["total"] < GOAL_S else "NOT met"
+    print(f"CPU bookkeeping per step: {med['total']:.3f} s (goal < {GOAL_S} s: {verdict})")
+    sample = Sample(tokens=tuple(outputs[0][0]), num_prompt_tokens=args.prompt, loss_mask=(1.0,) * args.tokens)
+    per_token = token_bytes(sample)
+    print(
+        f"Sample token storage: {per_token:.1f} bytes per token (goal <= 8: {'met' if per_token <= 8 else 'NOT met'})"
+    )
+
+
+if __name__ == "__main__":
+    main()
