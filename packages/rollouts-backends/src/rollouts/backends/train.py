@@ -13,7 +13,7 @@ sequence see another, whatever the transformers version does with restarting pos
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,7 +21,7 @@ import torch
 
 from rollouts.backends.components import TrainingComponents
 from rollouts.backends.distributed import data_parallel_size
-from rollouts.losses import fused_token_logprobs
+from rollouts.losses import LossFn, fused_token_logprobs
 from rollouts.types import OptimizerConfig, TrainingState
 
 __all__ = [
@@ -183,9 +183,6 @@ def token_logprobs_of_model(
     if entropy is None:
         return logprobs_B_T, None
     return logprobs_B_T, torch.cat([zeros, torch.where(predicted_B_T, entropy, 0.0)], dim=1)
-
-
-LossFn = Callable[..., tuple[torch.Tensor, Mapping[str, float]]]
 
 
 def forward_backward(

@@ -1,7 +1,5 @@
 """rollouts-types: the shared vocabulary of the rollouts packages (standard library only)."""
 
-from rollouts.types._fields import check_fields, require
-from rollouts.types._freeze import freeze, thaw
 from rollouts.types.configs import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -12,6 +10,7 @@ from rollouts.types.configs import (
     SFTConfig,
     from_dict,
 )
+from rollouts.types.frozen import freeze, thaw
 from rollouts.types.lora import DEFAULT_LORA_TARGETS, LoraConfig, LoraSync
 from rollouts.types.protocols import (
     Environment,
@@ -25,6 +24,7 @@ from rollouts.types.protocols import (
 )
 from rollouts.types.samples import Prompt, RolloutBatch, Sample, Status
 from rollouts.types.state import TrainingState
+from rollouts.types.validation import check_fields, require
 
 
 def _version() -> str:

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rollouts.types._fields import check_fields, from_dict, require
+from rollouts.types.validation import check_fields, from_dict, require
 
 LossAggregation = Literal[
     "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from rollouts.types._fields import check_fields, require
+from rollouts.types.validation import check_fields, require
 
 __all__ = ["DEFAULT_LORA_TARGETS", "LoraConfig", "LoraSync"]
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollouts.types._freeze import (
+from rollouts.types.frozen import (
     as_float_tuple,
     as_int_tuple,
     check_finite,
