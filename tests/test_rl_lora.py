@@ -1,6 +1,8 @@
 """The RL loop training a LoRA adapter with the in-process sampler: the reward rises, and the KL
 reference is the base model (the adapter switched off), not a copy."""
 
+import dataclasses
+import functools
 import json
 
 import torch
@@ -13,7 +15,7 @@ from rollouts.loops.algorithms import ALGORITHMS
 from rollouts.loops.engines import CoalescingEngine
 from rollouts.loops.loggers import NullLogger
 from rollouts.loops.rl import run_rl_training
-from rollouts.types import LoraConfig
+from rollouts.types import LoraConfig, OptimizerConfig
 
 LORA = LoraConfig(rank=8, alpha=16.0)
 
@@ -86,3 +88,102 @@ def test_model_lora_in_a_run_file_and_on_the_command_line():
     assert load_run(RLRun, None, []).model.lora.enabled is False
     with pytest.raises(ConfigError, match=r"LoraConfig.rank.*-2"):
         build_run(RLRun, {"model": {"lora": {"rank": -2}}})
+
+
+def test_rollouts_export_writes_the_adapter_or_the_merged_model(tiny_run_inputs, tmp_path, capsys):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from rollouts.backends import save_checkpoint
+    from rollouts.loops.app.cli import main
+    from rollouts.types import TrainingState
+
+    components, _, _ = _run(tiny_run_inputs, tmp_path / "run", algorithm=ALGORITHMS["grpo"], steps=2, lr=5e-2)
+    checkpoint = save_checkpoint(components, TrainingState(step=2), tmp_path / "ckpt")
+    assert main(["export", str(checkpoint), str(tmp_path / "merged"), "--merge"]) == 0
+    assert main(["export", str(checkpoint), str(tmp_path / "adapter")]) == 0
+    ids = torch.randint(2, 14, (2, 7))
+    components.model.eval()
+    with torch.no_grad():
+        expected = components.model(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), local_files_only=True)
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, rtol=0, atol=1e-5)
+        base = AutoModelForCausalLM.from_pretrained(str(tiny_run_inputs / "model"), local_files_only=True)
+        adapter = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+        torch.testing.assert_close(adapter(input_ids=ids).logits, expected, rtol=0, atol=1e-6)
+    assert (tmp_path / "merged" / "tokenizer.json").is_file()
+    # the adapter on another base model: refused, naming it
+    from rollouts.loops.app.tiny import save_model
+
+    other = tmp_path / "other"
+
+    torch.manual_seed(9)
+    model = load_hf_model(tiny_run_inputs / "model")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    from transformers import AutoTokenizer
+
+    save_model(model, AutoTokenizer.from_pretrained(str(tiny_run_inputs / "model")), other)
+    assert main(["export", str(checkpoint), str(tmp_path / "bad"), "--merge", "--base", str(other)]) == 2
+    assert "is an adapter for another base model (base fingerprint" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_an_inprocess_engine_with_its_own_copy_gets_the_adapter_or_the_merged_weights(tiny_run_inputs, tmp_path):
+    import copy
+
+    import numpy as np
+    import trio
+
+    from rollouts.backends import compute_logprobs
+    from rollouts.backends.lora import has_lora, merged_copy
+    from rollouts.loops.generation import sync_engine
+    from rollouts.types import TrainingState
+
+    for sync in ("adapter", "merged"):
+        components = build_components(
+            load_hf_model(tiny_run_inputs / "model"),
+            OptimizerConfig(),
+            num_training_steps=1,
+            lora=LoraConfig(rank=4, sync=sync),
+        )
+        own = copy.deepcopy(components.model) if sync == "adapter" else merged_copy(components.model)
+        assert has_lora(own) == (sync == "adapter")
+        with torch.no_grad():  # the training model's adapter moves; the engine's copy must follow
+            for name, param in components.model.named_parameters():
+                if ".lora_B." in name:
+                    param.normal_(0.0, 0.3)
+        engine = InProcessEngine(own, shares_training_model=False)
+        run = functools.partial(sync_engine, components, engine, TrainingState(), tmp_path / sync, shares_model=False)
+        state, _ = trio.run(lambda: run(lock=trio.Lock()))  # noqa: B023 (run at once, in this iteration)
+        assert state.weight_version == 1
+        written = {p.name for p in (tmp_path / sync).iterdir()}
+        assert written == ({"adapter"} if sync == "adapter" else {"weights"})
+        batch = {
+            "input_ids": np.array([[3, 4, 5, 6, 7, 8]]),
+            "position_ids": np.arange(6)[None],
+            "segment_ids": np.zeros((1, 6), dtype=np.int64),
+            "attention_mask": np.ones((1, 6), dtype=np.int64),
+            "loss_mask": np.ones((1, 6), dtype=np.float32),
+        }
+        trained = compute_logprobs(components, [batch])[0]
+        served = compute_logprobs(dataclasses.replace(components, model=own), [batch])[0]
+        np.testing.assert_allclose(served, trained, rtol=0, atol=1e-5)
+
+
+def test_adapter_sync_is_refused_where_the_engine_cannot_load_it(tmp_path):
+    import pytest
+    import trio
+
+    from rollouts.loops.app.config import ConfigError, RLRun, build_run
+    from rollouts.loops.engines import SendWeights
+    from rollouts.sync import VLLMEngine
+
+    for engine in ({"kind": "sglang", "urls": ["http://x"]}, {"kind": "vllm", "urls": ["http://x"], "sync": "http"}):
+        with pytest.raises(ConfigError, match=r"model.lora.sync.*be 'merged' unless engine.kind = 'vllm'"):
+            build_run(RLRun, {"model": {"lora": {"rank": 8}}, "engine": engine})
+    build_run(RLRun, {"model": {"lora": {"rank": 8, "sync": "merged"}}, "engine": engine})
+    (tmp_path / "adapter_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="is a LoRA adapter: engine.sync = 'http' sends full weights only"):
+        trio.run(SendWeights(VLLMEngine("http://127.0.0.1:9")).update_weights_from_disk, str(tmp_path), 1)

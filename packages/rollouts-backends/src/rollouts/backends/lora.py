@@ -32,6 +32,7 @@ __all__ = [
     "load_adapter_tensors",
     "merge_lora_tensors",
     "merged_copy",
+    "syncs_adapter",
     "apply_lora",
     "has_lora",
     "lora_layers",
@@ -127,6 +128,7 @@ def apply_lora(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
     for layer in lora_layers(model).values():  # the adapter in the model's dtype and device
         layer.to(device=device, dtype=dtype)
     model.rollouts_lora_config = peft_config  # read by adapter checkpoints and sync
+    model.rollouts_lora = config  # its sync mode is read by the loops' weight sync
     model.rollouts_base_fingerprint = base_fingerprint(model)  # before sharding: every weight is whole here
     return model
 
@@ -344,3 +346,9 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
     plain = AutoModelForCausalLM.from_config(model.config, dtype=first.dtype)
     plain.load_state_dict(merge_lora_tensors(model, state), strict=True)
     return plain.to(first.device).eval()
+
+
+def syncs_adapter(model: torch.nn.Module) -> bool:
+    """Whether engines get `model`'s adapter alone (LoRA with sync 'adapter'), not merged full weights."""
+    config = getattr(model.wrapped if isinstance(model, AdapterDisabled) else model, "rollouts_lora", None)
+    return isinstance(config, LoraConfig) and config.sync == "adapter" and has_lora(model)

@@ -21,6 +21,7 @@ import torch
 
 from rollouts.backends.checkpoint import load_model_weights, read_weights
 from rollouts.backends.decode import FastDecoder, fast_decoder
+from rollouts.backends.lora_files import ADAPTER_CONFIG, load_adapter_dir
 from rollouts.backends.train import attention_mask_4d
 from rollouts.losses import truncation_mask
 from rollouts.types import Sample, SamplingParams, Status
@@ -382,7 +383,10 @@ class InProcessEngine:
         if not self._shares:
             if not Path(path).is_dir():
                 raise ValueError(f"weight path {path!r} is not a directory of HF safetensors weights")
-            load_model_weights(self._model, read_weights(path))
+            if (Path(path) / ADAPTER_CONFIG).is_file():  # a LoRA adapter (model.lora.sync = 'adapter')
+                load_adapter_dir(self._model, path)
+            else:
+                load_model_weights(self._model, read_weights(path))
         self._weight_version = weight_version
 
     async def weight_version(self) -> int | None:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import trio
 
+from rollouts.sync import is_adapter_dir
 from rollouts.types import InferenceEngine, Sample, SamplingParams
 
 _DEFAULT_WINDOW_S = 0.01  # long enough for a nursery's start_soon burst, short next to a forward pass
@@ -257,6 +258,11 @@ class SendWeights:
         return getattr(self.engine, attribute)
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
+        if is_adapter_dir(path):
+            raise ValueError(
+                f"{path!r} is a LoRA adapter: engine.sync = 'http' sends full weights only; use engine.sync = "
+                "'disk' (the engine loads the adapter from that path) or model.lora.sync = 'merged'"
+            )
         tensors = await trio.to_thread.run_sync(read_numpy_weights, path)
         await self.engine.update_weights_from_tensors(tensors, weight_version)  # type: ignore[attr-defined]
 

@@ -15,9 +15,11 @@ from typing import Any
 import trio
 
 from rollouts.backends import TrainingComponents, export_weights
+from rollouts.backends.lora import syncs_adapter
+from rollouts.backends.lora_files import save_adapter
 from rollouts.data import AsyncRolloutManager
 from rollouts.loops.distributed import broadcast_json, rank_world
-from rollouts.loops.run_dir import WEIGHTS_DIR
+from rollouts.loops.run_dir import ADAPTER_DIR, WEIGHTS_DIR
 from rollouts.types import InferenceEngine, RolloutBatch, Sample, TrainingState
 
 
@@ -119,11 +121,16 @@ async def sync_engine(
     version: int | None = None,
 ) -> tuple[TrainingState, dict[str, float]]:
     """Export the weights (every rank; not when the engine samples from the training model itself)
-    and load them into the engine (rank 0) as `version` (default: the next one)."""
+    and load them into the engine (rank 0) as `version` (default: the next one). A LoRA model with
+    sync 'adapter' exports its adapter alone (engines load it as a runtime LoRA adapter); with
+    'merged', the merged full weights."""
     version = state.weight_version + 1 if version is None else version
     start = time.perf_counter()
     path = run_dir / WEIGHTS_DIR
-    if not shares_model:
+    if not shares_model and syncs_adapter(components.model):  # LoRA: the adapter alone, in PEFT's format
+        path = run_dir / ADAPTER_DIR
+        await trio.to_thread.run_sync(save_adapter, components.model, path)
+    elif not shares_model:
         await trio.to_thread.run_sync(export_weights, components, path)
     export_s = time.perf_counter() - start
     if engine is not None and rank_world()[0] == 0:

@@ -1,5 +1,6 @@
 """rollouts-sync: inference-engine clients (vLLM, SGLang) over HTTP and parallel weight sync (no torch)."""
 
+from rollouts.sync._common import is_adapter_dir
 from rollouts.sync._http import EngineError, RetryPolicy
 from rollouts.sync.pool import EnginePool, NoHealthyEngineError
 from rollouts.sync.sglang import SGLangEngine
@@ -29,5 +30,6 @@ __all__ = [
     "SyncResult",
     "VLLMEngine",
     "WeightSyncError",
+    "is_adapter_dir",
     "sync_weights_to_engines",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 from rollouts.types import Sample, SamplingParams, Status
 
@@ -106,3 +107,10 @@ def check_weight_version(weight_version: int) -> int:
     if isinstance(weight_version, bool) or not isinstance(weight_version, int) or weight_version < 0:
         raise ValueError(f"weight_version must be an int >= 0, got {weight_version!r}")
     return weight_version
+
+
+def is_adapter_dir(path: str) -> bool:
+    """Whether `path` holds a LoRA adapter in PEFT's format (adapter_config.json, no config.json) rather
+    than full HF weights. Engines load one as a runtime LoRA adapter instead of reloading weights."""
+    directory = Path(path)
+    return (directory / "adapter_config.json").is_file() and not (directory / "config.json").is_file()

@@ -131,11 +131,14 @@ def launch_vllm_server(
     env: Mapping[str, str] | None = None,
     extra_args: Sequence[str] = (),
     log_path: str | os.PathLike[str] | None = None,
+    max_lora_rank: int | None = None,
 ) -> Iterator[VLLMServer]:
     """Start a vLLM server for `model_dir`; yields once /health answers; stops it on exit.
 
     `python`: the interpreter of an environment with vLLM (default: this one). `env`: extra
-    environment variables for the server. Raises RuntimeError with the log's tail when the server
+    environment variables for the server. `max_lora_rank`: serve LoRA adapters up to that rank,
+    loaded at run time (--enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) as adapter syncs do.
+    Raises RuntimeError with the log's tail when the server
     exits or is not healthy within `startup_timeout_s`.
     """
     model_dir = Path(model_dir).absolute()
@@ -143,6 +146,9 @@ def launch_vllm_server(
         raise ValueError(f"model directory {str(model_dir)!r} has no config.json")
     if not startup_timeout_s > 0:
         raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s}")
+    if max_lora_rank is not None and (isinstance(max_lora_rank, bool) or max_lora_rank < 1):
+        raise ValueError(f"max_lora_rank must be an int >= 1 or None, got {max_lora_rank!r}")
+    lora_args = ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", "2"] if max_lora_rank else []
     python = python or sys.executable
     port = port if port is not None else free_port(host)
     with tempfile.TemporaryDirectory(prefix="rollouts-vllm-") as extension_dir:
@@ -157,12 +163,13 @@ def launch_vllm_server(
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,
             worker_extension=worker_extension,
-            extra_args=extra_args,
+            extra_args=[*lora_args, *extra_args],
         )
         server_env = {
             **os.environ,
             **(env or {}),
             "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc, /reset_prefix_cache
+            **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if max_lora_rank else {}),
             "PYTHONPATH": os.pathsep.join(p for p in (extension_dir, os.environ.get("PYTHONPATH", "")) if p),
         }
         if api_key is not None:

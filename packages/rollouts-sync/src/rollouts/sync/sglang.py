@@ -19,7 +19,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rollouts.sync._common import check_params, check_prompts, check_weight_version, make_sample, parse_weight_version
+from rollouts.sync._common import (
+    check_params,
+    check_prompts,
+    check_weight_version,
+    is_adapter_dir,
+    make_sample,
+    parse_weight_version,
+)
 from rollouts.sync._http import EngineError, HTTPEngineBase, RetryPolicy
 from rollouts.types import Sample, SamplingParams
 
@@ -88,6 +95,11 @@ class SGLangEngine(HTTPEngineBase):
         if not isinstance(path, str) or not path:
             raise ValueError(f"path must be a non-empty str, got {path!r}")
         version = check_weight_version(weight_version)
+        if is_adapter_dir(path):
+            raise ValueError(
+                f"{path!r} is a LoRA adapter; {self.name} (SGLang) takes full weights only here: "
+                "set model.lora.sync = 'merged'"
+            )
         async with self._paused("/pause_generation", "/continue_generation"):
             body = {"model_path": path, "weight_version": str(version), "abort_all_requests": False}
             data = (await self._call("POST", "/update_weights_from_disk", json=body)).json()

@@ -5,6 +5,13 @@ POST /pause?mode=wait, POST /collective_rpc {"method": "reload_weights"}, POST /
 POST /update_weight_version {"new_version"}, POST /resume, GET /weight_info. vLLM keeps the
 weight version as a string; this client writes str(int) and reads it back as an int.
 
+A LoRA adapter directory (PEFT's adapter_config.json + adapter_model.safetensors) given to
+`update_weights_from_disk` is loaded with vLLM's runtime LoRA endpoints instead (server started
+with --enable-lora --max-lora-rank R and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1): under the same pause,
+POST /v1/load_lora_adapter {"lora_name": "<prefix>-v<version>", "lora_path"}, the prefix cache
+reset and the version set; generation is then routed to that adapter (the completion's "model")
+and the previous version's adapter is unloaded (POST /v1/unload_lora_adapter).
+
 Legend: P prompts, G samples per prompt, R response tokens.
 """
 
@@ -18,7 +25,7 @@ import httpx
 import numpy as np
 from safetensors.numpy import save as safetensors_save
 
-from rollouts.sync._common import check_params, check_prompts, check_weight_version, make_sample
+from rollouts.sync._common import check_params, check_prompts, check_weight_version, is_adapter_dir, make_sample
 from rollouts.sync._http import EngineError, HTTPEngineBase, RetryPolicy
 from rollouts.types import Sample, SamplingParams
 
@@ -46,6 +53,7 @@ class VLLMEngine(HTTPEngineBase):
         max_connections: int = 64,
         pause_mode: str = "wait",
         retry: RetryPolicy | None = None,
+        adapter_prefix: str = "rollouts",
         seed: int | None = None,
         logprobs_mode: str = "processed_logprobs",
     ) -> None:
@@ -68,6 +76,13 @@ class VLLMEngine(HTTPEngineBase):
         )
         self.pause_mode = pause_mode
         self._model = model
+        self.adapter_prefix = adapter_prefix
+        self._adapter: str | None = None  # the LoRA adapter generation is routed to, once one is loaded
+
+    @property
+    def adapter(self) -> str | None:
+        """Name of the LoRA adapter that serves generation (None: the base model's weights)."""
+        return self._adapter
 
     async def model_name(self) -> str:
         """The served model name (asked once from /v1/models, then remembered)."""
@@ -105,7 +120,7 @@ class VLLMEngine(HTTPEngineBase):
         """[P * G] Samples in prompt-major order (all G of prompt 0, then prompt 1, ...)."""
         prompts_P = check_prompts(prompts)
         params = check_params(params)
-        body = self.completion_request(prompts_P, params, await self.model_name())
+        body = self.completion_request(prompts_P, params, self._adapter or await self.model_name())
         version = self._weight_version
         data = (await self._call("POST", "/v1/completions", json=body)).json()
         of = "sampling" if self.logprobs_mode == "processed_logprobs" and params.temperature > 0 else "model"
@@ -118,8 +133,36 @@ class VLLMEngine(HTTPEngineBase):
         if not isinstance(path, str) or not path:
             raise ValueError(f"path must be a non-empty str, got {path!r}")
         version = check_weight_version(weight_version)
+        if is_adapter_dir(path):
+            await self._load_adapter(path, version)
+            return
         rpc = {"method": "reload_weights", "kwargs": {"weights_path": path}}
         await self._paused_update([rpc], version)
+
+    async def _load_adapter(self, path: str, version: int) -> None:
+        """Load the adapter at `path` as `<prefix>-v<version>`, route generation to it, drop the old one."""
+        name, previous = f"{self.adapter_prefix}-v{version}", self._adapter
+        await self.model_name()  # the base model's name, asked before adapters are listed beside it
+        async with self._paused("/pause", "/resume", params={"mode": self.pause_mode}):
+            body = {"lora_name": name, "lora_path": path, "load_inplace": name == previous}
+            try:
+                await self._call("POST", "/v1/load_lora_adapter", json=body)
+            except EngineError as e:
+                raise EngineError(
+                    f"{e} (a LoRA adapter sync needs vLLM started with --enable-lora --max-lora-rank >= the "
+                    "adapter's rank and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, e.g. `rollouts engine vllm "
+                    "--max-lora-rank R`; or set model.lora.sync = 'merged')",
+                    engine=e.engine,
+                    url=e.url,
+                    status=e.status,
+                    text=e.text,
+                ) from e
+            await self.reset_prefix_cache()
+            await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+            self._adapter = name
+            if previous is not None and previous != name:
+                await self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": previous})
+        await self._check_version(version)
 
     async def update_weights_from_tensors(
         self, tensors: Mapping[str, np.ndarray], weight_version: int, *, chunk_bytes: int = _DEFAULT_CHUNK_BYTES
@@ -141,6 +184,10 @@ class VLLMEngine(HTTPEngineBase):
                 _raise_on_rpc_error(data, engine=self.name, url=f"{self.name}/collective_rpc")
             await self.reset_prefix_cache()
             await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+            self._adapter = None  # full weights: the base model serves again
+        await self._check_version(version)
+
+    async def _check_version(self, version: int) -> None:
         got = await self.weight_version()
         if got != version:
             raise EngineError(

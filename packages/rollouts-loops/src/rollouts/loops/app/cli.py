@@ -349,14 +349,18 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
         )
     if shares:
         model = components.model
-    elif world == 1 and run.model.lora.enabled:  # the engine's copy: merged weights, no adapter
+    elif world == 1 and run.model.lora.enabled and run.model.lora.sync == "merged":
         from rollouts.backends.lora import merged_copy
 
-        model = merged_copy(components.model)
+        model = merged_copy(components.model)  # the engine's copy: merged weights, no adapter
     elif world == 1:
         model = copy.deepcopy(components.model)
     else:  # the trained model is sharded: rank 0 samples from a full copy of its own
         model = load_hf_model(run.model.path, device=components.device)
+        if run.model.lora.enabled and run.model.lora.sync == "adapter":
+            from rollouts.backends.lora import apply_lora
+
+            model = apply_lora(model, run.model.lora)
     return CoalescingEngine(
         InProcessEngine(model, shares_training_model=shares, tokenizer=tokenizer),
         max_prompts_per_call=run.rl.rollout.batch_size,
@@ -549,10 +553,20 @@ def _parser() -> argparse.ArgumentParser:
     from rollouts.loops.app.engine_cmd import add_engine_parser
 
     add_engine_parser(sub)
+    from rollouts.loops.app.export_cmd import add_export_parser
+
+    add_export_parser(sub)
     p = sub.add_parser("demo", help="tiny model: SFT then RL on addition, on CPU, in minutes")
     p.add_argument("--quick", action="store_true", help="a sub-minute variant (no accuracy targets)")
     p.add_argument("--out", default=None, help="run directory (default runs/demo-<time>)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a DemoConfig field (rl_steps=100) or the RL stage's LoRA (model.lora.rank=8)",
+    )
     return parser
 
 
@@ -607,15 +621,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             from rollouts.loops.app.engine_cmd import cmd_engine
 
             return cmd_engine(args)
+        elif args.command == "export":
+            from rollouts.loops.app.export_cmd import cmd_export
+
+            return cmd_export(args)
         elif args.command == "plot":
             from rollouts.loops.app.plot import plot_run
 
             print(plot_run(args.run_dir, out=args.out))
         elif args.command == "demo":
-            from rollouts.loops.app.demo import DemoConfig, run_demo
+            from rollouts.loops.app.demo import DemoConfig, demo_overrides, run_demo
 
             config = DemoConfig.quick() if args.quick else DemoConfig()
-            config = dataclasses.replace(config, seed=args.seed)
+            config = demo_overrides(dataclasses.replace(config, seed=args.seed), args.set)
             out = args.out or f"runs/demo-{datetime.now():%Y%m%d-%H%M%S}"
             run_demo(config, out)
         clean = True

@@ -248,6 +248,14 @@ class RLRun:
         require(
             not self.preset or self.preset in ALGORITHMS, "RLRun.preset", self.preset, f"be one of {sorted(ALGORITHMS)}"
         )
+        if self.model.lora.enabled and self.model.lora.sync == "adapter" and self.engine.kind != "inprocess":
+            require(
+                self.engine.kind == "vllm" and self.engine.sync == "disk",
+                "RLRun.model.lora.sync",
+                self.model.lora.sync,
+                "be 'merged' unless engine.kind = 'vllm' with engine.sync = 'disk' (vLLM loads the adapter "
+                f"from the trainer's path; got kind {self.engine.kind!r}, sync {self.engine.sync!r})",
+            )
 
 
 def _parse_value(text: str) -> Any:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from rollouts.loops.app.tiny import build_tiny_model, build_tokenizer, save_mode
 from rollouts.types import (
     AlgorithmConfig,
     CheckpointConfig,
+    LoraConfig,
     OptimizerConfig,
     RLConfig,
     RolloutConfig,
@@ -62,6 +63,10 @@ class DemoConfig:
     rl_lr: float = 1e-4
     rl_temperature: float = 1.0
     threads: int = 2
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """The RL stage trains a LoRA adapter on the SFT model (rank 0: every weight); `--set model.lora.rank=8`."""
+    rl_lora_lr: float = 2e-3
+    """RL learning rate with LoRA (adapters take larger steps than full fine-tuning's rl_lr)."""
     smoke: bool = False
     """A smoke run (--quick): too short to learn the task; the summary shows loss and reward trends."""
 
@@ -84,6 +89,19 @@ class DemoConfig:
             rl_samples_per_prompt=4,
             smoke=True,
         )
+
+
+def demo_overrides(config: DemoConfig, overrides: list[str]) -> DemoConfig:
+    """`config` with `--set` overrides: DemoConfig fields by name, the RL stage's LoRA as model.lora.<field>."""
+    from rollouts.loops.app.config import ConfigError, apply_overrides
+    from rollouts.types import from_dict
+
+    items = [o[len("model.") :] if o.startswith("model.lora.") else o for o in overrides]
+    data = apply_overrides(dataclasses.asdict(config), items)
+    try:
+        return from_dict(DemoConfig, data)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"demo --set {' '.join(overrides)}: {e}") from e
 
 
 def _first_last(history: list[dict[str, float]], key: str, span: int = 3) -> tuple[float, float]:
@@ -206,12 +224,19 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
             ),
         ),
         algorithm=AlgorithmConfig(advantage_estimator="grpo", policy_loss="ppo_clip", loss_aggregation="token-mean"),
-        optimizer=OptimizerConfig(lr=config.rl_lr, warmup_steps=0, schedule="constant", max_grad_norm=1.0),
+        optimizer=OptimizerConfig(
+            lr=config.rl_lora_lr if config.lora.enabled else config.rl_lr,
+            warmup_steps=0,
+            schedule="constant",
+            max_grad_norm=1.0,
+        ),
         checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
         max_tokens_per_micro_batch=4096,
         seed=config.seed,
     )
-    rl_components = build_components(model, rl.optimizer, num_training_steps=rl.num_steps)
+    rl_components = build_components(
+        model, rl.optimizer, num_training_steps=rl.num_steps, lora=config.lora if config.lora.enabled else None
+    )
     from rollouts.loops import CoalescingEngine
 
     rl_engine = CoalescingEngine(engine, max_prompts_per_call=config.rl_prompts_per_step)

@@ -35,6 +35,12 @@ def add_engine_parser(sub: Any) -> None:
     p.add_argument("--startup-timeout-s", type=float, default=900.0)
     p.add_argument("--log", default=None, help="server log file (default: vllm-<port>.log here)")
     p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        help="serve LoRA adapters up to this rank, loaded at run time (model.lora.sync = 'adapter')",
+    )
+    p.add_argument(
         "--vllm-args",
         default="",
         help="more vLLM server arguments, one quoted string (e.g. '--gpu-memory-utilization 0.8')",
@@ -63,6 +69,7 @@ def cmd_engine(args: argparse.Namespace) -> int:
         startup_timeout_s=args.startup_timeout_s,
         extra_args=extra,
         log_path=log,
+        max_lora_rank=args.max_lora_rank,
     ) as server:
         print(f"engine ready: {server.url}", flush=True)
         print(
