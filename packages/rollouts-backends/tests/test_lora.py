@@ -152,5 +152,9 @@ def test_lora_under_fsdp2_on_two_gloo_ranks_matches_one_process(tmp_path):
     assert set(adapter) == set(expected)
     worst = max(float((adapter[k] - expected[k]).abs().max()) for k in expected)
     assert worst <= _WEIGHT_ATOL
+    resumed = load_file(str(tmp_path / "resumed.safetensors"))  # saved sharded, loaded into a fresh sharded model
+    assert set(resumed) == set(adapter) and all(torch.equal(resumed[k], adapter[k]) for k in adapter)
+    files = json.loads((tmp_path / "ckpt" / f"step_{NUM_STEPS}" / "state.json").read_text())["files"]
+    assert "adapter_model.safetensors" in files and "model.safetensors" not in files
     reference = compute_logprobs(reference_components(single), [packed_batch(GLOBAL_SEQUENCES)])[0]
     np.testing.assert_allclose(np.array(result["reference"]), reference, rtol=0, atol=1e-10)
