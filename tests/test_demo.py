@@ -27,3 +27,20 @@ def test_quick_demo_writes_summary_plot_metrics_and_a_loadable_model(tmp_path, c
     tokenizer = AutoTokenizer.from_pretrained(str(out / "final_model"), local_files_only=True)
     ids = tokenizer("12+34=", return_tensors="pt").input_ids
     assert model(ids).logits.shape[-1] == len(tokenizer)
+
+
+def test_the_demo_rl_stage_trains_a_lora_adapter_with_set(tmp_path, capsys):
+    from safetensors import safe_open
+
+    out = tmp_path / "demo"
+    sets = ["--set", "model.lora.rank=8", "--set", "rl_steps=2"]
+    assert main(["demo", "--quick", *sets, "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["lora"]["rank"] == 8 and summary["config"]["rl_steps"] == 2
+    assert len(read_jsonl(out / "metrics_rl.jsonl")) == 2
+    with safe_open(str(out / "final_model" / "model.safetensors"), "pt") as f:  # merged: the base names only
+        assert not any(".lora_" in k or "base_layer" in k for k in f.keys())
+    capsys.readouterr()
+    assert main(["demo", "--quick", "--set", "model.lora.rank=-1", "--out", str(tmp_path / "bad")]) == 2
+    assert "LoraConfig.rank must be >= 0 (0: no adapter), got -1" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
