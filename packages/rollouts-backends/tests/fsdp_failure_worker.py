@@ -18,6 +18,7 @@ from fsdp_worker import sharded_components
 
 import rollouts.backends.checkpoint as ck
 from rollouts.backends import latest_checkpoint, save_checkpoint, wait_for_checkpoint
+from rollouts.backends.distributed import close_process_group
 from rollouts.types import TrainingState
 
 
@@ -61,8 +62,7 @@ def main(out: Path) -> None:
     wait_for_checkpoint()
     results["latest"] = str(latest_checkpoint(root))
     (out / f"rank{rank}.json").write_text(json.dumps(results))
-    dist.barrier()  # no rank leaves while a peer still has a collective in flight
-    dist.destroy_process_group()
+    close_process_group()  # monitored barrier, then destroy: no rank leaves under a peer's send
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from rollouts.backends import (
     save_checkpoint,
     shard_model,
 )
+from rollouts.backends.distributed import close_process_group
 from rollouts.losses import sft_loss_fn
 from rollouts.types import OptimizerConfig, TrainingState
 
@@ -86,8 +87,7 @@ def main(out: Path, bug: bool) -> None:
     if rank == 0:
         record = {"losses": losses, "grad_norms": grad_norms, "resumed_step": state.step}
         (out / "losses.json").write_text(json.dumps(record))
-    dist.barrier()  # no rank leaves while a peer still has a collective in flight
-    dist.destroy_process_group()
+    close_process_group()  # monitored barrier, then destroy: no rank leaves under a peer's send
 
 
 if __name__ == "__main__":

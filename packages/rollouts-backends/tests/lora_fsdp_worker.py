@@ -20,6 +20,7 @@ from helpers import TRAIN_CONFIG_KW, packed_batch, tiny_model
 from safetensors.torch import save_file
 
 from rollouts.backends import build_components, compute_logprobs, load_checkpoint, save_checkpoint, shard_model
+from rollouts.backends.distributed import close_process_group
 from rollouts.backends.lora import adapter_state_dict, apply_lora, reference_components
 from rollouts.types import LoraConfig, OptimizerConfig, TrainingState
 
@@ -52,8 +53,7 @@ def main(out: Path) -> None:
         save_file(reloaded, str(out / "resumed.safetensors"))
         record = {"losses": losses, "grad_norms": grad_norms, "reference": ref.tolist()}
         (out / "lora.json").write_text(json.dumps(record))
-    dist.barrier()
-    dist.destroy_process_group()
+    close_process_group()  # monitored barrier, then destroy: no rank leaves under a peer's send
 
 
 if __name__ == "__main__":

@@ -11,11 +11,47 @@ supported by gloo.)
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-__all__ = ["data_parallel_size", "enable_activation_checkpointing", "shard_model", "transformer_blocks"]
+__all__ = [
+    "close_process_group",
+    "data_parallel_size",
+    "enable_activation_checkpointing",
+    "shard_model",
+    "transformer_blocks",
+]
+
+CLOSE_BARRIER_TIMEOUT_S = 300.0
+"""How long a rank waits at the closing barrier for the others (a checkpoint flush on rank 0, say)."""
+
+
+def close_process_group(*, clean: bool = True) -> None:
+    """Leave the default process group on every exit path; a no-op without one.
+
+    `clean` (the work finished on this rank): wait at a barrier first, so that no rank destroys its
+    group while a peer still has a collective in flight against it, then destroy the group while
+    the interpreter is fully alive. A group left to the interpreter's exit, or destroyed under a
+    peer's pending work, can abort the process in gloo's destructor with "terminate called without
+    an active exception" (pytorch/pytorch#190489). On gloo the barrier is `monitored_barrier`:
+    rank 0 hears from every rank and answers each, so no send is still in flight when a rank
+    leaves (a plain barrier is an allreduce whose last send may be), and it is bounded, naming the
+    rank that never arrived. After a failure the barrier is skipped: the peers may never reach it.
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        if clean:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=CLOSE_BARRIER_TIMEOUT_S))
+            else:
+                dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -6,7 +6,6 @@ as pickles.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 from typing import Any
@@ -14,8 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-CLOSE_BARRIER_TIMEOUT_S = 300.0
-"""How long a rank waits at the closing barrier for the others (a checkpoint flush on rank 0, say)."""
+from rollouts.backends.distributed import close_process_group
 
 
 def init_distributed() -> tuple[int, int]:
@@ -35,26 +33,8 @@ def init_distributed() -> tuple[int, int]:
 
 
 def close_distributed(*, clean: bool = True) -> None:
-    """Leave the process group on every exit path; a no-op without one.
-
-    `clean` (the run finished on this rank): wait at a barrier first, so that no rank destroys its group
-    while a peer still has a collective in flight against it, then destroy the group while the
-    interpreter is fully alive. A group left to the interpreter's exit (or destroyed under a peer's
-    pending work) can abort the process in gloo's destructor with "terminate called without an active
-    exception" (pytorch/pytorch#190489; the atexit fix proposed in pytorch/pytorch#179291 was
-    abandoned). After a failure the barrier is skipped: the peers may never reach it.
-    """
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    try:
-        if clean:
-            if dist.get_backend() == "gloo":  # bounded: names the rank that never arrived
-                dist.monitored_barrier(timeout=datetime.timedelta(seconds=CLOSE_BARRIER_TIMEOUT_S))
-            else:
-                dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    """Leave the process group on every exit path (rollouts.backends' close_process_group)."""
+    close_process_group(clean=clean)
 
 
 def rank_world() -> tuple[int, int]:
