@@ -334,7 +334,9 @@ def value_loss(
     clip_frac: Tensor | float = 0.0
     if clip_range is not None:
         old = old_values_B_T.detach()
-        clipped_B_T = (old + torch.clamp(values_B_T - old, -clip_range, clip_range) - returns) ** 2
+        # Clamp v itself (not old + clamp(v - old)): inside the band the clipped value is exactly v, so
+        # rounding in old + (v - old) cannot count an unclipped token as clipped.
+        clipped_B_T = (torch.clamp(values_B_T, old - clip_range, old + clip_range) - returns) ** 2
         loss_B_T = torch.maximum(unclipped_B_T, clipped_B_T)
         clip_frac = masked_mean((clipped_B_T > unclipped_B_T).float(), mask_B_T)
     loss = 0.5 * aggregate(
