@@ -125,5 +125,7 @@ def test_presets_are_distinct_and_valid():
     assert len({dataclasses.astuple(c) for c in ALGORITHMS.values()}) == len(ALGORITHMS)
     assert algorithm_preset("drgrpo").advantage_scale == "none"
     assert algorithm_preset("dapo").eps_high == 0.28
+    assert algorithm_preset("gpg").advantage_estimator == "gpg" and algorithm_preset("gpg").policy_loss == "pg"
+    assert algorithm_preset("grpo_passk").advantage_estimator == "grpo_passk"
     with pytest.raises(ValueError, match="unknown algorithm preset 'x'; allowed"):
         algorithm_preset("x")

@@ -12,6 +12,10 @@ Each preset follows its paper's defaults where they are settings of our configs;
   1e-3 (log pi - log pi_rollout)^2); dppo_kl: the binary-KL variant, whose threshold 0.05 is our
   choice (a probability move of 0.2 from p = 0.2 to 0.5 has binary KL about 0.09).
 - kl_cov: the Entropy-Mechanism recipe's 2e-3 of tokens (clip_cov keeps verl's 2e-4).
+- gpg (arXiv 2504.02546): plain policy gradient -A log pi with no ratio, clip or KL, advantages
+  alpha (r - group mean) (rollouts.losses.gpg_advantages), token-mean as in verl's gpg loss.
+- grpo_passk (verl "grpo_passk"): GRPO's clipped surrogate with only each group's best sample
+  credited (rollouts.losses.passk_advantages).
 """
 
 from __future__ import annotations
@@ -125,6 +129,10 @@ ALGORITHMS: Mapping[str, AlgorithmConfig] = MappingProxyType(
             cov_fraction=2e-3,
             kl_cov_coef=1.0,
             loss_aggregation="token-mean",
+        ),
+        "gpg": AlgorithmConfig(advantage_estimator="gpg", policy_loss="pg", loss_aggregation="token-mean"),
+        "grpo_passk": AlgorithmConfig(
+            advantage_estimator="grpo_passk", policy_loss="ppo_clip", loss_aggregation="token-mean"
         ),
     }
 )
