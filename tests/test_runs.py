@@ -143,7 +143,7 @@ def test_gradient_checkpointing_is_honoured_in_one_process_with_the_same_gradien
 
     from rollouts.backends import forward_backward
     from rollouts.data import pack_samples
-    from rollouts.loops.app.cli import _components
+    from rollouts.loops.app.run_setup import run_components as _components
     from rollouts.losses import sft_loss_fn
     from rollouts.types import OptimizerConfig, Sample
 

@@ -1,0 +1,303 @@
+"""The `rollouts sft`, `rl`, `eval` and `pipeline` commands: a checked config in, a finished run out."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from rollouts.loops.app.config import ConfigError, RLRun, SFTRun
+from rollouts.loops.app.run_setup import (
+    answer_fields,
+    check_paths,
+    default_out_dir,
+    distributed,
+    load_data,
+    local_model,
+    prepare_run,
+    release_run,
+    run_components,
+    run_loggers,
+    run_tokenizer,
+    sharded_model,
+)
+
+
+def cmd_sft(run: SFTRun, source: str) -> Path:
+    """Tokenize conversations with the model's chat template and train; returns the checkpoint root."""
+    run = local_model(run, source)
+    check_paths(run, source)
+    from rollouts.data import load_conversations, tokenize_conversation
+    from rollouts.loops import CHECKPOINTS_DIR, run_sft_training
+
+    rank, world = distributed()
+    conversations = load_data(load_conversations, run.data.train_path)  # bad data refused before the run dir is touched
+    run, resume = prepare_run(run, "sft", source)
+    out = Path(run.run.out_dir)
+    try:
+        tokenizer = run_tokenizer(run)
+        samples = [
+            tokenize_conversation(list(c), tokenizer, max_length=run.sft.max_length, train_on=run.sft.train_on)
+            for c in conversations
+        ]
+        components = run_components(run, run.sft.optimizer, run.sft.num_steps)
+        logger = run_loggers(run, out, "sft", run.sft.num_steps, rank=rank)
+        try:
+            state, _ = run_sft_training(
+                components,
+                samples,
+                run.sft,
+                logger=logger,
+                run_dir=out,
+                resume=resume,
+                resume_from=run.run.resume_from or None,
+                tokenizer=tokenizer,
+            )
+        finally:
+            logger.close()
+    finally:
+        release_run(out, rank)
+    print(f"sft: finished at step {state.step}; checkpoints in {out / CHECKPOINTS_DIR}", file=sys.stderr)
+    return out / CHECKPOINTS_DIR
+
+
+def _encoder(tokenizer):
+    def encode(record: Any) -> list[int]:
+        prompt = record["prompt"] if isinstance(record, dict) else record
+        if isinstance(prompt, str) and not getattr(tokenizer, "chat_template", None):
+            return tokenizer.encode(prompt, add_special_tokens=False)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    return encode
+
+
+def _builtin_reward(name: str, answer_key: str) -> Any:
+    from rollouts.loops.app.tasks import exact_answer_reward
+    from rollouts.losses import math_answer_reward
+
+    if name == "environment":
+        from rollouts.loops import environment_reward
+
+        return environment_reward
+    if name == "math_answer":
+
+        def math_answer(sample: Any, record: Any) -> float:
+            return math_answer_reward(sample, answer_key=answer_key)
+
+        return math_answer
+
+    def exact_match(sample: Any, record: Any) -> float:
+        return exact_answer_reward(sample, record, answer_key=answer_key)
+
+    return exact_match
+
+
+def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
+    """run_rl_training's plug-point arguments from [reward] and [hooks], checked before any work."""
+    from rollouts.loops import PluginError, Reward, resolve_function
+    from rollouts.loops.app.config import BUILTIN_REWARDS
+
+    spec = run.reward
+    try:
+        if spec.fn in BUILTIN_REWARDS:
+            fn = _builtin_reward(spec.fn, run.data.answer_key)
+        else:
+            what = "reward(samples, records) -> list[float]" if spec.batched else "reward(sample, record) -> float"
+            fn = resolve_function(spec.fn, key="reward.fn", num_positional=2, what=what)
+        hooks: dict[str, Any] = {
+            "reward": Reward(fn=fn, batched=spec.batched, on_error=spec.on_error, timeout_s=spec.timeout_s)
+        }
+        for key, arg, arity, what in (
+            ("rollout", "rollout", 2, "rollout(record, ctx) -> list[Sample]"),
+            ("filter", "filter_fn", 1, "filter(group) -> str | None"),
+            ("advantages", "advantage_fn", 2, "advantages(rewards_N, groups_N) -> advantages_N"),
+            ("loss", "loss_fn", 2, "loss(logprobs_B_T, batch, *, num_tokens, num_sequences)"),
+        ):
+            path = getattr(run.hooks, key)
+            if path:
+                hooks[arg] = resolve_function(path, key=f"hooks.{key}", num_positional=arity, what=what)
+    except PluginError as e:
+        raise ConfigError(f"{source}: {e}") from e
+    return hooks
+
+
+def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> Any:
+    """Rank 0's engine (None on other ranks): the in-process sampler or remote servers."""
+    import copy
+
+    from rollouts.backends import InProcessEngine, load_hf_model
+    from rollouts.loops import CoalescingEngine, remote_engine
+    from rollouts.loops.distributed import rank_world
+
+    rank, world = rank_world()
+    if rank != 0:
+        return None
+    if run.engine.kind != "inprocess":
+        return remote_engine(
+            run.engine.kind,
+            run.engine.urls,
+            api_key_env=run.engine.api_key_env,
+            timeout_s=run.engine.timeout_s,
+            max_retries=run.engine.max_retries,
+            sync_timeout_s=run.engine.sync_timeout_s,
+            sync=run.engine.sync,
+        )
+    if shares:
+        model = components.model
+    elif world == 1 and run.model.lora.enabled and run.model.lora.sync == "merged":
+        from rollouts.backends.lora import merged_copy
+
+        model = merged_copy(components.model)  # the engine's copy: merged weights, no adapter
+    elif world == 1:
+        model = copy.deepcopy(components.model)
+    else:  # the trained model is sharded: rank 0 samples from a full copy of its own
+        model = load_hf_model(run.model.path, device=components.device)
+        if run.model.lora.enabled and run.model.lora.sync == "adapter":
+            from rollouts.backends.lora import apply_lora
+
+            model = apply_lora(model, run.model.lora)
+    return CoalescingEngine(
+        InProcessEngine(model, shares_training_model=shares, tokenizer=tokenizer),
+        max_prompts_per_call=run.rl.rollout.batch_size,
+    )
+
+
+def _evaluation(run: RLRun) -> Any:
+    """The run's Evaluation from [eval] and data.eval_path, or None."""
+    import dataclasses as dc
+
+    from rollouts.data import load_prompts
+    from rollouts.loops import Evaluation
+
+    if run.eval.every_steps == 0:
+        return None
+    if not run.data.eval_path:
+        raise ConfigError("eval.every_steps > 0 needs data.eval_path")
+    records = load_data(
+        load_prompts, run.data.eval_path, field=run.data.prompt_key, required_fields=answer_fields(run)
+    )[: run.data.num_eval]
+    if run.data.prompt_key != "prompt":
+        records = [{**r, "prompt": r[run.data.prompt_key]} for r in records]
+    sampling = dc.replace(run.rl.rollout.sampling, n=run.eval.samples_per_prompt, temperature=run.eval.temperature)
+    return Evaluation(records=tuple(records), every_steps=run.eval.every_steps, sampling=sampling)
+
+
+def cmd_rl(run: RLRun, source: str) -> Path:
+    """RL from the configured model against the configured engine(s); returns the checkpoint root."""
+    run = local_model(run, source)
+    check_paths(run, source)
+    from rollouts.data import DataBuffer, load_prompts
+    from rollouts.loops import CHECKPOINTS_DIR, run_rl_training
+    from rollouts.loops.policy_update import check_algorithm
+
+    try:
+        check_algorithm(run.rl.algorithm)
+    except ValueError as e:
+        raise ConfigError(f"{source}: {e}") from e
+    hooks = resolve_hooks(run, source)
+    try:
+        evaluation = _evaluation(run)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from e
+    rank, world = distributed()
+    records = load_data(
+        load_prompts, run.data.train_path, field=run.data.prompt_key, required_fields=answer_fields(run)
+    )
+    if run.data.prompt_key != "prompt":
+        records = [{**r, "prompt": r[run.data.prompt_key]} for r in records]
+    run, resume = prepare_run(run, "rl", source)
+    out = Path(run.run.out_dir)
+    try:
+        tokenizer = run_tokenizer(run)
+        components = run_components(run, run.rl.optimizer, run.rl.num_steps * run.rl.algorithm.num_updates_per_batch)
+        shares = run.engine.kind == "inprocess" and not run.rl.overlap and world == 1
+        ref_components = None
+        if run.rl.algorithm.needs_reference and run.model.lora.enabled:
+            from rollouts.backends.lora import reference_components
+
+            ref_components = reference_components(components)  # the base: the adapter switched off
+        elif world > 1 and run.rl.algorithm.needs_reference:
+            # The starting model, sharded like the trained one (one process copies it itself).
+            ref_components = dataclasses.replace(components, model=sharded_model(run, components.device).eval())
+        logger = run_loggers(run, out, "rl", run.rl.num_steps * run.rl.algorithm.num_updates_per_batch, rank=rank)
+        try:
+            state, _ = run_rl_training(
+                components,
+                DataBuffer(records, seed=run.rl.seed),
+                _rl_engine(run, components, tokenizer, shares=shares),
+                run.rl,
+                encode_prompt=_encoder(tokenizer),
+                logger=logger,
+                run_dir=out,
+                engine_shares_model=shares,
+                resume=resume,
+                resume_from=run.run.resume_from or None,
+                tokenizer=tokenizer,
+                ref_components=ref_components,
+                evaluation=evaluation,
+                num_logged_completions=run.log.num_sample_completions,
+                **hooks,
+            )
+        finally:
+            logger.close()
+    finally:
+        release_run(out, rank)
+    print(
+        f"rl: finished at step {state.step}, weight version {state.weight_version}; "
+        f"checkpoints in {out / CHECKPOINTS_DIR}",
+        file=sys.stderr,
+    )
+    return out / CHECKPOINTS_DIR
+
+
+def cmd_eval(run: RLRun, source: str, checkpoint: str) -> dict[str, float]:
+    """Evaluate a saved model on data.eval_path with [eval] and [reward]; prints and returns the metrics."""
+    import trio
+
+    from rollouts.backends import InProcessEngine, load_hf_model
+    from rollouts.loops import evaluate_groups, group_metrics
+
+    if not (Path(checkpoint) / "config.json").is_file():
+        raise ConfigError(f"--checkpoint {checkpoint!r} must be an HF-format model directory (config.json)")
+    run = dataclasses.replace(
+        run,
+        model=dataclasses.replace(run.model, path=checkpoint),
+        eval=dataclasses.replace(run.eval, every_steps=max(1, run.eval.every_steps)),
+    )
+    check_paths(run, source)
+    evaluation = _evaluation(run)
+    reward = resolve_hooks(run, source)["reward"]
+    tokenizer = run_tokenizer(run)
+    engine = InProcessEngine(load_hf_model(checkpoint, device=run.model.device), tokenizer=tokenizer)
+    groups = trio.run(evaluate_groups, engine, evaluation.records, _encoder(tokenizer), reward, evaluation.sampling)
+    metrics = {**group_metrics(groups), "num_eval": float(len(groups))}
+    print(json.dumps(metrics))
+    return metrics
+
+
+def cmd_pipeline(sft: SFTRun, sft_source: str, rl: RLRun, rl_source: str) -> Path:
+    """SFT, then RL from SFT's newest checkpoint; both configs checked before any work. Returns RL's
+    checkpoint root."""
+    from rollouts.backends import latest_checkpoint
+
+    check_paths(rl, rl_source, model=False)  # the RL stage starts from what SFT will write
+    distributed()
+    if not sft.run.out_dir or not rl.run.out_dir:  # each stage its own directory under one root
+        root = default_out_dir("pipeline")
+        sft = dataclasses.replace(sft, run=dataclasses.replace(sft.run, out_dir=sft.run.out_dir or f"{root}/sft"))
+        rl = dataclasses.replace(rl, run=dataclasses.replace(rl.run, out_dir=rl.run.out_dir or f"{root}/rl"))
+    checkpoint = latest_checkpoint(cmd_sft(sft, sft_source))
+    if checkpoint is None:
+        raise ConfigError(f"{sft_source}: SFT wrote no complete checkpoint to start RL from")
+    checkpoint = checkpoint.absolute()  # recorded in RL's resolved config: where its weights came from
+    rl = dataclasses.replace(
+        rl,
+        model=dataclasses.replace(
+            rl.model, path=str(checkpoint), tokenizer_path=rl.model.tokenizer_path or str(checkpoint)
+        ),
+    )
+    return cmd_rl(rl, rl_source)

@@ -1,0 +1,222 @@
+"""Building a run from its checked config: the run directory (resolved config, lock, resume verdict),
+the model, optimizer and tokenizer (sharded under torchrun), the data loaders' errors as config errors,
+and the metrics loggers. The commands in `commands.py` are made of these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from rollouts.loops.app.config import ConfigError, to_toml
+
+_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+def write_resolved(run: Any, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "resolved_config.toml").write_text(to_toml(run))
+    (out / "resolved_config.json").write_text(json.dumps(dataclasses.asdict(run), indent=2) + "\n")
+
+
+def default_out_dir(command: str) -> str:
+    """runs/<command>-<date>-<time>, the same on every rank (rank 0's clock, broadcast)."""
+    from rollouts.loops.distributed import broadcast_json, rank_world
+
+    name = str(Path(f"runs/{command}-{datetime.now():%Y%m%d-%H%M%S}").absolute()) if rank_world()[0] == 0 else None
+    return broadcast_json(name)
+
+
+def model_fingerprint(path: str) -> str:
+    """Cheap identity of a model directory: its JSON files' bytes, its weight files' names and sizes."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for p in sorted(Path(path).iterdir()):
+        if p.suffix == ".json" and p.name != "state.json":
+            digest.update(p.name.encode() + p.read_bytes())
+        elif p.suffix == ".safetensors":
+            digest.update(f"{p.name}:{p.stat().st_size}".encode())
+    return digest.hexdigest()
+
+
+def prepare_run(run: Any, command: str, source: str) -> tuple[Any, bool]:
+    """The run with its out_dir decided, and whether it resumes (announced); a refused resume is a ConfigError."""
+    from rollouts.loops.distributed import broadcast_json, rank_world
+    from rollouts.loops.run_dir import RunDirInUse, acquire_run_dir, check_resume, file_fingerprint, release_run_dir
+
+    run = dataclasses.replace(
+        run, run=dataclasses.replace(run.run, out_dir=run.run.out_dir or default_out_dir(command))
+    )
+    out = Path(run.run.out_dir)
+    verdict: dict[str, Any] | None = None
+    if rank_world()[0] == 0:  # held until the command ends (release_run_dir); refused if another run has it
+        try:
+            acquire_run_dir(out)
+            inputs = {"model": model_fingerprint(run.model.path), "train_data": file_fingerprint(run.data.train_path)}
+            identity = {"config": {k: v for k, v in dataclasses.asdict(run).items() if k != "run"}, "inputs": inputs}
+            resumes = check_resume(
+                out,
+                identity,
+                mode="must" if run.run.resume_from else run.run.resume,
+                check_newest=not run.run.resume_from,
+            )
+            verdict = {"resume": resumes}
+        except (ValueError, RunDirInUse) as e:
+            verdict = {"error": f"{source}: {e}", "locked": not isinstance(e, RunDirInUse)}
+    verdict = broadcast_json(verdict)
+    if "error" in verdict:
+        if verdict.get("locked") and rank_world()[0] == 0:
+            release_run_dir(out)
+        raise ConfigError(verdict["error"])
+    if rank_world()[0] == 0:
+        write_resolved(run, out)
+        print(f"{command}: {'resuming the run in' if verdict['resume'] else 'new run in'} {out}", file=sys.stderr)
+    return run, bool(verdict["resume"])
+
+
+def load_data(loader: Any, *args: Any, **kwargs: Any) -> Any:
+    """A data loader's result; its ValueError (naming file, line and field) becomes a ConfigError."""
+    try:
+        return loader(*args, **kwargs)
+    except ValueError as e:
+        raise ConfigError(f"data error: {e}") from e
+
+
+def answer_fields(run: Any) -> tuple[str, ...]:
+    """Fields every prompt record needs for the configured reward: the built-in graders read the
+    answer (checked for every record at load time, not when a record's turn comes mid-run)."""
+    return (run.data.answer_key,) if run.reward.fn in ("math_answer", "exact_match") else ()
+
+
+def release_run(out: Path, rank: int) -> None:
+    from rollouts.loops.run_dir import release_run_dir
+
+    if rank == 0:
+        release_run_dir(out)
+
+
+def check_paths(run: Any, source: str, *, model: bool = True) -> None:
+    """File-system checks that belong to config validation: fail before loading anything big.
+
+    `model=False` skips model.path (a pipeline's RL stage starts from what SFT will write).
+    """
+    if model and (not run.model.path or not (Path(run.model.path) / "config.json").is_file()):
+        raise ConfigError(
+            f"{source}: model.path {run.model.path!r} must be a local HF-format model directory (config.json)"
+        )
+    if not run.data.train_path or not Path(run.data.train_path).is_file():
+        raise ConfigError(f"{source}: data.train_path {run.data.train_path!r} must be an existing JSONL/JSON file")
+    if run.data.eval_path and not Path(run.data.eval_path).is_file():
+        raise ConfigError(f"{source}: data.eval_path {run.data.eval_path!r} does not exist")
+
+
+def distributed() -> tuple[int, int]:
+    from rollouts.loops import init_distributed
+
+    return init_distributed()
+
+
+def run_components(run: Any, optimizer, num_training_steps: int):
+    import torch
+
+    from rollouts.backends import build_components, build_optimizer, build_scheduler
+    from rollouts.backends.components import TrainingComponents
+
+    dtype = getattr(torch, _DTYPES[run.model.dtype])
+    rank, world = distributed()
+    device = run.model.device
+    if world > 1 and device.startswith("cuda"):
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    if world == 1:
+        components = build_components(
+            run.model.path,
+            optimizer,
+            num_training_steps=num_training_steps,
+            dtype=dtype,
+            device=device,
+            attn_implementation=run.model.attn_implementation,
+            lora=run.model.lora,
+        )
+        if run.model.gradient_checkpointing:  # as under torchrun: recompute each layer in backward
+            from rollouts.backends.distributed import enable_activation_checkpointing
+
+            enable_activation_checkpointing(components.model)
+        return components
+    model = sharded_model(run, device)
+    opt = build_optimizer(model, optimizer)
+    return TrainingComponents(
+        model=model,
+        optimizer=opt,
+        device=torch.device(device),
+        scheduler=build_scheduler(opt, optimizer, num_training_steps=num_training_steps),
+    )
+
+
+def sharded_model(run: Any, device: Any):
+    """The run's model loaded on every rank and sharded with FSDP2 (under torchrun)."""
+    import torch
+
+    from rollouts.backends import load_hf_model
+    from rollouts.backends.distributed import shard_model
+
+    model = load_hf_model(
+        run.model.path,
+        dtype=getattr(torch, _DTYPES[run.model.dtype]),
+        device=device,
+        attn_implementation=run.model.attn_implementation,
+    )
+    if run.model.lora.enabled:  # the adapter goes in before sharding; only its weights train
+        from rollouts.backends.lora import apply_lora
+
+        model = apply_lora(model, run.model.lora)
+    return shard_model(model, activation_checkpointing=run.model.gradient_checkpointing)
+
+
+def run_tokenizer(run: Any):
+    from rollouts.backends import load_tokenizer
+
+    return load_tokenizer(run.model.tokenizer_path or run.model.path)
+
+
+def local_model(run: Any, source: str) -> Any:
+    """The run with model.path (and tokenizer_path) as local directories: a Hugging Face Hub id is
+    fetched (or read from the hub cache offline); one the hub cannot provide is a ConfigError."""
+    from rollouts.backends import resolve_model_dir
+
+    paths = {}
+    for key in ("path", "tokenizer_path"):
+        value = getattr(run.model, key)
+        if value and not Path(value).is_dir():
+            try:
+                paths[key] = str(resolve_model_dir(value))
+            except ValueError as e:
+                raise ConfigError(f"{source}: model.{key}: {e}") from e
+    return dataclasses.replace(run, model=dataclasses.replace(run.model, **paths)) if paths else run
+
+
+def run_loggers(run: Any, out: Path, name: str, total: int, *, rank: int = 0):
+    """JSONL and console on rank 0, plus wandb and TensorBoard when [log] switches them on."""
+    from rollouts.loops import ConsoleLogger, JsonlLogger, MultiLogger, NullLogger, TensorboardLogger, WandbLogger
+
+    if rank != 0:
+        return NullLogger()
+    loggers: list[Any] = [JsonlLogger(out / f"metrics_{name}.jsonl"), ConsoleLogger(total, desc=name)]
+    if run.log.tensorboard:
+        loggers.append(TensorboardLogger(out / "tensorboard"))
+    if run.log.wandb:
+        loggers.append(
+            WandbLogger(
+                project=run.log.wandb_project,
+                name=run.log.wandb_name or out.name,
+                mode=run.log.wandb_mode,
+                dir=str(out),
+                config=dataclasses.asdict(run),
+            )
+        )
+    return MultiLogger(loggers)
