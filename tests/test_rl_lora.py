@@ -59,7 +59,7 @@ def test_grpo_with_a_lora_adapter_raises_a_toy_reward_and_leaves_the_base_weight
 
 
 def test_the_kl_reference_of_a_lora_run_is_the_adapter_switched_off(tiny_run_inputs, tmp_path, monkeypatch):
-    import rollouts.loops.rl_step as rl
+    import rollouts.loops.step as rl
 
     seen = []
     update = rl.rl_update

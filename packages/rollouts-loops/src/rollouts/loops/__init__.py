@@ -14,7 +14,7 @@ from typing import Any
 _EXPORTS = {
     # the loops and their steps
     "run_rl_training": "rl",
-    "rl_step": "rl_step",
+    "rl_step": "step",
     "RLHooks": "rl",
     "sync_engine": "generation",
     "BatchSource": "generation",

@@ -35,7 +35,6 @@ from rollouts.loops.evaluation import Evaluation, evaluate_groups, group_metrics
 from rollouts.loops.generation import BatchSource, sync_engine
 from rollouts.loops.policy_update import AdvantageFn, check_algorithm
 from rollouts.loops.probe import probe_sync
-from rollouts.loops.rl_step import failure_causes, rl_step
 from rollouts.loops.rollout_fns import (
     PromptEncoder,
     RolloutContext,
@@ -47,6 +46,7 @@ from rollouts.loops.rollout_fns import (
 )
 from rollouts.loops.run_dir import CHECKPOINTS_DIR, lock_run_dir, resume_if_possible, sweep_run_dir
 from rollouts.loops.scoring import Reward, check_reward_errors, summarize
+from rollouts.loops.step import failure_causes, rl_step
 from rollouts.losses import LossFn
 from rollouts.types import (
     FilterFn,
