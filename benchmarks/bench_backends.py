@@ -28,7 +28,7 @@ from rollouts.backends import (
     wait_for_checkpoint,
 )
 from rollouts.losses import sft_loss_fn
-from rollouts.types import OptimizerConfig, TrainingState
+from rollouts.types import MicroBatch, OptimizerConfig, TrainingState
 
 REPEATS = 5
 
@@ -112,13 +112,14 @@ def _packed(seqs):
     pos = np.concatenate([np.arange(len(s)) for s in seqs])[None]
     seg = np.concatenate([np.full(len(s), i) for i, s in enumerate(seqs)])[None]
     loss = np.concatenate([np.r_[0.0, np.ones(len(s) - 1)] for s in seqs])[None].astype(np.float32)
-    return {
-        "input_ids": ids.astype(np.int64),
-        "position_ids": pos.astype(np.int64),
-        "segment_ids": seg.astype(np.int64),
-        "attention_mask": np.ones_like(ids, dtype=np.int64),
-        "loss_mask": loss,
-    }
+    return MicroBatch(
+        input_ids=ids.astype(np.int64),
+        position_ids=pos.astype(np.int64),
+        segment_ids=seg.astype(np.int64),
+        attention_mask=np.ones_like(ids, dtype=np.int64),
+        loss_mask=loss,
+        sample_indices=np.arange(len(seqs)),
+    )
 
 
 def _padded(seqs):
@@ -132,7 +133,7 @@ def _padded(seqs):
         out["segment_ids"][i, : len(s)] = i
         out["attention_mask"][i, : len(s)] = 1
         out["loss_mask"][i, 1 : len(s)] = 1.0
-    return out
+    return MicroBatch(sample_indices=np.arange(B), **out)
 
 
 def bench_training() -> None:
@@ -153,7 +154,7 @@ def bench_training() -> None:
     rows = 8
     padded = [_padded(seqs[i : i + rows]) for i in range(0, len(seqs), rows)]
     real = int(lengths.sum())
-    num_tokens = int(sum((mb["loss_mask"] > 0).sum() for mb in packed))
+    num_tokens = int(sum((mb.loss_mask > 0).sum() for mb in packed))
     components = build_components(model_of(hidden=256, layers=2, vocab=512), OptimizerConfig(), num_training_steps=10)
 
     def run(mbs):
@@ -164,7 +165,7 @@ def bench_training() -> None:
         return step
 
     t_packed, t_padded = median_s(run(packed), 3), median_s(run(padded), 3)
-    padded_slots = sum(mb["input_ids"].size for mb in padded)
+    padded_slots = sum(mb.input_ids.size for mb in padded)
     print(
         f"training ({len(seqs)} sequences, lengths {lengths.min()}..{lengths.max()} median {int(np.median(lengths))}, "
         f"{real} real tokens; padded: {rows} rows/micro-batch = {padded_slots} slots; packed: {len(packed)} rows of <= {budget})"

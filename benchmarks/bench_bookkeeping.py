@@ -66,7 +66,7 @@ def one_step(outputs, *, prompt: int, group: int) -> dict[str, float]:
     plan = plan_micro_batches(samples, max_tokens=16_384)
     times["pack"] = time.perf_counter() - t
     t = time.perf_counter()
-    unpack_values(list(plan.micro_batches), [mb["loss_mask"] for mb in plan.micro_batches])
+    unpack_values(list(plan.micro_batches), [mb.loss_mask for mb in plan.micro_batches])
     times["unpack"] = time.perf_counter() - t
     t = time.perf_counter()
     payload = json.dumps([s.to_dict() for s in samples])

@@ -31,7 +31,7 @@ from rollouts.losses import sft_loss_fn
 from rollouts.sync import VLLMEngine
 from rollouts.sync.launch import launch_vllm_server
 from rollouts.sync.testing import build_tiny_model, find_vllm_python, vllm_unavailable_reason
-from rollouts.types import LoraConfig, OptimizerConfig, TrainingState
+from rollouts.types import LoraConfig, MicroBatch, OptimizerConfig, TrainingState
 
 NUM_REPEATS = 5
 LORA = LoraConfig(rank=8, alpha=16.0)
@@ -60,16 +60,17 @@ def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _batch() -> dict[str, np.ndarray]:
+def _batch() -> MicroBatch[np.ndarray]:
     rng = np.random.default_rng(0)
     n = SEQ_LEN * NUM_SEQS
-    return {
-        "input_ids": rng.integers(2, 8192, size=(1, n)),
-        "position_ids": np.tile(np.arange(SEQ_LEN), NUM_SEQS)[None],
-        "segment_ids": np.repeat(np.arange(NUM_SEQS), SEQ_LEN)[None],
-        "attention_mask": np.ones((1, n), dtype=np.int64),
-        "loss_mask": np.ones((1, n), dtype=np.float32),
-    }
+    return MicroBatch(
+        input_ids=rng.integers(2, 8192, size=(1, n)),
+        position_ids=np.tile(np.arange(SEQ_LEN), NUM_SEQS)[None],
+        segment_ids=np.repeat(np.arange(NUM_SEQS), SEQ_LEN)[None],
+        attention_mask=np.ones((1, n), dtype=np.int64),
+        loss_mask=np.ones((1, n), dtype=np.float32),
+        sample_indices=np.arange(NUM_SEQS),
+    )
 
 
 def step_seconds() -> tuple[float, float]:
@@ -81,7 +82,7 @@ def step_seconds() -> tuple[float, float]:
         for name, lora in (("full", None), ("lora", LORA))
     }
     batch = _batch()
-    n = int(batch["loss_mask"].sum())
+    n = int(batch.loss_mask.sum())
     states = {name: TrainingState() for name in runs}
     times: dict[str, list[float]] = {name: [] for name in runs}
     for i in range(NUM_REPEATS + 1):

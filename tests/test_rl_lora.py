@@ -15,7 +15,7 @@ from rollouts.loops.algorithms import ALGORITHMS
 from rollouts.loops.engines import CoalescingEngine
 from rollouts.loops.loggers import NullLogger
 from rollouts.loops.rl import run_rl_training
-from rollouts.types import LoraConfig, OptimizerConfig
+from rollouts.types import LoraConfig, MicroBatch, OptimizerConfig
 
 LORA = LoraConfig(rank=8, alpha=16.0)
 
@@ -160,13 +160,14 @@ def test_an_inprocess_engine_with_its_own_copy_gets_the_adapter_or_the_merged_we
         assert state.weight_version == 1
         written = {p.name for p in (tmp_path / sync).iterdir()}
         assert written == ({"adapter"} if sync == "adapter" else {"weights"})
-        batch = {
-            "input_ids": np.array([[3, 4, 5, 6, 7, 8]]),
-            "position_ids": np.arange(6)[None],
-            "segment_ids": np.zeros((1, 6), dtype=np.int64),
-            "attention_mask": np.ones((1, 6), dtype=np.int64),
-            "loss_mask": np.ones((1, 6), dtype=np.float32),
-        }
+        batch = MicroBatch(
+            input_ids=np.array([[3, 4, 5, 6, 7, 8]]),
+            position_ids=np.arange(6)[None],
+            segment_ids=np.zeros((1, 6), dtype=np.int64),
+            attention_mask=np.ones((1, 6), dtype=np.int64),
+            loss_mask=np.ones((1, 6), dtype=np.float32),
+            sample_indices=np.zeros(1, dtype=np.int64),
+        )
         trained = compute_logprobs(components, [batch])[0]
         served = compute_logprobs(dataclasses.replace(components, model=own), [batch])[0]
         np.testing.assert_allclose(served, trained, rtol=0, atol=1e-5)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from rollouts.backends import latest_checkpoint, read_weights
 from rollouts.loops.rl_minimal import GRPOLoss, group_baseline, main
+from rollouts.types import MicroBatch
 
 
 def _lines(capsys) -> list[str]:
@@ -84,19 +85,23 @@ def test_the_written_out_loss_is_the_step_token_mean_of_the_policy_gradient():
     """Split across micro-batches, the losses add up to the step's token mean; the gradient of a
     token's log-prob is -A_t / num_tokens."""
     logprobs_B_T = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -1.1]], requires_grad=True)
-    batch = {
-        "loss_mask": torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 0.0]]),
-        "advantages": torch.tensor([[0.0, 2.0, 2.0], [-1.0, -1.0, 0.0]]),
-    }
+    ones = torch.ones(2, 3, dtype=torch.long)
+    batch = MicroBatch(
+        input_ids=ones,
+        position_ids=torch.arange(3).expand(2, 3),
+        segment_ids=torch.tensor([[0, 0, 0], [1, 1, 1]]),
+        attention_mask=ones,
+        sample_indices=torch.arange(2),
+        loss_mask=torch.tensor([[0.0, 1.0, 1.0], [1.0, 1.0, 0.0]]),
+        advantages=torch.tensor([[0.0, 2.0, 2.0], [-1.0, -1.0, 0.0]]),
+    )
     loss, _ = GRPOLoss()(logprobs_B_T, batch, num_tokens=4, num_sequences=2)
     loss.backward()
     assert float(loss.detach()) == pytest.approx(-0.5)  # ratio 1: -(2 + 2 - 1 - 1) / 4
-    expected = -(batch["advantages"] * batch["loss_mask"]) / 4
+    expected = -(batch.advantages * batch.loss_mask) / 4
     assert torch.allclose(logprobs_B_T.grad, expected)
     halves = [
-        GRPOLoss()(logprobs_B_T[i : i + 1], {k: v[i : i + 1] for k, v in batch.items()}, num_tokens=4, num_sequences=2)[
-            0
-        ]
+        GRPOLoss()(logprobs_B_T[i : i + 1], batch.map(lambda _, v: v[i : i + 1]), num_tokens=4, num_sequences=2)[0]  # noqa: B023
         for i in range(2)
     ]
     assert float(sum(halves).detach()) == pytest.approx(float(loss.detach()))

@@ -49,8 +49,8 @@ def sharded_components():
 
 def step(components, state, rank, world, *, bug=False):
     mine = packed_batch(GLOBAL_SEQUENCES[rank::world])
-    num_tokens = int(sum((packed_batch([s])["loss_mask"] > 0).sum() for s in GLOBAL_SEQUENCES))
-    normaliser = int((mine["loss_mask"] > 0).sum()) if bug else num_tokens
+    num_tokens = int(sum((packed_batch([s]).loss_mask > 0).sum() for s in GLOBAL_SEQUENCES))
+    normaliser = int((mine.loss_mask > 0).sum()) if bug else num_tokens
     metrics = forward_backward(
         components, [mine], sft_loss_fn(), num_tokens=normaliser, num_sequences=len(GLOBAL_SEQUENCES)
     )

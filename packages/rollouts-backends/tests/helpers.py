@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from rollouts.types import MicroBatch
 
 VOCAB = 128
 
@@ -53,8 +56,8 @@ def _loss_mask(seq: Sequence[int], num_prompt: int) -> np.ndarray:
 
 def packed_batch(
     seqs: Sequence[Sequence[int]], *, num_prompt: int = 2, extra: dict | None = None
-) -> dict[str, np.ndarray]:
-    """One packed row [1, sum(len)] holding all sequences, with contract keys."""
+) -> MicroBatch[np.ndarray]:
+    """One packed row [1, sum(len)] holding all sequences; `extra` name -> one value per sequence."""
     ids, pos, seg, mask, loss = [], [], [], [], []
     for i, s in enumerate(seqs):
         ids += list(s)
@@ -76,13 +79,13 @@ def packed_batch(
         out[key] = np.concatenate([np.full(len(s), v, dtype=np.float32) for s, v in zip(seqs, per_seq, strict=True)])[
             None
         ]
-    return out
+    return _as_micro_batch(out)
 
 
 def padded_batch(
     seqs: Sequence[Sequence[int]], *, num_prompt: int = 2, extra: dict | None = None
-) -> dict[str, np.ndarray]:
-    """Right-padded rows [len(seqs), max len] with contract keys."""
+) -> MicroBatch[np.ndarray]:
+    """Right-padded rows [len(seqs), max len]; `extra` name -> one value per sequence."""
     T = max(len(s) for s in seqs)
     B = len(seqs)
     out = {
@@ -105,7 +108,15 @@ def padded_batch(
         for i, (s, v) in enumerate(zip(seqs, per_seq, strict=True)):
             arr[i, : len(s)] = v
         out[key] = arr
-    return out
+    return _as_micro_batch(out)
+
+
+def _as_micro_batch(arrays: dict[str, np.ndarray]) -> MicroBatch[np.ndarray]:
+    """Arrays by name -> MicroBatch (names that are not its fields go to extras)."""
+    names = {f.name for f in dataclasses.fields(MicroBatch)}
+    return MicroBatch(
+        **{k: v for k, v in arrays.items() if k in names}, extras={k: v for k, v in arrays.items() if k not in names}
+    )
 
 
 def unpack_rows(values_1_T: np.ndarray, lengths: Sequence[int]) -> list[np.ndarray]:
@@ -146,7 +157,7 @@ def train_steps(components, state, num_steps: int, *, on_step=None):
     config = OptimizerConfig(**TRAIN_CONFIG_KW)
     for _ in range(num_steps):
         mb = step_batch()
-        n = int((mb["loss_mask"] > 0).sum())
+        n = int((mb.loss_mask > 0).sum())
         metrics = forward_backward(components, [mb], sft_loss_fn(), num_tokens=n, num_sequences=3)
         state, _ = optim_step(components, state, config, num_tokens=n, num_samples=3, loss=metrics["loss"])
         if on_step is not None:

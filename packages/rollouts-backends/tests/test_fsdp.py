@@ -55,7 +55,7 @@ def _torchrun(worker: str, out: Path, *args: str) -> None:
 
 def _one_process_step(components, state):
     batch = packed_batch(GLOBAL_SEQUENCES)
-    num_tokens = int((batch["loss_mask"] > 0).sum())
+    num_tokens = int((batch.loss_mask > 0).sum())
     metrics = forward_backward(components, [batch], sft_loss_fn(), num_tokens=num_tokens, num_sequences=4)
     state, optim_metrics = optim_step(
         components, state, OptimizerConfig(**TRAIN_CONFIG_KW), num_tokens=num_tokens, num_samples=4

@@ -28,7 +28,7 @@ LORA = LoraConfig(rank=4, alpha=8.0)
 
 def _train(components, num_steps=3, seqs=GLOBAL_SEQUENCES):
     batch = packed_batch(seqs)
-    n = int((batch["loss_mask"] > 0).sum())
+    n = int((batch.loss_mask > 0).sum())
     state, losses, norms = TrainingState(), [], []
     for _ in range(num_steps):
         metrics = forward_backward(components, [batch], sft_loss_fn(), num_tokens=n, num_sequences=len(seqs))
@@ -68,7 +68,7 @@ def test_a_fresh_adapter_leaves_the_fused_log_probs_unchanged_and_gets_gradients
     batch = packed_batch(GLOBAL_SEQUENCES)
     # B = 0: the adapter adds exactly zero to every projection
     np.testing.assert_array_equal(compute_logprobs(components, [batch])[0], compute_logprobs(base, [batch])[0])
-    n = int((batch["loss_mask"] > 0).sum())
+    n = int((batch.loss_mask > 0).sum())
     forward_backward(components, [batch], sft_loss_fn(), num_tokens=n, num_sequences=4)
     grads = {n: p.grad for n, p in components.model.named_parameters() if p.grad is not None}
     assert grads and all(".lora_" in n for n in grads)

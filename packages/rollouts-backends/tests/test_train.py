@@ -99,7 +99,7 @@ def _grads_after(components, micro_batches, loss_fn, num_tokens, num_sequences):
 
 
 def _num_loss_tokens(micro_batches):
-    return int(sum((mb["loss_mask"] > 0).sum() for mb in micro_batches))
+    return int(sum((mb.loss_mask > 0).sum() for mb in micro_batches))
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
@@ -137,7 +137,7 @@ def test_rl_loss_runs_and_entropy_only_when_asked(components, seqs):
 
         def __call__(self, logprobs_B_T, batch, *, num_tokens, num_sequences, **kwargs):
             seen.append(sorted(kwargs))
-            return -(logprobs_B_T * batch["loss_mask"]).sum() / num_tokens, {}
+            return -(logprobs_B_T * batch.loss_mask).sum() / num_tokens, {}
 
     rec = Recorder()
     forward_backward(components, [packed_batch(seqs)], rec, num_tokens=10, num_sequences=4)
@@ -148,7 +148,7 @@ def test_rl_loss_runs_and_entropy_only_when_asked(components, seqs):
     algorithm = AlgorithmConfig(entropy_coef=0.01)
     old = compute_logprobs(components, [packed_batch(seqs)])[0]
     mb = packed_batch(seqs, extra={"advantages": [1.0, -1.0, 0.5, -0.5]})
-    mb["old_logprobs"] = old
+    mb = mb.replace(old_logprobs=old)
     metrics = forward_backward(
         components, [mb], loss_fn_from_config(algorithm), num_tokens=_num_loss_tokens([mb]), num_sequences=4
     )
@@ -157,14 +157,14 @@ def test_rl_loss_runs_and_entropy_only_when_asked(components, seqs):
 
 
 def test_bad_micro_batch_is_rejected(components, seqs):
+    as_dict = {k: v for k, v in packed_batch(seqs).token_arrays().items()}
+    with pytest.raises(TypeError, match="MicroBatch"):
+        forward_backward(components, [as_dict], sft_loss_fn(), num_tokens=1, num_sequences=1)
     mb = packed_batch(seqs)
-    del mb["segment_ids"]
-    with pytest.raises(ValueError, match="segment_ids"):
-        forward_backward(components, [mb], sft_loss_fn(), num_tokens=1, num_sequences=1)
-    mb = packed_batch(seqs)
-    mb["loss_mask"] = mb["loss_mask"][:, :-1]
     with pytest.raises(ValueError, match="loss_mask"):
-        compute_logprobs(components, [mb])
+        mb.replace(loss_mask=mb.loss_mask[:, :-1])
+    with pytest.raises(TypeError, match="segment_ids"):
+        compute_logprobs(components, [mb.replace(segment_ids=mb.segment_ids.astype(np.float32))])
 
 
 def test_no_weight_decay_on_norms_and_biases():

@@ -44,14 +44,17 @@ EXPECTED_DTYPES = {
 
 
 def _check_contract(mb):
-    for k, v in mb.items():
+    arrays = {**mb.token_arrays(), "sample_indices": mb.sample_indices}
+    if mb.cu_seqlens is not None:
+        arrays["cu_seqlens"] = mb.cu_seqlens
+    for k, v in arrays.items():
         assert v.dtype == EXPECTED_DTYPES[k], k
-    b, t = mb["input_ids"].shape
+    b, t = mb.input_ids.shape
     for k in ("position_ids", "segment_ids", "attention_mask", "loss_mask"):
-        assert mb[k].shape == (b, t)
-    real = mb["attention_mask"] == 1
-    assert np.all(mb["segment_ids"][~real] == -1) and np.all(mb["loss_mask"][~real] == 0)
-    assert np.all(mb["loss_mask"][mb["position_ids"] == 0] == 0)  # no prediction at a sequence start
+        assert getattr(mb, k).shape == (b, t)
+    real = mb.attention_mask == 1
+    assert np.all(mb.segment_ids[~real] == -1) and np.all(mb.loss_mask[~real] == 0)
+    assert np.all(mb.loss_mask[mb.position_ids == 0] == 0)  # no prediction at a sequence start
 
 
 def test_pad_batch_layout_and_rl_fields():
@@ -61,12 +64,12 @@ def test_pad_batch_layout_and_rl_fields():
     b = Sample(tokens=[9, 10], num_prompt_tokens=1, loss_mask=[0, 1], advantage=-1.0, rollout_logprobs=[-0.3])
     mb = pad_batch([a, b], pad_id=0)
     _check_contract(mb)
-    np.testing.assert_array_equal(mb["input_ids"], [[5, 6, 7, 8], [9, 10, 0, 0]])
-    np.testing.assert_array_equal(mb["position_ids"], [[0, 1, 2, 3], [0, 1, 0, 0]])
-    np.testing.assert_array_equal(mb["segment_ids"], [[0, 0, 0, 0], [1, 1, -1, -1]])
-    np.testing.assert_array_equal(mb["loss_mask"], [[0, 0, 1, 1], [0, 1, 0, 0]])
-    np.testing.assert_array_equal(mb["advantages"], np.array([[0.5] * 4, [-1, -1, 0, 0]], dtype=np.float32))
-    np.testing.assert_allclose(mb["rollout_logprobs"], [[0, 0, -0.1, -0.2], [0, -0.3, 0, 0]], rtol=1e-6)
+    np.testing.assert_array_equal(mb.input_ids, [[5, 6, 7, 8], [9, 10, 0, 0]])
+    np.testing.assert_array_equal(mb.position_ids, [[0, 1, 2, 3], [0, 1, 0, 0]])
+    np.testing.assert_array_equal(mb.segment_ids, [[0, 0, 0, 0], [1, 1, -1, -1]])
+    np.testing.assert_array_equal(mb.loss_mask, [[0, 0, 1, 1], [0, 1, 0, 0]])
+    np.testing.assert_array_equal(mb.advantages, np.array([[0.5] * 4, [-1, -1, 0, 0]], dtype=np.float32))
+    np.testing.assert_allclose(mb.rollout_logprobs, [[0, 0, -0.1, -0.2], [0, -0.3, 0, 0]], rtol=1e-6)
 
 
 def test_position_zero_never_trained():
@@ -89,14 +92,14 @@ def test_pack_then_unpack_is_identity_and_fits_budget(ss, extra, multiple):
     seen = []
     for mb in mbs:
         _check_contract(mb)
-        assert mb["input_ids"].shape[0] == 1 and mb["input_ids"].shape[1] <= max_tokens
-        cu = mb["cu_seqlens"]
-        assert cu[0] == 0 and len(cu) == len(mb["sample_indices"]) + 1
-        seen.extend(mb["sample_indices"].tolist())
+        assert mb.input_ids.shape[0] == 1 and mb.input_ids.shape[1] <= max_tokens
+        cu = mb.cu_seqlens
+        assert cu[0] == 0 and len(cu) == len(mb.sample_indices) + 1
+        seen.extend(mb.sample_indices.tolist())
     assert sorted(seen) == list(range(len(ss)))
     back = unpack(mbs)
     for i, s in enumerate(ss):
-        expected = sample_arrays(s, fields=[k for k in ("advantages", "rollout_logprobs") if k in mbs[0]])
+        expected = sample_arrays(s, fields=[k for k in ("advantages", "rollout_logprobs") if mbs[0].get(k) is not None])
         for k, v in expected.items():
             np.testing.assert_array_equal(back[i][k], v)
         np.testing.assert_array_equal(back[i]["position_ids"], np.arange(len(s.tokens)))
@@ -112,7 +115,7 @@ def test_unpack_values_routes_results_to_samples():
         Sample(tokens=list(range(1, n + 1)), num_prompt_tokens=1, loss_mask=[0] + [1] * (n - 1)) for n in (3, 5, 2, 4)
     ]
     mbs = pack_samples(ss, max_tokens=7)
-    values = [mb["input_ids"].astype(np.float32) * 10 for mb in mbs]  # stand-in for per-token log-probs
+    values = [mb.input_ids.astype(np.float32) * 10 for mb in mbs]  # stand-in for per-token log-probs
     out = unpack_values(mbs, values)
     for i, s in enumerate(ss):
         np.testing.assert_array_equal(out[i], np.asarray(s.tokens, dtype=np.float32) * 10)
@@ -169,18 +172,18 @@ def test_plan_counts_give_big_batch_loss(ss, budget_extra, layout):
     assert plan.num_sequences == sum(1 for s in ss if s.num_loss_tokens > 0)  # fully masked: not a sequence
     assert plan.num_loss_tokens == sum(int((sample_arrays(s)["loss_mask"] > 0).sum()) for s in ss)
     assert plan.num_tokens == sum(len(s.tokens) for s in ss)
-    assert all(mb["input_ids"].size <= max_tokens for mb in plan.micro_batches)
-    assert plan.num_padding_tokens == sum(mb["input_ids"].size for mb in plan.micro_batches) - plan.num_tokens
+    assert all(mb.input_ids.size <= max_tokens for mb in plan.micro_batches)
+    assert plan.num_padding_tokens == sum(mb.input_ids.size for mb in plan.micro_batches) - plan.num_tokens
 
     # token-mean of a per-token quantity: summed micro-batch parts == one big batch
     def per_token(mb):
-        return mb["advantages"] * mb["input_ids"].astype(np.float32) / 1000.0
+        return mb.advantages * mb.input_ids.astype(np.float32) / 1000.0
 
     accumulated = sum(
-        float((per_token(mb) * mb["loss_mask"]).sum()) / max(plan.num_loss_tokens, 1) for mb in plan.micro_batches
+        float((per_token(mb) * mb.loss_mask).sum()) / max(plan.num_loss_tokens, 1) for mb in plan.micro_batches
     )
     big = pad_batch(ss, pad_id=0)
-    reference = float((per_token(big) * big["loss_mask"]).sum()) / max(int((big["loss_mask"] > 0).sum()), 1)
+    reference = float((per_token(big) * big.loss_mask).sum()) / max(int((big.loss_mask > 0).sum()), 1)
     assert accumulated == pytest.approx(reference, rel=1e-5, abs=1e-6)
     for mb in plan.micro_batches:
         _check_contract(mb)
@@ -210,16 +213,16 @@ def _reference_mask(segment_ids):
 def test_segment_attention_mask_matches_reference_and_blocks_cross_sequence_attention(batch, layout):
     plan = plan_micro_batches(batch, max_tokens=48, layout=layout)
     for mb in plan.micro_batches:
-        mask = segment_attention_mask(mb["segment_ids"])
-        np.testing.assert_array_equal(mask, _reference_mask(mb["segment_ids"]))
-        if "cu_seqlens" in mb:
-            cu = mb["cu_seqlens"].tolist()
+        mask = segment_attention_mask(mb.segment_ids)
+        np.testing.assert_array_equal(mask, _reference_mask(mb.segment_ids))
+        if mb.cu_seqlens is not None:
+            cu = mb.cu_seqlens.tolist()
             for a, b in itertools.pairwise(cu):
                 block = mask[0, 0, a:b, a:b]
                 np.testing.assert_array_equal(block, np.tri(b - a, dtype=bool))  # causal within a sequence
                 assert not mask[0, 0, a:b, :a].any()  # nothing packed before it is visible
             # the 2D attention_mask alone would let every later sequence see the earlier ones
-            assert len(cu) == 2 or mb["attention_mask"][0, cu[1]] == 1
+            assert len(cu) == 2 or mb.attention_mask[0, cu[1]] == 1
 
 
 def test_segment_attention_mask_rejects_bad_input():

@@ -46,3 +46,31 @@ def random_seqs(seed, lengths, *, dtype=torch.float64):
             }
         )
     return seqs
+
+
+def micro_batch(layout):
+    """A layout's arrays as the MicroBatch a LossFn takes (logprobs and entropy left out: the trainer
+    passes those separately). Token ids, positions and the attention mask are derived from segment_ids;
+    arrays that are not MicroBatch fields (e.g. values) go to extras."""
+    import dataclasses
+
+    from rollouts.types import MicroBatch
+
+    seg = layout["segment_ids"]
+    real = seg >= 0
+    positions = torch.zeros_like(seg)
+    for row in range(seg.shape[0]):
+        for s in seg[row][real[row]].unique():
+            where = seg[row] == s
+            positions[row, where] = torch.arange(int(where.sum()))
+    names = {f.name for f in dataclasses.fields(MicroBatch)}
+    arrays = {k: v for k, v in layout.items() if k not in ("logprobs", "entropy", "segment_ids")}
+    return MicroBatch(
+        input_ids=torch.zeros_like(seg),
+        position_ids=positions,
+        segment_ids=seg,
+        attention_mask=real.long(),
+        sample_indices=torch.arange(int(seg.max()) + 1),
+        **{k: v for k, v in arrays.items() if k in names},
+        extras={k: v for k, v in arrays.items() if k not in names},
+    )

@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from losses_layouts import packed, padded, random_seqs
+from losses_layouts import micro_batch, packed, padded, random_seqs
 
 from rollouts.losses import LossFn, loss_fn_from_config, ppo_clip_loss, sft_loss_fn
 from rollouts.types import AlgorithmConfig
@@ -25,7 +25,7 @@ _CONFIGS = {
 def _call(fn, layout, *, num_tokens, num_sequences):
     logp = layout["logprobs"].clone().requires_grad_()
     entropy = layout["entropy"].clone().requires_grad_()
-    batch = {k: v for k, v in layout.items() if k not in ("logprobs", "entropy")}
+    batch = micro_batch(layout)
     loss, metrics = fn(
         logp,
         batch,
@@ -89,7 +89,7 @@ def test_sft_loss_fn_micro_batches():
 def test_on_policy_without_old_logprobs_is_ratio_one():
     layout = padded(random_seqs(1, [4, 6]))
     logp = layout["logprobs"].clone().requires_grad_()
-    batch = {k: layout[k] for k in ("loss_mask", "advantages", "segment_ids")}
+    batch = micro_batch({k: layout[k] for k in ("loss_mask", "advantages", "segment_ids")})
     loss, metrics = loss_fn_from_config(AlgorithmConfig())(logp, batch, num_tokens=None, num_sequences=None)
     ref, _ = ppo_clip_loss(logp, logp.detach(), layout["advantages"], layout["loss_mask"])
     torch.testing.assert_close(loss, ref)
@@ -101,7 +101,7 @@ def test_kl_in_loss_and_entropy_bonus_are_added():
     cfg = AlgorithmConfig(kl_coef=0.5, kl_placement="loss", kl_kind="k1", entropy_coef=0.1)
     logp = layout["logprobs"]
     loss, metrics = loss_fn_from_config(cfg)(
-        logp, layout, num_tokens=None, num_sequences=None, entropy_B_T=layout["entropy"]
+        logp, micro_batch(layout), num_tokens=None, num_sequences=None, entropy_B_T=layout["entropy"]
     )
     mask = layout["loss_mask"]
     pg, _ = ppo_clip_loss(logp, layout["old_logprobs"], layout["advantages"], mask)
@@ -114,9 +114,11 @@ def test_kl_in_loss_and_entropy_bonus_are_added():
 def test_missing_keys_raise_naming_the_key():
     layout = padded(random_seqs(3, [4]))
     logp = layout["logprobs"]
-    base = {"loss_mask": layout["loss_mask"], "advantages": layout["advantages"]}
+    base = micro_batch({k: layout[k] for k in ("loss_mask", "advantages", "segment_ids")})
     with pytest.raises(ValueError, match="advantages"):
-        loss_fn_from_config(AlgorithmConfig())(logp, {"loss_mask": layout["loss_mask"]}, num_tokens=1, num_sequences=1)
+        loss_fn_from_config(AlgorithmConfig())(
+            logp, micro_batch({k: layout[k] for k in ("loss_mask", "segment_ids")}), num_tokens=1, num_sequences=1
+        )
     with pytest.raises(ValueError, match="ref_logprobs"):
         loss_fn_from_config(AlgorithmConfig(kl_coef=0.1, kl_placement="loss"))(
             logp, base, num_tokens=1, num_sequences=1
@@ -125,3 +127,9 @@ def test_missing_keys_raise_naming_the_key():
         loss_fn_from_config(AlgorithmConfig(is_cap=2.0))(logp, base, num_tokens=1, num_sequences=1)
     with pytest.raises(ValueError, match="entropy_B_T"):
         loss_fn_from_config(AlgorithmConfig(entropy_coef=0.1))(logp, base, num_tokens=1, num_sequences=1)
+
+
+def test_a_dict_is_refused_naming_the_micro_batch_type():
+    layout = padded(random_seqs(4, [4]))
+    with pytest.raises(TypeError, match="MicroBatch"):
+        sft_loss_fn()(layout["logprobs"], {"loss_mask": layout["loss_mask"]}, num_tokens=1, num_sequences=1)

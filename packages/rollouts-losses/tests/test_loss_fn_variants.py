@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from losses_layouts import packed, padded, random_seqs
+from losses_layouts import micro_batch, packed, padded, random_seqs
 
 from rollouts.losses import (
     dppo_loss,
@@ -50,7 +50,7 @@ def _seqs(seed, lengths):
 
 def _call(fn, layout, *, num_tokens, num_sequences, drop=()):
     logp = layout["logprobs"].clone().requires_grad_()
-    batch = {k: v for k, v in layout.items() if k not in ("logprobs", "entropy", *drop)}
+    batch = micro_batch({k: v for k, v in layout.items() if k not in drop})
     entropy = layout["entropy"] if fn.needs_entropy else None
     loss, metrics = fn(logp, batch, num_tokens=num_tokens, num_sequences=num_sequences, entropy_B_T=entropy)
     (grad,) = torch.autograd.grad(loss, logp)
@@ -144,7 +144,7 @@ def test_high_entropy_mask_needs_entropy_and_trains_only_those_tokens():
     fn = loss_fn_from_config(AlgorithmConfig(top_entropy_quantile=0.3))
     assert fn.needs_entropy
     with pytest.raises(ValueError, match="top_entropy_quantile"):
-        fn(batch["logprobs"], batch, num_tokens=None, num_sequences=None)
+        fn(batch["logprobs"], micro_batch(batch), num_tokens=None, num_sequences=None)
     _, metrics, grad = _call(fn, batch, num_tokens=None, num_sequences=None)
     assert 0 < metrics["entropy_mask_frac"] < 0.5
     selected = batch["loss_mask"][batch["segment_ids"] >= 0] > 0

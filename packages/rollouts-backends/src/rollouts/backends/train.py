@@ -2,10 +2,10 @@
 
 Legend: B sequences (rows), T tokens, H hidden size, V vocabulary, S sequences in a micro-batch.
 
-Micro-batches are the numpy dicts of the cross-package contract (rollouts-data builds them):
-input_ids, position_ids, segment_ids, attention_mask [B, T] int64 and loss_mask [B, T] float32,
-in padded (B rows) or packed (B == 1, sequences concatenated) layout, plus optional per-token
-float arrays (advantages, old/ref/rollout logprobs). Attention is restricted to each sequence by
+Micro-batches are `rollouts.types.MicroBatch` of numpy arrays (rollouts-data builds them):
+input_ids, position_ids, segment_ids, attention_mask [B, T] int and loss_mask [B, T] float, in
+padded (B rows) or packed (B == 1, sequences concatenated) layout, plus optional per-token float
+arrays (advantages, old/ref/rollout logprobs, extras); `micro_batch_to_torch` checks and moves them. Attention is restricted to each sequence by
 an explicit block-diagonal causal mask built from `segment_ids`, so packing never lets one
 sequence see another, whatever the transformers version does with restarting position_ids.
 """
@@ -13,7 +13,7 @@ sequence see another, whatever the transformers version does with restarting pos
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ import torch
 from rollouts.backends.components import TrainingComponents
 from rollouts.backends.distributed import data_parallel_size
 from rollouts.losses import LossFn, fused_token_logprobs
-from rollouts.types import OptimizerConfig, TrainingState
+from rollouts.types import MicroBatch, OptimizerConfig, TrainingState
 
 __all__ = [
     "NonFiniteError",
@@ -34,9 +34,7 @@ __all__ = [
     "token_logprobs_of_model",
 ]
 
-_REQUIRED_INT_KEYS = ("input_ids", "position_ids", "segment_ids", "attention_mask")
-_REQUIRED_FLOAT_KEYS = ("loss_mask",)
-_ONE_DIM_KEYS = ("cu_seqlens", "sample_indices")
+_INT_FIELDS = ("input_ids", "position_ids", "segment_ids", "attention_mask", "sample_indices", "cu_seqlens")
 _MAX_NAMED_PARAMETERS = 5
 """How many offending parameter names a non-finite error lists (the rest are counted)."""
 
@@ -45,33 +43,25 @@ class NonFiniteError(FloatingPointError):
     """Raised when too many optimizer steps in a row had a non-finite loss or gradient."""
 
 
-def micro_batch_to_torch(micro_batch: Mapping[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """Check a contract micro-batch (numpy, [B, T] per token) and move it to `device` as tensors."""
-    for key in (*_REQUIRED_INT_KEYS, *_REQUIRED_FLOAT_KEYS):
-        if key not in micro_batch:
-            raise ValueError(f"micro-batch lacks required key {key!r}; it has {sorted(micro_batch)}")
-    shape = np.shape(micro_batch["input_ids"])
+def micro_batch_to_torch(micro_batch: MicroBatch[np.ndarray], device: torch.device) -> MicroBatch[torch.Tensor]:
+    """Check a micro-batch's array types and move it to `device` (ints as int64, floats as float32)."""
+    if not isinstance(micro_batch, MicroBatch):
+        raise TypeError(f"micro-batch must be a rollouts.types.MicroBatch, got {type(micro_batch).__name__}")
+    shape = np.shape(micro_batch.input_ids)
     if len(shape) != 2 or shape[1] < 2:
         raise ValueError(f"micro-batch input_ids must be [B, T] with T >= 2, got shape {shape}")
-    out: dict[str, torch.Tensor] = {}
-    for key, value in micro_batch.items():
+
+    def to_torch(name: str, value: np.ndarray) -> torch.Tensor:
         array = np.asarray(value)
-        if key in _ONE_DIM_KEYS:
-            out[key] = torch.as_tensor(array, device=device)
-            continue
-        if array.shape != shape:
-            raise ValueError(
-                f"micro-batch {key!r} has shape {array.shape} but input_ids has {shape}: per-token arrays align"
-            )
-        if key in _REQUIRED_INT_KEYS:
+        if name in _INT_FIELDS:
             if not np.issubdtype(array.dtype, np.integer):
-                raise TypeError(f"micro-batch {key!r} must be an integer array, got {array.dtype}")
-            out[key] = torch.as_tensor(array, dtype=torch.long, device=device)
-        elif np.issubdtype(array.dtype, np.floating):
-            out[key] = torch.as_tensor(array, dtype=torch.float32, device=device)
-        else:
-            out[key] = torch.as_tensor(array, device=device)
-    return out
+                raise TypeError(f"micro-batch {name!r} must be an integer array, got {array.dtype}")
+            return torch.as_tensor(array, dtype=torch.long, device=device)
+        if np.issubdtype(array.dtype, np.floating):
+            return torch.as_tensor(array, dtype=torch.float32, device=device)
+        return torch.as_tensor(array, device=device)
+
+    return micro_batch.map(to_torch)
 
 
 def attention_mask_4d(segment_ids_B_T: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -100,20 +90,20 @@ def packed_only(model: torch.nn.Module) -> bool:
     return impl.startswith(("flash", "kernels"))
 
 
-def _model_inputs(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+def _model_inputs(model: torch.nn.Module, batch: MicroBatch[torch.Tensor]) -> dict[str, Any]:
     impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
     if packed_only(model):
-        if bool((batch["attention_mask"] == 0).any()):
+        if bool((batch.attention_mask == 0).any()):
             raise ValueError(f"attn_implementation {impl!r} needs the packed layout without padding")
         mask = None
     elif impl == "sdpa":
-        mask = attention_mask_4d(batch["segment_ids"])
+        mask = attention_mask_4d(batch.segment_ids)
     else:
-        mask = attention_mask_4d(batch["segment_ids"], dtype=next(model.parameters()).dtype)
-    return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "attention_mask": mask}
+        mask = attention_mask_4d(batch.segment_ids, dtype=next(model.parameters()).dtype)
+    return {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "attention_mask": mask}
 
 
-def _final_hidden(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _final_hidden(model: torch.nn.Module, batch: MicroBatch[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, T, H] last hidden state (after the final norm) and [V, H] output projection weight.
 
     The full forward runs (so FSDP's hooks gather and later reduce every parameter) but the
@@ -134,7 +124,7 @@ def _final_hidden(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> 
         model.get_output_embeddings().register_forward_pre_hook(keep_weight),
     ]
     try:
-        no_positions = torch.empty(0, dtype=torch.long, device=batch["input_ids"].device)
+        no_positions = torch.empty(0, dtype=torch.long, device=batch.input_ids.device)
         model(**_model_inputs(model, batch), use_cache=False, logits_to_keep=no_positions)
     finally:
         for handle in handles:
@@ -145,7 +135,7 @@ def _final_hidden(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> 
 
 def token_logprobs_of_model(
     model: torch.nn.Module,
-    batch: Mapping[str, torch.Tensor],
+    batch: MicroBatch[torch.Tensor],
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
@@ -157,7 +147,7 @@ def token_logprobs_of_model(
     `top_k` / `top_p`: log-probs of the truncated, renormalised distribution a sampler with those
     settings draws from (the entropy stays the full softmax's)."""
     hidden_B_T_H, weight_V_H = _final_hidden(model, batch)
-    labels_B_T = batch["input_ids"][:, 1:]
+    labels_B_T = batch.input_ids[:, 1:]
     truncated = top_k > 0 or top_p < 1.0
     result = fused_token_logprobs(
         hidden_B_T_H[:, :-1],
@@ -177,7 +167,7 @@ def token_logprobs_of_model(
         logprobs, entropy = result if with_entropy else (result, None)
     # Token t is predicted from position t-1 of the same sequence: no prediction at a sequence
     # start (position 0, which in packed rows follows another sequence's last token) or padding.
-    predicted_B_T = (batch["position_ids"][:, 1:] > 0) & (batch["attention_mask"][:, 1:] > 0)
+    predicted_B_T = (batch.position_ids[:, 1:] > 0) & (batch.attention_mask[:, 1:] > 0)
     zeros = logprobs.new_zeros(logprobs.shape[0], 1)
     logprobs_B_T = torch.cat([zeros, torch.where(predicted_B_T, logprobs, 0.0)], dim=1)
     if entropy is None:
@@ -187,7 +177,7 @@ def token_logprobs_of_model(
 
 def forward_backward(
     components: TrainingComponents,
-    micro_batches: Sequence[Mapping[str, np.ndarray]],
+    micro_batches: Sequence[MicroBatch[np.ndarray]],
     loss_fn: LossFn,
     *,
     num_tokens: int,
@@ -231,12 +221,12 @@ def forward_backward(
         # scaling by the rank count turns that average into the sum the step needs.
         (loss * num_ranks if num_ranks > 1 else loss).backward()
         loss_total += float(loss.detach())
-        mb_loss_tokens = int((batch["loss_mask"] > 0).sum())
+        mb_loss_tokens = int((batch.loss_mask > 0).sum())
         weight = float(max(mb_loss_tokens, 1))
         for key, value in metrics.items():
             weighted[key] = weighted.get(key, 0.0) + weight * float(value)
         weight_total += weight
-        num_real += int(batch["attention_mask"].sum())
+        num_real += int(batch.attention_mask.sum())
         num_loss += mb_loss_tokens
     out = {key: value / weight_total for key, value in weighted.items()}
     out.update(
@@ -251,7 +241,7 @@ def forward_backward(
 @torch.no_grad()
 def compute_logprobs(
     components: TrainingComponents,
-    micro_batches: Sequence[Mapping[str, np.ndarray]],
+    micro_batches: Sequence[MicroBatch[np.ndarray]],
     *,
     temperature: float = 1.0,
     top_k: int = -1,

@@ -1,6 +1,6 @@
 """rollouts-data: prompt buffers, chat-template SFT samples, padding and packing, rollout generation.
 
-No torch: arrays at the edges are numpy, micro-batches are `dict[str, numpy.ndarray]`.
+No torch: arrays at the edges are numpy; micro-batches are `rollouts.types.MicroBatch[numpy.ndarray]`.
 The names below are the public API; the building blocks stay importable from their modules
 (`rollouts.data.filters` for group filters, `rollouts.data.rollout` for grouping/reward/filter
 steps, `rollouts.data.batching` for padding and unpacking, `rollouts.data.buffer` for the

@@ -2,17 +2,17 @@
 
 Legend: B rows, T tokens per row, S sequences in a micro-batch, N samples in a step.
 
-A micro-batch is a plain `dict[str, np.ndarray]` (the contract rollouts-backends consumes):
-input_ids/position_ids/segment_ids/attention_mask int64 [B, T], loss_mask float32 [B, T],
-sample_indices int64 [S], cu_seqlens int32 [S+1] (packed layout only), and, when the samples carry
-them, advantages and rollout_logprobs float32 [B, T]. Every per-token array is aligned with
-input_ids: entry t concerns token t, so position 0 of every sequence has loss weight 0 (there is
-no prediction for it), even if a Sample's own mask says otherwise.
+A micro-batch is a `rollouts.types.MicroBatch[np.ndarray]` (frozen; fields and shapes in its
+docstring): input_ids/position_ids/segment_ids/attention_mask int64 [B, T], loss_mask float32
+[B, T], sample_indices int64 [S], cu_seqlens int32 [S+1] (packed layout only), and, when the
+samples carry them, advantages and rollout_logprobs float32 [B, T]. Every per-token array is
+aligned with input_ids: entry t concerns token t, so position 0 of every sequence has loss weight 0
+(there is no prediction for it), even if a Sample's own mask says otherwise.
 
 Attention: `attention_mask` only marks padding. A packed row holds several sequences, so a model
 given that 2D mask lets each sequence attend to the ones packed before it. `segment_ids` (the
 sequence each token belongs to, -1 on padding) say where the boundaries are:
-`segment_attention_mask(mb["segment_ids"])` is the [B, 1, T, T] block-diagonal causal mask for
+`segment_attention_mask(mb.segment_ids)` is the [B, 1, T, T] block-diagonal causal mask for
 attention that takes a dense mask (HF "sdpa"/"eager"); flash-attention kernels instead find the
 boundaries from `position_ids` restarting at 0 (or from `cu_seqlens`).
 """
@@ -20,16 +20,15 @@ boundaries from `position_ids` restarting at 0 (or from `cu_seqlens`).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 
-from rollouts.types import Sample
+from rollouts.types import MicroBatch, Sample
 
 __all__ = [
-    "MicroBatch",
     "StepPlan",
     "best_fit_decreasing",
     "pack_samples",
@@ -40,12 +39,6 @@ __all__ = [
     "unpack",
     "unpack_values",
 ]
-
-MicroBatch = dict[str, np.ndarray]
-"""One micro-batch: key -> numpy array, as described in the module docstring."""
-
-_TOKEN_KEYS_INT = ("input_ids", "position_ids", "segment_ids", "attention_mask")
-_TOKEN_KEYS_FLOAT = ("loss_mask", "advantages", "rollout_logprobs")
 
 
 def _optional_fields(samples: Sequence[Sample]) -> tuple[str, ...]:
@@ -91,12 +84,14 @@ def _check_samples(samples: Sequence[Sample]) -> None:
             raise ValueError(f"samples[{i}] has no tokens and cannot be batched")
 
 
-def pad_batch(samples: Sequence[Sample], *, pad_id: int, sample_indices: Sequence[int] | None = None) -> MicroBatch:
+def pad_batch(
+    samples: Sequence[Sample], *, pad_id: int, sample_indices: Sequence[int] | None = None
+) -> MicroBatch[np.ndarray]:
     """Right-padded [B, T] arrays, one row per sample (T = longest sample)."""
     _check_samples(samples)
     fields = _optional_fields(samples)
     b, t = len(samples), max(len(s.tokens) for s in samples)
-    out: MicroBatch = {
+    out: dict[str, np.ndarray] = {
         "input_ids": np.full((b, t), pad_id, dtype=np.int64),
         "position_ids": np.zeros((b, t), dtype=np.int64),
         "segment_ids": np.full((b, t), -1, dtype=np.int64),
@@ -111,17 +106,17 @@ def pad_batch(samples: Sequence[Sample], *, pad_id: int, sample_indices: Sequenc
         out["position_ids"][row, :n] = np.arange(n)
         out["segment_ids"][row, :n] = row
         out["attention_mask"][row, :n] = 1
-    indices = range(b) if sample_indices is None else sample_indices
-    out["sample_indices"] = np.asarray(list(indices), dtype=np.int64)
-    assert out["sample_indices"].shape == (b,), "one sample index per row"
-    return out
+    indices = np.asarray(list(range(b) if sample_indices is None else sample_indices), dtype=np.int64)
+    if indices.shape != (b,):
+        raise ValueError(f"sample_indices has {indices.size} entries for {b} samples: one per row")
+    return _micro_batch(out, sample_indices=indices)
 
 
 def _pack_one(
     samples: Sequence[Sample], indices: Sequence[int], fields: Sequence[str], *, pad_id: int, length: int
-) -> MicroBatch:
+) -> MicroBatch[np.ndarray]:
     """One packed [1, length] row holding `samples` back to back (tail padded)."""
-    out: MicroBatch = {
+    out: dict[str, np.ndarray] = {
         "input_ids": np.full((1, length), pad_id, dtype=np.int64),
         "position_ids": np.zeros((1, length), dtype=np.int64),
         "segment_ids": np.full((1, length), -1, dtype=np.int64),
@@ -138,9 +133,25 @@ def _pack_one(
         out["segment_ids"][0, a : a + n] = seg
         out["attention_mask"][0, a : a + n] = 1
         cu.append(a + n)
-    out["cu_seqlens"] = np.asarray(cu, dtype=np.int32)
-    out["sample_indices"] = np.asarray(list(indices), dtype=np.int64)
-    return out
+    return _micro_batch(
+        out, sample_indices=np.asarray(list(indices), dtype=np.int64), cu_seqlens=np.asarray(cu, dtype=np.int32)
+    )
+
+
+def _micro_batch(
+    arrays: dict[str, np.ndarray], *, sample_indices: np.ndarray, cu_seqlens: np.ndarray | None = None
+) -> MicroBatch[np.ndarray]:
+    return MicroBatch(
+        input_ids=arrays["input_ids"],
+        position_ids=arrays["position_ids"],
+        segment_ids=arrays["segment_ids"],
+        attention_mask=arrays["attention_mask"],
+        loss_mask=arrays["loss_mask"],
+        sample_indices=sample_indices,
+        cu_seqlens=cu_seqlens,
+        advantages=arrays.get("advantages"),
+        rollout_logprobs=arrays.get("rollout_logprobs"),
+    )
 
 
 def best_fit_decreasing(lengths: Sequence[int], *, capacity: int) -> list[list[int]]:
@@ -170,7 +181,7 @@ def best_fit_decreasing(lengths: Sequence[int], *, capacity: int) -> list[list[i
 
 def pack_samples(
     samples: Sequence[Sample], *, max_tokens: int, pad_id: int = 0, pad_to_multiple_of: int = 1
-) -> list[MicroBatch]:
+) -> list[MicroBatch[np.ndarray]]:
     """Packed micro-batches ([1, T], T <= max_tokens) filled by best-fit-decreasing.
 
     Each row is its sequences back to back, padded at the tail to a multiple of
@@ -214,39 +225,39 @@ def segment_attention_mask(segment_ids_B_T: np.ndarray) -> np.ndarray:
     return out
 
 
-def _sequence_slices(micro_batch: Mapping[str, np.ndarray]) -> list[tuple[int, int, int, int]]:
+def _sequence_slices(micro_batch: MicroBatch[np.ndarray]) -> list[tuple[int, int, int, int]]:
     """(sample index, row, start, end) of every sequence in a micro-batch."""
-    indices = micro_batch["sample_indices"].tolist()
-    if "cu_seqlens" in micro_batch:
-        cu = micro_batch["cu_seqlens"].tolist()
+    indices = micro_batch.sample_indices.tolist()
+    if micro_batch.cu_seqlens is not None:
+        cu = micro_batch.cu_seqlens.tolist()
         return [(idx, 0, cu[s], cu[s + 1]) for s, idx in enumerate(indices)]
-    lengths = micro_batch["attention_mask"].sum(axis=1).tolist()
+    lengths = micro_batch.attention_mask.sum(axis=1).tolist()
     return [(idx, row, 0, int(lengths[row])) for row, idx in enumerate(indices)]
 
 
-def unpack(micro_batches: Sequence[Mapping[str, np.ndarray]]) -> dict[int, dict[str, np.ndarray]]:
-    """Sample index -> its [T_i] per-token arrays, from packed or padded micro-batches."""
+def unpack(micro_batches: Sequence[MicroBatch[np.ndarray]]) -> dict[int, dict[str, np.ndarray]]:
+    """Sample index -> its [T_i] per-token arrays (by field name, extras included; not segment_ids or
+    attention_mask), from packed or padded micro-batches."""
     out: dict[int, dict[str, np.ndarray]] = {}
     for mb in micro_batches:
-        keys = [k for k, v in mb.items() if v.ndim == 2]
+        arrays = mb.token_arrays()
+        arrays.pop("segment_ids")
+        arrays.pop("attention_mask")
         for idx, row, a, b in _sequence_slices(mb):
             if idx in out:
                 raise ValueError(f"sample index {idx} appears in more than one sequence")
-            arrays = {k: mb[k][row, a:b].copy() for k in keys}
-            arrays.pop("segment_ids", None)
-            arrays.pop("attention_mask", None)
-            out[idx] = arrays
+            out[idx] = {k: v[row, a:b].copy() for k, v in arrays.items()}
     return out
 
 
 def unpack_values(
-    micro_batches: Sequence[Mapping[str, np.ndarray]], values: Sequence[np.ndarray]
+    micro_batches: Sequence[MicroBatch[np.ndarray]], values: Sequence[np.ndarray]
 ) -> dict[int, np.ndarray]:
     """Sample index -> [T_i] slice of a per-token result (e.g. trainer log-probs), one [B, T] array per micro-batch."""
     out: dict[int, np.ndarray] = {}
     for mb, v in zip(micro_batches, values, strict=True):
-        if v.shape != mb["input_ids"].shape:
-            raise ValueError(f"values shape {v.shape} must match its micro-batch's input_ids {mb['input_ids'].shape}")
+        if v.shape != mb.input_ids.shape:
+            raise ValueError(f"values shape {v.shape} must match its micro-batch's input_ids {mb.input_ids.shape}")
         for idx, row, a, b in _sequence_slices(mb):
             out[idx] = np.asarray(v[row, a:b]).copy()
     return out
@@ -256,8 +267,8 @@ def unpack_values(
 class StepPlan:
     """A step's micro-batches plus the whole-step denominators the loss needs."""
 
-    micro_batches: tuple[MicroBatch, ...] = field(repr=False)
-    """The micro-batches, each a dict of numpy arrays (see module docstring)."""
+    micro_batches: tuple[MicroBatch[np.ndarray], ...] = field(repr=False)
+    """The micro-batches (numpy arrays; see the module docstring)."""
     num_loss_tokens: int
     """Tokens with loss_mask > 0 over the whole step (global token-mean denominator)."""
     num_sequences: int
@@ -311,8 +322,8 @@ def plan_micro_batches(
     num_tokens = sum(lengths)
     return StepPlan(
         micro_batches=tuple(micro_batches),
-        num_loss_tokens=int(sum(int((mb["loss_mask"] > 0).sum()) for mb in micro_batches)),
+        num_loss_tokens=int(sum(int((mb.loss_mask > 0).sum()) for mb in micro_batches)),
         num_sequences=sum(1 for s in samples if s.num_loss_tokens > 0),
         num_tokens=num_tokens,
-        num_padding_tokens=sum(mb["input_ids"].size for mb in micro_batches) - num_tokens,
+        num_padding_tokens=sum(mb.input_ids.size for mb in micro_batches) - num_tokens,
     )

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from rollouts.backends.distributed import close_process_group
+from rollouts.types import MicroBatch
 
 
 def init_distributed() -> tuple[int, int]:
@@ -69,7 +70,7 @@ def global_counts(num_tokens: int, num_sequences: int) -> tuple[int, int]:
     return int(tensor[0]), int(tensor[1])
 
 
-def same_count_on_every_rank(micro_batches: list[dict]) -> list[dict]:
+def same_count_on_every_rank(micro_batches: list[MicroBatch[np.ndarray]]) -> list[MicroBatch[np.ndarray]]:
     """Pad with zero-loss copies so every rank runs as many forward passes as the busiest one.
 
     FSDP gathers parameters collectively in every forward and backward: ranks with fewer
@@ -80,7 +81,7 @@ def same_count_on_every_rank(micro_batches: list[dict]) -> list[dict]:
         return micro_batches
     count = torch.tensor([len(micro_batches)], dtype=torch.int64, device=collective_device())
     torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
-    filler = {**micro_batches[-1], "loss_mask": np.zeros_like(micro_batches[-1]["loss_mask"])}
+    filler = micro_batches[-1].replace(loss_mask=np.zeros_like(micro_batches[-1].loss_mask))
     return micro_batches + [filler] * (int(count[0]) - len(micro_batches))
 
 

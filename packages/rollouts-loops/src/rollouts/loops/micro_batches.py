@@ -15,7 +15,7 @@ import numpy as np
 from rollouts.backends import TrainingComponents, packed_only
 from rollouts.data import plan_micro_batches
 from rollouts.loops.distributed import global_counts, rank_world, same_count_on_every_rank
-from rollouts.types import Sample
+from rollouts.types import MicroBatch, Sample
 
 _PADDED_MIN_FILL = 0.9
 """Use the padded layout when padding would waste under 10% of the tokens: packing many short
@@ -41,7 +41,7 @@ class ShardPlan:
 
     local: tuple[Sample, ...]
     """This rank's samples: the step's samples[rank::world]."""
-    micro_batches: tuple[dict[str, np.ndarray], ...]
+    micro_batches: tuple[MicroBatch[np.ndarray], ...]
     """The planned micro-batches, then zero-loss fillers up to the busiest rank's count."""
     num_real: int
     """How many of `micro_batches` hold this rank's samples (the rest are fillers)."""
@@ -61,7 +61,7 @@ def plan_shard(
     local = tuple(samples[rank::world])
     layout = choose_layout(local, packed_only=packed_only(components.model))
     plan = plan_micro_batches(local, max_tokens=max_tokens_per_micro_batch, layout=layout)
-    real = [dict(mb) for mb in plan.micro_batches]
+    real = list(plan.micro_batches)
     num_tokens, num_sequences = global_counts(plan.num_loss_tokens, plan.num_sequences)
     return ShardPlan(
         local=local,

@@ -19,7 +19,7 @@ from rollouts.data import unpack_values
 from rollouts.loops.distributed import all_gather_arrays, global_sum, rank_world
 from rollouts.loops.micro_batches import plan_shard
 from rollouts.losses import LossFn, kl_penalty, loss_fn_from_config, reinforce_pp_advantages, sample_advantages
-from rollouts.types import AlgorithmConfig, RLConfig, Sample, TrainingState
+from rollouts.types import AlgorithmConfig, MicroBatch, RLConfig, Sample, TrainingState
 
 AdvantageFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(rewards_N, group ids_N) -> advantages_N, one scalar per sample: the signature of
@@ -110,22 +110,23 @@ def _checked_advantages(adv: object, num: int) -> torch.Tensor:
 
 
 def scatter_token_values(
-    micro_batches: Sequence[Mapping[str, np.ndarray]], key: str, values: Mapping[int, np.ndarray]
-) -> list[dict[str, np.ndarray]]:
-    """New micro-batches with `key` [B, T_row] holding each sample's [T_i] values where its tokens sit."""
+    micro_batches: Sequence[MicroBatch[np.ndarray]], key: str, values: Mapping[int, np.ndarray]
+) -> list[MicroBatch[np.ndarray]]:
+    """New micro-batches with `key` [B, T_row] holding each sample's [T_i] values where its tokens sit
+    (a MicroBatch field, or an extra of that name)."""
     out = []
     for mb in micro_batches:
-        array = np.zeros(mb["input_ids"].shape, dtype=np.float32)
-        for s, index in enumerate(mb["sample_indices"]):
-            array[mb["segment_ids"] == s] = values[int(index)]
-        out.append({**mb, key: array})
+        array = np.zeros(mb.input_ids.shape, dtype=np.float32)
+        for s, index in enumerate(mb.sample_indices):
+            array[mb.segment_ids == s] = values[int(index)]
+        out.append(mb.replace(**{key: array}))
     return out
 
 
 def _with_arrays(
-    micro_batches: Sequence[Mapping[str, np.ndarray]], key: str, arrays: Sequence[np.ndarray]
-) -> list[dict[str, np.ndarray]]:
-    return [{**mb, key: a} for mb, a in zip(micro_batches, arrays, strict=True)]
+    micro_batches: Sequence[MicroBatch[np.ndarray]], key: str, arrays: Sequence[np.ndarray]
+) -> list[MicroBatch[np.ndarray]]:
+    return [mb.replace(**{key: a}) for mb, a in zip(micro_batches, arrays, strict=True)]
 
 
 def rl_update(
@@ -151,7 +152,7 @@ def rl_update(
     shard = plan_shard(components, samples, max_tokens_per_micro_batch=config.max_tokens_per_micro_batch)
     real = shard.micro_batches[: shard.num_real]
     mbs = list(shard.micro_batches)
-    masks = unpack_values(real, [mb["loss_mask"] for mb in real])
+    masks = unpack_values(real, [mb.loss_mask for mb in real])
     metrics: dict[str, float] = {}
     need_old = algorithm.num_updates_per_batch > 1 or algorithm.kl_placement == "reward"
     # The policy trained is the one sampled from: logits / sampling temperature, truncated by top-k

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,10 +43,11 @@ from rollouts.backends import (
     save_checkpoint,
 )
 from rollouts.data import DataBuffer
-from rollouts.loops.rl import rl_step
+from rollouts.loops.step import rl_step
 from rollouts.types import (
     AlgorithmConfig,
     InferenceEngine,
+    MicroBatch,
     OptimizerConfig,
     RLConfig,
     RolloutBatch,
@@ -78,13 +79,14 @@ class GRPOLoss:
     def __call__(
         self,
         logprobs_B_T: Tensor,
-        batch: Mapping[str, Tensor],
+        batch: MicroBatch[Tensor],
         *,
         num_tokens: int,
         num_sequences: int,
         entropy_B_T: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, float]]:
-        mask_B_T, advantages_B_T = batch["loss_mask"], batch["advantages"]
+        mask_B_T, advantages_B_T = batch.loss_mask, batch.advantages
+        assert advantages_B_T is not None, "rl_update scatters the advantages into every micro-batch"
         ratio_B_T = torch.exp(logprobs_B_T - logprobs_B_T.detach())
         loss = -(ratio_B_T * advantages_B_T * mask_B_T).sum() / max(num_tokens, 1)
         mean_logprob = float((logprobs_B_T.detach() * mask_B_T).sum() / mask_B_T.sum().clamp(min=1))

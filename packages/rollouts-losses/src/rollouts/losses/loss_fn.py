@@ -1,6 +1,6 @@
 """Ready-made loss functions for a trainer: one call per micro-batch, `(loss, metrics)` back.
 
-Legend: B rows, T tokens per row. The batch holds the micro-batch tensors (all [B, T], token-aligned):
+Legend: B rows, T tokens per row. The batch is a `rollouts.types.MicroBatch` of tensors (all [B, T], token-aligned):
   loss_mask (required), segment_ids (packed rows; -1 on padding), advantages (RL),
   old_logprobs (absent: the current log-probs detached, i.e. on-policy ratio 1),
   ref_logprobs (needed when the KL goes in the loss), rollout_logprobs (needed when
@@ -16,9 +16,8 @@ step's micro-batches, each backpropagated, add up to the loss of the step as one
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, TypedDict, runtime_checkable
+from typing import Protocol, TypedDict, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -34,6 +33,7 @@ from rollouts.losses.kl import importance_weights, kl_penalty
 from rollouts.losses.policy import cispo_loss, gspo_loss, metrics_to_floats, pg_loss, ppo_clip_loss, sft_loss
 from rollouts.losses.policy_variants import clip_cov_loss, dppo_loss, gmpo_loss, kl_cov_loss, sapo_loss
 from rollouts.types.configs import AlgorithmConfig
+from rollouts.types.micro_batch import MicroBatch
 
 __all__ = ["LossFn", "PolicyLossFn", "SFTLossFn", "loss_fn_from_config", "sft_loss_fn"]
 
@@ -48,7 +48,7 @@ class LossFn(Protocol):
     def __call__(
         self,
         logprobs_B_T: Tensor,
-        batch: Mapping[str, Tensor],
+        batch: MicroBatch[Tensor],
         *,
         num_tokens: int,
         num_sequences: int,
@@ -71,11 +71,13 @@ class _Clip(TypedDict):
     eps_high: float
 
 
-def _require(batch: Mapping[str, Any], key: str, why: str) -> Tensor:
-    """batch[key], or a ValueError naming the key and why it is needed."""
-    if key not in batch or batch[key] is None:
-        raise ValueError(f"batch has no {key!r} (keys: {sorted(batch)}), which {why}")
-    value: Tensor = batch[key]
+def _require(batch: MicroBatch[Tensor], key: str, why: str) -> Tensor:
+    """The micro-batch's array `key`, or a ValueError naming the key and why it is needed."""
+    if not isinstance(batch, MicroBatch):
+        raise TypeError(f"a loss takes a rollouts.types.MicroBatch of tensors, got {type(batch).__name__}")
+    value = batch.get(key)
+    if value is None:
+        raise ValueError(f"the micro-batch has no {key!r} (it has {sorted(batch.token_arrays())}), which {why}")
     return value
 
 
@@ -94,7 +96,7 @@ class SFTLossFn:
     def __call__(
         self,
         logprobs_B_T: Tensor,
-        batch: Mapping[str, Tensor],
+        batch: MicroBatch[Tensor],
         *,
         num_tokens: int | None,
         num_sequences: int | None,
@@ -106,12 +108,12 @@ class SFTLossFn:
             _require(batch, "loss_mask", "every loss needs"),
             mode=self.mode,
             norm_constant=self.norm_constant,
-            segment_ids_B_T=batch.get("segment_ids"),
+            segment_ids_B_T=batch.segment_ids,
             num_tokens=num_tokens,
             num_sequences=num_sequences,
         )
         if entropy_B_T is not None:
-            metrics |= metrics_to_floats(entropy=masked_mean(entropy_B_T.detach(), batch["loss_mask"]))
+            metrics |= metrics_to_floats(entropy=masked_mean(entropy_B_T.detach(), batch.loss_mask))
         return loss, {"loss": float(loss.detach())} | metrics
 
 
@@ -129,12 +131,12 @@ def _token_weights(
     cfg: AlgorithmConfig,
     logprobs_B_T: Tensor,
     old_B_T: Tensor,
-    batch: Mapping[str, Tensor],
+    batch: MicroBatch[Tensor],
     entropy_B_T: Tensor | None,
 ) -> tuple[Tensor | None, dict[str, float]]:
     """The per-token loss multiplier (IS weights x rejection x off-policy mask x entropy mask; None: 1) and metrics."""
-    mask_B_T, segment_ids_B_T = batch["loss_mask"], batch.get("segment_ids")
-    rollout_B_T = batch.get("rollout_logprobs")
+    mask_B_T, segment_ids_B_T = batch.loss_mask, batch.segment_ids
+    rollout_B_T = batch.rollout_logprobs
     if cfg.needs_rollout_logprobs:
         rollout_B_T = _require(batch, "rollout_logprobs", "IS weights, rejection and the off-policy mask need")
     weights_B_T: Tensor | None = None
@@ -172,7 +174,7 @@ def _token_weights(
         keep_B_T, opm_metrics = off_policy_sequence_mask(
             logprobs_B_T,
             rollout_B_T,
-            batch["advantages"],
+            _require(batch, "advantages", "the off-policy sequence mask needs"),
             mask_B_T,
             threshold=cfg.off_policy_mask_threshold,
             segment_ids_B_T=segment_ids_B_T,
@@ -194,12 +196,13 @@ def _policy_loss(
     cfg: AlgorithmConfig,
     logprobs_B_T: Tensor,
     old_B_T: Tensor,
-    batch: Mapping[str, Tensor],
+    batch: MicroBatch[Tensor],
     is_weights: Tensor | None,
     agg: _Aggregation,
 ) -> tuple[Tensor, dict[str, float]]:
     """The configured policy loss on one micro-batch."""
-    args = (logprobs_B_T, old_B_T, batch["advantages"], batch["loss_mask"])
+    advantages_B_T = _require(batch, "advantages", "every policy loss needs")
+    args = (logprobs_B_T, old_B_T, advantages_B_T, batch.loss_mask)
     clip = _Clip(eps_low=cfg.eps_low, eps_high=cfg.eps_high)
     loss = cfg.policy_loss
     if loss == "ppo_clip":
@@ -218,7 +221,7 @@ def _policy_loss(
     if loss == "kl_cov":
         return kl_cov_loss(*args, cov_fraction=cfg.cov_fraction, kl_coef=cfg.kl_cov_coef, is_weights=is_weights, **agg)
     assert loss == "pg", loss
-    return pg_loss(logprobs_B_T, batch["advantages"], batch["loss_mask"], is_weights=is_weights, **agg)
+    return pg_loss(logprobs_B_T, advantages_B_T, batch.loss_mask, is_weights=is_weights, **agg)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -236,7 +239,7 @@ class PolicyLossFn:
     def __call__(
         self,
         logprobs_B_T: Tensor,
-        batch: Mapping[str, Tensor],
+        batch: MicroBatch[Tensor],
         *,
         num_tokens: int | None,
         num_sequences: int | None,
@@ -246,19 +249,19 @@ class PolicyLossFn:
         cfg = self.algorithm
         mask_B_T = _require(batch, "loss_mask", "every loss needs")
         _require(batch, "advantages", "policy losses need")
-        old_B_T = batch.get("old_logprobs")
+        old_B_T = batch.old_logprobs
         old_B_T = logprobs_B_T.detach() if old_B_T is None else old_B_T
         agg = _Aggregation(
             mode=cfg.loss_aggregation,
             norm_constant=cfg.norm_constant,
-            segment_ids_B_T=batch.get("segment_ids"),
+            segment_ids_B_T=batch.segment_ids,
             num_tokens=num_tokens,
             num_sequences=num_sequences,
         )
         is_weights, metrics = _token_weights(cfg, logprobs_B_T, old_B_T, batch, entropy_B_T)
         ratio_base_B_T = old_B_T
-        if cfg.policy_loss in ("dppo_tv", "dppo_kl") and batch.get("rollout_logprobs") is not None:
-            ratio_base_B_T = batch["rollout_logprobs"]
+        if cfg.policy_loss in ("dppo_tv", "dppo_kl") and batch.rollout_logprobs is not None:
+            ratio_base_B_T = batch.rollout_logprobs
         loss, pg_metrics = _policy_loss(cfg, logprobs_B_T, ratio_base_B_T, batch, is_weights, agg)
         metrics |= pg_metrics
         if cfg.log_ratio_sq_coef > 0.0:
@@ -267,7 +270,7 @@ class PolicyLossFn:
                 selected_B_T, ratio_base_B_T.detach(), 0.0
             )
             loss = loss + cfg.log_ratio_sq_coef * aggregate(log_ratio_B_T.square(), mask_B_T, **agg)
-        ref_B_T = batch.get("ref_logprobs")
+        ref_B_T = batch.ref_logprobs
         if cfg.kl_placement == "loss" and cfg.kl_coef > 0.0:
             ref_B_T = _require(batch, "ref_logprobs", f"the KL in the loss needs (kl_coef={cfg.kl_coef})")
             kl_B_T = kl_penalty(logprobs_B_T, ref_B_T, kind=cfg.kl_kind)

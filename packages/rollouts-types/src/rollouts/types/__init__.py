@@ -12,6 +12,7 @@ from rollouts.types.configs import (
 )
 from rollouts.types.frozen import freeze, thaw
 from rollouts.types.lora import DEFAULT_LORA_TARGETS, LoraConfig, LoraSync
+from rollouts.types.micro_batch import MicroBatch
 from rollouts.types.protocols import (
     Environment,
     EnvStep,
@@ -50,6 +51,7 @@ __all__ = [
     "GenerateFn",
     "InferenceEngine",
     "MetricsLogger",
+    "MicroBatch",
     "OptimizerConfig",
     "Prompt",
     "RLConfig",
