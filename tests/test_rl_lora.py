@@ -80,7 +80,8 @@ def test_the_kl_reference_of_a_lora_run_is_the_adapter_switched_off(tiny_run_inp
 def test_model_lora_in_a_run_file_and_on_the_command_line():
     import pytest
 
-    from rollouts.loops.app.config import ConfigError, RLRun, build_run, load_run, to_toml
+    from rollouts.loops.app.config import ConfigError, RLRun, build_run, load_run
+    from rollouts.loops.app.toml_out import to_toml
 
     run = load_run(RLRun, None, ["model.lora.rank=8", "model.lora.target_modules=['q_proj', 'v_proj']"])
     assert run.model.lora == LoraConfig(rank=8, target_modules=("q_proj", "v_proj"))

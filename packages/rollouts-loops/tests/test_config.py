@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollouts.loops.algorithms import ALGORITHMS, algorithm_preset
-from rollouts.loops.app.config import ConfigError, RLRun, SFTRun, apply_overrides, build_run, load_run, to_toml
+from rollouts.loops.app.config import ConfigError, RLRun, SFTRun, apply_overrides, build_run, load_run
+from rollouts.loops.app.toml_out import to_toml
 
 
 def _write(tmp_path, text):

@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "rl":
             cmd_rl(load_run(RLRun, args.config, sets), args.config)
         elif args.command == "config":
-            from rollouts.loops.app.config import documented_toml
+            from rollouts.loops.app.toml_out import documented_toml
 
             print(documented_toml(SFTRun if args.kind == "sft" else RLRun), end="")
         elif args.command == "eval":

@@ -13,7 +13,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from rollouts.loops.app.config import ConfigError, to_toml
+from rollouts.loops.app.config import ConfigError
+from rollouts.loops.app.toml_out import to_toml
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
