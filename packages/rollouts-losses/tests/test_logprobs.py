@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollouts.losses import fused_chunk_size, fused_token_logprobs, token_entropy, token_logprobs
-from rollouts.losses.logprobs import FUSED_MEMORY_BUDGET_BYTES
+from rollouts.losses.fused_logprobs import FUSED_MEMORY_BUDGET_BYTES
 
 
 def _naive(logits_B_T_V, labels_B_T):

@@ -19,14 +19,9 @@ from rollouts.losses.correction import (
     off_policy_sequence_mask,
     rejection_mask,
 )
+from rollouts.losses.fused_logprobs import fused_chunk_size, fused_token_logprobs, truncation_mask
 from rollouts.losses.kl import KL_KINDS, KLControllerState, adaptive_kl_update, importance_weights, kl_penalty
-from rollouts.losses.logprobs import (
-    fused_chunk_size,
-    fused_token_logprobs,
-    token_entropy,
-    token_logprobs,
-    truncation_mask,
-)
+from rollouts.losses.logprobs import token_entropy, token_logprobs
 from rollouts.losses.loss_fn import LossFn, PolicyLossFn, SFTLossFn, loss_fn_from_config, sft_loss_fn
 from rollouts.losses.policy import cispo_loss, gspo_loss, pg_loss, ppo_clip_loss, sft_loss, value_loss
 from rollouts.losses.policy_variants import clip_cov_loss, dppo_loss, gmpo_loss, kl_cov_loss, sapo_loss
