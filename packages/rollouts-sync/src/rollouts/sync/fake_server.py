@@ -1,7 +1,6 @@
 """A fake engine server speaking vLLM's and SGLang's HTTP shapes, with faults a test can inject.
 
-Runs in the caller's event loop, asyncio or trio (a minimal HTTP/1.1 server on anyio, one request per
-connection),
+Runs in the caller's event loop, asyncio or trio (the minimal HTTP/1.1 of fake_http.py, on anyio),
 so tests and benchmarks need no engine. The "model" is deterministic: next-token logits are a
 pseudo-random function of (loaded weights, context), so a weight change changes the tokens and a
 test can compute the expected greedy continuation with `FakeEngineState.greedy`.
@@ -30,30 +29,9 @@ from anyio.abc import ByteStream, SocketAttribute
 from safetensors.numpy import load as load_safetensors_bytes
 from safetensors.numpy import load_file
 
-_MAX_HEAD_BYTES = 64 * 1024  # request line + headers; more is not a request we sent
-_MAX_BODY_BYTES = 512 * 1024 * 1024  # bound on a weight-carrying body
+from rollouts.sync.fake_http import Fault, HTTPError, json_response, pop_fault, read_request, send_response
+
 _PAUSE_WAIT_S = 60.0  # a generate request waits at most this long for /resume
-_REASONS = {
-    200: "OK",
-    400: "Bad Request",
-    401: "Unauthorized",
-    404: "Not Found",
-    500: "Internal Server Error",
-    503: "Service Unavailable",
-}
-
-
-@dataclass(slots=True, kw_only=True)
-class Fault:
-    """Misbehave on requests whose path starts with `path` (every path if empty), `times` times."""
-
-    kind: str
-    """"status": answer `status` with `text`; "delay": sleep `delay_s` first; "drop": close without answering."""
-    path: str = ""
-    times: int = 1
-    status: int = 500
-    text: str = "injected failure"
-    delay_s: float = 0.0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -100,25 +78,23 @@ class FakeEngineState:
 
     def greedy(self, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
         """Greedy response ids and their log-probs (the reference a test compares against)."""
-        context, ids, lps = list(prompt), [], []
-        for _ in range(max_new_tokens):
-            lp = self.logprobs_V(context)
-            t = int(lp.argmax())
-            ids.append(t)
-            lps.append(float(lp[t]))
-            context.append(t)
-            if t == self.eos_token_id:
-                break
+        ids, lps, _ = self.sample(prompt, max_new_tokens=max_new_tokens, temperature=0.0, stop=set(), rng=None)
         return ids, lps
 
     def sample(
-        self, prompt: list[int], *, max_new_tokens: int, temperature: float, stop: set[int], rng: np.random.Generator
+        self,
+        prompt: list[int],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        stop: set[int],
+        rng: np.random.Generator | None,
     ) -> tuple[list[int], list[float], str]:
-        """(response ids, their log-probs, finish reason "stop" or "length")."""
+        """(response ids, their log-probs, finish reason "stop" or "length"); `rng` only for temperature > 0."""
         context, ids, lps = list(prompt), [], []
         for _ in range(max_new_tokens):
             lp = self.logprobs_V(context)
-            if temperature == 0.0:
+            if temperature == 0.0 or rng is None:
                 t = int(lp.argmax())
             else:
                 p = np.exp(lp / temperature)
@@ -141,13 +117,6 @@ class FakeEngineState:
         self.weights = weights
 
 
-class _HTTPError(Exception):
-    def __init__(self, status: int, text: str) -> None:
-        super().__init__(text)
-        self.status = status
-        self.text = text
-
-
 @dataclass(slots=True, kw_only=True)
 class FakeEngineServer:
     """A running fake server: its URL, its state, and a way to take it down for good."""
@@ -161,18 +130,6 @@ class FakeEngineServer:
         self._scope.cancel()
 
 
-def _json(status: int, obj: Any) -> tuple[int, bytes]:
-    return status, json.dumps(obj).encode()
-
-
-async def _pop_fault(state: FakeEngineState, path: str) -> Fault | None:
-    for fault in state.faults:
-        if fault.times > 0 and path.startswith(fault.path):
-            fault.times -= 1
-            return fault
-    return None
-
-
 async def _wait_unpaused(state: FakeEngineState) -> None:
     with anyio.fail_after(_PAUSE_WAIT_S):
         while state.paused:
@@ -183,9 +140,9 @@ async def _wait_unpaused(state: FakeEngineState) -> None:
 async def _generate_vllm(state: FakeEngineState, body: dict[str, Any]) -> tuple[int, bytes]:
     prompts = body.get("prompt")
     if not prompts or not isinstance(prompts[0], list):
-        raise _HTTPError(400, "prompt must be a list of token-id lists")
+        raise HTTPError(400, "prompt must be a list of token-id lists")
     if body.get("model") != state.model_name:
-        raise _HTTPError(404, f"The model `{body.get('model')}` does not exist.")
+        raise HTTPError(404, f"The model `{body.get('model')}` does not exist.")
     n = int(body.get("n", 1))
     want_lp = body.get("logprobs") is not None
     as_ids = bool(body.get("return_tokens_as_token_ids"))
@@ -225,7 +182,7 @@ async def _generate_vllm(state: FakeEngineState, body: dict[str, Any]) -> tuple[
         "prompt_tokens": sum(len(p) for p in prompts) * n,
         "completion_tokens": sum(len(c["logprobs"]["tokens"]) if c["logprobs"] else 0 for c in choices),
     }
-    return _json(
+    return json_response(
         200,
         {
             "id": "cmpl-fake",
@@ -241,13 +198,13 @@ async def _generate_vllm(state: FakeEngineState, body: dict[str, Any]) -> tuple[
 async def _generate_sglang(state: FakeEngineState, body: dict[str, Any]) -> tuple[int, bytes]:
     inputs = body.get("input_ids")
     if not inputs:
-        raise _HTTPError(400, "input_ids is required")
+        raise HTTPError(400, "input_ids is required")
     batched = isinstance(inputs[0], list)
     inputs = inputs if batched else [inputs]
     params = body.get("sampling_params") or {}
     params = params if isinstance(params, list) else [params] * len(inputs)
     if len(params) != len(inputs):
-        raise _HTTPError(400, f"sampling_params has {len(params)} entries for {len(inputs)} inputs")
+        raise HTTPError(400, f"sampling_params has {len(params)} entries for {len(inputs)} inputs")
     unseeded = np.random.default_rng()
     outs = []
     for prompt, sp in zip(inputs, params, strict=True):
@@ -276,19 +233,19 @@ async def _generate_sglang(state: FakeEngineState, body: dict[str, Any]) -> tupl
             meta["input_token_logprobs"] = []
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids, strict=True)]
         outs.append({"text": "", "output_ids": ids, "meta_info": meta})
-    return _json(200, outs if batched else outs[0])
+    return json_response(200, outs if batched else outs[0])
 
 
 async def _collective_rpc(state: FakeEngineState, body: dict[str, Any]) -> tuple[int, bytes]:
     method, kwargs = body.get("method"), body.get("kwargs") or {}
     if method is None:
-        raise _HTTPError(400, "Missing 'method' in request body")
+        raise HTTPError(400, "Missing 'method' in request body")
     if method == "reload_weights":
         await anyio.sleep(state.reload_delay_s)
         try:
             state.load_dir(kwargs["weights_path"])
         except (OSError, KeyError) as exc:
-            raise _HTTPError(500, f"reload_weights failed: {type(exc).__name__}: {exc}") from exc
+            raise HTTPError(500, f"reload_weights failed: {type(exc).__name__}: {exc}") from exc
         return 200, b""  # vLLM answers an empty 200 when every worker returned None
     if method == "rollouts_load_weights":
         await anyio.sleep(state.reload_delay_s)
@@ -299,14 +256,14 @@ async def _collective_rpc(state: FakeEngineState, body: dict[str, Any]) -> tuple
         unknown = sorted(set(incoming) - set(state.weights)) if state.weights else []
         if unknown:
             state.staged_weights = {}
-            raise _HTTPError(500, f"tensors not in the model's checkpoint: {unknown}")
+            raise HTTPError(500, f"tensors not in the model's checkpoint: {unknown}")
         state.staged_weights.update(incoming)
         applied = kwargs.get("apply") == "1"
         if applied:
             state.weights = {**state.weights, **state.staged_weights}
             state.staged_weights = {}
-        return _json(200, {"results": [{"num_tensors": len(incoming), "applied": applied}]})
-    raise _HTTPError(500, f"AttributeError: worker has no method {method!r}")
+        return json_response(200, {"results": [{"num_tensors": len(incoming), "applied": applied}]})
+    raise HTTPError(500, f"AttributeError: worker has no method {method!r}")
 
 
 async def _dispatch(state: FakeEngineState, method: str, target: str, body: bytes) -> tuple[int, bytes]:
@@ -317,7 +274,7 @@ async def _dispatch(state: FakeEngineState, method: str, target: str, body: byte
     if route in (("GET", "/health"), ("GET", "/health_generate")):
         return 200, b""
     if route == ("GET", "/v1/models"):
-        return _json(200, {"object": "list", "data": [{"id": state.model_name, "object": "model"}]})
+        return json_response(200, {"object": "list", "data": [{"id": state.model_name, "object": "model"}]})
     if route in (("POST", "/v1/completions"), ("POST", "/generate")):
         await _wait_unpaused(state)
         state.num_in_flight += 1
@@ -329,111 +286,77 @@ async def _dispatch(state: FakeEngineState, method: str, target: str, body: byte
     if route in (("POST", "/pause"), ("POST", "/pause_generation")):
         mode = query.get("mode", ["abort"])[0]
         if mode not in ("abort", "wait", "keep"):
-            raise _HTTPError(400, f"Input should be 'abort', 'wait' or 'keep': {mode!r}")
+            raise HTTPError(400, f"Input should be 'abort', 'wait' or 'keep': {mode!r}")
         state.paused = True
         state.resumed = anyio.Event()
         with anyio.fail_after(_PAUSE_WAIT_S):
             while state.num_in_flight > 0:
                 await anyio.sleep(0.01)
         if path == "/pause":
-            return _json(200, {"status": "paused"})
-        return _json(200, {"message": "Generation paused successfully.", "status": "ok"})
+            return json_response(200, {"status": "paused"})
+        return json_response(200, {"message": "Generation paused successfully.", "status": "ok"})
     if route in (("POST", "/resume"), ("POST", "/continue_generation")):
         state.paused = False
         if state.resumed is not None:
             state.resumed.set()
         if path == "/resume":
-            return _json(200, {"status": "resumed"})
-        return _json(200, {"message": "Generation continued successfully.", "status": "ok"})
+            return json_response(200, {"status": "resumed"})
+        return json_response(200, {"message": "Generation continued successfully.", "status": "ok"})
     if route == ("GET", "/is_paused"):
-        return _json(200, {"is_paused": state.paused})
+        return json_response(200, {"is_paused": state.paused})
     if route == ("POST", "/collective_rpc"):
         return await _collective_rpc(state, data)
     if route in (("POST", "/reset_prefix_cache"), ("POST", "/flush_cache"), ("GET", "/flush_cache")):
         state.num_cache_resets += 1
         if path == "/reset_prefix_cache":
-            return _json(200, {"success": True})
+            return json_response(200, {"success": True})
         return 200, b"Cache flushed.\n"
     if route == ("POST", "/update_weight_version"):
         if "new_version" not in data:
-            raise _HTTPError(400, "new_version: Field required")
+            raise HTTPError(400, "new_version: Field required")
         state.weight_version = str(data["new_version"])
-        return _json(200, {"success": True, "new_version": state.weight_version})
+        return json_response(200, {"success": True, "new_version": state.weight_version})
     if route in (("GET", "/weight_info"), ("GET", "/get_weight_version")):
-        return _json(200, {"weight_version": state.weight_version})
+        return json_response(200, {"weight_version": state.weight_version})
     if route == ("POST", "/update_weights_from_disk"):
         await anyio.sleep(state.reload_delay_s)
         try:
             state.load_dir(data["model_path"])
         except (OSError, KeyError) as exc:
-            return _json(
+            return json_response(
                 400, {"success": False, "message": f"Failed to update weights: {exc}", "num_paused_requests": 0}
             )
         message = "Succeeded to update model weights."
         if data.get("weight_version") is not None:
             state.weight_version = str(data["weight_version"])
             message += f" Weight version updated to {data['weight_version']}."
-        return _json(200, {"success": True, "message": message, "num_paused_requests": 0})
-    raise _HTTPError(404, f"Not Found: {method} {path}")
-
-
-async def _receive(stream: ByteStream, max_bytes: int) -> bytes:
-    """Up to `max_bytes` from the stream; b"" once the peer has closed it."""
-    try:
-        return await stream.receive(max_bytes)
-    except anyio.EndOfStream:
-        return b""
-
-
-async def _read_request(stream: ByteStream) -> tuple[str, str, dict[str, str], bytes] | None:
-    buf = b""
-    while b"\r\n\r\n" not in buf:
-        chunk = await _receive(stream, 65536)
-        if not chunk or len(buf) > _MAX_HEAD_BYTES:
-            return None
-        buf += chunk
-    head, _, body = buf.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    method, target, _ = lines[0].split(" ", 2)
-    headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
-    length = int(headers.get("content-length", "0"))
-    if length > _MAX_BODY_BYTES:
-        return None
-    while len(body) < length:
-        chunk = await _receive(stream, min(1 << 20, length - len(body)))
-        if not chunk:
-            return None
-        body += chunk
-    return method, target, headers, body
+        return json_response(200, {"success": True, "message": message, "num_paused_requests": 0})
+    raise HTTPError(404, f"Not Found: {method} {path}")
 
 
 async def _handle(state: FakeEngineState, stream: ByteStream) -> None:
     try:
-        request = await _read_request(stream)
+        request = await read_request(stream)
         if request is None:
             return
         method, target, headers, body = request
         state.calls.append((method, target))
         state.auth_headers.append(headers.get("authorization"))
-        fault = await _pop_fault(state, urlsplit(target).path)
+        fault = pop_fault(state.faults, urlsplit(target).path)
         if fault is not None and fault.kind == "drop":
             return
         if fault is not None and fault.kind == "delay":
             await anyio.sleep(fault.delay_s)
         if fault is not None and fault.kind == "status":
-            status, payload = _json(fault.status, {"error": fault.text})
+            status, payload = json_response(fault.status, {"error": fault.text})
         elif state.api_key is not None and headers.get("authorization") != f"Bearer {state.api_key}":
-            status, payload = _json(401, {"error": "Unauthorized"})
+            status, payload = json_response(401, {"error": "Unauthorized"})
         else:
             try:
                 status, payload = await _dispatch(state, method, target, body)
-            except _HTTPError as exc:
-                status, payload = _json(exc.status, {"error": exc.text})
-        head = (
-            f"HTTP/1.1 {status} {_REASONS.get(status, 'Status')}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
-        )
-        await stream.send(head.encode("latin-1") + payload)
+            except HTTPError as exc:
+                status, payload = json_response(exc.status, {"error": exc.text})
+        await send_response(stream, status, payload)
     except (anyio.BrokenResourceError, anyio.ClosedResourceError):
         pass
     finally:
