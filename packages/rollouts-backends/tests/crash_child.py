@@ -2,7 +2,7 @@
 
 `run` reports progress lines ("START n", "SAVING n", "SAVED n", "DONE") through `emit`; the test
 forks a process running it and SIGKILLs that process at chosen moments. With `wait=False` the
-checkpoints are flushed and published in the background, so "SAVED n" kills land mid-publish.
+checkpoints are flushed and published in the background by a CheckpointWriter, so "SAVED n" kills land mid-publish.
 """
 
 import sys
@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import torch
 from helpers import fresh_components, train_steps
 
-from rollouts.backends import latest_checkpoint, load_checkpoint, save_checkpoint, wait_for_checkpoint
+from rollouts.backends import CheckpointWriter, latest_checkpoint, load_checkpoint, save_checkpoint
 from rollouts.types import TrainingState
 
 
@@ -28,13 +28,16 @@ def run(root: Path, total: int, emit: Callable[[str], None], wait: bool = True) 
         assert extra == {"step": state.step}, extra
     emit(f"START {state.step}")
 
+    writer = None if wait else CheckpointWriter()
+
     def checkpoint(components, state):
         emit(f"SAVING {state.step}")
-        save_checkpoint(components, state, root, extra={"step": state.step}, keep_last=2, wait=wait)
+        save_checkpoint(components, state, root, extra={"step": state.step}, keep_last=2, writer=writer)
         emit(f"SAVED {state.step}")
 
     train_steps(components, state, total - state.step, on_step=checkpoint)
-    wait_for_checkpoint()  # a forked child exits without running atexit handlers
+    if writer is not None:
+        writer.close()
     emit("DONE")
 
 

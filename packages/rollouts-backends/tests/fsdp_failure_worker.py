@@ -17,7 +17,7 @@ import torch.distributed as dist
 from fsdp_worker import sharded_components
 
 import rollouts.backends.checkpoint as ck
-from rollouts.backends import latest_checkpoint, save_checkpoint, wait_for_checkpoint
+from rollouts.backends import CheckpointWriter, latest_checkpoint, save_checkpoint
 from rollouts.backends.distributed import close_process_group
 from rollouts.types import TrainingState
 
@@ -42,25 +42,27 @@ def main(out: Path) -> None:
     root = out / "ckpt"
     results = {}
 
-    # 1. Rank 0's background publish fails: the next save raises on every rank.
-    fsync = ck._fsync_path
+    writer = CheckpointWriter()
+    # 1. Rank 0's background publish fails: the next save through the writer raises on every rank.
+    fsync = ck.fsync_path
     if rank == 0:
-        ck._fsync_path = _disk_full
-    save_checkpoint(components, TrainingState(step=1), root, wait=False)
-    results["publish"] = _outcome(lambda: save_checkpoint(components, TrainingState(step=2), root))
-    ck._fsync_path = fsync
+        ck.fsync_path = _disk_full
+    save_checkpoint(components, TrainingState(step=1), root, writer=writer)
+    results["publish"] = _outcome(lambda: save_checkpoint(components, TrainingState(step=2), root, writer=writer))
+    ck.fsync_path = fsync
 
     # 2. Rank 1 cannot write its optimizer shard: every rank raises.
-    write = ck._write_tensors
+    write = ck.write_tensors
     if rank == 1:
-        ck._write_tensors = _disk_full
+        ck.write_tensors = _disk_full
     results["shard"] = _outcome(lambda: save_checkpoint(components, TrainingState(step=3), root))
-    ck._write_tensors = write
+    ck.write_tensors = write
 
-    # 3. Saving works again, and wait_for_checkpoint lets every rank see the background save.
-    save_checkpoint(components, TrainingState(step=4), root, wait=False)
-    wait_for_checkpoint()
+    # 3. Saving works again, and the writer's wait lets every rank see the background save.
+    save_checkpoint(components, TrainingState(step=4), root, writer=writer)
+    writer.wait()
     results["latest"] = str(latest_checkpoint(root))
+    writer.close()
     (out / f"rank{rank}.json").write_text(json.dumps(results))
     close_process_group()  # monitored barrier, then destroy: no rank leaves under a peer's send
 

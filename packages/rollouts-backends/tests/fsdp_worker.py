@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 from helpers import TRAIN_CONFIG_KW, packed_batch, tiny_model
 
-import rollouts.backends.checkpoint as checkpoint_module
+import rollouts.backends.optimizer_state as optimizer_state
 from rollouts.backends import (
+    CheckpointWriter,
     build_components,
     export_weights,
     forward_backward,
@@ -68,18 +69,20 @@ def main(out: Path, bug: bool) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     components = sharded_components()
     state, losses, grad_norms = TrainingState(), [], []
+    writer = CheckpointWriter()
     for i in range(NUM_STEPS):
         state, loss, grad_norm = step(components, state, rank, world, bug=bug)
         losses.append(loss)
         grad_norms.append(grad_norm)
         if i <= 1:  # step 1 published in the background (step 2's save waits for it), step 2 at once
-            save_checkpoint(components, state, out / "ckpt", wait=i == 1)
+            save_checkpoint(components, state, out / "ckpt", writer=writer if i == 0 else None)
+    writer.close()
     export_weights(components, out / "final")
 
     def refuse_join(files):
         raise AssertionError(f"same world size and layout, yet the shards were joined: {files}")
 
-    checkpoint_module._join_shards = refuse_join
+    optimizer_state.join_shards = refuse_join
     resumed = sharded_components()
     state, _ = load_checkpoint(resumed, out / "ckpt" / "step_2")
     state, _, _ = step(resumed, state, rank, world, bug=bug)

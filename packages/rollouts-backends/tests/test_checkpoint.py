@@ -3,6 +3,7 @@ import multiprocessing
 import os
 import random
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from rollouts.backends import (
+    CheckpointWriter,
     build_components,
     export_weights,
     has_optimizer_state,
@@ -22,8 +24,8 @@ from rollouts.backends import (
     load_checkpoint,
     read_weights,
     save_checkpoint,
+    step_checkpoints,
     verify_checkpoint,
-    wait_for_checkpoint,
 )
 from rollouts.types import OptimizerConfig, TrainingState
 
@@ -93,7 +95,6 @@ def test_retention_and_corruption_are_handled(tmp_path):
     for _ in range(4):
         state = train_steps(components, state, 1)
         save_checkpoint(components, state, tmp_path, keep_last=3)
-    wait_for_checkpoint()  # old ones are renamed away at once and deleted in the background
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3", "step_4"]
     # A leftover temporary directory (a crash mid-save) is never chosen.
     (tmp_path / ".tmp-step_9-1").mkdir()
@@ -116,7 +117,6 @@ def test_retention_and_corruption_are_handled(tmp_path):
     # shows only in the CRC, which loading checks) but keeps step_2 and step_3, which fail the check
     # it makes (a missing record, a cut file): the user decides about those.
     save_checkpoint(components, state.after_step(num_tokens=1, num_samples=1), tmp_path, keep_last=1)
-    wait_for_checkpoint()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3", "step_5"]
     assert verify_checkpoint(tmp_path / "step_5") == []
     assert verify_checkpoint(tmp_path / "step_3") == [
@@ -236,7 +236,7 @@ def test_load_hf_model_and_build_components_from_a_checkpoint(tmp_path):
     dim=st.integers(0, 1),
 )
 def test_optimizer_shards_join_back_to_the_full_tensor(tmp_path_factory, rows, cols, count, dim):
-    from rollouts.backends.checkpoint import _join_shards
+    from rollouts.backends.optimizer_state import join_shards
 
     directory = tmp_path_factory.mktemp("shards")
     full = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
@@ -250,30 +250,51 @@ def test_optimizer_shards_join_back_to_the_full_tensor(tmp_path_factory, rows, c
         safetensors.torch.save_file(tensors, str(path), metadata={"layout": json.dumps(layout)})
         files.append(path)
     random.Random(rows).shuffle(files)  # file order does not matter: the recorded index does
-    joined = _join_shards(files)
+    joined = join_shards(files)
     assert torch.equal(joined["w::exp_avg"], full)
     assert joined["w::step"].item() == 3.0
     if count > 1:
         with pytest.raises(ValueError, match=rf"shards .* found, {count} expected"):
-            _join_shards(files[1:])
+            join_shards(files[1:])
 
 
-def test_background_save_returns_early_and_publishes_what_it_was_given(tmp_path):
+def _held_fsync(monkeypatch):
+    """Make the checkpoint's flush wait for the returned event: a background publish stays in flight
+    until the test sets it (an event, not a sleep)."""
+    import rollouts.backends.checkpoint as ck
+
+    release, fsync = threading.Event(), ck.fsync_path
+
+    def held(path):
+        assert release.wait(_WORKER_LINE_TIMEOUT_S), "the test never released the flush"
+        fsync(path)
+
+    monkeypatch.setattr(ck, "fsync_path", held)
+    return release
+
+
+def test_a_background_save_returns_early_and_publishes_what_it_was_given(tmp_path, monkeypatch):
     components = fresh_components()
     state = train_steps(components, TrainingState(), 1)
     saved = _weights(components.model)
-    path = save_checkpoint(components, state, tmp_path, wait=False, extra={"k": 1})
-    with torch.no_grad():  # training goes on at once: the checkpoint keeps the bytes it was handed
-        for param in components.model.parameters():
-            param.add_(1.0)
-    assert latest_checkpoint(tmp_path) == path  # waits for the publish
+    release = _held_fsync(monkeypatch)
+    with CheckpointWriter() as writer:
+        path = save_checkpoint(components, state, tmp_path, extra={"k": 1}, writer=writer)
+        with torch.no_grad():  # training goes on at once: the checkpoint keeps the bytes it was handed
+            for param in components.model.parameters():
+                param.add_(1.0)
+        assert writer.busy and latest_checkpoint(tmp_path) is None  # invisible until published
+        assert step_checkpoints(tmp_path) == []
+        release.set()
+        writer.wait()
+        assert latest_checkpoint(tmp_path) == path and not writer.busy
     resumed = fresh_components(seed=3)
     loaded, extra = load_checkpoint(resumed, path)
     assert loaded == state and extra == {"k": 1}
     _assert_bit_identical(_weights(resumed.model), saved)
 
 
-def test_a_failed_background_publish_is_reported_and_never_published(tmp_path, monkeypatch):
+def test_a_failed_background_publish_is_reported_once_and_never_published(tmp_path, monkeypatch):
     import rollouts.backends.checkpoint as ck
 
     components = fresh_components()
@@ -282,20 +303,51 @@ def test_a_failed_background_publish_is_reported_and_never_published(tmp_path, m
     def disk_full(path):
         raise OSError(28, "No space left on device", str(path))
 
-    monkeypatch.setattr(ck, "_fsync_path", disk_full)
-    save_checkpoint(components, state, tmp_path, wait=False)
+    monkeypatch.setattr(ck, "fsync_path", disk_full)
+    writer = CheckpointWriter()
+    save_checkpoint(components, state, tmp_path, writer=writer)
     with pytest.raises(RuntimeError, match="No space left on device"):
-        wait_for_checkpoint()
-    wait_for_checkpoint()  # reported once
+        writer.wait()
+    writer.wait()  # reported once
     assert latest_checkpoint(tmp_path) is None
     monkeypatch.undo()
-    path = save_checkpoint(components, state, tmp_path)  # clears the unpublished leftovers
-    wait_for_checkpoint()
+    save_checkpoint(components, state, tmp_path, writer=writer)
+    with pytest.raises(RuntimeError, match="No space left"):  # the error of a save surfaces on close too
+        monkeypatch.setattr(ck, "fsync_path", disk_full)
+        save_checkpoint(components, state.after_step(num_tokens=1, num_samples=1), tmp_path, writer=writer)
+        writer.close()
+    monkeypatch.undo()
+    path = save_checkpoint(components, state, tmp_path)  # no writer: durable on return; clears leftovers
     assert latest_checkpoint(tmp_path) == path and [p.name for p in tmp_path.iterdir()] == ["step_1"]
 
 
+def test_a_closed_writer_leaves_no_thread_and_refuses_new_work(tmp_path):
+    components = fresh_components()
+    before = {t.name for t in threading.enumerate()}
+    with CheckpointWriter(name="test-writer") as writer:
+        for step in (1, 2, 3):
+            save_checkpoint(components, TrainingState(step=step), tmp_path, keep_last=2, writer=writer)
+    assert {t.name for t in threading.enumerate()} == before
+    assert [p.name for p in step_checkpoints(tmp_path)] == ["step_3", "step_2"]
+    with pytest.raises(RuntimeError, match="closed"):
+        save_checkpoint(components, TrainingState(step=4), tmp_path, writer=writer)
+    writer.close()  # idempotent
+
+
+def test_a_failing_loop_keeps_its_error_and_the_writer_still_finishes(tmp_path, monkeypatch):
+    release = _held_fsync(monkeypatch)
+    components = fresh_components()
+    with pytest.raises(KeyError, match="the loop's own error"):
+        with CheckpointWriter() as writer:
+            save_checkpoint(components, TrainingState(step=1), tmp_path, writer=writer)
+            release.set()
+            raise KeyError("the loop's own error")
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_1"
+
+
 def test_interpreter_exit_waits_for_a_background_publish(tmp_path):
-    """A script whose last act is save_checkpoint(wait=False) still leaves that checkpoint."""
+    """A script whose last act is a background save, its writer never closed, still leaves that
+    checkpoint: the writer's thread is not a daemon."""
     import subprocess
     import sys
 
@@ -303,13 +355,13 @@ def test_interpreter_exit_waits_for_a_background_publish(tmp_path):
         f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
         "import rollouts.backends.checkpoint as ck\n"
         "from helpers import fresh_components\n"
-        "from rollouts.backends import save_checkpoint\n"
+        "from rollouts.backends import CheckpointWriter, save_checkpoint\n"
         "from rollouts.types import TrainingState\n"
-        "slow_fsync = ck._fsync_path\n"
+        "slow_fsync = ck.fsync_path\n"
         "def fsync(path):\n"
         "    import time; time.sleep(0.2); slow_fsync(path)\n"
-        "ck._fsync_path = fsync  # the publish is surely still running when the script ends\n"
-        f"save_checkpoint(fresh_components(), TrainingState(step=3), {str(tmp_path)!r}, wait=False)\n"
+        "ck.fsync_path = fsync  # the publish is surely still running when the script ends\n"
+        f"save_checkpoint(fresh_components(), TrainingState(step=3), {str(tmp_path)!r}, writer=CheckpointWriter())\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -322,45 +374,25 @@ def test_retention_never_deletes_the_checkpoint_just_written(tmp_path):
     for step in (10, 20):
         save_checkpoint(components, TrainingState(step=step), tmp_path, keep_last=2)
     path = save_checkpoint(components, TrainingState(step=15), tmp_path, keep_last=2)
-    wait_for_checkpoint()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_15", "step_20"]
     save_checkpoint(components, TrainingState(step=15), tmp_path, keep_last=1)
-    wait_for_checkpoint()
     assert [p.name for p in tmp_path.iterdir()] == ["step_15"] and path.is_dir()
 
 
 def test_re_saving_a_step_swaps_directories_in_one_step(tmp_path, monkeypatch):
-    import rollouts.backends.checkpoint as ck
+    import rollouts.backends.durable as durable
 
     components = fresh_components()
     save_checkpoint(components, TrainingState(step=1), tmp_path, extra={"v": 1})
-    assert ck._renameat2 is not None  # Linux: the exchange is available, so nothing is renamed away first
+    assert durable.ATOMIC_EXCHANGE  # Linux: the exchange is available, so nothing is renamed away first
 
     def never(path, root):
         raise AssertionError(f"{path} was renamed away before the new directory took its name")
 
-    monkeypatch.setattr(ck, "_to_trash", never)
+    monkeypatch.setattr(durable, "to_trash", never)
     path = save_checkpoint(components, TrainingState(step=1), tmp_path, extra={"v": 2})
-    wait_for_checkpoint()
     assert load_checkpoint(fresh_components(), path)[1] == {"v": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["step_1"]
-
-
-def test_reading_a_directory_still_being_published_waits_for_it(tmp_path, monkeypatch):
-    import rollouts.backends.checkpoint as ck
-
-    fsync = ck._fsync_path
-
-    def slow_fsync(path):
-        time.sleep(0.05)
-        fsync(path)
-
-    monkeypatch.setattr(ck, "_fsync_path", slow_fsync)
-    components = fresh_components()
-    path = save_checkpoint(components, TrainingState(step=1), tmp_path, wait=False)
-    assert set(read_weights(path)) == set(_weights(components.model))
-    path = save_checkpoint(components, TrainingState(step=2), tmp_path, wait=False, extra={"v": 2})
-    assert load_checkpoint(fresh_components(), path)[1] == {"v": 2}
 
 
 def test_durable_and_page_cache_exports_write_the_same_files(tmp_path):

@@ -1,4 +1,5 @@
-"""The streaming safetensors writer used by checkpoints matches safetensors' own reader."""
+"""The streaming safetensors writer of checkpoints and exports (rollouts.backends.durable.write_tensors)
+writes files safetensors' own reader loads bit for bit."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from rollouts.backends import checkpoint as ck
+from rollouts.backends import durable
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.int8, torch.bool, torch.float64]
 SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (5, 3), (2, 3, 4)]
@@ -30,14 +31,23 @@ def _raw(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _check_roundtrip(tmp_path, tensors, metadata):
+def _header(raw: bytes) -> tuple[dict, list[str]]:
+    """A safetensors file's JSON header and its tensor names in data order."""
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    names = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"])
+    return header, names
+
+
+def _check_roundtrip(tmp_path, tensors, metadata, *, chunk_bytes=durable.WRITE_CHUNK_BYTES):
     path = tmp_path / "streamed.safetensors"
-    assert ck._can_stream(tensors)
-    record = ck._stream_tensors(path, tensors, metadata)
+    record = durable.write_tensors(path, tensors, metadata, chunk_bytes=chunk_bytes)
     raw = path.read_bytes()
     assert record == {"bytes": len(raw), "crc32": zlib.crc32(raw)}
     header_len = int.from_bytes(raw[:8], "little")
     assert header_len % 8 == 0
+    _, order = _header(raw)  # streamed, not safetensors' own writer: widest dtype first, then by name
+    assert order == sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     loaded = safetensors.torch.load_file(str(path))
     assert loaded.keys() == tensors.keys()
     for name, tensor in tensors.items():
@@ -64,8 +74,7 @@ def test_stream_matches_safetensors_per_dtype(tmp_path, dtype):
     _check_roundtrip(tmp_path, tensors, {"format": "pt"})
 
 
-def test_stream_mixed_dtypes_noncontiguous_and_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(ck, "_WRITE_CHUNK_BYTES", 40)  # many chunks, some mid-tensor
+def test_stream_mixed_dtypes_noncontiguous_and_chunks(tmp_path):
     tensors = {
         "a.weight": _tensor(torch.float32, (13, 17), 0),
         "b.bias": _tensor(torch.bfloat16, (31,), 1),
@@ -74,24 +83,22 @@ def test_stream_mixed_dtypes_noncontiguous_and_chunks(tmp_path, monkeypatch):
         "e.transposed": _tensor(torch.float32, (6, 5), 4).t(),
         "f.flags": _tensor(torch.bool, (9,), 5),
     }
-    _check_roundtrip(tmp_path, tensors, {"format": "pt", "note": "ünïcode"})
-    _check_roundtrip(tmp_path, tensors, {})
+    _check_roundtrip(tmp_path, tensors, {"format": "pt", "note": "ünïcode"}, chunk_bytes=40)  # chunks mid-tensor
+    _check_roundtrip(tmp_path, tensors, {}, chunk_bytes=40)
 
 
 def test_stream_empty_dict(tmp_path):
     _check_roundtrip(tmp_path, {}, {})
 
 
-def test_header_is_valid_json_with_contiguous_offsets():
+def test_header_is_valid_json_with_contiguous_offsets(tmp_path):
     tensors = {
         "x": torch.zeros(3, dtype=torch.bfloat16),
         "y": torch.zeros(2, dtype=torch.float64),
         "z": torch.zeros(()),
     }
-    header, order = ck._safetensors_header(tensors, {"format": "pt"})
-    n = int.from_bytes(header[:8], "little")
-    assert len(header) == 8 + n and n % 8 == 0
-    parsed = json.loads(header[8:])
+    durable.write_tensors(tmp_path / "h.safetensors", tensors, {"format": "pt"})
+    parsed, order = _header((tmp_path / "h.safetensors").read_bytes())
     assert parsed["__metadata__"] == {"format": "pt"}
     offsets = [parsed[name]["data_offsets"] for name in order]
     assert offsets[0][0] == 0 and all(a[1] == b[0] for a, b in zip(offsets, offsets[1:], strict=False))
@@ -101,11 +108,11 @@ def test_header_is_valid_json_with_contiguous_offsets():
 def test_write_tensors_falls_back_for_shared_storage(tmp_path):
     base = torch.arange(8, dtype=torch.float32)
     with pytest.raises(RuntimeError):
-        ck._write_tensors(tmp_path / "s.safetensors", {"a": base, "b": base[:4]}, {})
+        durable.write_tensors(tmp_path / "s.safetensors", {"a": base, "b": base[:4]}, {})
 
 
 def test_sync_file_range_missing_is_harmless(tmp_path, monkeypatch):
-    monkeypatch.setattr(ck, "_sync_file_range", None)
+    monkeypatch.setattr(durable, "_sync_file_range", None)  # as on a file system or OS without it
     _check_roundtrip(tmp_path, {"w": _tensor(torch.float32, (4, 4), 0)}, {"format": "pt"})
 
 
@@ -133,9 +140,4 @@ if st is not None:
     def test_stream_roundtrip_property(tmp_path_factory, spec, chunk):
         tmp_path = tmp_path_factory.mktemp("prop")
         tensors = {name: _tensor(dtype, tuple(shape), seed) for name, (dtype, shape, seed) in spec.items()}
-        old = ck._WRITE_CHUNK_BYTES
-        ck._WRITE_CHUNK_BYTES = chunk
-        try:
-            _check_roundtrip(tmp_path, tensors, {"format": "pt"})
-        finally:
-            ck._WRITE_CHUNK_BYTES = old
+        _check_roundtrip(tmp_path, tensors, {"format": "pt"}, chunk_bytes=chunk)

@@ -1,17 +1,12 @@
 """rollouts-backends: training as functions, crash-safe checkpoints, FSDP2, in-process sampling."""
 
-from rollouts.backends.checkpoint import (
-    export_weights,
+from rollouts.backends.checkpoint import load_checkpoint, save_checkpoint
+from rollouts.backends.checkpoint_dirs import (
     has_optimizer_state,
     latest_checkpoint,
-    load_checkpoint,
-    load_model_weights,
-    read_weights,
-    save_checkpoint,
     step_checkpoints,
     sweep_temporary,
     verify_checkpoint,
-    wait_for_checkpoint,
 )
 from rollouts.backends.components import (
     TrainingComponents,
@@ -23,6 +18,7 @@ from rollouts.backends.components import (
     lr_multiplier,
 )
 from rollouts.backends.distributed import shard_model, transformer_blocks
+from rollouts.backends.export import export_weights, load_model_weights, read_weights
 from rollouts.backends.model_files import load_tokenizer, resolve_model_dir
 from rollouts.backends.sampler import InProcessEngine, generate, sample_next_tokens
 from rollouts.backends.train import (
@@ -35,6 +31,7 @@ from rollouts.backends.train import (
     packed_only,
     token_logprobs_of_model,
 )
+from rollouts.backends.writer import CheckpointWriter
 
 
 def _version() -> str:
@@ -49,6 +46,7 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = [
+    "CheckpointWriter",
     "InProcessEngine",
     "NonFiniteError",
     "TrainingComponents",
@@ -81,5 +79,4 @@ __all__ = [
     "token_logprobs_of_model",
     "transformer_blocks",
     "verify_checkpoint",
-    "wait_for_checkpoint",
 ]

@@ -12,15 +12,23 @@ supported by gloo.)
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 __all__ = [
+    "all_ok",
     "close_process_group",
+    "collective_device",
     "data_parallel_size",
+    "distributed_ready",
     "enable_activation_checkpointing",
+    "global_rank",
+    "is_distributed",
+    "on_all_ranks",
     "shard_model",
     "transformer_blocks",
 ]
@@ -115,3 +123,47 @@ def data_parallel_size(model: torch.nn.Module) -> int:
         if mesh is not None:
             return mesh.size()
     return 1
+
+
+def is_distributed(model: torch.nn.Module) -> bool:
+    return any(hasattr(p, "device_mesh") for p in model.parameters())
+
+
+def distributed_ready() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized()
+
+
+def global_rank() -> int:
+    return torch.distributed.get_rank() if distributed_ready() else 0
+
+
+def all_ok(ok: bool) -> bool:
+    """Whether `ok` holds on every rank (an all-reduce, so also a barrier); `ok` itself in one process."""
+    if not distributed_ready():
+        return ok
+    flag = torch.tensor([int(ok)], device=collective_device())
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def on_all_ranks(fn: Callable[[], Any]) -> Any:
+    """fn() on this rank; if it raised on any rank, raise on every rank, so that no rank is left
+    waiting in a collective for one that failed (a full disk on rank 0, say)."""
+    try:
+        result = fn()
+    except Exception:
+        all_ok(False)
+        raise
+    if not all_ok(True):
+        raise RuntimeError(
+            f"checkpoint I/O failed on another rank (rank {global_rank()} is fine): see that rank's error"
+        )
+    return result
+
+
+def collective_device() -> torch.device:
+    """Where tensors for collectives must live: the current CUDA device under NCCL, else the CPU."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from rollouts.backends.checkpoint import load_model_weights, read_weights
 from rollouts.backends.decode import FastDecoder, fast_decoder
+from rollouts.backends.export import load_model_weights, read_weights
 from rollouts.backends.lora_files import ADAPTER_CONFIG, load_adapter_dir
 from rollouts.backends.train import attention_mask_4d
 from rollouts.losses import truncation_mask

@@ -14,7 +14,7 @@ from typing import Any
 
 import trio
 
-from rollouts.backends import TrainingComponents, export_weights
+from rollouts.backends import CheckpointWriter, TrainingComponents, export_weights
 from rollouts.backends.lora import syncs_adapter
 from rollouts.backends.lora_files import save_adapter
 from rollouts.data import AsyncRolloutManager
@@ -119,11 +119,12 @@ async def sync_engine(
     shares_model: bool,
     lock: trio.Lock,
     version: int | None = None,
+    writer: CheckpointWriter | None = None,
 ) -> tuple[TrainingState, dict[str, float]]:
     """Export the weights (every rank; not when the engine samples from the training model itself)
     and load them into the engine (rank 0) as `version` (default: the next one). A LoRA model with
     sync 'adapter' exports its adapter alone (engines load it as a runtime LoRA adapter); with
-    'merged', the merged full weights."""
+    'merged', the merged full weights. The previous export is deleted on `writer`'s thread if given."""
     version = state.weight_version + 1 if version is None else version
     start = time.perf_counter()
     path = run_dir / WEIGHTS_DIR
@@ -131,7 +132,7 @@ async def sync_engine(
         path = run_dir / ADAPTER_DIR
         await trio.to_thread.run_sync(save_adapter, components.model, path)
     elif not shares_model:
-        await trio.to_thread.run_sync(export_weights, components, path)
+        await trio.to_thread.run_sync(lambda: export_weights(components, path, writer=writer))
     export_s = time.perf_counter() - start
     if engine is not None and rank_world()[0] == 0:
         async with lock:  # never mid-generation

@@ -27,7 +27,7 @@ from typing import Any
 
 import trio
 
-from rollouts.backends import TrainingComponents, save_checkpoint
+from rollouts.backends import CheckpointWriter, TrainingComponents, save_checkpoint
 from rollouts.backends.lora import has_lora, reference_components
 from rollouts.data import AsyncRolloutManager, DataBuffer
 from rollouts.loops.distributed import rank_world
@@ -110,6 +110,8 @@ class _Run:
     evaluation: Evaluation | None
     num_logged_completions: int
     probe_prompt: tuple[int, ...]
+    writer: CheckpointWriter
+    """Finishes checkpoints and deletes old exports off the loop's path; closed when the run ends."""
 
 
 def _default_reference(components: TrainingComponents) -> TrainingComponents:
@@ -210,13 +212,15 @@ def run_rl_training(
         evaluation=evaluation,
         num_logged_completions=num_logged_completions,
         probe_prompt=tuple(encode_prompt(buffer.prompts[0])) if config.sync_probe_tokens and rank == 0 else (),
+        writer=CheckpointWriter(),
     )
     held = lock_run_dir(run.run_dir) if rank == 0 else contextlib.nullcontext()
     with held:  # one run per directory: another process on it is refused, naming its pid
         if rank == 0:
             sweep_run_dir(run.run_dir)
         try:
-            return trio.run(_rl_main, run)
+            with run.writer:  # closed on every exit path: the last checkpoint is published
+                return trio.run(_rl_main, run)
         except BaseExceptionGroup as group:  # the loop's nursery wraps even a lone error: raise that one
             if len(group.exceptions) == 1:
                 raise group.exceptions[0] from None
@@ -242,6 +246,7 @@ async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:
             shares_model=run.shares_model,
             lock=lock,
             version=state.weight_version,
+            writer=run.writer,
         )
     history: list[dict[str, float]] = []
     empty_in_a_row = 0
@@ -315,7 +320,7 @@ async def _train(
     metrics["sync_s"] = 0.0
     if state.step % (config.sync_every_steps * updates) == 0 or state.step >= config.num_steps * updates:
         state, sync_metrics = await sync_engine(
-            run.components, run.engine, state, run.run_dir, shares_model=run.shares_model, lock=lock
+            run.components, run.engine, state, run.run_dir, shares_model=run.shares_model, lock=lock, writer=run.writer
         )
         metrics.update(sync_metrics)
         if config.sync_probe_tokens:  # the engine serves what was trained, or the step fails naming it
@@ -378,6 +383,6 @@ async def _after_step(
             keep_last=ckpt.keep_last,
             save_optimizer=ckpt.save_optimizer,
             tokenizer=run.tokenizer,
-            wait=state.step >= total,
+            writer=run.writer,
         )
-    )  # earlier ones flush while training goes on
+    )  # flushed while training goes on

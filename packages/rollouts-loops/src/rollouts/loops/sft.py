@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rollouts.backends import TrainingComponents, forward_backward, optim_step, save_checkpoint
+from rollouts.backends import CheckpointWriter, TrainingComponents, forward_backward, optim_step, save_checkpoint
 from rollouts.data import DataBuffer
 from rollouts.loops.distributed import global_sum, rank_world
 from rollouts.loops.micro_batches import plan_shard
@@ -96,16 +96,18 @@ def run_sft_training(
     with held:  # one run per directory: another process on it is refused, naming its pid
         if run_dir is not None and rank_world()[0] == 0:
             sweep_run_dir(run_dir)
-        return _sft_loop(
-            components,
-            buffer,
-            config,
-            logger=logger,
-            run_dir=run_dir,
-            resume=resume,
-            resume_from=resume_from,
-            tokenizer=tokenizer,
-        )
+        with CheckpointWriter() as writer:  # closed on every exit path: the last checkpoint is published
+            return _sft_loop(
+                components,
+                buffer,
+                config,
+                logger=logger,
+                run_dir=run_dir,
+                resume=resume,
+                resume_from=resume_from,
+                tokenizer=tokenizer,
+                writer=writer,
+            )
 
 
 def _sft_loop(
@@ -118,6 +120,7 @@ def _sft_loop(
     resume: bool,
     resume_from: str | Path | None,
     tokenizer: Any,
+    writer: CheckpointWriter,
 ) -> tuple[TrainingState, list[dict[str, float]]]:
     state, extra, _ = resume_if_possible(components, run_dir, resume=resume, resume_from=resume_from)
     if "buffer" in extra:
@@ -142,6 +145,6 @@ def _sft_loop(
                 keep_last=ckpt.keep_last,
                 save_optimizer=ckpt.save_optimizer,
                 tokenizer=tokenizer,
-                wait=state.step == config.num_steps,  # earlier ones flush while training goes on
+                writer=writer,  # flushed while training goes on
             )
     return state, history
