@@ -19,8 +19,9 @@ from rollouts.backends.components import (
 )
 from rollouts.backends.distributed import shard_model, transformer_blocks
 from rollouts.backends.export import export_weights, load_model_weights, read_weights
+from rollouts.backends.inprocess_engine import InProcessEngine
 from rollouts.backends.model_files import load_tokenizer, resolve_model_dir
-from rollouts.backends.sampler import InProcessEngine, generate, sample_next_tokens
+from rollouts.backends.sampler import generate, sample_next_tokens
 from rollouts.backends.train import (
     NonFiniteError,
     attention_mask_4d,

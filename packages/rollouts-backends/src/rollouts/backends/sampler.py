@@ -12,21 +12,17 @@ module overhead); other models decode through their HF forward.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
 from rollouts.backends.decode import FastDecoder, fast_decoder
-from rollouts.backends.export import load_model_weights, read_weights
-from rollouts.backends.lora_files import ADAPTER_CONFIG, load_adapter_dir
 from rollouts.backends.train import attention_mask_4d
 from rollouts.losses import truncation_mask
 from rollouts.types import Sample, SamplingParams, Status
 
-__all__ = ["InProcessEngine", "generate", "sample_next_tokens"]
+__all__ = ["generate", "sample_next_tokens"]
 
 _PAD_TOKEN_ID = 0
 """Filler for left padding; masked out, so any valid id works."""
@@ -312,98 +308,3 @@ def _runs(active: torch.Tensor, n: int, generators: Sequence[torch.Generator]) -
     """(prompt's generator, its active rows) in row order: active rows are ascending, prompt-major."""
     prompts, counts = torch.unique_consecutive(torch.div(active, n, rounding_mode="floor"), return_counts=True)
     return [(generators[p], k) for p, k in zip(prompts.tolist(), counts.tolist(), strict=True)]
-
-
-class InProcessEngine:
-    """The in-process sampler behind rollouts-types' InferenceEngine protocol.
-
-    With `shares_training_model` the engine samples from the very module being trained, so a
-    weight update is a no-op that records the version; otherwise updates load HF safetensors
-    from the checkpoint directory into the engine's own model. Generation runs synchronously in
-    the calling thread (it blocks the event loop for the call's duration).
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        shares_training_model: bool = True,
-        eos_token_ids: Sequence[int] = (),
-        tokenizer: object | None = None,
-        name: str = "in-process",
-        weight_version: int | None = 0,
-    ) -> None:
-        self._model = model
-        self._shares = shares_training_model
-        self._eos = tuple(eos_token_ids) or _config_eos(model)
-        self._tokenizer = tokenizer
-        self._name = name
-        self._weight_version = weight_version
-
-    @property
-    def name(self) -> str:
-        """Id for logs."""
-        return self._name
-
-    async def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seeds: Sequence[int | None] | None = None
-    ) -> list[Sample]:
-        """`params.n` Samples per prompt, prompt-major, with this engine's weight version."""
-        samples = generate(
-            self._model,
-            prompts,
-            n=params.n,
-            max_new_tokens=params.max_new_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            stop_token_ids=tuple(params.stop_token_ids) + self._eos,
-            seed=params.seed if seeds is None else list(seeds),
-            weight_version=self._weight_version,
-        )
-        if not params.logprobs:
-            samples = [_replace(s, rollout_logprobs=None) for s in samples]
-        if self._tokenizer is not None:
-            decode = self._tokenizer.decode  # type: ignore[attr-defined]
-            samples = [_replace(s, response=decode(list(s.response_tokens), skip_special_tokens=True)) for s in samples]
-        return samples
-
-    async def generate_seeded(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int | None]
-    ) -> list[Sample]:
-        """`generate` with one seed per prompt (`params.seed` is ignored): each prompt's samples are
-        the ones `generate([prompt], params with seed=seeds[i])` gives, so callers may batch
-        independently seeded requests together."""
-        return await self.generate(prompts, params, seeds=seeds)
-
-    async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
-        """Record `weight_version`; load weights from `path` unless the model is the training one."""
-        if self._weight_version is not None and weight_version < self._weight_version:
-            raise ValueError(f"weight_version may only grow: {weight_version} < current {self._weight_version}")
-        if not self._shares:
-            if not Path(path).is_dir():
-                raise ValueError(f"weight path {path!r} is not a directory of HF safetensors weights")
-            if (Path(path) / ADAPTER_CONFIG).is_file():  # a LoRA adapter (model.lora.sync = 'adapter')
-                load_adapter_dir(self._model, path)
-            else:
-                load_model_weights(self._model, read_weights(path))
-        self._weight_version = weight_version
-
-    async def weight_version(self) -> int | None:
-        """The version of the weights sampled from now."""
-        return self._weight_version
-
-    async def health(self) -> bool:
-        """Always ready: the model lives in this process."""
-        return True
-
-
-def _config_eos(model: torch.nn.Module) -> tuple[int, ...]:
-    eos = getattr(model.config, "eos_token_id", None)
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-
-
-def _replace(sample: Sample, **changes: object) -> Sample:
-    return dataclasses.replace(sample, **changes)

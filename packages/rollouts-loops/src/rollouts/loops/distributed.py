@@ -1,5 +1,9 @@
 """Data parallelism for the loops under torchrun: rank 0 drives, every rank trains its share.
 
+The loops' collectives live here; the ones a single training step needs (rank, all-ok agreement,
+the collective device, closing the group) live in rollouts.backends.distributed and are used from
+there.
+
 Collectives carry only tensors: commands and samples travel as JSON bytes in a uint8 tensor, never
 as pickles.
 """
@@ -13,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollouts.backends.distributed import close_process_group
+from rollouts.backends.distributed import close_process_group, collective_device
 from rollouts.types import MicroBatch
 
 
@@ -43,13 +47,6 @@ def rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
-
-
-def collective_device() -> torch.device:
-    """Where collectives' tensors must live: the current GPU under NCCL, else the CPU."""
-    if torch.distributed.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def global_sum(value: float) -> float:
