@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from rollouts.loops.policy_update import check_algorithm, token_advantages
+from rollouts.loops.per_token import token_advantages
+from rollouts.loops.policy_update import check_algorithm
 from rollouts.losses import gpg_advantages, group_advantages, passk_advantages, rloo_advantages
 from rollouts.types import AlgorithmConfig, Sample
 

@@ -33,7 +33,8 @@ from rollouts.data import AsyncRolloutManager, DataBuffer
 from rollouts.loops.distributed import rank_world
 from rollouts.loops.evaluation import Evaluation, evaluate_groups, group_metrics
 from rollouts.loops.generation import BatchSource, sync_engine
-from rollouts.loops.policy_update import AdvantageFn, check_algorithm
+from rollouts.loops.per_token import AdvantageFn
+from rollouts.loops.policy_update import check_algorithm
 from rollouts.loops.probe import probe_sync
 from rollouts.loops.rollout_fns import (
     PromptEncoder,

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from rollouts.backends import TrainingComponents
-from rollouts.loops.policy_update import AdvantageFn, rl_update
+from rollouts.loops.per_token import AdvantageFn
+from rollouts.loops.policy_update import rl_update
 from rollouts.loops.scoring import reward_errors, summarize
 from rollouts.losses import LossFn, overlong_penalty
 from rollouts.types import AlgorithmConfig, RLConfig, RolloutBatch, Sample, Status, TrainingState
