@@ -7,7 +7,10 @@ Phases, each what the loop does outside the model for one step:
   advantage  GRPO group advantages (rollouts.losses) and the per-sample replace
   pack       packed micro-batches of 16384 tokens with step-wide counts (rollouts.data)
   unpack     per-token values scattered back to samples
-  broadcast  the batch to JSON and back (what rank 0 sends the other ranks)
+  send       rank 0: the batch to bytes (rollouts.types.wire), what it broadcasts to the other ranks
+  receive    the other ranks: the bytes back to a batch
+Rank 0 runs build, rewards, send, then (like every rank) advantage, pack, unpack; the other ranks
+run receive, advantage, pack, unpack. The step's bookkeeping is the larger of the two totals.
 Also prints the bytes a Sample's token storage takes per token. Medians of --repeats runs.
 
     OMP_NUM_THREADS=1 uv run python benchmarks/bench_bookkeeping.py [--samples 1024] [--tokens 4096]
@@ -17,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -27,32 +29,35 @@ import torch
 
 from rollouts.data import plan_micro_batches, unpack_values
 from rollouts.losses import group_advantages
-from rollouts.types import Sample, Status
+from rollouts.types import LossMask, RolloutBatch, Sample, Status
+from rollouts.types.wire import batch_from_bytes, batch_to_bytes
 
 GOAL_S = 0.2
 
 
-def _engine_output(num_samples: int, num_tokens: int, prompt: int) -> list[tuple[list[int], list[float]]]:
+def _engine_output(num_samples: int, num_tokens: int, prompt: int) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(0)
-    ids = rng.integers(0, 151_000, size=(num_samples, num_tokens)).tolist()
-    lps = (-rng.random((num_samples, num_tokens - prompt))).tolist()
-    return list(zip(ids, lps, strict=True))
+    return rng.integers(0, 151_000, size=(num_samples, num_tokens)), -rng.random((num_samples, num_tokens - prompt))
 
 
-def one_step(outputs, *, prompt: int, group: int) -> dict[str, float]:
-    times: dict[str, float] = {}
-    t = time.perf_counter()
-    samples = [
-        Sample(
-            tokens=tuple(ids),
-            num_prompt_tokens=prompt,
-            loss_mask=(0.0,) * prompt + (1.0,) * (len(ids) - prompt),
-            rollout_logprobs=tuple(lps),
-            status=Status.COMPLETED,
+def one_step(engine_output, *, prompt: int, group: int) -> dict[str, float]:
+    times: dict[str, float] = {"build": 0.0}
+    samples = []
+    for ids_array, lps_array in zip(*engine_output, strict=True):
+        # What an engine client holds after parsing one JSON response: Python lists (made outside
+        # the timed region), alive while that response's Sample is built.
+        ids, lps = ids_array.tolist(), lps_array.tolist()
+        t = time.perf_counter()
+        samples.append(
+            Sample(
+                tokens=ids,
+                num_prompt_tokens=prompt,
+                loss_mask=LossMask.prompt_response(prompt, len(ids) - prompt),
+                rollout_logprobs=lps,
+                status=Status.COMPLETED,
+            )
         )
-        for ids, lps in outputs
-    ]
-    times["build"] = time.perf_counter() - t
+        times["build"] += time.perf_counter() - t
     t = time.perf_counter()
     samples = [dataclasses.replace(s, reward=float(i % 3 == 0), group_index=i // group) for i, s in enumerate(samples)]
     times["rewards"] = time.perf_counter() - t
@@ -69,18 +74,23 @@ def one_step(outputs, *, prompt: int, group: int) -> dict[str, float]:
     unpack_values(list(plan.micro_batches), [mb.loss_mask for mb in plan.micro_batches])
     times["unpack"] = time.perf_counter() - t
     t = time.perf_counter()
-    payload = json.dumps([s.to_dict() for s in samples])
-    [Sample.from_dict(d) for d in json.loads(payload)]
-    times["broadcast"] = time.perf_counter() - t
-    times["total"] = sum(times.values())
+    data = batch_to_bytes(RolloutBatch(samples=tuple(samples)))
+    times["send"] = time.perf_counter() - t
+    t = time.perf_counter()
+    batch_from_bytes(data)
+    times["receive"] = time.perf_counter() - t
+    every_rank = times["advantage"] + times["pack"] + times["unpack"]
+    times["total rank 0"] = times["build"] + times["rewards"] + times["send"] + every_rank
+    times["total others"] = times["receive"] + every_rank
+    times["total"] = max(times["total rank 0"], times["total others"])
     return times
 
 
 def token_bytes(sample: Sample) -> float:
-    """Bytes of the token storage (the container and its int objects) per token."""
+    """Bytes of the token storage per token: the array object, its packed bytes and its typed view."""
     tokens = sample.tokens
-    ints = sum(sys.getsizeof(t) for t in tokens if not -5 <= t <= 256)  # small ints are shared
-    return (sys.getsizeof(tokens) + ints) / len(tokens)
+    total = sys.getsizeof(tokens) + sys.getsizeof(tokens.to_bytes()) + sys.getsizeof(tokens.buffer)
+    return total / len(tokens)
 
 
 def main() -> None:
@@ -100,7 +110,7 @@ def main() -> None:
         print(f"  {key:<10} {value:8.3f} s")
     verdict = "met" if med["total"] < GOAL_S else "NOT met"
     print(f"CPU bookkeeping per step: {med['total']:.3f} s (goal < {GOAL_S} s: {verdict})")
-    sample = Sample(tokens=tuple(outputs[0][0]), num_prompt_tokens=args.prompt, loss_mask=(1.0,) * args.tokens)
+    sample = Sample(tokens=outputs[0][0].tolist(), num_prompt_tokens=args.prompt, loss_mask=[1.0] * args.tokens)
     per_token = token_bytes(sample)
     print(
         f"Sample token storage: {per_token:.1f} bytes per token (goal <= 8: {'met' if per_token <= 8 else 'NOT met'})"

@@ -58,18 +58,20 @@ def _optional_fields(samples: Sequence[Sample]) -> tuple[str, ...]:
 
 
 def sample_arrays(sample: Sample, *, fields: Sequence[str] = ()) -> dict[str, np.ndarray]:
-    """[T] token-aligned arrays of one sample: input_ids, loss_mask (0 at t=0), plus `fields`."""
+    """[T] token-aligned arrays of one sample: input_ids, loss_mask (0 at t=0), plus `fields`
+    (read from the sample's packed storage without a per-token step)."""
     t = len(sample.tokens)
     if t == 0:
         raise ValueError("a sample with no tokens cannot be batched")
-    loss_mask = np.asarray(sample.loss_mask, dtype=np.float32)
+    loss_mask = np.frombuffer(sample.loss_mask.buffer, dtype=np.float32).copy()
     loss_mask[0] = 0.0  # position 0 has no prediction
-    out: dict[str, np.ndarray] = {"input_ids": np.asarray(sample.tokens, dtype=np.int64), "loss_mask": loss_mask}
+    input_ids = np.frombuffer(sample.tokens.buffer, dtype=np.int32).astype(np.int64)
+    out: dict[str, np.ndarray] = {"input_ids": input_ids, "loss_mask": loss_mask}
     if "advantages" in fields:
         out["advantages"] = np.full(t, sample.advantage, dtype=np.float32)
-    if "rollout_logprobs" in fields:
+    if "rollout_logprobs" in fields and sample.rollout_logprobs is not None:
         logprobs = np.zeros(t, dtype=np.float32)
-        logprobs[sample.num_prompt_tokens :] = sample.rollout_logprobs
+        logprobs[sample.num_prompt_tokens :] = np.frombuffer(sample.rollout_logprobs.buffer, dtype=np.float64)
         out["rollout_logprobs"] = logprobs
     return out
 
@@ -115,27 +117,36 @@ def pad_batch(
 def _pack_one(
     samples: Sequence[Sample], indices: Sequence[int], fields: Sequence[str], *, pad_id: int, length: int
 ) -> MicroBatch[np.ndarray]:
-    """One packed [1, length] row holding `samples` back to back (tail padded)."""
+    """One packed [1, length] row holding `samples` back to back (tail padded), built from the
+    samples' packed bytes in whole-row numpy steps (no per-token Python)."""
+    lengths = np.asarray([len(s.tokens) for s in samples], dtype=np.int64)
+    cu = np.concatenate([[0], np.cumsum(lengths)])
+    used = int(cu[-1])
+    starts = cu[:-1]
     out: dict[str, np.ndarray] = {
         "input_ids": np.full((1, length), pad_id, dtype=np.int64),
         "position_ids": np.zeros((1, length), dtype=np.int64),
         "segment_ids": np.full((1, length), -1, dtype=np.int64),
         "attention_mask": np.zeros((1, length), dtype=np.int64),
     }
+    out["input_ids"][0, :used] = np.frombuffer(b"".join(s.tokens.buffer for s in samples), dtype=np.int32)
+    out["position_ids"][0, :used] = np.arange(used) - np.repeat(starts, lengths)
+    out["segment_ids"][0, :used] = np.repeat(np.arange(len(samples)), lengths)
+    out["attention_mask"][0, :used] = 1
     for name in ("loss_mask", *fields):
         out[name] = np.zeros((1, length), dtype=np.float32)
-    cu = [0]
-    for seg, s in enumerate(samples):
-        a, n = cu[-1], len(s.tokens)
-        for name, values in sample_arrays(s, fields=fields).items():
-            out[name][0, a : a + n] = values
-        out["position_ids"][0, a : a + n] = np.arange(n)
-        out["segment_ids"][0, a : a + n] = seg
-        out["attention_mask"][0, a : a + n] = 1
-        cu.append(a + n)
-    return _micro_batch(
-        out, sample_indices=np.asarray(list(indices), dtype=np.int64), cu_seqlens=np.asarray(cu, dtype=np.int32)
-    )
+    out["loss_mask"][0, :used] = np.frombuffer(b"".join(s.loss_mask.buffer for s in samples), dtype=np.float32)
+    out["loss_mask"][0, starts] = 0.0  # position 0 of each sequence has no prediction
+    if "advantages" in fields:
+        out["advantages"][0, :used] = np.repeat(np.asarray([s.advantage for s in samples], dtype=np.float32), lengths)
+    if "rollout_logprobs" in fields:
+        row = out["rollout_logprobs"][0]
+        for s, start in zip(samples, starts.tolist(), strict=True):
+            assert s.rollout_logprobs is not None  # _optional_fields: all or none
+            row[start + s.num_prompt_tokens : start + len(s.tokens)] = np.frombuffer(
+                s.rollout_logprobs.buffer, dtype=np.float64
+            )
+    return _micro_batch(out, sample_indices=np.asarray(list(indices), dtype=np.int64), cu_seqlens=cu.astype(np.int32))
 
 
 def _micro_batch(
@@ -323,7 +334,7 @@ def plan_micro_batches(
     return StepPlan(
         micro_batches=tuple(micro_batches),
         num_loss_tokens=int(sum(int((mb.loss_mask > 0).sum()) for mb in micro_batches)),
-        num_sequences=sum(1 for s in samples if s.num_loss_tokens > 0),
+        num_sequences=sum(1 for s in samples if s.has_loss_tokens),
         num_tokens=num_tokens,
         num_padding_tokens=sum(mb.input_ids.size for mb in micro_batches) - num_tokens,
     )

@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, get_args
 
 from rollouts.data.loading import validate_messages
-from rollouts.types import Sample, Status, Tokenizer, thaw
+from rollouts.types import LossMask, Sample, Status, TokenIds, Tokenizer, thaw
 from rollouts.types.configs import TrainOn
 
 __all__ = ["render_ids", "tokenize_conversation", "tokenize_conversation_turns", "tokenize_conversations"]
@@ -284,9 +284,9 @@ def tokenize_conversation(
     return Sample(
         prompt=messages[: assistant[0]] if assistant and train_on != "all" else messages,
         response=messages[assistant[-1]]["content"] if assistant and train_on != "all" else "",
-        tokens=tuple(tokens),
+        tokens=TokenIds(tokens),
         num_prompt_tokens=first,
-        loss_mask=tuple(mask),
+        loss_mask=LossMask(mask),
         status=Status.TRUNCATED if num_truncated else Status.COMPLETED,
         metadata={
             "num_truncated_tokens": num_truncated,

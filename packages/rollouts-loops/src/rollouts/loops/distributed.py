@@ -84,19 +84,30 @@ def same_count_on_every_rank(micro_batches: list[MicroBatch[np.ndarray]]) -> lis
 
 def broadcast_json(obj: Any = None) -> Any:
     """Rank 0's JSON-ready `obj` on every rank (other ranks pass nothing)."""
+    if rank_world()[1] == 1:
+        return obj
+    return json.loads(broadcast_bytes(json.dumps(obj).encode() if rank_world()[0] == 0 else b""))
+
+
+def broadcast_bytes(data: bytes = b"") -> bytes:
+    """Rank 0's `data` on every rank (other ranks pass nothing): its length, then the bytes, as two
+    tensor broadcasts (no pickle)."""
     rank, world = rank_world()
     if world == 1:
-        return obj
+        return data
     device = collective_device()
-    data = json.dumps(obj).encode() if rank == 0 else b""
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    size = torch.tensor([len(data) if rank == 0 else 0], dtype=torch.int64, device=device)
     torch.distributed.broadcast(size, src=0)
     if rank == 0:
-        buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        buffer = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+            if data
+            else torch.empty(0, dtype=torch.uint8, device=device)
+        )
     else:
         buffer = torch.empty(int(size[0]), dtype=torch.uint8, device=device)
     torch.distributed.broadcast(buffer, src=0)
-    return json.loads(bytes(buffer.cpu().numpy()))
+    return data if rank == 0 else buffer.cpu().numpy().tobytes()
 
 
 def all_gather_arrays(arrays: list[np.ndarray]) -> list[list[np.ndarray]]:

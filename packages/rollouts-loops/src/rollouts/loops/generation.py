@@ -18,28 +18,21 @@ from rollouts.backends import CheckpointWriter, TrainingComponents, export_weigh
 from rollouts.backends.lora import syncs_adapter
 from rollouts.backends.lora_files import save_adapter
 from rollouts.data import AsyncRolloutManager
-from rollouts.loops.distributed import broadcast_json, rank_world
+from rollouts.loops.distributed import broadcast_bytes, rank_world
 from rollouts.loops.run_dir import ADAPTER_DIR, WEIGHTS_DIR
-from rollouts.types import InferenceEngine, RolloutBatch, Sample, TrainingState
+from rollouts.types import InferenceEngine, RolloutBatch, TrainingState
+from rollouts.types.wire import batch_from_bytes, batch_to_bytes
+
+_SHARED_METADATA = ("errors", "groups_requested", "num_rounds", "generate_s")
+"""The batch metadata the other ranks receive (what every rank logs or raises on)."""
 
 
-def _batch_to_dict(batch: RolloutBatch) -> dict[str, Any]:
-    return {
-        "samples": [s.to_dict() for s in batch.samples],
-        "epoch": batch.epoch,
-        "step": batch.step,
-        "num_filtered": batch.num_filtered,
-        "num_failed": batch.num_failed,
-        "num_carried_over": batch.num_carried_over,
-        "filter_reasons": dict(batch.filter_reasons),
-        "metadata": {
-            k: v for k, v in batch.metadata.items() if k in ("errors", "groups_requested", "num_rounds", "generate_s")
-        },
-    }
-
-
-def _batch_from_dict(data: dict[str, Any]) -> RolloutBatch:
-    return RolloutBatch(**{**data, "samples": tuple(Sample.from_dict(d) for d in data["samples"])})
+def _shared(batch: RolloutBatch) -> RolloutBatch:
+    """The batch every rank trains on: rank 0's, with only the metadata the others receive."""
+    metadata = {k: v for k, v in batch.metadata.items() if k in _SHARED_METADATA}
+    if "errors" in metadata:
+        metadata["errors"] = [str(e) for e in metadata["errors"]]
+    return dataclasses.replace(batch, metadata=metadata)
 
 
 class BatchSource:
@@ -97,17 +90,22 @@ class BatchSource:
                 if isinstance(result, Exception):
                     raise result
                 return result[0]
+            # One byte says which: b"E" + an error's text, or b"B" + the batch (rollouts.types.wire,
+            # which round-trips exactly: rank 0 keeps its own copy, equal to what the others decode).
+            shared = None if isinstance(result, Exception) else _shared(result[0])
             payload = (
-                {"error": f"{type(result).__name__}: {result}"}
-                if isinstance(result, Exception)
-                else {"batch": _batch_to_dict(result[0])}
+                b"E" + f"{type(result).__name__}: {result}".encode()
+                if shared is None
+                else b"B" + await trio.to_thread.run_sync(batch_to_bytes, shared)
             )
         else:
-            payload = None
-        payload = await trio.to_thread.run_sync(broadcast_json, payload)
-        if "error" in payload:
-            raise RuntimeError(f"generation on rank 0 failed: {payload['error']}")
-        return _batch_from_dict(payload["batch"])
+            payload = shared = None
+        received = await trio.to_thread.run_sync(broadcast_bytes, payload or b"")
+        if received[:1] == b"E":
+            raise RuntimeError(f"generation on rank 0 failed: {received[1:].decode()}")
+        if shared is not None:
+            return shared
+        return await trio.to_thread.run_sync(batch_from_bytes, memoryview(received)[1:])
 
 
 async def sync_engine(

@@ -58,7 +58,7 @@ def check_trainable(samples: Sequence[Sample], *, max_length: int) -> None:
     log how many samples have none (truncated before their first assistant token, usually)."""
     if not samples:
         raise ValueError("no SFT samples: the data is empty")
-    empty = [i for i, s in enumerate(samples) if not any(m > 0 for m in s.loss_mask)]
+    empty = [i for i, s in enumerate(samples) if not s.has_loss_tokens]
     if len(empty) == len(samples):
         raise ValueError(
             f"none of the {len(samples)} samples has a token to learn from (loss_mask is all 0): cut at "

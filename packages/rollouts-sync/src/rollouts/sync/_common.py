@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from rollouts.types import Sample, SamplingParams, Status
+from rollouts.types import LogProbs, LossMask, Sample, SamplingParams, Status, TokenIds
 
 
 def check_seconds(name: str, value: float) -> float:
@@ -71,15 +71,16 @@ def make_sample(
             raise RuntimeError(
                 f"{engine}: engine returned {len(logprobs_R)} logprobs for {len(response_ids)} response tokens"
             )
-        for lp in logprobs_R:
-            if not math.isfinite(lp):
-                raise RuntimeError(f"{engine}: engine returned a non-finite logprob {lp!r}")
+        try:
+            logprobs = LogProbs(logprobs_R, what=f"{engine}: rollout log-probs")
+        except (TypeError, ValueError) as e:
+            raise RuntimeError(f"{engine}: engine returned a bad logprob: {e}") from e
     num_prompt = len(prompt_ids)
     return Sample(
-        tokens=(*prompt_ids, *response_ids),
+        tokens=TokenIds([*prompt_ids, *response_ids], what=f"{engine}: token ids"),
         num_prompt_tokens=num_prompt,
-        loss_mask=(0.0,) * num_prompt + (1.0,) * len(response_ids),
-        rollout_logprobs=None if logprobs_R is None else tuple(float(x) for x in logprobs_R),
+        loss_mask=LossMask.prompt_response(num_prompt, len(response_ids)),
+        rollout_logprobs=None if logprobs_R is None else logprobs,
         weight_version=weight_version,
         status=Status.TRUNCATED if truncated else Status.COMPLETED,
         metadata={} if logprobs_of is None or logprobs_R is None else {LOGPROBS_OF: logprobs_of},

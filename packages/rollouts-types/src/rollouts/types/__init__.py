@@ -1,5 +1,6 @@
 """rollouts-types: the shared vocabulary of the rollouts packages (standard library only)."""
 
+from rollouts.types.arrays import LogProbs, LossMask, TokenIds
 from rollouts.types.configs import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -41,7 +42,9 @@ __version__ = _version()
 
 __all__ = [
     "DEFAULT_LORA_TARGETS",
+    "LogProbs",
     "LoraConfig",
+    "LossMask",
     "LoraSync",
     "AlgorithmConfig",
     "CheckpointConfig",
@@ -63,6 +66,7 @@ __all__ = [
     "SamplingParams",
     "Status",
     "Tokenizer",
+    "TokenIds",
     "TrainingState",
     "check_fields",
     "freeze",

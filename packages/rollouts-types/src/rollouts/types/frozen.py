@@ -7,7 +7,7 @@ inverse (for JSON and for callers that want plain containers back).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -24,7 +24,10 @@ def freeze(value: Any) -> Any:
 
 
 def thaw(value: Any) -> Any:
-    """Return a plain-container deep copy (dict, list) of a frozen value."""
+    """Return a plain-container deep copy (dict, list) of a frozen value (packed arrays: lists)."""
+    tolist = getattr(value, "tolist", None)
+    if tolist is not None and not isinstance(value, (Mapping, list, tuple)):
+        return tolist()
     if isinstance(value, Mapping):
         return {k: thaw(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -41,25 +44,3 @@ def check_finite(owner: str, field: str, value: float) -> None:
     """Raise ValueError naming the field when value is NaN or infinite."""
     if not math.isfinite(value):
         raise ValueError(f"{owner}.{field} must be finite, got {value!r}")
-
-
-def as_int_tuple(owner: str, field: str, values: Sequence[int]) -> tuple[int, ...]:
-    """Coerce a sequence to a tuple of non-negative ints, naming the first bad element."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise TypeError(f"{owner}.{field} must be a sequence of ints, got {type(values).__name__}")
-    out = tuple(values)
-    for i, v in enumerate(out):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{owner}.{field}[{i}] must be a non-negative int, got {v!r}")
-    return out
-
-
-def as_float_tuple(owner: str, field: str, values: Sequence[float]) -> tuple[float, ...]:
-    """Coerce a sequence to a tuple of finite floats, naming the first bad element."""
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise TypeError(f"{owner}.{field} must be a sequence of floats, got {type(values).__name__}")
-    out = tuple(float(v) for v in values)
-    for i, v in enumerate(out):
-        if not math.isfinite(v):
-            raise ValueError(f"{owner}.{field}[{i}] must be finite, got {v!r}")
-    return out

@@ -1,6 +1,10 @@
 """Samples and batches: the currency every stage of the pipeline passes on.
 
 Legend: T tokens in a sample (prompt + response), R response tokens (T - num_prompt_tokens).
+
+A Sample's per-token data is packed (rollouts.types.arrays: int32 token ids, float32 loss weights,
+float64 log-probs), validated once when the Sample is built; `dataclasses.replace` and the `with_*`
+methods pass the arrays on without looking at them again.
 """
 
 from __future__ import annotations
@@ -12,14 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollouts.types.frozen import (
-    as_float_tuple,
-    as_int_tuple,
-    check_finite,
-    empty_mapping,
-    freeze,
-    thaw,
-)
+from rollouts.types.arrays import LogProbs, LossMask, TokenIds
+from rollouts.types.frozen import check_finite, empty_mapping, freeze, thaw
 
 
 class Status(enum.StrEnum):
@@ -44,12 +42,12 @@ class Sample:
     """Text, or a tuple of chat messages (frozen mappings)."""
     response: str = ""
     """Decoded response text (what a reward function reads)."""
-    tokens: tuple[int, ...] = ()
-    """[T] prompt token ids followed by response token ids."""
+    tokens: TokenIds = TokenIds()
+    """[T] prompt token ids followed by response token ids (any sequence of ints is taken and packed)."""
     num_prompt_tokens: int = 0
     """How many of `tokens` are the prompt; the response is tokens[num_prompt_tokens:]."""
-    loss_mask: tuple[float, ...] = ()
-    """[T] 1.0 on trained tokens, 0.0 on prompt and tool/user turns."""
+    loss_mask: LossMask = LossMask()
+    """[T] 1.0 on trained tokens, 0.0 on prompt and tool/user turns (any sequence of floats >= 0)."""
     reward: float | None = None
     """Scalar reward, set by a reward function."""
     advantage: float | None = None
@@ -58,7 +56,7 @@ class Sample:
     """Which prompt group the sample belongs to (GRPO compares samples within a group)."""
     index: int | None = None
     """Position of the sample in its step (stable id for logging and carry-over)."""
-    rollout_logprobs: tuple[float, ...] | None = None
+    rollout_logprobs: LogProbs | None = None
     """[R] log p of each response token under the engine that sampled it (0.0 on tool tokens)."""
     weight_version: int | None = None
     """Version of the policy weights that generated the response."""
@@ -78,8 +76,11 @@ class Sample:
             object.__setattr__(self, "prompt", freeze(prompt))
         if not isinstance(self.response, str):
             raise TypeError(f"{name}.response must be a str, got {type(self.response).__name__}")
-        tokens = as_int_tuple(name, "tokens", self.tokens)
-        mask = as_float_tuple(name, "loss_mask", self.loss_mask)
+        # Packed and validated once: arrays already of these types (a replace) are taken as they are.
+        tokens = self.tokens if type(self.tokens) is TokenIds else TokenIds(self.tokens, what=f"{name}.tokens")
+        mask = (
+            self.loss_mask if type(self.loss_mask) is LossMask else LossMask(self.loss_mask, what=f"{name}.loss_mask")
+        )
         object.__setattr__(self, "tokens", tokens)
         object.__setattr__(self, "loss_mask", mask)
         if len(mask) != len(tokens):
@@ -87,15 +88,14 @@ class Sample:
                 f"{name}.loss_mask has {len(mask)} entries but tokens has {len(tokens)}: "
                 "the mask needs one weight per token"
             )
-        for i, m in enumerate(mask):
-            if m < 0.0:
-                raise ValueError(f"{name}.loss_mask[{i}] must be >= 0, got {m}")
         if not 0 <= self.num_prompt_tokens <= len(tokens):
             raise ValueError(
                 f"{name}.num_prompt_tokens ({self.num_prompt_tokens}) must be in [0, len(tokens)={len(tokens)}]"
             )
         if self.rollout_logprobs is not None:
-            logprobs = as_float_tuple(name, "rollout_logprobs", self.rollout_logprobs)
+            logprobs = self.rollout_logprobs
+            if type(logprobs) is not LogProbs:
+                logprobs = LogProbs(logprobs, what=f"{name}.rollout_logprobs")
             if len(logprobs) != self.response_length:
                 raise ValueError(
                     f"{name}.rollout_logprobs has {len(logprobs)} entries but the response has "
@@ -124,19 +124,24 @@ class Sample:
         return len(self.tokens) - self.num_prompt_tokens
 
     @property
-    def prompt_tokens(self) -> tuple[int, ...]:
+    def prompt_tokens(self) -> TokenIds:
         """[P] the prompt's token ids."""
         return self.tokens[: self.num_prompt_tokens]
 
     @property
-    def response_tokens(self) -> tuple[int, ...]:
+    def response_tokens(self) -> TokenIds:
         """[R] the response's token ids."""
         return self.tokens[self.num_prompt_tokens :]
 
     @property
     def num_loss_tokens(self) -> int:
         """Number of tokens with a non-zero loss weight."""
-        return sum(1 for m in self.loss_mask if m > 0.0)
+        return self.loss_mask.count_positive()
+
+    @property
+    def has_loss_tokens(self) -> bool:
+        """Whether any token has a non-zero loss weight (cheaper than num_loss_tokens > 0)."""
+        return self.loss_mask.any_positive()
 
     def with_reward(self, reward: float) -> Sample:
         """A copy with `reward` set."""
