@@ -134,6 +134,9 @@ ALGORITHMS: Mapping[str, AlgorithmConfig] = MappingProxyType(
         "grpo_passk": AlgorithmConfig(
             advantage_estimator="grpo_passk", policy_loss="ppo_clip", loss_aggregation="token-mean"
         ),
+        # ReMax (Li et al. 2023, arXiv 2310.10505): REINFORCE with the reward of the greedy response to
+        # the same prompt as the baseline; the loop generates that greedy rollout (not trained on).
+        "remax": AlgorithmConfig(advantage_estimator="remax", policy_loss="pg", loss_aggregation="token-mean"),
     }
 )
 

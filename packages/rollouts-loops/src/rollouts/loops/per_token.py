@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from rollouts.loops.distributed import all_gather_arrays, rank_world
+from rollouts.loops.rollout_fns import GREEDY_REWARD_KEY
 from rollouts.losses import reinforce_pp_advantages, sample_advantages
 from rollouts.types import AlgorithmConfig, MicroBatch, Sample
 
@@ -61,9 +62,22 @@ def token_advantages(
         )
     if advantage_fn is not None:
         adv_N = _checked_advantages(advantage_fn(rewards_N, groups_N), len(samples))
-    else:  # grpo, rloo, gpg, grpo_passk (check_algorithm refused the rest)
+    else:  # grpo, rloo, gpg, grpo_passk, remax (check_algorithm refused the rest)
+        greedy_N = None
+        if algorithm.advantage_estimator == "remax":  # the greedy rollout's reward, from the group generator
+            missing = [i for i, s in enumerate(samples) if s.metadata.get(GREEDY_REWARD_KEY) is None]
+            if missing:
+                raise ValueError(
+                    f"ReMax advantages need metadata[{GREEDY_REWARD_KEY!r}] (the reward of a greedy response to the "
+                    f"prompt) on every sample; samples {missing[:5]} have none: generate with greedy_baseline=True"
+                )
+            greedy_N = torch.tensor([float(s.metadata[GREEDY_REWARD_KEY]) for s in samples], dtype=torch.float32)
         adv_N = sample_advantages(
-            rewards_N, groups_N, estimator=algorithm.advantage_estimator, scale=algorithm.advantage_scale
+            rewards_N,
+            groups_N,
+            estimator=algorithm.advantage_estimator,
+            scale=algorithm.advantage_scale,
+            greedy_rewards_B=greedy_N,
         )
     return {i: np.full(n, float(adv_N[i]), dtype=np.float32) for i, n in enumerate(lengths)}
 

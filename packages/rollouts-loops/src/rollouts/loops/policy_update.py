@@ -30,12 +30,6 @@ def check_algorithm(algorithm: AlgorithmConfig) -> None:
             "train; use 'grpo', 'rloo', 'gpg', 'grpo_passk' or 'reinforce_pp' (or call "
             "rollouts.losses.gae_advantages in your own loop)"
         )
-    if algorithm.advantage_estimator == "remax":
-        raise ValueError(
-            "AlgorithmConfig.advantage_estimator 'remax' needs the reward of a greedy response to each prompt, "
-            "which the RL loop does not generate; use rollouts.losses.remax_advantages in your own loop, or pass "
-            "an advantages function that computes it"
-        )
 
 
 def default_loss_fn(config: RLConfig) -> LossFn:

@@ -33,6 +33,7 @@ from rollouts.data import AsyncRolloutManager, DataBuffer
 from rollouts.loops.distributed import rank_world
 from rollouts.loops.evaluation import Evaluation, evaluate_groups, group_metrics
 from rollouts.loops.generation import BatchSource, sync_engine
+from rollouts.loops.kl_control import KL_CONTROLLER_KEY, initial_kl_state, next_kl_state, with_kl_coef
 from rollouts.loops.per_token import AdvantageFn
 from rollouts.loops.policy_update import check_algorithm
 from rollouts.loops.probe import probe_sync
@@ -48,7 +49,7 @@ from rollouts.loops.rollout_fns import (
 from rollouts.loops.run_dir import CHECKPOINTS_DIR, lock_run_dir, resume_if_possible, sweep_run_dir
 from rollouts.loops.scoring import Reward, check_reward_errors, summarize
 from rollouts.loops.step import failure_causes, rl_step
-from rollouts.losses import LossFn
+from rollouts.losses import KLControllerState, LossFn
 from rollouts.types import (
     FilterFn,
     InferenceEngine,
@@ -251,6 +252,7 @@ async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:
         )
     history: list[dict[str, float]] = []
     empty_in_a_row = 0
+    kl_state = initial_kl_state(config, extra)
     async with trio.open_nursery() as nursery:
         batches = BatchSource(nursery, manager, lock, ahead)
         while state.step < total:
@@ -260,13 +262,16 @@ async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:
                 await batches.request(state.step // updates + 1)
             check_reward_errors(batch.samples, run.hooks.reward.on_error)
             _log_completions(batch, state.step + 1, run.num_logged_completions)
-            state, metrics = await _train(run, state, batch, lock, batches)
+            step_config = with_kl_coef(config, kl_state)
+            state, metrics = await _train(run, state, batch, lock, batches, step_config)
+            metrics["kl_coef"] = step_config.algorithm.kl_coef
+            kl_state = next_kl_state(kl_state, config, metrics)
             empty_in_a_row = 0 if metrics["num_trained"] else empty_in_a_row + 1
             if empty_in_a_row > _MAX_EMPTY_BATCHES:
                 raise _no_progress_error(batch, metrics, empty_in_a_row)
             metrics.update(generate_wait_s=wait_s, step_time_s=time.perf_counter() - step_start)
             history.append(metrics)
-            await _after_step(run, state, metrics, manager, batches, lock)
+            await _after_step(run, state, metrics, manager, batches, lock, kl_state)
         nursery.cancel_scope.cancel()  # the producer waits for requests that will not come
     return state, history
 
@@ -289,7 +294,8 @@ def _manager(run: _Run, extra: dict[str, Any]) -> AsyncRolloutManager | None:
     """Rank 0's rollout manager, restored from a checkpoint's extra; None on other ranks."""
     if run.context is None or rank_world()[0] != 0:
         return None
-    generate = group_generator(run.hooks.rollout, run.context, run.hooks.reward)
+    remax = run.config.algorithm.advantage_estimator == "remax"  # a greedy rollout per prompt as the baseline
+    generate = group_generator(run.hooks.rollout, run.context, run.hooks.reward, greedy_baseline=remax)
     manager = AsyncRolloutManager(
         run.buffer, run.config.rollout, generate, filter_fn=run.hooks.filter_fn, source=run.context.engine.name
     )
@@ -301,10 +307,11 @@ def _manager(run: _Run, extra: dict[str, Any]) -> AsyncRolloutManager | None:
 
 
 async def _train(
-    run: _Run, state: TrainingState, batch: RolloutBatch, lock: trio.Lock, batches: BatchSource
+    run: _Run, state: TrainingState, batch: RolloutBatch, lock: trio.Lock, batches: BatchSource, config: RLConfig
 ) -> tuple[TrainingState, dict[str, float]]:
-    """rl_step in a worker thread (the producer keeps generating), then the sync when it is due."""
-    config, updates = run.config, run.config.algorithm.num_updates_per_batch
+    """rl_step in a worker thread (the producer keeps generating), then the sync when it is due.
+    `config` is the run's, with this step's KL coefficient."""
+    updates = config.algorithm.num_updates_per_batch
     start = time.perf_counter()
     state, metrics = await trio.to_thread.run_sync(
         lambda: rl_step(
@@ -347,6 +354,7 @@ async def _after_step(
     manager: AsyncRolloutManager | None,
     batches: BatchSource,
     lock: trio.Lock,
+    kl_state: KLControllerState | None,
 ) -> None:
     """Evaluate, log, call on_step, and checkpoint when due (with the batch generated ahead, if any)."""
     config, total = run.config, run.config.num_steps * run.config.algorithm.num_updates_per_batch
@@ -375,6 +383,8 @@ async def _after_step(
         extra["pending_batch"] = [s.to_dict() for s in ahead.samples]
     if manager is not None:
         extra.update(buffer=run.buffer.state_dict(), manager=manager.state_dict())
+    if kl_state is not None:
+        extra[KL_CONTROLLER_KEY] = {"coef": kl_state.coef}
     await trio.to_thread.run_sync(
         lambda: save_checkpoint(
             run.components,

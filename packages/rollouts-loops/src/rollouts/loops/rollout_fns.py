@@ -15,10 +15,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import trio
 
 from rollouts.loops.multiturn import ToolExecutor, ToolParser, run_tool_rollout
-from rollouts.loops.scoring import Reward, score_group
+from rollouts.loops.scoring import REWARD_ERROR_KEY, Reward, score_group
 from rollouts.types import InferenceEngine, Sample, SamplingParams
 
 PromptEncoder = Callable[[Any], Sequence[int]]
@@ -122,7 +123,7 @@ def model_vocab_size(model: Any) -> int | None:
 def check_vocabulary(samples: Sequence[Sample], *, vocab_size: int, engine: str) -> None:
     """Refuse token ids the trained model has no embedding for (an engine serving another model or
     tokenizer), naming the engine and both vocabularies, before they reach the trainer."""
-    largest = max((max(s.tokens, default=-1) for s in samples), default=-1)
+    largest = max((int(np.frombuffer(s.tokens.buffer, np.int32).max()) for s in samples if s.tokens), default=-1)
     if largest >= vocab_size:
         raise ValueError(
             f"engine {engine} returned token id {largest}, outside the trained model's vocabulary of "
@@ -187,13 +188,19 @@ def check_prompt_lengths(
         )
 
 
+GREEDY_REWARD_KEY = "greedy_reward"
+"""Sample metadata: the reward of the greedy response to the sample's prompt (ReMax's baseline)."""
+
+
 def group_generator(
-    rollout: RolloutFn, ctx: RolloutContext, reward: Reward
+    rollout: RolloutFn, ctx: RolloutContext, reward: Reward, *, greedy_baseline: bool = False
 ) -> Callable[[Any, int], Awaitable[list[Sample]]]:
     """The rollout manager's GenerateFn: (record, n) -> n scored Samples carrying the record's fields.
 
     `seed` (passed by the manager when the run is seeded: one per prompt position) replaces the
-    sampling seed for this group's requests."""
+    sampling seed for this group's requests. `greedy_baseline` (ReMax): one more rollout of the
+    prompt at temperature 0, scored and not trained on; its reward goes into every sample's
+    metadata["greedy_reward"] (a reward error of it is the samples' reward error)."""
 
     async def generate_group(record: Any, n: int, *, seed: int | None = None) -> list[Sample]:
         sampling = ctx.sampling
@@ -208,6 +215,18 @@ def group_generator(
             check_vocabulary(samples, vocab_size=ctx.vocab_size, engine=ctx.engine.name)
         if ctx.max_sample_tokens is not None:
             check_fits(samples, max_tokens=ctx.max_sample_tokens)
-        return await score_group(reward, _with_record(samples, record), record)
+        scored = await score_group(reward, _with_record(samples, record), record)
+        if not greedy_baseline:
+            return scored
+        greedy_ctx = dataclasses.replace(ctx, sampling=dataclasses.replace(ctx.sampling, n=1, temperature=0.0))
+        result = rollout(record, greedy_ctx)
+        greedy = await result if inspect.isawaitable(result) else result
+        if not isinstance(greedy, Sequence) or len(greedy) != 1 or not isinstance(greedy[0], Sample):
+            raise TypeError(f"the rollout function must return 1 Sample for the greedy baseline, got {greedy!r:.120}")
+        (baseline,) = await score_group(reward, _with_record(greedy, record), record)
+        extra: dict[str, Any] = {GREEDY_REWARD_KEY: baseline.reward}
+        if REWARD_ERROR_KEY in baseline.metadata:
+            extra[REWARD_ERROR_KEY] = f"greedy baseline: {baseline.metadata[REWARD_ERROR_KEY]}"
+        return [s.with_metadata(**extra) for s in scored]
 
     return generate_group
