@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,7 +47,7 @@ from rollouts.loops.rollout_fns import (
 )
 from rollouts.loops.run_dir import CHECKPOINTS_DIR, lock_run_dir, resume_if_possible, sweep_run_dir
 from rollouts.loops.scoring import Reward, check_reward_errors, summarize
-from rollouts.loops.step import failure_causes, rl_step
+from rollouts.loops.step import failure_causes, log_completions, rl_step
 from rollouts.losses import KLControllerState, LossFn
 from rollouts.types import (
     FilterFn,
@@ -60,7 +59,6 @@ from rollouts.types import (
     TrainingState,
 )
 
-log = logging.getLogger(__name__)
 _MAX_EMPTY_BATCHES = 3  # steps in a row with nothing to train on before the loop gives up
 
 
@@ -261,7 +259,7 @@ async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:
             if config.overlap and (state.step // updates + 1) * updates < total:
                 await batches.request(state.step // updates + 1)
             check_reward_errors(batch.samples, run.hooks.reward.on_error)
-            _log_completions(batch, state.step + 1, run.num_logged_completions)
+            log_completions(batch, state.step + 1, run.num_logged_completions)
             step_config = with_kl_coef(config, kl_state)
             state, metrics = await _train(run, state, batch, lock, batches, step_config)
             metrics["kl_coef"] = step_config.algorithm.kl_coef
@@ -274,20 +272,6 @@ async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:
             await _after_step(run, state, metrics, manager, batches, lock, kl_state)
         nursery.cancel_scope.cancel()  # the producer waits for requests that will not come
     return state, history
-
-
-def _log_completions(batch: RolloutBatch, step: int, num: int) -> None:
-    """A few of the step's completions at INFO level (rank 0): prompt, response and reward."""
-    if rank_world()[0] != 0:
-        return
-    for sample in batch.samples[:num]:
-        log.info(
-            "step %d completion: prompt=%.200r response=%.300r reward=%s",
-            step,
-            sample.prompt,
-            sample.response,
-            sample.reward,
-        )
 
 
 def _manager(run: _Run, extra: dict[str, Any]) -> AsyncRolloutManager | None:

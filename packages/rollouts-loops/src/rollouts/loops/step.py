@@ -5,17 +5,21 @@ own loop can call `rl_step` directly.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from rollouts.backends import TrainingComponents
+from rollouts.loops.distributed import rank_world
 from rollouts.loops.per_token import AdvantageFn
 from rollouts.loops.policy_update import rl_update
 from rollouts.loops.scoring import reward_errors, summarize
 from rollouts.losses import LossFn, overlong_penalty
 from rollouts.types import AlgorithmConfig, RLConfig, RolloutBatch, Sample, Status, TrainingState
+
+log = logging.getLogger(__name__)
 
 
 def with_overlong_penalty(
@@ -133,3 +137,17 @@ def failure_causes(batch: RolloutBatch) -> list[str]:
     """Every generation error (engine, URL, status, message as the engine client reported it) and
     reward error of a step's batch."""
     return [str(e) for e in batch.metadata.get("errors", ())] + reward_errors(batch.samples)
+
+
+def log_completions(batch: RolloutBatch, step: int, num: int) -> None:
+    """A few of the step's completions at INFO level (rank 0): prompt, response and reward."""
+    if rank_world()[0] != 0:
+        return
+    for sample in batch.samples[:num]:
+        log.info(
+            "step %d completion: prompt=%.200r response=%.300r reward=%s",
+            step,
+            sample.prompt,
+            sample.response,
+            sample.reward,
+        )
