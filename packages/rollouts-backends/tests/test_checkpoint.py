@@ -449,3 +449,21 @@ def test_a_checkpoint_without_optimizer_state_loads_with_fresh_moments_and_the_s
     _assert_bit_identical(_weights(resumed.model), _weights(components.model))
     assert [g["lr"] for g in resumed.optimizer.param_groups] == [g["lr"] for g in components.optimizer.param_groups]
     assert resumed.scheduler.last_epoch == components.scheduler.last_epoch
+
+
+def test_further_models_are_saved_checked_and_loaded_with_the_checkpoint(tmp_path):
+    components = fresh_components()
+    reference = tiny_model(seed=5)
+    path = save_checkpoint(components, TrainingState(step=1), tmp_path, models={"reference": reference})
+    assert "reference.safetensors" in json.loads((path / "state.json").read_text())["files"]
+    into = tiny_model(seed=6)
+    load_checkpoint(fresh_components(), path, models={"reference": into})
+    _assert_bit_identical(_weights(into), _weights(reference))
+    with pytest.raises(ValueError, match="critic"):
+        load_checkpoint(fresh_components(), path, models={"critic": into})
+    with pytest.raises(ValueError, match="must be lowercase"):
+        save_checkpoint(components, TrainingState(step=2), tmp_path, models={"model": reference})
+    data = bytearray((path / "reference.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (path / "reference.safetensors").write_bytes(bytes(data))
+    assert verify_checkpoint(path) == ["reference.safetensors does not match its recorded CRC-32 (damaged)"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import zlib
 from collections.abc import Mapping
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import safetensors.torch
 import torch
 
 from rollouts.backends.checkpoint_dirs import FORMAT_VERSION, read_record, retired, verify_files, weights_file
@@ -108,10 +110,13 @@ def save_checkpoint(
     save_optimizer: bool = True,
     tokenizer: Any = None,
     writer: CheckpointWriter | None = None,
+    models: Mapping[str, torch.nn.Module] | None = None,
 ) -> Path:
     """Write `root/step_<state.step>/` atomically and keep the newest `keep_last`; returns its path.
 
     `extra` is any JSON-ready mapping (e.g. DataBuffer state) given back by `load_checkpoint`.
+    `models`: further models saved with it, each as `<name>.safetensors` (full weights; e.g. a KL
+    reference that moves during training), checked like every file and loaded by `load_checkpoint(models=)`.
     Under FSDP2 every rank must call it (the gather is collective); rank 0 writes the weights and
     every rank its optimizer shards.
 
@@ -125,6 +130,8 @@ def save_checkpoint(
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}: it would delete the checkpoint just written")
     extra_json = json.loads(json.dumps(dict(extra or {})))  # fail early (TypeError) on non-JSON extra
+    _check_model_names(models or {})
+    more = {name: model_tensors(model) for name, model in (models or {}).items()}  # collective under FSDP2
     if writer is not None:
         writer.wait()  # one checkpoint in flight at a time, published in order (every rank learns of a failure)
     wait = writer is None
@@ -166,6 +173,10 @@ def save_checkpoint(
         else:
             files["config.json"] = write_config(tmp / "config.json", components.model, sync=wait)
             files["model.safetensors"] = write_tensors(tmp / "model.safetensors", weights, {"format": "pt"}, sync=wait)
+        for name, tensors in more.items():
+            files[f"{name}.safetensors"] = write_tensors(
+                tmp / f"{name}.safetensors", tensors, {"format": "pt"}, sync=wait
+            )
         tokenizer_files: list[Path] = []
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
@@ -202,6 +213,16 @@ def save_checkpoint(
     return final
 
 
+def _check_model_names(models: Mapping[str, torch.nn.Module]) -> None:
+    """Further models' names: lowercase words, none a file a checkpoint already has."""
+    for name in models:
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", name) or name in ("model", "optimizer", "adapter_model", "state"):
+            raise ValueError(
+                f"checkpoint model name {name!r} must be lowercase letters, digits and _ and not one of "
+                "model, optimizer, adapter_model, state"
+            )
+
+
 def _prepare_tmp(root: Path, tmp: Path) -> None:
     """Create `root` and an empty `tmp` in it, clearing what interrupted saves left behind."""
     root.mkdir(parents=True, exist_ok=True)
@@ -217,8 +238,11 @@ def load_checkpoint(
     *,
     load_optimizer: bool = True,
     restore_rng: bool = True,
+    models: Mapping[str, torch.nn.Module] | None = None,
 ) -> tuple[TrainingState, dict[str, Any]]:
     """Restore weights, optimizer, scheduler and RNG from a checkpoint; returns (TrainingState, extra).
+    `models`: load the further models `save_checkpoint(models=)` saved into these (a name it did not
+    save is a ValueError naming it).
 
     Every file is checked against the size and CRC-32 that state.json records (a ValueError names
     the ones that differ). `load_optimizer=False` keeps the optimizer's current moments (a
@@ -231,10 +255,16 @@ def load_checkpoint(
         raise ValueError(f"{str(path)!r} is not a checkpoint: state.json missing, unreadable or of another format")
     files = record["files"]
     verify_files(components, path, files, [n for n in files if not n.startswith("optimizer")])
+    _check_model_names(models or {})
+    missing = [name for name in models or {} if f"{name}.safetensors" not in files]
+    if missing:
+        raise ValueError(f"checkpoint {str(path)!r} holds no {missing} model (saved: {sorted(files)})")
     if ADAPTER_WEIGHTS in files:
         load_adapter_dir(components.model, path)
     else:
         load_model_weights(components.model, read_weights(path))
+    for name, model in (models or {}).items():
+        load_model_weights(model, safetensors.torch.load_file(str(path / f"{name}.safetensors")))
     if load_optimizer:
         load_optimizer_state(components, path, record)
     components.scheduler.load_state_dict(

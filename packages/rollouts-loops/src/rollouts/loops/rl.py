@@ -16,7 +16,6 @@ the sync takes the engine lock the producer holds while generating, so a sample 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import time
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from typing import Any
 import trio
 
 from rollouts.backends import CheckpointWriter, TrainingComponents, save_checkpoint
-from rollouts.backends.lora import has_lora, reference_components
+from rollouts.backends.lora import has_lora
 from rollouts.data import AsyncRolloutManager, DataBuffer
 from rollouts.loops.distributed import rank_world
 from rollouts.loops.evaluation import Evaluation, evaluate_groups, group_metrics
@@ -36,6 +35,7 @@ from rollouts.loops.kl_control import KL_CONTROLLER_KEY, initial_kl_state, next_
 from rollouts.loops.per_token import AdvantageFn
 from rollouts.loops.policy_update import check_algorithm
 from rollouts.loops.probe import probe_sync
+from rollouts.loops.reference import check_reference_update, default_reference, saved_models, update_reference
 from rollouts.loops.rollout_fns import (
     PromptEncoder,
     RolloutContext,
@@ -114,14 +114,6 @@ class _Run:
     """Finishes checkpoints and deletes old exports off the loop's path; closed when the run ends."""
 
 
-def _default_reference(components: TrainingComponents) -> TrainingComponents:
-    """The KL reference when none is given: with LoRA the same weights with the adapter off (no copy);
-    otherwise the starting weights, copied before a resume loads later ones into `components`."""
-    if has_lora(components.model):
-        return reference_components(components)
-    return dataclasses.replace(components, model=copy.deepcopy(components.model).eval())
-
-
 def run_rl_training(
     components: TrainingComponents,
     buffer: DataBuffer,
@@ -169,7 +161,8 @@ def run_rl_training(
             "sharded like the trained one (a sharded model cannot be copied here)"
         )
     if config.algorithm.needs_reference and ref_components is None:
-        ref_components = _default_reference(components)
+        ref_components = default_reference(components)
+    check_reference_update(config.reference, components)
     if rank == 0 and rollout is single_turn_rollout:  # every prompt checked before the run, not mid-run
         check_prompt_lengths(
             buffer.prompts,
@@ -230,7 +223,13 @@ def run_rl_training(
 async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:
     config, updates, lock = run.config, run.config.algorithm.num_updates_per_batch, trio.Lock()
     total = config.num_steps * updates
-    state, extra, _ = resume_if_possible(run.components, run.run_dir, resume=run.resume, resume_from=run.resume_from)
+    state, extra, _ = resume_if_possible(
+        run.components,
+        run.run_dir,
+        resume=run.resume,
+        resume_from=run.resume_from,
+        models=saved_models(run.config.reference, run.ref_components),
+    )
     manager = _manager(run, extra)
     ahead = (
         RolloutBatch(samples=[Sample.from_dict(d) for d in extra["pending_batch"]], step=state.step // updates)
@@ -263,6 +262,8 @@ async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:
             step_config = with_kl_coef(config, kl_state)
             state, metrics = await _train(run, state, batch, lock, batches, step_config)
             metrics["kl_coef"] = step_config.algorithm.kl_coef
+            if run.ref_components is not None and metrics["num_trained"]:
+                update_reference(run.ref_components, run.components, config.reference, step=state.step // updates)
             kl_state = next_kl_state(kl_state, config, metrics)
             empty_in_a_row = 0 if metrics["num_trained"] else empty_in_a_row + 1
             if empty_in_a_row > _MAX_EMPTY_BATCHES:
@@ -379,5 +380,6 @@ async def _after_step(
             save_optimizer=ckpt.save_optimizer,
             tokenizer=run.tokenizer,
             writer=run.writer,
+            models=saved_models(run.config.reference, run.ref_components),
         )
     )  # flushed while training goes on

@@ -26,7 +26,7 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rollouts.backends import (
     TrainingComponents,
@@ -38,6 +38,9 @@ from rollouts.backends import (
 )
 from rollouts.loops.errors import DamagedCheckpointError
 from rollouts.types import TrainingState
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +76,10 @@ def resume_if_possible(
     *,
     resume: bool,
     resume_from: str | Path | None = None,
+    models: Mapping[str, torch.nn.Module] | None = None,
 ) -> tuple[TrainingState, dict[str, Any], Path | None]:
-    """(state, extra, checkpoint path) from run_dir's newest checkpoint, or a fresh state.
+    """(state, extra, checkpoint path) from run_dir's newest checkpoint, or a fresh state. `models`:
+    further models saved with the checkpoint (save_checkpoint(models=)) to load too.
 
     The newest checkpoint must pass its check (verify_checkpoint): one that does not stops the run
     with the damaged files named, and nothing is loaded or deleted; an older one is used only when
@@ -111,7 +116,7 @@ def resume_if_possible(
             stacklevel=2,
         )
     try:
-        state, extra = load_checkpoint(components, path, load_optimizer=saved_optimizer)
+        state, extra = load_checkpoint(components, path, load_optimizer=saved_optimizer, models=models)
     except ValueError as e:
         if resume_from is not None or "CRC-32" not in str(e):
             raise

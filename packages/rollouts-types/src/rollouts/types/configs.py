@@ -45,6 +45,8 @@ __all__ = [
     "OptimizerConfig",
     "PolicyLoss",
     "RLConfig",
+    "ReferenceConfig",
+    "ReferenceUpdate",
     "RejectionEstimator",
     "RejectionLevel",
     "RolloutConfig",
@@ -206,6 +208,28 @@ class SFTConfig:
         require(self.log_every >= 1, f"{n}.log_every", self.log_every, "be >= 1")
 
 
+ReferenceUpdate = Literal["frozen", "ema", "reset"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReferenceConfig:
+    """How the KL reference model moves during RL: not at all (the starting weights), as an
+    exponential moving average of the policy, or reset to the policy every N steps."""
+
+    update: ReferenceUpdate = "frozen"
+    ema_decay: float = 0.99
+    """With "ema": after every optimizer step, reference = ema_decay * reference + (1 - ema_decay) * policy."""
+    reset_every_steps: int = 100
+    """With "reset": the reference becomes a copy of the policy every this many optimizer steps."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        n = "ReferenceConfig"
+        if self.update == "ema":
+            require(0.0 < self.ema_decay < 1.0, f"{n}.ema_decay", self.ema_decay, "be in (0, 1) with update 'ema'")
+        require(self.reset_every_steps >= 1, f"{n}.reset_every_steps", self.reset_every_steps, "be >= 1")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RLConfig:
     """Reinforcement learning: rollouts, algorithm, optimizer, sync and checkpointing."""
@@ -230,6 +254,8 @@ class RLConfig:
     whose engine log-probs must match the trainer's (0: off; logged as sync_probe_logprob_diff)."""
     sync_probe_tolerance: float = 1e-2
     """Mean |engine - trainer| log-prob the probe accepts (float32 on both sides: ~1e-5; bf16: ~1e-2)."""
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    """The KL reference model's updates (frozen by default)."""
     seed: int = 0
     log_every: int = 1
 
@@ -262,6 +288,13 @@ class RLConfig:
             "is 0 and nothing is learned",
         )
         require(self.max_staleness >= 1, f"{n}.max_staleness", self.max_staleness, "be >= 1")
+        require(
+            self.reference.update == "frozen" or self.algorithm.needs_reference,
+            f"{n}.reference.update",
+            self.reference.update,
+            "be 'frozen' unless the algorithm has a KL term (kl_coef > 0 with a kl_placement): "
+            "a reference no loss looks at would be updated for nothing",
+        )
         if self.overlap_is_cap is not None:
             require(self.overlap_is_cap >= 1.0, f"{n}.overlap_is_cap", self.overlap_is_cap, "be >= 1 or None")
         corrected = self.effective_algorithm.is_cap is not None or self.effective_algorithm.needs_rollout_logprobs

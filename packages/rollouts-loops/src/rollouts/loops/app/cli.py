@@ -26,7 +26,8 @@ _SECTIONS = {
     "  [engine] kind (inprocess | vllm | sglang), urls, timeouts\n  [run] out_dir, resume\n"
     "  [reward] fn, batched, on_error, timeout_s\n  [hooks] rollout, filter, advantages, loss\n"
     "  [eval] every_steps, samples_per_prompt, temperature\n  [log] wandb, tensorboard, num_sample_completions\n"
-    "  [rl] num_steps, overlap, ... [rl.rollout] [rl.rollout.sampling] [rl.algorithm] [rl.optimizer] [rl.checkpoint]",
+    "  [rl] num_steps, overlap, ... [rl.rollout] [rl.rollout.sampling] [rl.algorithm] [rl.optimizer] [rl.checkpoint]\n"
+    "  [rl.reference] update (frozen | ema | reset), ema_decay, reset_every_steps",
 }
 
 
