@@ -22,21 +22,10 @@ from typing import Any
 import trio
 
 from rollouts.loops.rollout_fns import RolloutContext, RolloutFn
+from rollouts.loops.scoring import call_bounded
 from rollouts.types import Environment, EnvStep, Sample, Status
 
 ENV_REWARD_KEY = "env_reward"
-
-
-async def _call(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
-    try:
-        with trio.fail_after(timeout_s):
-            if inspect.iscoroutinefunction(fn):
-                return await fn(*args)
-            # boxed: a sync method may return an awaitable (the protocol allows it), awaited here
-            (result,) = await trio.to_thread.run_sync(lambda: (fn(*args),), abandon_on_cancel=True)
-            return await result if inspect.isawaitable(result) else result
-    except trio.TooSlowError:
-        raise TimeoutError(f"environment {getattr(fn, '__qualname__', fn)} took longer than {timeout_s} s") from None
 
 
 def _ids(observation: str | Sequence[int], ctx: RolloutContext, *, first: bool) -> list[int]:
@@ -53,7 +42,7 @@ async def run_episode(
     env: Environment, record: Any, ctx: RolloutContext, *, max_turns: int, max_total_tokens: int, step_timeout_s: float
 ) -> Sample:
     """One episode as a single Sample: prompt, then model turns (trained) and observations (masked)."""
-    prompt = _ids(await _call(env.reset, record, timeout_s=step_timeout_s), ctx, first=True)
+    prompt = _ids(await call_bounded(env.reset, record, timeout_s=step_timeout_s), ctx, first=True)
     if len(prompt) >= max_total_tokens:
         raise ValueError(
             f"the first observation ({len(prompt)} tokens) leaves no room under max_total_tokens={max_total_tokens}"
@@ -70,7 +59,7 @@ async def run_episode(
         tokens, mask = tokens + new, mask + [1.0] * len(new)
         all_logprobs = all_logprobs and turn.rollout_logprobs is not None
         logprobs += list(turn.rollout_logprobs) if turn.rollout_logprobs is not None else [0.0] * len(new)
-        result = await _call(env.step, turn.response, new, timeout_s=step_timeout_s)
+        result = await call_bounded(env.step, turn.response, new, timeout_s=step_timeout_s)
         if not isinstance(result, EnvStep):
             raise TypeError(f"Environment.step must return an EnvStep, got {type(result).__name__}")
         total_reward += result.reward

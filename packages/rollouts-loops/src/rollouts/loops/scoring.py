@@ -65,12 +65,19 @@ class RewardError(RuntimeError):
     """A reward failed with on_error="raise"."""
 
 
-async def _call(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
-    with trio.fail_after(timeout_s):
-        if inspect.iscoroutinefunction(fn):
-            return await fn(*args)
-        result = await trio.to_thread.run_sync(lambda: fn(*args), abandon_on_cancel=True)
-        return await result if inspect.isawaitable(result) else result
+async def call_bounded(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
+    """fn(*args) bounded by `timeout_s` (TimeoutError naming fn beyond it): a coroutine function is
+    awaited, a plain one runs in a worker thread (abandoned on timeout), and an awaitable it returns
+    is awaited too."""
+    try:
+        with trio.fail_after(timeout_s):
+            if inspect.iscoroutinefunction(fn):
+                return await fn(*args)
+            # boxed: a sync function may return an awaitable, awaited here rather than by to_thread
+            (result,) = await trio.to_thread.run_sync(lambda: (fn(*args),), abandon_on_cancel=True)
+            return await result if inspect.isawaitable(result) else result
+    except trio.TooSlowError:
+        raise TimeoutError(f"{getattr(fn, '__qualname__', fn)} took longer than {timeout_s} s") from None
 
 
 def _as_reward(value: Any) -> float:
@@ -83,7 +90,7 @@ def _as_reward(value: Any) -> float:
 
 
 def _error_text(error: BaseException, timeout_s: float) -> str:
-    if isinstance(error, trio.TooSlowError):
+    if isinstance(error, (trio.TooSlowError, TimeoutError)):
         return f"TimeoutError: the reward took longer than {timeout_s} s"
     return f"{type(error).__name__}: {error}"
 
@@ -92,7 +99,7 @@ async def score_group(reward: Reward, samples: Sequence[Sample], record: Mapping
     """The group's samples with rewards; failed ones per the error policy (see the module docstring)."""
     if reward.batched:
         try:
-            values = await _call(reward.fn, list(samples), [record] * len(samples), timeout_s=reward.timeout_s)
+            values = await call_bounded(reward.fn, list(samples), [record] * len(samples), timeout_s=reward.timeout_s)
             if not isinstance(values, Sequence) or len(values) != len(samples):
                 raise TypeError(f"a batched reward must return {len(samples)} numbers, got {values!r:.80}")
             results: list[float | str] = []
@@ -107,7 +114,7 @@ async def score_group(reward: Reward, samples: Sequence[Sample], record: Mapping
         results = []
         for sample in samples:
             try:
-                results.append(_as_reward(await _call(reward.fn, sample, record, timeout_s=reward.timeout_s)))
+                results.append(_as_reward(await call_bounded(reward.fn, sample, record, timeout_s=reward.timeout_s)))
             except Exception as e:
                 results.append(_error_text(e, reward.timeout_s))
     out = []

@@ -76,6 +76,10 @@ class FakeEngineState:
         out: np.ndarray = logits - (logits.max() + math.log(np.exp(logits - logits.max()).sum()))
         return out
 
+    def score(self, ids: list[int]) -> float:
+        """The fake reward model's score of a sequence (a pseudo-random function of it and the weights)."""
+        return float(np.random.default_rng([self.weights_seed, len(ids), *ids[-4:]]).standard_normal())
+
     def greedy(self, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
         """Greedy response ids and their log-probs (the reference a test compares against)."""
         ids, lps, _ = self.sample(prompt, max_new_tokens=max_new_tokens, temperature=0.0, stop=set(), rng=None)
@@ -275,6 +279,14 @@ async def _dispatch(state: FakeEngineState, method: str, target: str, body: byte
         return 200, b""
     if route == ("GET", "/v1/models"):
         return json_response(200, {"object": "list", "data": [{"id": state.model_name, "object": "model"}]})
+    if route == ("POST", "/classify"):  # a one-label reward model: a score per sequence of token ids
+        inputs = data.get("input")
+        if not isinstance(inputs, list) or not all(isinstance(ids, list) and ids for ids in inputs):
+            raise HTTPError(400, "input must be a list of non-empty token id lists")
+        rows = [
+            {"index": i, "label": None, "probs": [state.score(ids)], "num_classes": 1} for i, ids in enumerate(inputs)
+        ]
+        return json_response(200, {"object": "list", "model": state.model_name, "data": rows})
     if route in (("POST", "/v1/completions"), ("POST", "/generate")):
         await _wait_unpaused(state)
         state.num_in_flight += 1

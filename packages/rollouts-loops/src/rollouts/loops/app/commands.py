@@ -108,9 +108,10 @@ def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
         else:
             what = "reward(samples, records) -> list[float]" if spec.batched else "reward(sample, record) -> float"
             fn = resolve_function(spec.fn, key="reward.fn", num_positional=2, what=what)
-        hooks: dict[str, Any] = {
-            "reward": Reward(fn=fn, batched=spec.batched, on_error=spec.on_error, timeout_s=spec.timeout_s)
-        }
+        reward = Reward(fn=fn, batched=spec.batched, on_error=spec.on_error, timeout_s=spec.timeout_s)
+        if spec.models:
+            reward = _with_reward_models(reward, spec, source)
+        hooks: dict[str, Any] = {"reward": reward}
         for key, arg, arity, what in (
             ("rollout", "rollout", 2, "rollout(record, ctx) -> list[Sample]"),
             ("filter", "filter_fn", 1, "filter(group) -> str | None"),
@@ -123,6 +124,40 @@ def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
     except PluginError as e:
         raise ConfigError(f"{source}: {e}") from e
     return hooks
+
+
+def _with_reward_models(verifier: Any, spec: Any, source: str) -> Any:
+    """`verifier` weighted by reward.weight plus each [[reward.models]] score by its weight; every
+    model directory checked (and loaded, for those scored in process) before any work."""
+    from rollouts.backends import load_tokenizer
+    from rollouts.loops.reward_models import (
+        ClassifierRewardModel,
+        chat_encoder,
+        check_reward_model_dir,
+        reward_model_reward,
+        weighted_reward,
+    )
+    from rollouts.sync.reward_client import VLLMRewardModel
+
+    parts = [(verifier, spec.weight)] if spec.weight != 0 else []
+    for i, model in enumerate(spec.models):
+        try:
+            if model.path:
+                check_reward_model_dir(model.path)
+                scorer: Any = ClassifierRewardModel.load(model.path, batch_size=model.batch_size)
+            else:
+                scorer = VLLMRewardModel(model.url, timeout_s=model.timeout_s, max_batch=model.batch_size)
+            encode = (
+                chat_encoder(load_tokenizer(model.tokenizer_path or model.path)) if model.encode == "chat" else None
+            )
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{source}: reward.models[{i}]: {e}") from e
+        parts.append((reward_model_reward(scorer, encode=encode, timeout_s=model.timeout_s), model.weight))
+    if not parts:
+        raise ConfigError(f"{source}: reward.weight is 0 and there is no reward model: nothing would score the samples")
+    return dataclasses.replace(
+        weighted_reward(parts, timeout_s=max(m.timeout_s for m in spec.models)), on_error=spec.on_error
+    )
 
 
 def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> Any:

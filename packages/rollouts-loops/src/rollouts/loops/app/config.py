@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 import types
 import typing
@@ -152,8 +153,44 @@ BUILTIN_REWARDS = ("math_answer", "exact_match", "environment")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RewardModelSpec:
+    """A learned reward model ([[reward.models]]): a one-label *ForSequenceClassification model, in
+    this process (`path`) or on a vLLM server started with --runner pooling (`url`)."""
+
+    path: str = ""
+    """Local HF directory of the reward model (scored in process, batched, no grad)."""
+    url: str = ""
+    """Base URL of a vLLM server serving it (its /classify endpoint)."""
+    weight: float = 1.0
+    """Its score's weight in the reward (the verifier's is reward.weight)."""
+    encode: Literal["policy_tokens", "chat"] = "policy_tokens"
+    """What it reads: the sample's own token ids (a reward model sharing the policy's tokenizer), or
+    prompt and response rendered by its own tokenizer's chat template ("chat": tokenizer from
+    `tokenizer_path`, else `path`)."""
+    tokenizer_path: str = ""
+    batch_size: int = 16
+    timeout_s: float = 120.0
+    """Bound on scoring one group."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        n = "RewardModelSpec"
+        require(bool(self.path) != bool(self.url), f"{n}.path", self.path, f"be set, or url ({self.url!r}), not both")
+        require(math.isfinite(self.weight), f"{n}.weight", self.weight, "be a finite number")
+        require(
+            self.encode != "chat" or bool(self.tokenizer_path or self.path),
+            f"{n}.tokenizer_path",
+            self.tokenizer_path,
+            "be set when encode is 'chat' for a model served at a url",
+        )
+        require(self.batch_size >= 1, f"{n}.batch_size", self.batch_size, "be >= 1")
+        require(self.timeout_s > 0, f"{n}.timeout_s", self.timeout_s, "be > 0")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RewardSpec:
-    """The RL reward: a built-in name or an import path ("pkg.module:name", "path/to/file.py:name")."""
+    """The RL reward: a built-in name or an import path ("pkg.module:name", "path/to/file.py:name"),
+    weighted and summed with any reward models."""
 
     fn: str = "math_answer"
     """'math_answer' (math-verify grading against the answer field), 'exact_match', or an import path
@@ -163,11 +200,16 @@ class RewardSpec:
     """What a reward that raises or returns a non-finite value does: stop the run, or score 0 (counted)."""
     timeout_s: float = 60.0
     """Bound on one reward call."""
+    weight: float = 1.0
+    """The weight of `fn`'s reward when reward models are added (0: the reward models alone)."""
+    models: tuple[RewardModelSpec, ...] = ()
+    """Learned reward models ([[reward.models]] tables), each weighted and added to `fn`'s reward."""
 
     def __post_init__(self) -> None:
         check_fields(self)
         require(bool(self.fn), "RewardSpec.fn", self.fn, f"be one of {list(BUILTIN_REWARDS)} or an import path")
         require(self.timeout_s > 0, "RewardSpec.timeout_s", self.timeout_s, "be > 0")
+        require(math.isfinite(self.weight), "RewardSpec.weight", self.weight, "be a finite number")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

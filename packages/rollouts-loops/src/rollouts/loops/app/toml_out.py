@@ -29,6 +29,8 @@ def _toml_value(value: Any) -> str:
         return json.dumps(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):  # an inline table (a list of tables, e.g. reward.models)
+        return "{" + ", ".join(f"{k} = {_toml_value(NONE if v is None else v)}" for k, v in value.items()) + "}"
     return repr(value)
 
 
