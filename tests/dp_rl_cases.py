@@ -22,7 +22,7 @@ CASES: dict[str, AlgorithmConfig] = {
     # Batch-wide whitening of token advantages, KL in the reward.
     "reinforce_pp": ALGORITHMS["reinforce_pp"],
     # KL in the loss, truncated importance weights, dual clip.
-    "ppo": ALGORITHMS["ppo"],
+    "ppo_no_critic": ALGORITHMS["ppo_no_critic"],
 }
 
 

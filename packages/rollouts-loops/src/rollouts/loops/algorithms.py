@@ -74,7 +74,9 @@ ALGORITHMS: Mapping[str, AlgorithmConfig] = MappingProxyType(
             kl_coef=0.01,
             kl_placement="reward",
         ),
-        "ppo": AlgorithmConfig(
+        # PPO's clipped surrogate with REINFORCE++ advantages (no value model), KL in the loss,
+        # truncated IS weights and dual clip.
+        "ppo_no_critic": AlgorithmConfig(
             advantage_estimator="reinforce_pp",
             policy_loss="ppo_clip",
             loss_aggregation="token-mean",
@@ -83,6 +85,18 @@ ALGORITHMS: Mapping[str, AlgorithmConfig] = MappingProxyType(
             kl_placement="loss",
             is_cap=2.0,
             dual_clip_c=3.0,
+        ),
+        # PPO with a critic: GAE over the trained tokens from a learned value model (RLConfig.critic;
+        # the loop builds it from the starting model), KL to the reference in the reward.
+        "ppo": AlgorithmConfig(
+            advantage_estimator="gae",
+            policy_loss="ppo_clip",
+            loss_aggregation="token-mean",
+            gamma=1.0,
+            lam=0.95,
+            kl_kind="k1",
+            kl_coef=0.001,
+            kl_placement="reward",
         ),
         "sapo": AlgorithmConfig(
             advantage_estimator="grpo",

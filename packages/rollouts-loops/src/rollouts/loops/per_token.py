@@ -15,10 +15,18 @@ import torch
 
 from rollouts.loops.distributed import all_gather_arrays, rank_world
 from rollouts.loops.rollout_fns import GREEDY_REWARD_KEY
-from rollouts.losses import reinforce_pp_advantages, sample_advantages
+from rollouts.losses import gae_advantages, reinforce_pp_advantages, sample_advantages
 from rollouts.types import AlgorithmConfig, MicroBatch, Sample
 
-__all__ = ["AdvantageFn", "scatter_token_values", "token_advantages", "whole_batch", "with_arrays"]
+__all__ = [
+    "AdvantageFn",
+    "gae_token_advantages",
+    "gather_per_sample",
+    "scatter_token_values",
+    "token_advantages",
+    "whole_batch",
+    "with_arrays",
+]
 
 AdvantageFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(rewards_N, group ids_N) -> advantages_N, one scalar per sample: the signature of
@@ -129,3 +137,49 @@ def whole_batch(
             if all_kl is not None:
                 all_kl[r + i * world] = theirs[count + i]
     return all_masks, all_kl
+
+
+def gather_per_sample(parts: Sequence[Mapping[int, np.ndarray]], *, num_local: int) -> list[dict[int, np.ndarray]]:
+    """Each of `parts` (this rank's per-sample arrays by local index) for the whole batch, keyed by
+    global index (rank r holds global samples r, r + world, ...). The same arrays in one process."""
+    world = rank_world()[1]
+    if world == 1:
+        return [dict(p) for p in parts]
+    arrays = [p[i] for p in parts for i in range(num_local)]
+    out: list[dict[int, np.ndarray]] = [{} for _ in parts]
+    for r, theirs in enumerate(all_gather_arrays(arrays)):
+        count = len(theirs) // len(parts)
+        for k in range(len(parts)):
+            for i in range(count):
+                out[k][r + i * world] = theirs[k * count + i]
+    return out
+
+
+def gae_token_advantages(
+    samples: Sequence[Sample],
+    algorithm: AlgorithmConfig,
+    *,
+    masks: Mapping[int, np.ndarray],
+    values: Mapping[int, np.ndarray],
+    kl: Mapping[int, np.ndarray] | None = None,
+) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+    """(advantages, returns): sample index -> [T_i] per token, by GAE over the trained tokens (tool
+    output and prompts are skipped, not steps), the reward at each sample's last trained token and,
+    with KL in the reward, -kl_coef * KL on every trained token; advantages whitened over the batch."""
+    n = len(samples)
+    mask_N_T, values_N_T = _padded(masks, n), _padded(values, n)
+    rewards_N_T = torch.zeros_like(mask_N_T)
+    for i, s in enumerate(samples):
+        trained = np.flatnonzero(masks[i] > 0)
+        if trained.size:
+            rewards_N_T[i, int(trained[-1])] = float(s.reward or 0.0)
+    if kl is not None:
+        rewards_N_T = rewards_N_T - algorithm.kl_coef * _padded(kl, n) * (mask_N_T > 0)
+    adv_N_T, returns_N_T = gae_advantages(
+        rewards_N_T, values_N_T, mask_N_T, gamma=algorithm.gamma, lam=algorithm.lam, whiten=True
+    )
+    lengths = [len(masks[i]) for i in range(n)]
+    return (
+        {i: adv_N_T[i, :t].numpy() for i, t in enumerate(lengths)},
+        {i: returns_N_T[i, :t].numpy() for i, t in enumerate(lengths)},
+    )

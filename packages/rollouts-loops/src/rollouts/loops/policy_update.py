@@ -14,22 +14,26 @@ from collections.abc import Sequence
 import torch
 
 from rollouts.backends import TrainingComponents, compute_logprobs, forward_backward, optim_step
+from rollouts.backends.value import compute_values, critic_forward_backward
 from rollouts.data import unpack_values
 from rollouts.loops.distributed import global_sum, rank_world
 from rollouts.loops.micro_batches import plan_shard
-from rollouts.loops.per_token import AdvantageFn, scatter_token_values, token_advantages, whole_batch, with_arrays
+from rollouts.loops.per_token import (
+    AdvantageFn,
+    gae_token_advantages,
+    gather_per_sample,
+    scatter_token_values,
+    token_advantages,
+    whole_batch,
+    with_arrays,
+)
 from rollouts.losses import LossFn, kl_penalty, loss_fn_from_config
 from rollouts.types import AlgorithmConfig, RLConfig, Sample, TrainingState
 
 
 def check_algorithm(algorithm: AlgorithmConfig) -> None:
-    """Raise for settings the RL loop cannot run (before any work starts)."""
-    if algorithm.advantage_estimator == "gae":
-        raise ValueError(
-            "AlgorithmConfig.advantage_estimator 'gae' needs a learned value model, which the RL loop does not "
-            "train; use 'grpo', 'rloo', 'gpg', 'grpo_passk' or 'reinforce_pp' (or call "
-            "rollouts.losses.gae_advantages in your own loop)"
-        )
+    """Raise for settings the RL loop cannot run (before any work starts); none today: GAE runs with a
+    critic (the loop builds one from the starting model when none is given)."""
 
 
 def default_loss_fn(config: RLConfig) -> LossFn:
@@ -55,8 +59,12 @@ def rl_update(
     ref_components: TrainingComponents | None = None,
     advantage_fn: AdvantageFn | None = None,
     loss_fn: LossFn | None = None,
+    critic: TrainingComponents | None = None,
 ) -> tuple[TrainingState, dict[str, float]]:
     """Advantages, log-probs and `num_updates_per_batch` optimizer steps on one batch of samples.
+
+    With GAE (PPO with a critic) the critic's values give the advantages and returns, and after the
+    policy's steps the critic takes as many, on the clipped value loss (RLConfig.critic).
 
     Under torchrun every rank calls it with the same samples and trains its share,
     samples[rank::world]. Log-probs (old, reference) are computed for the share on its rank; the
@@ -97,8 +105,22 @@ def rl_update(
     if all_kl is not None:
         kl_sum = sum(float((all_kl[i] * (all_masks[i] > 0)).sum()) for i in all_masks)
         metrics["kl_reward"] = kl_sum / max(1, shard.num_tokens)
-    advantages = token_advantages(samples, algorithm, masks=all_masks, kl=all_kl, advantage_fn=advantage_fn)
-    mbs = scatter_token_values(mbs, "advantages", {i: advantages[rank + i * world] for i in range(len(shard.local))})
+    mine = range(len(shard.local))
+    if algorithm.advantage_estimator == "gae":
+        if critic is None:
+            raise ValueError("GAE advantages need a critic: pass critic (rollouts.backends.build_critic)")
+        old_values = compute_values(critic, mbs)
+        values_local = unpack_values(real, old_values[: shard.num_real])
+        (all_values,) = gather_per_sample([values_local], num_local=len(shard.local))
+        advantages, returns = gae_token_advantages(samples, algorithm, masks=all_masks, values=all_values, kl=all_kl)
+        mbs = with_arrays(mbs, "old_values", old_values)
+        mbs = scatter_token_values(mbs, "returns", {i: returns[rank + i * world] for i in mine})
+        metrics["value_mean"] = sum(float((v * (all_masks[i] > 0)).sum()) for i, v in all_values.items()) / max(
+            1, shard.num_tokens
+        )
+    else:
+        advantages = token_advantages(samples, algorithm, masks=all_masks, kl=all_kl, advantage_fn=advantage_fn)
+    mbs = scatter_token_values(mbs, "advantages", {i: advantages[rank + i * world] for i in mine})
     loss_fn = loss_fn if loss_fn is not None else default_loss_fn(config)
     for _ in range(algorithm.num_updates_per_batch):
         fb = forward_backward(
@@ -116,4 +138,10 @@ def rl_update(
         )
         metrics.update(fb)
         metrics.update(om)
+    if critic is not None and algorithm.advantage_estimator == "gae":
+        for _ in range(algorithm.num_updates_per_batch):
+            vf = critic_forward_backward(critic, mbs, num_tokens=shard.num_tokens, clip_range=config.critic.clip_range)
+            vf["vf_loss"] = global_sum(vf["vf_loss"])
+            _, critic_metrics = optim_step(critic, TrainingState(), config.critic.optimizer, loss=vf["vf_loss"])
+            metrics.update(vf, vf_grad_norm=critic_metrics["grad_norm"])
     return state, metrics

@@ -28,6 +28,7 @@ import trio
 from rollouts.backends import CheckpointWriter, TrainingComponents, save_checkpoint
 from rollouts.backends.lora import has_lora
 from rollouts.data import AsyncRolloutManager, DataBuffer
+from rollouts.loops.critic import default_critic, load_critic, save_critic
 from rollouts.loops.distributed import rank_world
 from rollouts.loops.evaluation import Evaluation, evaluate_groups, group_metrics
 from rollouts.loops.generation import BatchSource, sync_engine
@@ -95,6 +96,7 @@ class _Run:
 
     components: TrainingComponents
     ref_components: TrainingComponents | None
+    critic: TrainingComponents | None
     buffer: DataBuffer
     engine: InferenceEngine | None
     config: RLConfig
@@ -130,6 +132,7 @@ def run_rl_training(
     loss_fn: LossFn | None = None,
     engine_shares_model: bool = False,
     ref_components: TrainingComponents | None = None,
+    critic_components: TrainingComponents | None = None,
     resume: bool = True,
     resume_from: str | Path | None = None,
     tokenizer: Any = None,
@@ -190,6 +193,7 @@ def run_rl_training(
     run = _Run(
         components=components,
         ref_components=ref_components,
+        critic=critic_components if critic_components is not None else default_critic(components, config, world=world),
         buffer=buffer,
         engine=engine,
         config=config,
@@ -223,13 +227,15 @@ def run_rl_training(
 async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:
     config, updates, lock = run.config, run.config.algorithm.num_updates_per_batch, trio.Lock()
     total = config.num_steps * updates
-    state, extra, _ = resume_if_possible(
+    state, extra, resumed = resume_if_possible(
         run.components,
         run.run_dir,
         resume=run.resume,
         resume_from=run.resume_from,
         models=saved_models(run.config.reference, run.ref_components),
     )
+    if run.critic is not None and resumed is not None:
+        load_critic(run.critic, resumed)
     manager = _manager(run, extra)
     ahead = (
         RolloutBatch(samples=[Sample.from_dict(d) for d in extra["pending_batch"]], step=state.step // updates)
@@ -305,6 +311,7 @@ async def _train(
             batch,
             config,
             ref_components=run.ref_components,
+            critic=run.critic,
             advantage_fn=run.hooks.advantage_fn,
             loss_fn=run.hooks.loss_fn,
         )
@@ -370,6 +377,10 @@ async def _after_step(
         extra.update(buffer=run.buffer.state_dict(), manager=manager.state_dict())
     if kl_state is not None:
         extra[KL_CONTROLLER_KEY] = {"coef": kl_state.coef}
+    if run.critic is not None:  # first: a published policy step always has its critic
+        await trio.to_thread.run_sync(
+            lambda: save_critic(run.critic, state, run.run_dir / CHECKPOINTS_DIR, config, writer=run.writer)
+        )
     await trio.to_thread.run_sync(
         lambda: save_checkpoint(
             run.components,

@@ -82,8 +82,10 @@ def rl_step(
     ref_components: TrainingComponents | None = None,
     advantage_fn: AdvantageFn | None = None,
     loss_fn: LossFn | None = None,
+    critic: TrainingComponents | None = None,
 ) -> tuple[TrainingState, dict[str, float]]:
     """Train on one step's rollouts: overlong penalty, staleness filter, update; (state, metrics).
+    `critic`: PPO's value model (GAE), updated with the policy.
 
     Under torchrun every rank calls it with the same batch. A batch with no fresh sample leaves
     the state as it is (metrics say why).
@@ -105,7 +107,14 @@ def rl_step(
         metrics["failure_causes"] = summarize(causes)  # type: ignore[assignment]
     if fresh:
         state, train_metrics = rl_update(
-            components, state, fresh, config, ref_components=ref_components, advantage_fn=advantage_fn, loss_fn=loss_fn
+            components,
+            state,
+            fresh,
+            config,
+            ref_components=ref_components,
+            advantage_fn=advantage_fn,
+            loss_fn=loss_fn,
+            critic=critic,
         )
         metrics.update(train_metrics)
     return state, metrics

@@ -4,6 +4,7 @@ from rollouts.types.arrays import LogProbs, LossMask, TokenIds
 from rollouts.types.configs import (
     AlgorithmConfig,
     CheckpointConfig,
+    CriticConfig,
     OptimizerConfig,
     ReferenceConfig,
     RLConfig,
@@ -49,6 +50,7 @@ __all__ = [
     "LoraSync",
     "AlgorithmConfig",
     "CheckpointConfig",
+    "CriticConfig",
     "EnvStep",
     "Environment",
     "FilterFn",

@@ -44,6 +44,7 @@ __all__ = [
     "LossAggregation",
     "OptimizerConfig",
     "PolicyLoss",
+    "CriticConfig",
     "RLConfig",
     "ReferenceConfig",
     "ReferenceUpdate",
@@ -231,6 +232,22 @@ class ReferenceConfig:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CriticConfig:
+    """PPO's critic (advantage_estimator 'gae'): a value head on a causal LM's backbone."""
+
+    path: str = ""
+    """The causal LM the critic starts from (empty: the policy's starting model)."""
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+    clip_range: float | None = 0.2
+    """Value clipping around the old values (None: none)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.clip_range is not None:
+            require(self.clip_range > 0, "CriticConfig.clip_range", self.clip_range, "be > 0 or None")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RLConfig:
     """Reinforcement learning: rollouts, algorithm, optimizer, sync and checkpointing."""
 
@@ -256,6 +273,8 @@ class RLConfig:
     """Mean |engine - trainer| log-prob the probe accepts (float32 on both sides: ~1e-5; bf16: ~1e-2)."""
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     """The KL reference model's updates (frozen by default)."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model of PPO with a critic (used with advantage_estimator 'gae')."""
     seed: int = 0
     log_every: int = 1
 

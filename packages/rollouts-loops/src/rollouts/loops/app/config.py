@@ -280,7 +280,7 @@ class RLRun:
     eval: EvalSpec = field(default_factory=EvalSpec)
     log: LogSpec = field(default_factory=LogSpec)
     preset: str = ""
-    """Name of an algorithm preset (grpo, drgrpo, dapo, gspo, cispo, rloo, reinforce_pp, ppo)."""
+    """Name of an algorithm preset (grpo, drgrpo, dapo, gspo, cispo, rloo, reinforce_pp, ppo, ppo_no_critic, ...)."""
     rl: RLConfig = field(default_factory=RLConfig)
 
     def __post_init__(self) -> None:
