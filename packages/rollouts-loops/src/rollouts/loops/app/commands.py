@@ -250,6 +250,17 @@ def cmd_rl(run: RLRun, source: str) -> Path:
         tokenizer = run_tokenizer(run)
         components = run_components(run, run.rl.optimizer, run.rl.num_steps * run.rl.algorithm.num_updates_per_batch)
         shares = run.engine.kind == "inprocess" and not run.rl.overlap and world == 1
+        critic = None
+        if run.rl.algorithm.advantage_estimator == "gae":  # PPO's critic: from [rl.critic] path or the policy's model
+            from rollouts.backends.value import build_critic
+
+            critic = build_critic(
+                run.rl.critic.path or run.model.path,
+                run.rl.critic.optimizer,
+                num_training_steps=run.rl.num_steps * run.rl.algorithm.num_updates_per_batch,
+                device=components.device,
+                shard=world > 1,
+            )
         ref_components = None
         if run.rl.algorithm.needs_reference and run.model.lora.enabled:
             from rollouts.backends.lora import reference_components
@@ -273,6 +284,7 @@ def cmd_rl(run: RLRun, source: str) -> Path:
                 resume_from=run.run.resume_from or None,
                 tokenizer=tokenizer,
                 ref_components=ref_components,
+                critic_components=critic,
                 evaluation=evaluation,
                 num_logged_completions=run.log.num_sample_completions,
                 **hooks,
