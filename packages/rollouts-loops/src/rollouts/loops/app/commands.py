@@ -13,7 +13,6 @@ from rollouts.loops.app.run_setup import (
     answer_fields,
     check_paths,
     default_out_dir,
-    distributed,
     load_data,
     local_model,
     prepare_run,
@@ -23,6 +22,7 @@ from rollouts.loops.app.run_setup import (
     run_tokenizer,
     sharded_model,
 )
+from rollouts.loops.distributed import init_distributed
 
 
 def cmd_sft(run: SFTRun, source: str) -> Path:
@@ -32,7 +32,7 @@ def cmd_sft(run: SFTRun, source: str) -> Path:
     from rollouts.data import load_conversations, tokenize_conversation
     from rollouts.loops import CHECKPOINTS_DIR, run_sft_training
 
-    rank, world = distributed()
+    rank, world = init_distributed()
     conversations = load_data(load_conversations, run.data.train_path)  # bad data refused before the run dir is touched
     run, resume = prepare_run(run, "sft", source)
     out = Path(run.run.out_dir)
@@ -238,7 +238,7 @@ def cmd_rl(run: RLRun, source: str) -> Path:
         evaluation = _evaluation(run)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from e
-    rank, world = distributed()
+    rank, world = init_distributed()
     records = load_data(
         load_prompts, run.data.train_path, field=run.data.prompt_key, required_fields=answer_fields(run)
     )
@@ -332,7 +332,7 @@ def cmd_pipeline(sft: SFTRun, sft_source: str, rl: RLRun, rl_source: str) -> Pat
     from rollouts.backends import latest_checkpoint
 
     check_paths(rl, rl_source, model=False)  # the RL stage starts from what SFT will write
-    distributed()
+    init_distributed()
     if not sft.run.out_dir or not rl.run.out_dir:  # each stage its own directory under one root
         root = default_out_dir("pipeline")
         sft = dataclasses.replace(sft, run=dataclasses.replace(sft.run, out_dir=sft.run.out_dir or f"{root}/sft"))
