@@ -98,6 +98,15 @@ def test_a_loss_mask_is_its_runs(values, lo, hi):
         assert stop < start or w != w2  # adjacent equal runs are merged
 
 
+def test_a_mask_is_taken_from_any_sequence_or_1d_buffer():
+    assert LossMask(array.array("f", [0.0, 1.0, 1.0])) == LossMask(range(0)) + [0.0, 1.0, 1.0]
+    assert LossMask(memoryview(array.array("d", [0.5, 0.0]))).runs == ((0, 1, 0.5),)
+    with pytest.raises(TypeError, match="must be a sequence of numbers, got str"):
+        LossMask("01")
+    with pytest.raises(TypeError, match="must be a sequence of numbers, got int"):
+        LossMask(3)
+
+
 def test_a_multi_turn_mask_takes_a_few_runs_whatever_its_length():
     mask = LossMask([0.0] * 500 + [1.0] * 3000 + [0.0] * 100 + [1.0] * 496)
     assert mask.runs == ((500, 3500, 1.0), (3600, 4096, 1.0))

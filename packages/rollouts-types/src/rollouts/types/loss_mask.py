@@ -36,6 +36,25 @@ def _is_sequence(values: Any) -> bool:
     return isinstance(values, (Sequence, memoryview)) and not isinstance(values, (str, bytes, bytearray))
 
 
+def _as_list(values: Any, what: str) -> list[Any] | tuple[Any, ...]:
+    """A list or tuple of the values: from a sequence, or a 1-D buffer (array.array, numpy)."""
+    if isinstance(values, (list, tuple)):
+        return values
+    if isinstance(values, (str, bytes, bytearray)):
+        raise TypeError(f"{what} must be a sequence of numbers, got {type(values).__name__}")
+    try:
+        view = memoryview(values)
+    except TypeError:
+        view = None
+    if view is not None:
+        if view.ndim != 1:
+            raise ValueError(f"{what} must be 1-D, got a buffer of shape {view.shape}")
+        return view.tolist()
+    if isinstance(values, Sequence):
+        return list(values)
+    raise TypeError(f"{what} must be a sequence of numbers, got {type(values).__name__}")
+
+
 class LossMask(Sequence[float]):
     """[T] per-token loss weights: float32, finite, >= 0 (0 on tokens that are not trained)."""
 
@@ -45,13 +64,7 @@ class LossMask(Sequence[float]):
         if type(values) is LossMask:
             built = values
         else:
-            if not _is_sequence(values):
-                raise TypeError(f"{what} must be a sequence of numbers, got {type(values).__name__}")
-            seq = (
-                values
-                if isinstance(values, (list, tuple))
-                else list(memoryview(values).tolist() if isinstance(values, memoryview) else values)
-            )
+            seq = _as_list(values, what)
             built = LossMask._from_values(seq, what)
         self._length, self._runs, self._starts = built._length, built._runs, built._starts
 
