@@ -9,7 +9,7 @@ torch.set_num_threads(1)). Nothing is loaded from a hub: the model and tokenizer
 temporary directory and each side loads them from there.
 
 Each side runs in its own process (a fresh interpreter: no shared caches or allocator state), in
-alternating bursts (ours, TRL, ours, TRL, ...) so a load that comes and goes hits both alike; a
+alternating bursts in ABBA order (ours, TRL, TRL, ours, ...) so a load that comes and goes hits both alike; a
 burst times `--steps` steps after `--warmup`. Figures are medians over every timed step of every
 burst. Ours is split into phases: generate (the in-process sampler), log-probs (the model forward
 and the output layer's log-probs), loss+backward, optimizer, and other (rewards, advantages,
@@ -154,7 +154,7 @@ def ours_grpo(directory: Path, *, warmup: int, steps: int) -> list[dict[str, flo
     state, records = TrainingState(), []
     for step in range(warmup + steps):
         timer.take()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         params = dataclasses.replace(sampling, seed=step)
         samples = trio.run(engine.generate, prompts, params)
         generated = time.perf_counter()
@@ -165,10 +165,10 @@ def ours_grpo(directory: Path, *, warmup: int, steps: int) -> list[dict[str, flo
             for i, s in enumerate(samples)
         ]
         state, _ = rl_step(components, state, RolloutBatch(samples=samples, step=state.step + 1), config)
-        total = time.perf_counter() - start
+        total, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         if step >= warmup:
             phases = {"generate": generated - start, **timer.take()}
-            records.append({"total": total, **phases, "other": total - sum(phases.values())})
+            records.append({"total": total, "cpu": cpu, **phases, "other": total - sum(phases.values())})
     return records
 
 
@@ -189,27 +189,28 @@ def ours_sft(directory: Path, *, warmup: int, steps: int) -> list[dict[str, floa
     state, records = TrainingState(), []
     for step in range(warmup + steps):
         timer.take()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         state, _ = sft_step(components, state, samples, config)
-        total = time.perf_counter() - start
+        total, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         if step >= warmup:
             phases = timer.take()
-            records.append({"total": total, **phases, "other": total - sum(phases.values())})
+            records.append({"total": total, "cpu": cpu, **phases, "other": total - sum(phases.values())})
     return records
 
 
 class _StepTimes:
-    """A transformers TrainerCallback's two hooks: seconds from on_step_begin to on_step_end."""
+    """A transformers TrainerCallback's two hooks: wall and CPU seconds from on_step_begin to on_step_end."""
 
     def __init__(self) -> None:
-        self.seconds: list[float] = []
-        self._start = 0.0
+        self.records: list[dict[str, float]] = []
+        self._start = (0.0, 0.0)
 
     def on_step_begin(self, *_args, **_kwargs) -> None:
-        self._start = time.perf_counter()
+        self._start = (time.perf_counter(), time.process_time())
 
     def on_step_end(self, *_args, **_kwargs) -> None:
-        self.seconds.append(time.perf_counter() - self._start)
+        wall, cpu = self._start
+        self.records.append({"total": time.perf_counter() - wall, "cpu": time.process_time() - cpu})
 
 
 def _trl_common(out_dir: str, max_steps: int) -> dict:
@@ -269,7 +270,7 @@ def trl_grpo(directory: Path, *, warmup: int, steps: int) -> list[dict[str, floa
         )
         trainer.add_callback(_callback(times))
         trainer.train()
-    return [{"total": s} for s in times.seconds[warmup:]]
+    return times.records[warmup:]
 
 
 def trl_sft(directory: Path, *, warmup: int, steps: int) -> list[dict[str, float]]:
@@ -290,7 +291,7 @@ def trl_sft(directory: Path, *, warmup: int, steps: int) -> list[dict[str, float
         trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
         trainer.add_callback(_callback(times))
         trainer.train()
-    return [{"total": s} for s in times.seconds[warmup:]]
+    return times.records[warmup:]
 
 
 WORKERS = {"ours-grpo": ours_grpo, "trl-grpo": trl_grpo, "ours-sft": ours_sft, "trl-sft": trl_sft}
@@ -319,6 +320,10 @@ def report(name: str, ours: list[dict[str, float]], theirs: list[dict[str, float
         f"{name}: ours {ours_s * 1e3:.1f} ms, TRL {trl_s * 1e3:.1f} ms, ratio {trl_s / ours_s:.2f}x (goal >= {GOAL}x)"
     )
     print(f"  ours per phase (medians, ms): {split}")
+    ours_cpu, trl_cpu = median_of(ours, "cpu"), median_of(theirs, "cpu")
+    print(
+        f"  CPU time per step (all threads): ours {ours_cpu * 1e3:.1f} ms, TRL {trl_cpu * 1e3:.1f} ms, ratio {trl_cpu / ours_cpu:.2f}x"
+    )
     print(f"  {len(ours)} vs {len(theirs)} timed steps")
 
 
@@ -348,10 +353,11 @@ def main() -> None:
         for name in ("grpo", "sft") if args.only is None else (args.only,):
             ours: list[dict[str, float]] = []
             theirs: list[dict[str, float]] = []
-            for _ in range(args.repeats):
-                kw = dict(warmup=args.warmup, steps=args.steps, timeout_s=args.timeout_s)
-                ours += burst(f"ours-{name}", directory, **kw)
-                theirs += burst(f"trl-{name}", directory, **kw)
+            kw = dict(warmup=args.warmup, steps=args.steps, timeout_s=args.timeout_s)
+            for repeat in range(args.repeats):
+                # ABBA order (ours first, then TRL first): a load that drifts during the run favours neither
+                for side in ("ours", "trl") if repeat % 2 == 0 else ("trl", "ours"):
+                    (ours if side == "ours" else theirs).extend(burst(f"{side}-{name}", directory, **kw))
             report(name.upper(), ours, theirs)
         print(f"load average at end: {os.getloadavg()[0]:.2f}")
 
