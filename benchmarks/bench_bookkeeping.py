@@ -11,7 +11,8 @@ Phases, each what the loop does outside the model for one step:
   receive    the other ranks: the bytes back to a batch
 Rank 0 runs build, rewards, send, then (like every rank) advantage, pack, unpack; the other ranks
 run receive, advantage, pack, unpack. The step's bookkeeping is the larger of the two totals.
-Also prints the bytes a Sample's token storage takes per token. Medians of --repeats runs.
+Also prints the bytes a Sample's per-token storage (token ids + loss mask + rollout log-probs)
+takes per token. Medians of --repeats runs.
 
     OMP_NUM_THREADS=1 uv run python benchmarks/bench_bookkeeping.py [--samples 1024] [--tokens 4096]
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -87,10 +89,16 @@ def one_step(engine_output, *, prompt: int, group: int) -> dict[str, float]:
 
 
 def token_bytes(sample: Sample) -> float:
-    """Bytes of the token storage per token: the array object, its packed bytes and its typed view."""
-    tokens = sample.tokens
-    total = sys.getsizeof(tokens) + sys.getsizeof(tokens.to_bytes()) + sys.getsizeof(tokens.buffer)
-    return total / len(tokens)
+    """Bytes per token of a Sample's per-token storage, all of it: token ids, loss mask and rollout
+    log-probs (each array object, its packed bytes, a typed view where one is held; the mask's runs)."""
+    total = 0
+    for packed in (sample.tokens, sample.rollout_logprobs):
+        if packed is not None:
+            total += sys.getsizeof(packed) + sys.getsizeof(packed.to_bytes()) + sys.getsizeof(packed.buffer)
+    mask = sample.loss_mask
+    total += sys.getsizeof(mask) + sys.getsizeof(mask.runs) + sum(sys.getsizeof(r) for r in mask.runs)
+    total += sum(sys.getsizeof(r[2]) for r in mask.runs) + sys.getsizeof(mask._starts)  # noqa: SLF001
+    return total / len(sample.tokens)
 
 
 def main() -> None:
@@ -106,14 +114,18 @@ def main() -> None:
     runs = [one_step(outputs, prompt=args.prompt, group=args.group) for _ in range(args.repeats)]
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     print(f"workload: {args.samples} samples x {args.tokens} tokens, {args.repeats} repeats (medians), 1 thread")
+    print("machine load (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
     for key, value in med.items():
         print(f"  {key:<10} {value:8.3f} s")
     verdict = "met" if med["total"] < GOAL_S else "NOT met"
     print(f"CPU bookkeeping per step: {med['total']:.3f} s (goal < {GOAL_S} s: {verdict})")
-    sample = Sample(tokens=outputs[0][0].tolist(), num_prompt_tokens=args.prompt, loss_mask=[1.0] * args.tokens)
+    ids, lps = outputs[0][0].tolist(), outputs[1][0].tolist()
+    mask = [0.0] * args.prompt + [1.0] * (args.tokens - args.prompt)
+    sample = Sample(tokens=ids, num_prompt_tokens=args.prompt, loss_mask=mask, rollout_logprobs=lps)
     per_token = token_bytes(sample)
     print(
-        f"Sample token storage: {per_token:.1f} bytes per token (goal <= 8: {'met' if per_token <= 8 else 'NOT met'})"
+        f"Sample per-token storage (ids + loss mask + rollout log-probs): {per_token:.2f} bytes per token "
+        f"(goal <= 8: {'met' if per_token <= 8 else 'NOT met'}; tuples before: ~36 for the ids alone)"
     )
 
 

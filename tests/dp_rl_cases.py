@@ -10,7 +10,15 @@ from rollouts.backends import build_components
 from rollouts.backends.distributed import shard_model
 from rollouts.loops.algorithms import ALGORITHMS
 from rollouts.loops.app.tiny import build_tiny_model
-from rollouts.types import AlgorithmConfig, OptimizerConfig, RLConfig, RolloutConfig, Sample, SamplingParams
+from rollouts.types import (
+    AlgorithmConfig,
+    CriticConfig,
+    OptimizerConfig,
+    RLConfig,
+    RolloutConfig,
+    Sample,
+    SamplingParams,
+)
 
 VOCAB = 64
 NUM_STEPS = 2
@@ -23,6 +31,8 @@ CASES: dict[str, AlgorithmConfig] = {
     "reinforce_pp": ALGORITHMS["reinforce_pp"],
     # KL in the loss, truncated importance weights, dual clip.
     "ppo_no_critic": ALGORITHMS["ppo_no_critic"],
+    # A critic: GAE from its values (gathered over ranks for the whitening), its own update.
+    "ppo": dataclasses.replace(ALGORITHMS["ppo"], kl_coef=0.05, kl_kind="k3"),
 }
 
 
@@ -51,11 +61,31 @@ def config(algorithm: AlgorithmConfig) -> RLConfig:
     return RLConfig(
         num_steps=NUM_STEPS,
         algorithm=algorithm,
+        critic=CriticConfig(optimizer=OptimizerConfig(lr=1e-3, schedule="constant")),
         optimizer=OptimizerConfig(lr=1e-3, schedule="constant"),
         rollout=RolloutConfig(
             batch_size=3, samples_per_prompt=3, sampling=SamplingParams(temperature=1.0, max_new_tokens=12)
         ),
         max_tokens_per_micro_batch=24,
+    )
+
+
+def critic(*, sharded: bool):
+    """A critic from the same starting model, its head made visible (it starts at zero)."""
+    import torch
+
+    from rollouts.backends.value import ValueModel
+
+    model = ValueModel(
+        build_tiny_model(
+            VOCAB, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
+            max_position_embeddings=64, seed=0,
+        )
+    )  # fmt: skip
+    with torch.no_grad():
+        model.head.weight.copy_(torch.randn(model.head.weight.shape, generator=torch.Generator().manual_seed(1)) * 0.1)
+    return build_components(
+        shard_model(model) if sharded else model, OptimizerConfig(lr=1e-3, schedule="constant"), num_training_steps=8
     )
 
 

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
 import torch.distributed as dist
-from dp_rl_cases import CASES, NUM_STEPS, batch, components, config
+from dp_rl_cases import CASES, NUM_STEPS, batch, components, config, critic
 
 from rollouts.backends import export_weights
 from rollouts.loops.distributed import close_distributed
@@ -24,11 +24,16 @@ def main(out: Path) -> None:
     metrics = {}
     for name, algorithm in CASES.items():
         trained, ref = components(sharded=True)
+        value = critic(sharded=True) if algorithm.advantage_estimator == "gae" else None
         state = TrainingState()
         for _ in range(NUM_STEPS):
-            state, step_metrics = rl_update(trained, state, batch(), config(algorithm), ref_components=ref)
-        metrics[name] = {k: step_metrics[k] for k in ("loss", "kl_reward") if k in step_metrics}
+            state, step_metrics = rl_update(
+                trained, state, batch(), config(algorithm), ref_components=ref, critic=value
+            )
+        metrics[name] = {k: step_metrics[k] for k in ("loss", "kl_reward", "vf_loss") if k in step_metrics}
         export_weights(trained, out / name)
+        if value is not None:
+            export_weights(value, out / f"{name}_critic")
     if dist.get_rank() == 0:
         (out / "metrics.json").write_text(json.dumps(metrics))
     close_distributed()

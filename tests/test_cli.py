@@ -172,8 +172,8 @@ def test_rollouts_sft_under_torchrun_uses_fsdp2(tiny_run_inputs, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "preset", ["grpo", "ppo_no_critic"]
-)  # ppo_no_critic: KL in the loss, a sharded reference on every rank
+    "preset", ["grpo", "ppo_no_critic", "ppo"]
+)  # ppo_no_critic: KL in the loss, a sharded reference on every rank; ppo: a sharded critic too
 def test_rollouts_rl_under_torchrun(tiny_run_inputs, tmp_path, preset):
     out = tmp_path / "rl_fsdp"
     config = rl_toml(tiny_run_inputs, out, tiny_run_inputs / "model")
@@ -202,7 +202,10 @@ def test_rollouts_rl_under_torchrun(tiny_run_inputs, tmp_path, preset):
     records = read_jsonl(out / "metrics_rl.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [r["weight_version"] for r in records] == [1.0, 2.0, 3.0]
-    assert all(("kl" in r) == (preset == "ppo_no_critic") for r in records)  # the loss's KL against the reference
+    assert all(("kl" in r) == (preset != "grpo") for r in records)  # the KL against the (sharded) reference
+    assert all(("vf_loss" in r) == (preset == "ppo") for r in records)  # the critic's update
+    if preset == "ppo":
+        assert (out / "checkpoints" / "critic" / "step_3" / "state.json").is_file()
     weights = load_file(out / "checkpoints" / "step_3" / "model.safetensors")
     assert weights and all(v.size > 0 for v in weights.values())
     assert (out / "checkpoints" / "step_2" / "state.json").is_file()

@@ -44,3 +44,11 @@ def test_the_demo_rl_stage_trains_a_lora_adapter_with_set(tmp_path, capsys):
     assert main(["demo", "--quick", "--set", "model.lora.rank=-1", "--out", str(tmp_path / "bad")]) == 2
     assert "LoraConfig.rank must be >= 0 (0: no adapter), got -1" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_the_demo_rl_stage_runs_any_preset_and_refuses_an_unknown_one(tmp_path, capsys):
+    from rollouts.loops.app.demo import DemoConfig, demo_overrides
+
+    assert demo_overrides(DemoConfig.quick(), ["rl_preset=ppo"]).rl_preset == "ppo"
+    assert main(["demo", "--quick", "--set", "rl_preset=nope", "--out", str(tmp_path / "bad")]) == 2
+    assert "DemoConfig.rl_preset" in capsys.readouterr().err and not (tmp_path / "bad").exists()

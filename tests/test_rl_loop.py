@@ -401,3 +401,14 @@ def test_log_probs_of_another_distribution_are_refused_when_the_loss_weighs_by_t
     check_logprobs_distribution(samples("model"), RLConfig())  # T = 1, no truncation: the same distribution
     no_weights = dataclasses.replace(truncated, algorithm=ALGORITHMS["grpo"])
     check_logprobs_distribution(samples("model"), no_weights)  # the loss does not use them
+
+
+def test_rollout_correction_masks_tokens_and_logs_the_off_policy_diagnostics_each_step(tiny_run_inputs, tmp_path):
+    """verl-style rejection (token-level k3 bound on log pi_old / pi_rollout) runs in the loop, and every
+    step logs the engine-vs-trainer diagnostics: drift, chi-square, effective sample size."""
+    algorithm = dataclasses.replace(ALGORITHMS["grpo"], rs_level="token", rs_estimator="k3", rs_high=1e-12)
+    _, history = _run(tiny_run_inputs, tmp_path, algorithm=algorithm, steps=2, lr=1e-2, reward=starts_with_seven)
+    for h in history:
+        for key in ("offpolicy_logprob_abs_diff", "offpolicy_chi2_token", "offpolicy_ess_token", "rs_masked_frac"):
+            assert key in h and h[key] == h[key], (key, h)  # present and not NaN
+        assert 0.0 <= h["rs_masked_frac"] <= 1.0

@@ -221,3 +221,57 @@ def test_trainer_log_probs_describe_the_truncated_distribution_the_sampler_drew_
             out.extend(abs(float(a) - float(b)) for a, b in zip(trainer, s.rollout_logprobs, strict=True))
     assert sum(diffs) / len(diffs) <= 1e-3 and max(diffs) < 1e-4  # float32 rounding only
     assert sum(full_diffs) / len(full_diffs) > 1e-3  # the untruncated softmax is another distribution
+
+
+@pytest.mark.parametrize("abort_at", [1, 3, 7])
+def test_an_aborted_generate_keeps_partials_that_continue_to_the_same_response(model, abort_at):
+    budget = 10
+    full = generate(model, PROMPTS, n=2, max_new_tokens=budget, temperature=0.0)
+    steps = iter(range(1, 100))
+    partials = generate(
+        model, PROMPTS, n=2, max_new_tokens=budget, temperature=0.0, should_abort=lambda: next(steps) >= abort_at
+    )
+    for f, p in zip(full, partials, strict=True):
+        assert p.status is Status.ABORTED and p.metadata["partial"] is True
+        assert p.response_length == abort_at and p.tokens == f.tokens[: p.num_prompt_tokens + abort_at]
+        np.testing.assert_allclose(p.rollout_logprobs, f.rollout_logprobs[:abort_at], atol=1e-5)
+        [rest] = generate(model, [list(p.tokens)], max_new_tokens=budget - abort_at, temperature=0.0)
+        assert p.response_tokens + rest.response_tokens == f.response_tokens  # nothing lost or repeated
+        np.testing.assert_allclose(
+            [*p.rollout_logprobs, *rest.rollout_logprobs], f.rollout_logprobs, atol=1e-4
+        )  # prefill of prompt + partial vs the KV cache: float rounding only
+        assert p.response_length + rest.response_length == budget
+
+
+def test_rows_that_stopped_before_an_abort_stay_completed(model):
+    first = generate(model, PROMPTS, n=1, max_new_tokens=2, temperature=0.0)
+    stop = first[0].response_tokens[0]  # prompt 0 stops at its first token
+    calls = iter(range(100))
+    out = generate(
+        model, PROMPTS, max_new_tokens=8, temperature=0.0, stop_token_ids=[stop], should_abort=lambda: next(calls) >= 1
+    )
+    assert out[0].status is Status.COMPLETED and out[0].response_length == 1 and "partial" not in out[0].metadata
+    for s in out[1:]:
+        assert s.status in (Status.ABORTED, Status.COMPLETED)
+        assert s.response_length <= 2
+
+
+def test_engine_abort_cuts_generations_until_resumed_or_synced(model, tmp_path):
+    engine = InProcessEngine(model, weight_version=0)
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=0.0)
+
+    async def run():
+        engine.abort()
+        cut = await engine.generate(PROMPTS, params)
+        again = await engine.generate(PROMPTS, params)  # still aborted: nothing cleared it
+        engine.resume()
+        whole = await engine.generate(PROMPTS, params)
+        engine.abort()
+        await engine.update_weights_from_disk(str(tmp_path), 1)  # a weight update clears the abort
+        synced = await engine.generate(PROMPTS, params)
+        return cut, again, whole, synced
+
+    cut, again, whole, synced = trio.run(run)
+    assert all(s.status is Status.ABORTED and s.response_length == 1 and s.metadata["partial"] for s in cut + again)
+    assert all(s.status is not Status.ABORTED and "partial" not in s.metadata for s in whole + synced)
+    assert [s.tokens[: len(c.tokens)] for s, c in zip(whole, cut, strict=True)] == [c.tokens for c in cut]

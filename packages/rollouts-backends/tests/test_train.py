@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import numpy as np
@@ -24,6 +25,7 @@ from rollouts.backends import (
     lr_multiplier,
     optim_step,
 )
+from rollouts.backends.train import micro_batch_to_torch, one_sequence_per_row, token_logprobs_of_model
 from rollouts.losses import loss_fn_from_config, sft_loss_fn
 from rollouts.types import AlgorithmConfig, OptimizerConfig, TrainingState
 
@@ -264,3 +266,71 @@ def test_eager_attention_packs_like_sdpa(seqs):
     for i, (packed_row, n) in enumerate(zip(unpack_rows(got[0], LENGTHS), LENGTHS, strict=True)):
         np.testing.assert_allclose(packed_row, ref[i, :n], atol=1e-5)
         np.testing.assert_allclose(got[1][i, :n], ref[i, :n], atol=1e-5)
+
+
+@settings(max_examples=15, deadline=None)
+@given(lengths=st.lists(st.integers(2, 12), min_size=1, max_size=5), seed=st.integers(0, 2**16))
+def test_causal_fast_path_equals_the_segment_mask(lengths, seed):
+    """Right-padded rows of one sequence each skip the [B, 1, T, T] mask (SDPA's causal kernel);
+    their log-probs and gradients equal the masked, packed computation of the same sequences."""
+    components = build_components(tiny_model(), OptimizerConfig(lr=1e-3), num_training_steps=10)
+    seqs = random_sequences(np.random.default_rng(seed), lengths)
+    padded, packed = padded_batch(seqs), packed_batch(seqs)
+    assert one_sequence_per_row(micro_batch_to_torch(padded, torch.device("cpu")))
+    assert one_sequence_per_row(micro_batch_to_torch(packed, torch.device("cpu"))) == (len(seqs) == 1)
+    got = compute_logprobs(components, [padded])[0]
+    want = compute_logprobs(components, [packed])[0]
+    for i, (row, n) in enumerate(zip(unpack_rows(want, lengths), lengths, strict=True)):
+        np.testing.assert_allclose(got[i, :n], row, atol=1e-5)
+        assert np.all(got[i, n:] == 0.0)
+    loss_fn = sft_loss_fn(mode="token-mean")
+    n = _num_loss_tokens([packed])
+    g_padded, _ = _grads_after(components, [padded], loss_fn, n, len(seqs))
+    g_packed, _ = _grads_after(components, [packed], loss_fn, n, len(seqs))
+    for name in g_packed:
+        torch.testing.assert_close(g_padded[name], g_packed[name], atol=1e-6, rtol=1e-4)
+
+
+def test_rows_with_two_sequences_or_left_padding_keep_the_mask(seqs):
+    two = micro_batch_to_torch(packed_batch(seqs[:2]), torch.device("cpu"))
+    assert not one_sequence_per_row(two)
+    left = micro_batch_to_torch(padded_batch(seqs), torch.device("cpu"))
+    flipped = left.map(lambda _name, t: torch.flip(t, dims=[1]) if t.dim() == 2 else t)
+    assert not one_sequence_per_row(flipped)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    lengths=st.lists(st.integers(2, 12), min_size=1, max_size=4),
+    seed=st.integers(0, 2**16),
+    packed=st.booleans(),
+    with_entropy=st.booleans(),
+)
+def test_loss_positions_only_equals_the_full_computation(lengths, seed, packed, with_entropy):
+    """The output layer over loss positions only: the same log-probs (and entropy) there, 0 elsewhere,
+    and the same gradients of any loss that reads loss positions, for random masks, packed or padded."""
+    rng = np.random.default_rng(seed)
+    model = tiny_model()
+    seqs = random_sequences(rng, lengths)
+    mb = (packed_batch if packed else padded_batch)(seqs, num_prompt=0)
+    mask = (rng.random(mb.loss_mask.shape) < 0.5).astype(np.float32) * (mb.attention_mask > 0)
+    batch = micro_batch_to_torch(dataclasses.replace(mb, loss_mask=mask), torch.device("cpu"))
+    weights_B_T = torch.from_numpy(rng.normal(size=mask.shape).astype(np.float32))
+    results = []
+    for only in (False, True):
+        model.zero_grad(set_to_none=True)
+        lp, ent = token_logprobs_of_model(model, batch, with_entropy=with_entropy, loss_positions_only=only)
+        total = (lp * weights_B_T * batch.loss_mask).sum()
+        if ent is not None:
+            total = total + (ent * batch.loss_mask).sum()
+        total.backward()
+        results.append((lp.detach(), None if ent is None else ent.detach(), grads(model)))
+    (full, full_ent, full_g), (only, only_ent, only_g) = results
+    on = batch.loss_mask > 0
+    if bool(on[:, 1:].any()):
+        assert bool((only[~on] == 0).all())
+    torch.testing.assert_close(only[on], full[on], atol=1e-6, rtol=1e-5)
+    if with_entropy:
+        torch.testing.assert_close(only_ent[on], full_ent[on], atol=1e-6, rtol=1e-5)
+    for name in full_g:
+        torch.testing.assert_close(only_g[name], full_g[name], atol=1e-6, rtol=1e-4)

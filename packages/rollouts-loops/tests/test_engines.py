@@ -285,3 +285,61 @@ def test_one_bad_prompt_fails_only_its_own_request():
         (3,)
     ] * 2
     assert inner.calls[0] == 3 and sorted(inner.calls[1:]) == [1, 1, 1]  # the batch, then each alone
+
+
+class AbortableEngine:
+    """Generates one token per step in the worker thread until `abort()`; then the rows are partial."""
+
+    name = "abortable"
+
+    def __init__(self) -> None:
+        import threading
+
+        self.started = threading.Event()
+        self.aborted = threading.Event()
+
+    def abort(self) -> None:
+        self.aborted.set()
+
+    async def generate(self, prompts, params):
+        self.started.set()
+        steps = 0
+        while not self.aborted.is_set() and steps < params.max_new_tokens:
+            steps += 1
+            time.sleep(0.001)  # one "token step" of work
+        status = Status.ABORTED if steps < params.max_new_tokens else Status.TRUNCATED
+        return [
+            Sample(
+                tokens=(*p, *[2] * steps),
+                num_prompt_tokens=len(p),
+                loss_mask=(0.0,) * len(p) + (1.0,) * steps,
+                status=status,
+                metadata={"partial": True} if status is Status.ABORTED else {},
+            )
+            for p in prompts
+            for _ in range(params.n)
+        ]
+
+
+def test_abort_cuts_a_batch_running_in_the_worker_thread():
+    inner = AbortableEngine()
+    engine = CoalescingEngine(inner)
+
+    async def run():
+        out = []
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+
+                async def call():
+                    out.extend(await engine.generate([[5, 6]], SamplingParams(n=2, max_new_tokens=10**6)))
+
+                nursery.start_soon(call)
+                assert await trio.to_thread.run_sync(inner.started.wait, 30.0)  # the batch is running
+                engine.abort()
+        return out
+
+    samples = trio.run(run)
+    assert [s.status for s in samples] == [Status.ABORTED] * 2 and all(s.metadata["partial"] for s in samples)
+    assert all(1 <= s.response_length < 10**6 for s in samples)
+    with pytest.raises(TypeError, match=r"blocking: the inner engine \(BlockingEngine\) has no resume\(\)"):
+        CoalescingEngine(BlockingEngine()).resume()

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollouts.backends import micro_batch_to_torch, packed_only
-from rollouts.backends.train import _model_inputs
+from rollouts.backends.train import _model_inputs, one_sequence_per_row
 from rollouts.data import plan_micro_batches
 from rollouts.loops.app.tiny import build_tiny_model
 from rollouts.loops.micro_batches import choose_layout
@@ -48,8 +48,10 @@ def test_the_chosen_layout_is_one_the_attention_accepts(model, lengths, impl):
             _samples(lengths), max_tokens=48, layout=choose_layout(_samples(lengths), packed_only=flash)
         )
         for micro_batch in plan.micro_batches:
-            inputs = _model_inputs(model, micro_batch_to_torch(micro_batch, torch.device("cpu")))
-            assert (inputs["attention_mask"] is None) == flash
+            batch = micro_batch_to_torch(micro_batch, torch.device("cpu"))
+            inputs = _model_inputs(model, batch)
+            # No mask under flash attention, or for rows of one sequence each (plain causal is exact)
+            assert (inputs["attention_mask"] is None) == (flash or one_sequence_per_row(batch))
     finally:
         model.config._attn_implementation = "sdpa"
 

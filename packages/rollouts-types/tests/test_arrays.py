@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import math
+import struct
 import sys
 
 import pytest
@@ -67,13 +68,64 @@ def test_a_negative_zero_weight_is_zero():
     assert not mask.any_positive() and mask.count_positive() == 0
 
 
+def _f32(x: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
 @settings(deadline=None)
-@given(values=st.lists(st.floats(allow_nan=False, allow_infinity=False), max_size=30))
-def test_log_probs_keep_python_floats_exactly(values):
+@given(values=st.lists(st.floats(-1e30, 1e30), max_size=30))
+def test_log_probs_are_float32_rounded_once(values):
     logprobs = LogProbs(values)
-    assert logprobs == tuple(values) and logprobs.nbytes == 8 * len(values)
+    assert logprobs.tolist() == [_f32(v) for v in values] and logprobs.nbytes == 4 * len(values)
+    assert LogProbs(logprobs.tolist()) == logprobs  # float32 values are kept exactly
     with pytest.raises(ValueError, match="must be finite"):
         LogProbs([*values, math.nan])
+    with pytest.raises(ValueError, match=rf"\[{len(values)}\] must be a finite float, got 1e\+39"):
+        LogProbs([*values, 1e39])  # past float32's range
+
+
+@settings(deadline=None)
+@given(values=weights, lo=st.integers(0, 40), hi=st.integers(0, 40))
+def test_a_loss_mask_is_its_runs(values, lo, hi):
+    mask = LossMask(values)
+    assert [mask[i] for i in range(len(values))] == values and list(mask) == values
+    assert mask[lo:hi] == values[lo:hi] and mask[::2] == values[::2] and type(mask[lo:hi]) is LossMask
+    assert mask[:lo] + mask[lo:] == mask and values[:lo] + mask[lo:] == mask and hash(mask) == hash(tuple(values))
+    assert LossMask.from_runs(len(values), mask.runs) == mask
+    assert LossMask.from_bytes(mask.to_bytes()) == mask and mask.buffer.tolist() == values
+    assert sum(stop - start for start, stop, _ in mask.runs) == sum(v > 0 for v in values)
+    for (_, stop, w), (start, _, w2) in zip(mask.runs, mask.runs[1:], strict=False):
+        assert stop < start or w != w2  # adjacent equal runs are merged
+
+
+def test_a_mask_is_taken_from_any_sequence_or_1d_buffer():
+    assert LossMask(array.array("f", [0.0, 1.0, 1.0])) == LossMask(range(0)) + [0.0, 1.0, 1.0]
+    assert LossMask(memoryview(array.array("d", [0.5, 0.0]))).runs == ((0, 1, 0.5),)
+    with pytest.raises(TypeError, match="must be a sequence of numbers, got str"):
+        LossMask("01")
+    with pytest.raises(TypeError, match="must be a sequence of numbers, got int"):
+        LossMask(3)
+
+
+def test_a_multi_turn_mask_takes_a_few_runs_whatever_its_length():
+    mask = LossMask([0.0] * 500 + [1.0] * 3000 + [0.0] * 100 + [1.0] * 496)
+    assert mask.runs == ((500, 3500, 1.0), (3600, 4096, 1.0))
+    assert sys.getsizeof(mask.runs) + sum(sys.getsizeof(r) for r in mask.runs) < 300
+
+
+@pytest.mark.parametrize(
+    ("runs", "match"),
+    [
+        ([(2, 5, 1.0)], r"runs\[0\] = \(2, 5, 1.0\) must satisfy previous stop \(0\) <= start <= stop <= length \(4\)"),
+        ([(2, 3, 1.0), (1, 2, 1.0)], r"runs\[1\] = \(1, 2, 1.0\) must satisfy previous stop \(3\)"),
+        ([(0, 1, -1.0)], r"runs\[0\]: the weight must be finite and >= 0, got -1.0"),
+        ([(0, 1, math.nan)], r"runs\[0\]: the weight must be finite"),
+        ([(0, 1)], r"runs\[0\] must be \(start, stop, weight\)"),
+    ],
+)
+def test_bad_runs_are_named(runs, match):
+    with pytest.raises(ValueError, match=match):
+        LossMask.from_runs(4, runs)
 
 
 @given(values=token_lists, prompt=st.integers(0, 40), reward=st.floats(-5, 5))

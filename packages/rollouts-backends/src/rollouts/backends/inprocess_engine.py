@@ -4,6 +4,7 @@ protocol, for runs without an inference server and for tests."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,6 +25,11 @@ class InProcessEngine:
     weight update is a no-op that records the version; otherwise updates load HF safetensors
     from the checkpoint directory into the engine's own model. Generation runs synchronously in
     the calling thread (it blocks the event loop for the call's duration).
+
+    `abort()` (from any thread) ends generations in progress at their next token step: the rows
+    still generating come back as partial Samples (status ABORTED, metadata["partial"]) to be
+    continued after the weight sync with rollouts.sync.partial.continue_partials. Generations
+    abort at once until the abort is cleared by the next weight update or `resume()`.
     """
 
     def __init__(
@@ -42,6 +48,15 @@ class InProcessEngine:
         self._tokenizer = tokenizer
         self._name = name
         self._weight_version = weight_version
+        self._abort = threading.Event()
+
+    def abort(self) -> None:
+        """Cut generations in progress (and any started before `resume` or a weight update) short."""
+        self._abort.set()
+
+    def resume(self) -> None:
+        """Let generations run to the end again."""
+        self._abort.clear()
 
     @property
     def name(self) -> str:
@@ -63,6 +78,7 @@ class InProcessEngine:
             stop_token_ids=tuple(params.stop_token_ids) + self._eos,
             seed=params.seed if seeds is None else list(seeds),
             weight_version=self._weight_version,
+            should_abort=self._abort.is_set,
         )
         if not params.logprobs:
             samples = [dataclasses.replace(s, rollout_logprobs=None) for s in samples]
@@ -94,6 +110,7 @@ class InProcessEngine:
             else:
                 load_model_weights(self._model, read_weights(path))
         self._weight_version = weight_version
+        self._abort.clear()
 
     async def weight_version(self) -> int | None:
         """The version of the weights sampled from now."""

@@ -13,7 +13,7 @@ module overhead); other models decode through their HF forward.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -151,6 +151,7 @@ def generate(
     seed: int | Sequence[int | None] | None = None,
     weight_version: int | None = None,
     fast_decode: bool = True,
+    should_abort: Callable[[], bool] | None = None,
 ) -> list[Sample]:
     """Sample n responses per prompt (prompt-major order) with a KV cache; deterministic for a seed.
 
@@ -163,6 +164,10 @@ def generate(
     the sampled tokens, and status COMPLETED (ended by a stop token, which is kept) or TRUNCATED.
     `fast_decode=False` runs every decode step through the model's HF forward (e.g. for a model
     whose modules were patched); otherwise Llama-family models use `FastDecoder`.
+    `should_abort`: asked after each token step; once it returns True the rows still generating
+    end there as partial Samples (status ABORTED, metadata["partial"] = True, the convention of
+    rollouts.sync.partial) keeping their tokens and log-probs, to continue later from prompt +
+    partial response with the remaining budget.
     """
     from transformers import DynamicCache
 
@@ -237,6 +242,7 @@ def generate(
         logprobs_B_B = torch.zeros((num_rows, max_new_tokens), dtype=torch.float32, device=device)
         lengths_B = torch.full((num_rows,), max_new_tokens, dtype=torch.long, device=device)
         completed_B = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        aborted_B = torch.zeros(num_rows, dtype=torch.bool, device=device)
         active = torch.arange(num_rows, device=device)
         for step in range(max_new_tokens):
             draw = _runs(active, n, generators) if per_prompt else generator
@@ -259,6 +265,10 @@ def generate(
                     kept = keep.nonzero().squeeze(-1)
                     decoder.select_rows(kept)
                     active, tokens, next_position = active[kept], tokens[kept], next_position[kept]
+            if should_abort is not None and should_abort():
+                lengths_B[active] = step + 1
+                aborted_B[active] = True
+                break
             logits_B_V = decoder.step(tokens, next_position)
             next_position = next_position + 1
         if stop.numel():
@@ -275,6 +285,7 @@ def generate(
     logprob_rows = logprobs_B_B.cpu().tolist()
     lengths = lengths_B.cpu().tolist()
     completed = completed_B.cpu().tolist()
+    aborted = aborted_B.cpu().tolist()
     samples = []
     for row in range(num_rows):
         prompt = prompts[row // n]
@@ -286,10 +297,10 @@ def generate(
                 loss_mask=(0.0,) * len(prompt) + (1.0,) * len(response),
                 rollout_logprobs=tuple(logprob_rows[row][: lengths[row]]),
                 weight_version=weight_version,
-                status=Status.COMPLETED if completed[row] else Status.TRUNCATED,
+                status=Status.ABORTED if aborted[row] else Status.COMPLETED if completed[row] else Status.TRUNCATED,
                 index=row,
                 group_index=row // n,
-                metadata=logprobs_of,
+                metadata=logprobs_of | {"partial": True} if aborted[row] else logprobs_of,
             )
         )
     return samples

@@ -90,8 +90,26 @@ def packed_only(model: torch.nn.Module) -> bool:
     return impl.startswith(("flash", "kernels"))
 
 
+def one_sequence_per_row(batch: MicroBatch[torch.Tensor]) -> bool:
+    """Whether each row holds one sequence from position 0, then only right padding.
+
+    Plain causal attention is then exact for every real token (a real token sees no padding, which
+    comes after it), so no [B, 1, T, T] mask is needed and SDPA takes its causal kernel.
+    """
+    real_B_T = batch.segment_ids >= 0
+    positions_T = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)
+    prefix = bool((real_B_T[:, 1:] <= real_B_T[:, :-1]).all())
+    one_segment = bool(((batch.segment_ids == batch.segment_ids[:, :1]) | ~real_B_T).all())
+    counted = bool(((batch.position_ids == positions_T) | ~real_B_T).all())
+    return prefix and one_segment and counted
+
+
 def _model_inputs(model: torch.nn.Module, batch: MicroBatch[torch.Tensor]) -> dict[str, Any]:
     impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    if not packed_only(model) and one_sequence_per_row(batch):
+        # Positions 0..T-1 on padding too: position ids restarting at 0 would read as packing.
+        positions_B_T = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device).expand_as(batch.input_ids)
+        return {"input_ids": batch.input_ids, "position_ids": positions_B_T, "attention_mask": None}
     if packed_only(model):
         if bool((batch.attention_mask == 0).any()):
             raise ValueError(f"attn_implementation {impl!r} needs the packed layout without padding")
@@ -141,38 +159,48 @@ def token_logprobs_of_model(
     with_entropy: bool = False,
     top_k: int = -1,
     top_p: float = 1.0,
+    loss_positions_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, T] log p(token t | tokens < t) (0 at sequence starts and padding), and entropy if asked.
 
     `top_k` / `top_p`: log-probs of the truncated, renormalised distribution a sampler with those
-    settings draws from (the entropy stays the full softmax's)."""
+    settings draws from (the entropy stays the full softmax's).
+    `loss_positions_only`: the output layer runs only for tokens the loss mask covers (the others
+    read 0): prompts carry no loss, so a loss needs nothing else and skips their logits.
+    """
     hidden_B_T_H, weight_V_H = _final_hidden(model, batch)
-    labels_B_T = batch.input_ids[:, 1:]
+    # Token t is predicted from position t-1 of the same sequence: no prediction at a sequence
+    # start (position 0, which in packed rows follows another sequence's last token) or padding.
+    keep_B_T = (batch.position_ids[:, 1:] > 0) & (batch.attention_mask[:, 1:] > 0)
+    if loss_positions_only and bool((keep_B_T & (batch.loss_mask[:, 1:] > 0)).any()):
+        keep_B_T = keep_B_T & (batch.loss_mask[:, 1:] > 0)
+    hidden_1_K_H = hidden_B_T_H[:, :-1][keep_B_T][None]
+    labels_1_K = batch.input_ids[:, 1:][keep_B_T][None]
     truncated = top_k > 0 or top_p < 1.0
     result = fused_token_logprobs(
-        hidden_B_T_H[:, :-1],
+        hidden_1_K_H,
         weight_V_H,
-        labels_B_T,
+        labels_1_K,
         temperature=temperature,
         return_entropy=with_entropy and not truncated,
         top_k=top_k,
         top_p=top_p,
     )
     if truncated and with_entropy:
-        logprobs = result
-        _, entropy = fused_token_logprobs(
-            hidden_B_T_H[:, :-1], weight_V_H, labels_B_T, temperature=temperature, return_entropy=True
+        logprobs_1_K = result
+        _, entropy_1_K = fused_token_logprobs(
+            hidden_1_K_H, weight_V_H, labels_1_K, temperature=temperature, return_entropy=True
         )
     else:
-        logprobs, entropy = result if with_entropy else (result, None)
-    # Token t is predicted from position t-1 of the same sequence: no prediction at a sequence
-    # start (position 0, which in packed rows follows another sequence's last token) or padding.
-    predicted_B_T = (batch.position_ids[:, 1:] > 0) & (batch.attention_mask[:, 1:] > 0)
-    zeros = logprobs.new_zeros(logprobs.shape[0], 1)
-    logprobs_B_T = torch.cat([zeros, torch.where(predicted_B_T, logprobs, 0.0)], dim=1)
-    if entropy is None:
-        return logprobs_B_T, None
-    return logprobs_B_T, torch.cat([zeros, torch.where(predicted_B_T, entropy, 0.0)], dim=1)
+        logprobs_1_K, entropy_1_K = result if with_entropy else (result, None)
+    logprobs_B_T = _scatter_kept(logprobs_1_K, keep_B_T)
+    return logprobs_B_T, None if entropy_1_K is None else _scatter_kept(entropy_1_K, keep_B_T)
+
+
+def _scatter_kept(values_1_K: torch.Tensor, keep_B_T: torch.Tensor) -> torch.Tensor:
+    """[B, T]: 0 at position 0, values_1_K at the kept positions t + 1 (row-major order), 0 elsewhere."""
+    out_B_T = values_1_K.new_zeros(keep_B_T.shape).masked_scatter(keep_B_T, values_1_K[0])
+    return torch.cat([values_1_K.new_zeros(keep_B_T.shape[0], 1), out_B_T], dim=1)
 
 
 def forward_backward(
@@ -211,7 +239,13 @@ def forward_backward(
     for micro_batch in micro_batches:
         batch = micro_batch_to_torch(micro_batch, components.device)
         logprobs_B_T, entropy_B_T = token_logprobs_of_model(
-            model, batch, temperature=temperature, with_entropy=with_entropy, top_k=top_k, top_p=top_p
+            model,
+            batch,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            top_k=top_k,
+            top_p=top_p,
+            loss_positions_only=True,
         )
         kwargs: dict[str, Any] = {"num_tokens": num_tokens, "num_sequences": num_sequences}
         if with_entropy:

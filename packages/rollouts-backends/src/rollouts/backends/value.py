@@ -60,16 +60,22 @@ def build_critic(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
+    shard: bool = False,
 ) -> TrainingComponents:
     """A critic from a causal LM (a local path or a module: its backbone is copied into the value
-    model, so the policy's own weights are never shared), with its own AdamW and schedule."""
+    model, so the policy's own weights are never shared), with its own AdamW and schedule.
+    `shard`: under torchrun, shard it with FSDP2 like the policy (before the optimizer is built)."""
     if isinstance(model_path, torch.nn.Module):
         import copy
 
         causal_lm = copy.deepcopy(model_path)
     else:
         causal_lm = load_hf_model(model_path, dtype=dtype, device=device, attn_implementation=attn_implementation)
-    model = ValueModel(causal_lm).to(torch.device(device))
+    model: torch.nn.Module = ValueModel(causal_lm).to(torch.device(device))
+    if shard:
+        from rollouts.backends.distributed import shard_model
+
+        model = shard_model(model)
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config, num_training_steps=num_training_steps)
     return TrainingComponents(model=model, optimizer=optimizer, scheduler=scheduler, device=torch.device(device))

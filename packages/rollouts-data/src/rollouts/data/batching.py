@@ -63,7 +63,9 @@ def sample_arrays(sample: Sample, *, fields: Sequence[str] = ()) -> dict[str, np
     t = len(sample.tokens)
     if t == 0:
         raise ValueError("a sample with no tokens cannot be batched")
-    loss_mask = np.frombuffer(sample.loss_mask.buffer, dtype=np.float32).copy()
+    loss_mask = np.zeros(t, dtype=np.float32)
+    for start, stop, weight in sample.loss_mask.runs:
+        loss_mask[start:stop] = weight
     loss_mask[0] = 0.0  # position 0 has no prediction
     input_ids = np.frombuffer(sample.tokens.buffer, dtype=np.int32).astype(np.int64)
     out: dict[str, np.ndarray] = {"input_ids": input_ids, "loss_mask": loss_mask}
@@ -71,7 +73,7 @@ def sample_arrays(sample: Sample, *, fields: Sequence[str] = ()) -> dict[str, np
         out["advantages"] = np.full(t, sample.advantage, dtype=np.float32)
     if "rollout_logprobs" in fields and sample.rollout_logprobs is not None:
         logprobs = np.zeros(t, dtype=np.float32)
-        logprobs[sample.num_prompt_tokens :] = np.frombuffer(sample.rollout_logprobs.buffer, dtype=np.float64)
+        logprobs[sample.num_prompt_tokens :] = np.frombuffer(sample.rollout_logprobs.buffer, dtype=np.float32)
         out["rollout_logprobs"] = logprobs
     return out
 
@@ -135,7 +137,10 @@ def _pack_one(
     out["attention_mask"][0, :used] = 1
     for name in ("loss_mask", *fields):
         out[name] = np.zeros((1, length), dtype=np.float32)
-    out["loss_mask"][0, :used] = np.frombuffer(b"".join(s.loss_mask.buffer for s in samples), dtype=np.float32)
+    mask_row = out["loss_mask"][0]
+    for s, offset in zip(samples, starts.tolist(), strict=True):
+        for start, stop, weight in s.loss_mask.runs:  # a few runs per sample
+            mask_row[offset + start : offset + stop] = weight
     out["loss_mask"][0, starts] = 0.0  # position 0 of each sequence has no prediction
     if "advantages" in fields:
         out["advantages"][0, :used] = np.repeat(np.asarray([s.advantage for s in samples], dtype=np.float32), lengths)
@@ -144,7 +149,7 @@ def _pack_one(
         for s, start in zip(samples, starts.tolist(), strict=True):
             assert s.rollout_logprobs is not None  # _optional_fields: all or none
             row[start + s.num_prompt_tokens : start + len(s.tokens)] = np.frombuffer(
-                s.rollout_logprobs.buffer, dtype=np.float64
+                s.rollout_logprobs.buffer, dtype=np.float32
             )
     return _micro_batch(out, sample_indices=np.asarray(list(indices), dtype=np.int64), cu_seqlens=cu.astype(np.int32))
 

@@ -8,6 +8,8 @@ One generate request is one group (GenerateFn: prompt, n -> n Samples). Per step
 3. with dynamic sampling (DAPO), repeats rounds until the batch is full or
    `max_generation_rounds` is reached; without it, runs one round.
 Kept groups beyond the step's need go to the carry-over cache instead of being thrown away.
+With `tail="first_n"` a round ends once the step's groups are kept (the first to finish, scored
+on arrival); the requests still running are aborted and their prompts re-queued (below).
 
 Accounting, per step, in groups (RolloutBatch.metadata):
   groups_requested == groups_kept_new + groups_carried_over + groups_filtered + groups_failed + groups_aborted
@@ -37,7 +39,7 @@ import anyio
 
 from rollouts.data.buffer import DataBuffer
 from rollouts.data.filters import check_reward_nonzero_std
-from rollouts.data.rollout import apply_sample_transforms, assign_groups, convert_to_batch, validate_group
+from rollouts.data.rollout import Transformed, apply_sample_transforms, assign_groups, convert_to_batch, validate_group
 from rollouts.types import FilterFn, GenerateFn, RewardFn, RolloutBatch, RolloutConfig, Sample, thaw
 
 __all__ = ["AsyncRolloutManager", "request_seed"]
@@ -64,6 +66,31 @@ def _takes_seed(fn: Any) -> bool:
         or (p.name == "seed" and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
         for p in params
     )
+
+
+class _FirstN:
+    """tail="first_n": scores each group as it arrives (scoring is per group, so the same as after
+    the round) and cancels the round once `room` groups are kept; a scoring error ends the round
+    and is raised after it, as it would be without first_n."""
+
+    def __init__(self, room: int, scope: anyio.CancelScope, transform: Any) -> None:
+        self.room, self.scope, self.transform = room, scope, transform
+        self.num_kept = 0
+        self.error: Exception | None = None
+        self.outs: dict[int, Transformed] = {}  # request id -> its scored, filtered group
+
+    def on_group(self, results: dict[int, Any]) -> Any:
+        def done(rid: int) -> None:
+            try:
+                self.outs[rid] = self.transform([results[rid]])
+                self.num_kept += len(self.outs[rid].kept)
+            except Exception as e:  # raised by generate_batch once the round is over
+                self.error = self.error or e
+                self.scope.cancel()
+            if self.num_kept >= self.room:
+                self.scope.cancel()
+
+        return done
 
 
 class AsyncRolloutManager:
@@ -153,6 +180,7 @@ class AsyncRolloutManager:
         limiter: anyio.CapacityLimiter,
         results: dict[int, tuple[Sample, ...] | str],
         counts: dict[str, int],
+        on_group: Any = None,
     ) -> None:
         cfg = self._config
         errors = []
@@ -163,6 +191,8 @@ class AsyncRolloutManager:
                         results[rid] = await self._call(prompt, cfg.samples_per_prompt, self._seed_of(position))
                     if not deadline.cancelled_caught:
                         counts["retries"] += attempt
+                        if on_group is not None:
+                            on_group(rid)
                         return
                     where = f" waiting for {self._source}" if self._source else ""
                     errors.append(f"timed out after {cfg.request_timeout_s} s{where} (rollout.request_timeout_s)")
@@ -193,10 +223,14 @@ class AsyncRolloutManager:
                 self._scope = scope
                 if self._aborted:
                     scope.cancel()
+                first_n = _FirstN(need - len(kept), scope, self._transform) if cfg.tail == "first_n" else None
                 async with anyio.create_task_group() as tg:
                     for rid, (position, prompt) in enumerate(prompts):
-                        tg.start_soon(self._request, rid, position, prompt, limiter, results, counts)
+                        on_group = None if first_n is None else first_n.on_group(results)
+                        tg.start_soon(self._request, rid, position, prompt, limiter, results, counts, on_group)
             self._scope = None
+            if first_n is not None and first_n.error is not None:
+                raise first_n.error
             groups = []
             for rid, (position, prompt) in enumerate(prompts):
                 result = results.get(rid)
@@ -209,7 +243,11 @@ class AsyncRolloutManager:
                         errors.append(result)
                 else:
                     groups.append(result)
-            out = apply_sample_transforms(groups, reward_fn=self._reward_fn, filter_fn=self._filter_fn)
+            if first_n is None:
+                out = self._transform(groups)
+            else:  # every group that finished was scored on arrival (in request order here)
+                outs = [first_n.outs[rid] for rid in sorted(first_n.outs)]
+                out = Transformed(kept=sum((o.kept for o in outs), ()), filtered=sum((o.filtered for o in outs), ()))
             filtered.extend(out.filtered)
             counts["filtered"] += len(out.filtered)
             room = need - len(kept)
@@ -234,6 +272,9 @@ class AsyncRolloutManager:
             filter_reasons=filter_reasons,
             metadata=metadata,
         )
+
+    def _transform(self, groups: list[tuple[Sample, ...]]) -> Transformed:
+        return apply_sample_transforms(groups, reward_fn=self._reward_fn, filter_fn=self._filter_fn)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-ready state: the carry-over cache, and the prompts of aborted requests with their

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollouts.backends.distributed import close_process_group, collective_device
+from rollouts.backends.distributed import close_process_group, collective_device, distributed_ready
 from rollouts.types import MicroBatch
 
 
@@ -44,7 +44,7 @@ def close_distributed(*, clean: bool = True) -> None:
 
 def rank_world() -> tuple[int, int]:
     """(rank, world size) of the default process group, (0, 1) without torch.distributed."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if distributed_ready():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
 

@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,8 +52,9 @@ class CoalescingEngine:
     One waiting caller at a time leads: it runs batches (its own first) until its own request is
     finished, then hands the lead to the next queued caller. So no caller's deadline covers other
     callers' batches, and a cancelled leader hands on what is still queued instead of failing it.
-    A batch already running in the worker thread cannot be interrupted; a caller cancelled while its
-    batch runs gets its cancellation once the batch returns.
+    A caller cancelled while its batch runs gets its cancellation once the batch returns; `abort()`
+    cuts the running batch short where the inner engine can (InProcessEngine.abort: the rows still
+    generating come back as partial Samples, to continue with rollouts.sync.partial).
     """
 
     def __init__(
@@ -192,6 +194,20 @@ class CoalescingEngine:
             raise request.error
         assert request.result is not None
         return request.result
+
+    def abort(self) -> None:
+        """The inner engine's abort(): generation in progress ends early with partial Samples."""
+        self._inner_method("abort")()
+
+    def resume(self) -> None:
+        """The inner engine's resume(): generation runs to the end again."""
+        self._inner_method("resume")()
+
+    def _inner_method(self, name: str) -> Any:
+        method = getattr(self.inner, name, None)
+        if not callable(method):
+            raise TypeError(f"{self.name}: the inner engine ({type(self.inner).__name__}) has no {name}()")
+        return method
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
         await self.inner.update_weights_from_disk(path, weight_version)

@@ -46,6 +46,7 @@ class FakeEngineState:
     """Seconds a weight reload takes (benchmarks use it as a stand-in for the real load)."""
     generate_delay_s: float = 0.0
     """Seconds each generate request stays in flight (a pause in mode "wait" drains it)."""
+    abort_after_tokens: int | None = None  # cut /v1/completions choices there, finish_reason "abort"
     model_name: str = "fake-model"
     weights: dict[str, np.ndarray] = field(default_factory=dict)
     staged_weights: dict[str, np.ndarray] = field(default_factory=dict)
@@ -161,6 +162,8 @@ async def _generate_vllm(state: FakeEngineState, body: dict[str, Any]) -> tuple[
                 stop=set(body.get("stop_token_ids") or []),
                 rng=rng,
             )
+            if (cut := state.abort_after_tokens) is not None and len(ids) > cut:
+                ids, lps, finish = ids[:cut], lps[:cut], "abort"
             logprobs = None
             if want_lp:
                 tokens = [f"token_id:{t}" if as_ids else "" for t in ids]  # vLLM sends "" for byte tokens
@@ -186,17 +189,8 @@ async def _generate_vllm(state: FakeEngineState, body: dict[str, Any]) -> tuple[
         "prompt_tokens": sum(len(p) for p in prompts) * n,
         "completion_tokens": sum(len(c["logprobs"]["tokens"]) if c["logprobs"] else 0 for c in choices),
     }
-    return json_response(
-        200,
-        {
-            "id": "cmpl-fake",
-            "object": "text_completion",
-            "created": 0,
-            "model": state.model_name,
-            "choices": choices,
-            "usage": usage,
-        },
-    )
+    head = {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": state.model_name}
+    return json_response(200, head | {"choices": choices, "usage": usage})
 
 
 async def _generate_sglang(state: FakeEngineState, body: dict[str, Any]) -> tuple[int, bytes]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -27,7 +28,8 @@ from safetensors.numpy import save as safetensors_save
 
 from rollouts.sync._common import check_params, check_prompts, check_weight_version, is_adapter_dir, make_sample
 from rollouts.sync._http import EngineError, HTTPEngineBase, RetryPolicy
-from rollouts.types import Sample, SamplingParams
+from rollouts.sync.partial import PARTIAL
+from rollouts.types import Sample, SamplingParams, Status
 
 WORKER_EXTENSION_CLS = "rollouts.sync.worker_extension.SafetensorsWeightLoader"
 """Pass to vLLM as --worker-extension-cls so update_weights_from_tensors works without a shared disk."""
@@ -56,10 +58,14 @@ class VLLMEngine(HTTPEngineBase):
         adapter_prefix: str = "rollouts",
         seed: int | None = None,
         logprobs_mode: str = "processed_logprobs",
+        keep_partial: bool = False,
     ) -> None:
         """`logprobs_mode`: the --logprobs-mode the server was started with (`rollouts engine vllm`
         and rollouts.sync.launch start it with "processed_logprobs"); samples record which
-        distribution their log-probs describe from it (metadata["logprobs_of"])."""
+        distribution their log-probs describe from it (metadata["logprobs_of"]).
+        `keep_partial`: a response cut short by an abort (finish_reason "abort", a pause in mode
+        "abort") comes back as a partial Sample (status ABORTED, metadata["partial"]) to continue
+        with rollouts.sync.partial.continue_partials, instead of failing the request."""
         if pause_mode not in ("wait", "abort", "keep"):
             raise ValueError(f"pause_mode must be 'wait', 'abort' or 'keep', got {pause_mode!r}")
         if logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
@@ -75,6 +81,7 @@ class VLLMEngine(HTTPEngineBase):
             seed=seed,
         )
         self.pause_mode = pause_mode
+        self.keep_partial = keep_partial
         self._model = model
         self.adapter_prefix = adapter_prefix
         self._adapter: str | None = None  # the LoRA adapter generation is routed to, once one is loaded
@@ -125,7 +132,13 @@ class VLLMEngine(HTTPEngineBase):
         data = (await self._call("POST", "/v1/completions", json=body)).json()
         of = "sampling" if self.logprobs_mode == "processed_logprobs" and params.temperature > 0 else "model"
         return parse_completion_response(
-            data, prompts_P, params, weight_version=version, engine=self.name, logprobs_of=of
+            data,
+            prompts_P,
+            params,
+            weight_version=version,
+            engine=self.name,
+            logprobs_of=of,
+            keep_partial=self.keep_partial,
         )
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
@@ -268,8 +281,11 @@ def parse_completion_response(
     weight_version: int | None,
     engine: str,
     logprobs_of: str | None = None,
+    keep_partial: bool = False,
 ) -> list[Sample]:
-    """[P * G] Samples from a /v1/completions response, ordered by choice index (prompt-major)."""
+    """[P * G] Samples from a /v1/completions response, ordered by choice index (prompt-major).
+    With `keep_partial`, a choice with finish_reason "abort" is a partial Sample (status ABORTED,
+    metadata["partial"] = True) holding the tokens and log-probs generated before the abort."""
     choices = sorted(data.get("choices") or [], key=lambda c: c["index"])
     expected = len(prompts_P) * params.n
     if len(choices) != expected:
@@ -283,7 +299,8 @@ def parse_completion_response(
     samples = []
     for i, choice in enumerate(choices):
         finish = choice.get("finish_reason")
-        if finish not in ("stop", "length"):  # "abort" (a pause in mode abort), "error", or none at all
+        partial = keep_partial and finish == "abort"
+        if finish not in ("stop", "length") and not partial:  # "abort" (a pause in mode abort), "error", or none at all
             raise EngineError(
                 f"{engine}: choice {i} ended with finish_reason={finish!r}, not 'stop' or 'length': "
                 "a partial response, never to be scored as finished",
@@ -305,6 +322,8 @@ def parse_completion_response(
                 logprobs_of=logprobs_of,
             )
         )
+        if partial:
+            samples[-1] = replace(samples[-1], status=Status.ABORTED, metadata={**samples[-1].metadata, PARTIAL: True})
     return samples
 
 

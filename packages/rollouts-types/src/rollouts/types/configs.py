@@ -161,10 +161,15 @@ class RolloutConfig:
     """Retries of a failed or timed-out generate request before the group counts as failed."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
     """Sampling parameters; `sampling.n` is overridden by `samples_per_prompt`."""
+    tail: str = "wait"
+    """"wait": a round waits for every request it sent; "first_n": a round ends as soon as the step's
+    groups are kept (the first to finish), and the requests still running are aborted, their prompts
+    served first by the next step with the same seeds (cuts the slow tail of long responses)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
         n = "RolloutConfig"
+        require(self.tail in ("wait", "first_n"), f"{n}.tail", self.tail, "be 'wait' or 'first_n'")
         require(self.batch_size >= 1, f"{n}.batch_size", self.batch_size, "be >= 1")
         require(self.samples_per_prompt >= 1, f"{n}.samples_per_prompt", self.samples_per_prompt, "be >= 1")
         require(self.over_sampling_factor >= 1.0, f"{n}.over_sampling_factor", self.over_sampling_factor, "be >= 1.0")

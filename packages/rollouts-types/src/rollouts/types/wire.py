@@ -3,9 +3,10 @@ broadcast it to every rank) without a per-token step: the per-token arrays and t
 travel as their raw bytes, everything else as one small JSON header. Never pickle.
 
 Layout: MAGIC (4 bytes), header length (8 bytes, little-endian), the JSON header, then four
-columns: every sample's token ids, then every sample's loss weights, rollout log-probs (of the
-samples that have them) and UTF-8 responses, each back to back. The header holds the batch's
-fields and, per sample, its scalar fields and the sizes of its parts; decoding checks that the
+columns: every sample's token ids (int32), then an empty column (the loss weights travel as their
+runs in the header), rollout log-probs (float32, of the samples that have them) and UTF-8
+responses, each back to back. The header holds the batch's fields and, per sample, its scalar
+fields, its loss-mask runs and the sizes of its parts; decoding checks that the
 parts add up to the body and validates each column once (the whole-buffer checks of
 rollouts.types.arrays), so a sample's arrays are views into the received bytes.
 """
@@ -21,7 +22,7 @@ from rollouts.types.samples import RolloutBatch, Sample
 
 __all__ = ["batch_from_bytes", "batch_to_bytes"]
 
-MAGIC = b"RB01"
+MAGIC = b"RB02"  # RB01 carried float32 loss weights and float64 log-probs as columns
 _SCALARS = ("num_prompt_tokens", "reward", "advantage", "group_index", "index", "weight_version")
 
 
@@ -38,10 +39,10 @@ def batch_to_bytes(batch: RolloutBatch) -> bytes:
                 "metadata": thaw(s.metadata),
                 "status": s.status.value,
                 "sizes": [len(s.tokens), s.rollout_logprobs is not None, len(response)],
+                "mask_runs": [list(run) for run in s.loss_mask.runs],
             }
         )
         columns[0].append(s.tokens.buffer)
-        columns[1].append(s.loss_mask.buffer)
         if s.rollout_logprobs is not None:
             columns[2].append(s.rollout_logprobs.buffer)
         columns[3].append(response)
@@ -77,8 +78,8 @@ def batch_from_bytes(data: bytes | bytearray | memoryview) -> RolloutBatch:
     sizes = [r.pop("sizes") for r in records]
     widths = [
         [4 * n for n, _, _ in sizes],
-        [4 * n for n, _, _ in sizes],
-        [8 * (n - r["num_prompt_tokens"]) for (n, has, _), r in zip(sizes, records, strict=True) if has],
+        [0 for _ in sizes],  # loss weights travel as runs in the header
+        [4 * (n - r["num_prompt_tokens"]) for (n, has, _), r in zip(sizes, records, strict=True) if has],
         [nbytes for _, _, nbytes in sizes],
     ]
     offset, columns = 12 + size, []
@@ -93,23 +94,23 @@ def batch_from_bytes(data: bytes | bytearray | memoryview) -> RolloutBatch:
     # Each array column is checked once, whole; a sample's arrays are views of it (same package:
     # the columns' checks cover every slice, so the slices are made without checking again).
     TokenIds.from_bytes(columns[0], what="batch tokens", share=True)
-    LossMask.from_bytes(columns[1], what="batch loss weights", share=True)
     LogProbs.from_bytes(columns[2], what="batch log-probs", share=True)
     starts = [0, 0, 0, 0]
     samples = []
     for (num_tokens, has_logprobs, response_bytes), record in zip(sizes, records, strict=True):
         ends = [
             starts[0] + 4 * num_tokens,
-            starts[1] + 4 * num_tokens,
-            starts[2] + (8 * (num_tokens - record["num_prompt_tokens"]) if has_logprobs else 0),
+            starts[1],
+            starts[2] + (4 * (num_tokens - record["num_prompt_tokens"]) if has_logprobs else 0),
             starts[3] + response_bytes,
         ]
         part = [columns[c][starts[c] : ends[c]] for c in range(4)]
+        mask = LossMask.from_runs(num_tokens, record.pop("mask_runs"), what="batch loss weights")
         samples.append(
             Sample(
                 **record,
                 tokens=TokenIds._trusted(part[0]),
-                loss_mask=LossMask._trusted(part[1]),
+                loss_mask=mask,
                 rollout_logprobs=LogProbs._trusted(part[2]) if has_logprobs else None,
                 response=bytes(part[3]).decode("utf-8"),
             )

@@ -13,7 +13,6 @@ from rollouts.loops.app.run_setup import (
     answer_fields,
     check_paths,
     default_out_dir,
-    distributed,
     load_data,
     local_model,
     prepare_run,
@@ -23,6 +22,7 @@ from rollouts.loops.app.run_setup import (
     run_tokenizer,
     sharded_model,
 )
+from rollouts.loops.distributed import init_distributed
 
 
 def cmd_sft(run: SFTRun, source: str) -> Path:
@@ -32,7 +32,7 @@ def cmd_sft(run: SFTRun, source: str) -> Path:
     from rollouts.data import load_conversations, tokenize_conversation
     from rollouts.loops import CHECKPOINTS_DIR, run_sft_training
 
-    rank, world = distributed()
+    rank, world = init_distributed()
     conversations = load_data(load_conversations, run.data.train_path)  # bad data refused before the run dir is touched
     run, resume = prepare_run(run, "sft", source)
     out = Path(run.run.out_dir)
@@ -238,7 +238,7 @@ def cmd_rl(run: RLRun, source: str) -> Path:
         evaluation = _evaluation(run)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from e
-    rank, world = distributed()
+    rank, world = init_distributed()
     records = load_data(
         load_prompts, run.data.train_path, field=run.data.prompt_key, required_fields=answer_fields(run)
     )
@@ -250,6 +250,17 @@ def cmd_rl(run: RLRun, source: str) -> Path:
         tokenizer = run_tokenizer(run)
         components = run_components(run, run.rl.optimizer, run.rl.num_steps * run.rl.algorithm.num_updates_per_batch)
         shares = run.engine.kind == "inprocess" and not run.rl.overlap and world == 1
+        critic = None
+        if run.rl.algorithm.advantage_estimator == "gae":  # PPO's critic: from [rl.critic] path or the policy's model
+            from rollouts.backends.value import build_critic
+
+            critic = build_critic(
+                run.rl.critic.path or run.model.path,
+                run.rl.critic.optimizer,
+                num_training_steps=run.rl.num_steps * run.rl.algorithm.num_updates_per_batch,
+                device=components.device,
+                shard=world > 1,
+            )
         ref_components = None
         if run.rl.algorithm.needs_reference and run.model.lora.enabled:
             from rollouts.backends.lora import reference_components
@@ -273,6 +284,7 @@ def cmd_rl(run: RLRun, source: str) -> Path:
                 resume_from=run.run.resume_from or None,
                 tokenizer=tokenizer,
                 ref_components=ref_components,
+                critic_components=critic,
                 evaluation=evaluation,
                 num_logged_completions=run.log.num_sample_completions,
                 **hooks,
@@ -320,7 +332,7 @@ def cmd_pipeline(sft: SFTRun, sft_source: str, rl: RLRun, rl_source: str) -> Pat
     from rollouts.backends import latest_checkpoint
 
     check_paths(rl, rl_source, model=False)  # the RL stage starts from what SFT will write
-    distributed()
+    init_distributed()
     if not sft.run.out_dir or not rl.run.out_dir:  # each stage its own directory under one root
         root = default_out_dir("pipeline")
         sft = dataclasses.replace(sft, run=dataclasses.replace(sft.run, out_dir=sft.run.out_dir or f"{root}/sft"))

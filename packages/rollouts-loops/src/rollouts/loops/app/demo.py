@@ -25,10 +25,10 @@ import torch
 from rollouts.backends import InProcessEngine, build_components, export_weights
 from rollouts.data import DataBuffer, tokenize_conversation
 from rollouts.loops import ConsoleLogger, JsonlLogger, MultiLogger, evaluate, run_rl_training, run_sft_training
+from rollouts.loops.algorithms import ALGORITHMS
 from rollouts.loops.app.tasks import addition_problems, as_conversation, exact_answer_reward, sloppy_teacher
 from rollouts.loops.app.tiny import build_tiny_model, build_tokenizer, save_model
 from rollouts.types import (
-    AlgorithmConfig,
     CheckpointConfig,
     LoraConfig,
     OptimizerConfig,
@@ -37,6 +37,7 @@ from rollouts.types import (
     SamplingParams,
     SFTConfig,
     check_fields,
+    require,
 )
 
 
@@ -62,6 +63,8 @@ class DemoConfig:
     rl_samples_per_prompt: int = 8
     rl_lr: float = 1e-4
     rl_temperature: float = 1.0
+    rl_preset: str = "grpo"
+    """The RL stage's algorithm preset (rollouts.loops.ALGORITHMS): e.g. `--set rl_preset=ppo` (a critic)."""
     threads: int = 2
     lora: LoraConfig = field(default_factory=LoraConfig)
     """The RL stage trains a LoRA adapter on the SFT model (rank 0: every weight); `--set model.lora.rank=8`."""
@@ -72,6 +75,7 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        require(self.rl_preset in ALGORITHMS, "DemoConfig.rl_preset", self.rl_preset, f"be one of {sorted(ALGORITHMS)}")
 
     @classmethod
     def quick(cls) -> DemoConfig:
@@ -223,7 +227,7 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
                 stop_token_ids=(tokenizer.eos_token_id,),
             ),
         ),
-        algorithm=AlgorithmConfig(advantage_estimator="grpo", policy_loss="ppo_clip", loss_aggregation="token-mean"),
+        algorithm=ALGORITHMS[config.rl_preset],
         optimizer=OptimizerConfig(
             lr=config.rl_lora_lr if config.lora.enabled else config.rl_lr,
             warmup_steps=0,

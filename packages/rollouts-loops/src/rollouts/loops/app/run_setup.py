@@ -117,12 +117,6 @@ def check_paths(run: Any, source: str, *, model: bool = True) -> None:
         raise ConfigError(f"{source}: data.eval_path {run.data.eval_path!r} does not exist")
 
 
-def distributed() -> tuple[int, int]:
-    from rollouts.loops import init_distributed
-
-    return init_distributed()
-
-
 def run_components(run: Any, optimizer, num_training_steps: int):
     import torch
 
@@ -130,7 +124,9 @@ def run_components(run: Any, optimizer, num_training_steps: int):
     from rollouts.backends.components import TrainingComponents
 
     dtype = getattr(torch, _DTYPES[run.model.dtype])
-    rank, world = distributed()
+    from rollouts.loops.distributed import init_distributed
+
+    rank, world = init_distributed()
     device = run.model.device
     if world > 1 and device.startswith("cuda"):
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
