@@ -3,9 +3,11 @@
 Each preset follows its paper's defaults where they are settings of our configs; departures:
 - grpo: no KL term by default (kl_coef 0); set kl_coef with kl_placement="loss" for the paper's
   k3 penalty, at the cost of a reference forward pass per step.
-- ppo: there is no critic in rollouts-backends, so advantages are REINFORCE++-style (batch-
-  normalized returns) rather than GAE over a learned value; the clipped surrogate, KL in the loss
-  and truncated importance weights (engine vs trainer log-probs) are PPO's.
+- ppo: PPO with a critic (GAE with lambda 0.95 over the trained tokens from a learned value model,
+  RLConfig.critic), KL to the reference in the reward as in InstructGPT.
+- ppo_no_critic: PPO without a value model: REINFORCE++-style advantages (batch-normalized
+  returns), the clipped surrogate with dual clip, KL in the loss and truncated importance weights
+  (engine vs trainer log-probs).
 - sapo, gmpo, clip_cov, kl_cov: GRPO advantages with the paper's loss and verl's defaults
   (rollouts.losses.policy_variants names the peer file of each).
 - dppo: prime-rl's default loss (binary-TV trust region 0.2 around the engine's policy, plus
