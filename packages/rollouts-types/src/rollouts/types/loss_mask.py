@@ -16,7 +16,7 @@ import bisect
 import math
 import struct
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["LossMask"]
 
@@ -59,6 +59,9 @@ class LossMask(Sequence[float]):
     """[T] per-token loss weights: float32, finite, >= 0 (0 on tokens that are not trained)."""
 
     __slots__ = ("_length", "_runs", "_starts")
+    _length: int
+    _runs: tuple[Run, ...]
+    _starts: tuple[int, ...]
 
     def __init__(self, values: Any = (), *, what: str = "values") -> None:
         if type(values) is LossMask:
@@ -170,7 +173,7 @@ class LossMask(Sequence[float]):
         return b"".join(parts)
 
     @property
-    def buffer(self) -> memoryview:
+    def buffer(self) -> memoryview[float]:
         """The weights as a read-only float32 memoryview (built on each call: the runs are the storage)."""
         return memoryview(self.to_bytes()).cast("f")
 
@@ -236,7 +239,8 @@ class LossMask(Sequence[float]):
             return self._length == other._length and self._runs == other._runs
         if not _is_sequence(other):
             return NotImplemented
-        return len(other) == self._length and self.tolist() == list(other)  # type: ignore[arg-type]
+        seq = cast(Sequence[Any], other)
+        return len(seq) == self._length and self.tolist() == list(seq)
 
     def _ordered(self, other: Any) -> list[Any] | None:
         return (other.tolist() if hasattr(other, "tolist") else list(other)) if _is_sequence(other) else None
