@@ -32,6 +32,38 @@ lr = 1e-3
     return path
 
 
+def sft_toml(
+    inputs: Path,
+    path: Path,
+    *,
+    out_dir: str | Path = "",
+    steps: int,
+    batch_size: int,
+    every: int = 0,
+    keep_last: int = 2,
+    extra: str = "",
+) -> Path:
+    """Write an SFT run file for the tiny model and conversations to `path`; `extra` TOML goes under [sft]."""
+    path.write_text(f"""
+[model]
+path = "{inputs / "model"}"
+[data]
+train_path = "{inputs / "sft.jsonl"}"
+[run]
+out_dir = "{out_dir}"
+[sft]
+num_steps = {steps}
+batch_size = {batch_size}
+max_length = 32
+max_tokens_per_micro_batch = 256
+{extra}
+[sft.checkpoint]
+every_steps = {every}
+keep_last = {keep_last}
+""")
+    return path
+
+
 def tiny_rl_config(tokenizer, *, algorithm, steps: int, lr: float, prompts: int = 8, n: int = 8, seed=None, **rollout):
     """The RLConfig of the in-process loop tests: `prompts` x `n` samples of 4 new tokens per step."""
     from rollouts.types import CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams

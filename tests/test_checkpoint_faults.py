@@ -4,6 +4,7 @@ is the user's explicit fallback; leftovers of killed runs are swept by the next 
 import shutil
 
 import pytest
+from run_configs import sft_toml
 
 from rollouts.loops import read_jsonl
 from rollouts.loops.app.cli import main
@@ -11,23 +12,7 @@ from rollouts.loops.app.cli import main
 
 def _sft(inputs, tmp_path, out, *, steps, keep_last, every=4):
     path = tmp_path / f"sft-{steps}-{keep_last}.toml"
-    path.write_text(f"""
-[model]
-path = "{inputs / "model"}"
-[data]
-train_path = "{inputs / "sft.jsonl"}"
-[run]
-out_dir = "{out}"
-[sft]
-num_steps = {steps}
-batch_size = 4
-max_length = 32
-max_tokens_per_micro_batch = 256
-[sft.checkpoint]
-every_steps = {every}
-keep_last = {keep_last}
-""")
-    return path
+    return sft_toml(inputs, path, out_dir=out, steps=steps, batch_size=4, every=every, keep_last=keep_last)
 
 
 def _flip_a_bit(path):

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_configs import rl_toml
+from run_configs import rl_toml, sft_toml
 from safetensors.numpy import load_file
 
 from rollouts.loops.app.cli import main
@@ -19,28 +19,9 @@ _KILL_WAIT_S = 240  # bound on waiting for the run to reach the checkpoint we ki
 
 
 def _sft_toml(inputs: Path, out: Path, *, steps: int, every: int) -> Path:
+    extra = "seed = 3\n[sft.optimizer]\nlr = 3e-3\nwarmup_steps = 2"
     path = out.parent / f"{out.name}.toml"
-    path.write_text(f"""
-[model]
-path = "{inputs / "model"}"
-[data]
-train_path = "{inputs / "sft.jsonl"}"
-[run]
-out_dir = "{out}"
-[sft]
-num_steps = {steps}
-batch_size = 16
-max_length = 32
-max_tokens_per_micro_batch = 256
-seed = 3
-[sft.optimizer]
-lr = 3e-3
-warmup_steps = 2
-[sft.checkpoint]
-every_steps = {every}
-keep_last = 2
-""")
-    return path
+    return sft_toml(inputs, path, out_dir=out, steps=steps, batch_size=16, every=every, extra=extra)
 
 
 def _complete_records(path: Path) -> int:

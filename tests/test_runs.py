@@ -3,7 +3,7 @@
 import tomllib
 
 import pytest
-from run_configs import rl_toml
+from run_configs import rl_toml, sft_toml
 
 from rollouts.loops import read_jsonl
 from rollouts.loops.app.cli import main
@@ -11,22 +11,7 @@ from rollouts.loops.app.config import RLRun, SFTRun, build_run
 
 
 def _sft_toml(inputs, path, *, out_dir="", steps=2):
-    path.write_text(f"""
-[model]
-path = "{inputs / "model"}"
-[data]
-train_path = "{inputs / "sft.jsonl"}"
-[run]
-out_dir = "{out_dir}"
-[sft]
-num_steps = {steps}
-batch_size = 8
-max_length = 32
-max_tokens_per_micro_batch = 256
-[sft.checkpoint]
-every_steps = 0
-""")
-    return path
+    return sft_toml(inputs, path, out_dir=out_dir, steps=steps, batch_size=8)
 
 
 def test_pipeline_with_default_directories_runs_each_stage_in_its_own(tiny_run_inputs, tmp_path, monkeypatch):
