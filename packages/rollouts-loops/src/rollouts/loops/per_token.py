@@ -70,7 +70,7 @@ def token_advantages(
         )
     if advantage_fn is not None:
         adv_N = _checked_advantages(advantage_fn(rewards_N, groups_N), len(samples))
-    else:  # grpo, rloo, gpg, grpo_passk, remax (check_algorithm refused the rest)
+    else:  # grpo, rloo, gpg, grpo_passk, remax (gae runs through gae_token_advantages)
         greedy_N = None
         if algorithm.advantage_estimator == "remax":  # the greedy rollout's reward, from the group generator
             missing = [i for i, s in enumerate(samples) if s.metadata.get(GREEDY_REWARD_KEY) is None]
@@ -122,21 +122,9 @@ def with_arrays(
 def whole_batch(
     masks: dict[int, np.ndarray], kl: dict[int, np.ndarray] | None, *, num_local: int
 ) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray] | None]:
-    """Per-sample loss masks (and KL) of the whole batch keyed by global index, from each rank's
-    share (rank r holds global samples r, r + world, ...). The same dicts in one process."""
-    world = rank_world()[1]
-    if world == 1:
-        return masks, kl
-    arrays = [masks[i] for i in range(num_local)] + ([kl[i] for i in range(num_local)] if kl is not None else [])
-    all_masks: dict[int, np.ndarray] = {}
-    all_kl: dict[int, np.ndarray] | None = {} if kl is not None else None
-    for r, theirs in enumerate(all_gather_arrays(arrays)):
-        count = len(theirs) // 2 if kl is not None else len(theirs)
-        for i in range(count):
-            all_masks[r + i * world] = theirs[i]
-            if all_kl is not None:
-                all_kl[r + i * world] = theirs[count + i]
-    return all_masks, all_kl
+    """Per-sample loss masks (and KL) of the whole batch keyed by global index (gather_per_sample)."""
+    gathered = gather_per_sample([masks] if kl is None else [masks, kl], num_local=num_local)
+    return gathered[0], (gathered[1] if kl is not None else None)
 
 
 def gather_per_sample(parts: Sequence[Mapping[int, np.ndarray]], *, num_local: int) -> list[dict[int, np.ndarray]]:

@@ -28,12 +28,7 @@ from rollouts.loops.per_token import (
     with_arrays,
 )
 from rollouts.losses import LossFn, kl_penalty, loss_fn_from_config
-from rollouts.types import AlgorithmConfig, RLConfig, Sample, TrainingState
-
-
-def check_algorithm(algorithm: AlgorithmConfig) -> None:
-    """Raise for settings the RL loop cannot run (before any work starts); none today: GAE runs with a
-    critic (the loop builds one from the starting model when none is given)."""
+from rollouts.types import RLConfig, Sample, TrainingState
 
 
 def default_loss_fn(config: RLConfig) -> LossFn:

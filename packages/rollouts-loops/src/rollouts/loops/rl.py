@@ -34,7 +34,6 @@ from rollouts.loops.evaluation import Evaluation, evaluate_groups, group_metrics
 from rollouts.loops.generation import BatchSource, sync_engine
 from rollouts.loops.kl_control import KL_CONTROLLER_KEY, initial_kl_state, next_kl_state, with_kl_coef
 from rollouts.loops.per_token import AdvantageFn
-from rollouts.loops.policy_update import check_algorithm
 from rollouts.loops.probe import probe_sync
 from rollouts.loops.reference import check_reference_update, default_reference, saved_models, update_reference
 from rollouts.loops.rollout_fns import (
@@ -150,7 +149,6 @@ def run_rl_training(
     `evaluation`, rank 0 evaluates the engine's weights every `evaluation.every_steps` steps and
     logs eval_reward_mean, eval_pass@1 (and pass@k, maj@k for k > 1) with the step.
     """
-    check_algorithm(config.algorithm)
     rank, world = rank_world()
     if config.overlap and engine_shares_model:
         raise ValueError("overlap needs an engine with its own copy of the weights; engine_shares_model=True")

@@ -227,12 +227,7 @@ def cmd_rl(run: RLRun, source: str) -> Path:
     check_paths(run, source)
     from rollouts.data import DataBuffer, load_prompts
     from rollouts.loops import CHECKPOINTS_DIR, run_rl_training
-    from rollouts.loops.policy_update import check_algorithm
 
-    try:
-        check_algorithm(run.rl.algorithm)
-    except ValueError as e:
-        raise ConfigError(f"{source}: {e}") from e
     hooks = resolve_hooks(run, source)
     try:
         evaluation = _evaluation(run)
