@@ -434,10 +434,10 @@ async def test_seeds_survive_an_abort_and_a_checkpoint():
 
 
 def test_a_generate_function_without_a_seed_keyword_is_called_as_before():
-    from rollouts.data.manager import _takes_seed
+    from rollouts.data.manager_parts import takes_seed
 
-    assert not _takes_seed(lambda prompt, n: None) and _takes_seed(lambda prompt, n, seed=None: None)
-    assert _takes_seed(lambda prompt, n, **kw: None)
+    assert not takes_seed(lambda prompt, n: None) and takes_seed(lambda prompt, n, seed=None: None)
+    assert takes_seed(lambda prompt, n, **kw: None)
 
 
 @settings(max_examples=200, deadline=None)

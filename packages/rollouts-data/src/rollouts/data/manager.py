@@ -16,6 +16,15 @@ Accounting, per step, in groups (RolloutBatch.metadata):
 Aborted requests (in flight when `abort()` was called) put their prompt back in a queue that the
 next step serves first, so no prompt is lost.
 
+Partial rollouts (`config.partial`, with a `continue_fn`): a weight sync does not wait for the
+step's generation. `async with manager.paused(interrupt=engine.abort):` stops new requests, has the
+engine cut the running ones short (they come back as groups holding partial samples, with their
+tokens and log-probs) and waits for them; inside it the weights are synced. On leaving it the step
+goes on: the partial groups are continued first (`continue_fn`: prompt + partial response, the
+remaining budget, under the new weights), so no token is decoded twice. A paused round does not
+count against `max_generation_rounds`. Partial groups are counted in groups_aborted (and
+groups_partial), and kept across steps and in `state_dict`.
+
 Seeds: with `config.sampling.seed` set, each request gets its own seed, derived from that seed and
 the prompt's position in the data stream (`request_seed`), and passed to a generate function that
 takes a `seed` keyword. A prompt's samples then depend on its position, not on which requests ran
@@ -29,68 +38,38 @@ trio alike (anyio); a generate function may be a coroutine function of the runni
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 
 from rollouts.data.buffer import DataBuffer
 from rollouts.data.filters import check_reward_nonzero_std
-from rollouts.data.rollout import Transformed, apply_sample_transforms, assign_groups, convert_to_batch, validate_group
+from rollouts.data.manager_parts import FirstN, partial_group_of, request_seed, takes_seed
+from rollouts.data.rollout import (
+    Transformed,
+    apply_sample_transforms,
+    assign_groups,
+    convert_to_batch,
+    is_partial,
+    validate_group,
+)
 from rollouts.types import FilterFn, GenerateFn, RewardFn, RolloutBatch, RolloutConfig, Sample, thaw
 
-__all__ = ["AsyncRolloutManager", "request_seed"]
+__all__ = ["AsyncRolloutManager", "ContinueFn", "request_seed"]
+
+ContinueFn = Callable[..., Awaitable[Sequence[Sample]]]
+"""(prompt, group) -> the group with its partial samples continued (and scored once none is
+partial); may take a `seed` keyword like a GenerateFn. The loops build it from an engine
+(rollouts.loops.rollout_fns.group_continuer), since continuing needs one."""
+
+_Item = tuple[int | None, Any, tuple[Sample, ...] | None]
+"""A request to make: (position in the data stream, prompt, the partial group to continue or None)."""
 
 _MAX_ERRORS_REPORTED = 8  # keep batch metadata small when many requests fail the same way
-
-
-def request_seed(seed: int, position: int) -> int:
-    """The sampling seed of the prompt at `position` in the data stream (epoch * num_prompts + index
-    within the epoch) of a run seeded with `seed`: a 63-bit hash, so neighbouring positions and
-    seeds give unrelated streams."""
-    digest = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
-
-
-def _takes_seed(fn: Any) -> bool:
-    """Whether `fn` accepts a `seed` keyword (explicitly, or through **kwargs)."""
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):  # some builtins and C callables have no signature
-        return False
-    return any(
-        p.kind is inspect.Parameter.VAR_KEYWORD
-        or (p.name == "seed" and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
-        for p in params
-    )
-
-
-class _FirstN:
-    """tail="first_n": scores each group as it arrives (scoring is per group, so the same as after
-    the round) and cancels the round once `room` groups are kept; a scoring error ends the round
-    and is raised after it, as it would be without first_n."""
-
-    def __init__(self, room: int, scope: anyio.CancelScope, transform: Any) -> None:
-        self.room, self.scope, self.transform = room, scope, transform
-        self.num_kept = 0
-        self.error: Exception | None = None
-        self.outs: dict[int, Transformed] = {}  # request id -> its scored, filtered group
-
-    def on_group(self, results: dict[int, Any]) -> Any:
-        def done(rid: int) -> None:
-            try:
-                self.outs[rid] = self.transform([results[rid]])
-                self.num_kept += len(self.outs[rid].kept)
-            except Exception as e:  # raised by generate_batch once the round is over
-                self.error = self.error or e
-                self.scope.cancel()
-            if self.num_kept >= self.room:
-                self.scope.cancel()
-
-        return done
 
 
 class AsyncRolloutManager:
@@ -105,25 +84,46 @@ class AsyncRolloutManager:
         reward_fn: RewardFn | None = None,
         filter_fn: FilterFn | None = None,
         source: str = "",
+        continue_fn: ContinueFn | None = None,
+        max_pause_s: float = 3600.0,
     ) -> None:
         """`source`: what generates (an engine's name or URL), named in the failure of a request
-        that timed out, which otherwise has no error of its own to say where it hung."""
+        that timed out, which otherwise has no error of its own to say where it hung.
+        `continue_fn`: continues a group holding partial samples (needed by `config.partial`);
+        without it a group holding a partial sample is a failed request, as before.
+        `max_pause_s`: bound on a step's wait for a `paused()` block to end."""
         if not callable(generate_fn):
             raise TypeError(f"generate_fn must be callable, got {type(generate_fn).__name__}")
+        if continue_fn is not None and not callable(continue_fn):
+            raise TypeError(f"continue_fn must be callable or None, got {type(continue_fn).__name__}")
+        if config.partial and continue_fn is None:
+            raise ValueError(
+                "RolloutConfig.partial=True needs a continue_fn ((prompt, partial group) -> continued group)"
+            )
+        if not max_pause_s > 0:
+            raise ValueError(f"max_pause_s must be > 0, got {max_pause_s}")
         self._buffer = buffer
         self._config = config
         self._generate_fn = generate_fn
+        self._continue_fn = continue_fn
         self._reward_fn = reward_fn
         if filter_fn is None and config.dynamic_sampling:
             filter_fn = check_reward_nonzero_std()
         self._filter_fn = filter_fn
-        self._takes_seed = _takes_seed(generate_fn)
+        self._takes_seed = takes_seed(generate_fn)
+        self._continue_takes_seed = continue_fn is not None and takes_seed(continue_fn)
         self._source = source
+        self._max_pause_s = max_pause_s
         self._carry: list[tuple[Sample, ...]] = []
         self._pending_prompts: list[tuple[int | None, Any]] = []  # (position in the data stream, prompt)
+        self._partial_groups: list[tuple[int | None, Any, tuple[Sample, ...]]] = []  # (position, prompt, group)
         self._scope: anyio.CancelScope | None = None
         self._aborted = False
         self._thread_limiter = anyio.CapacityLimiter(config.max_concurrency)
+        self._in_flight = 0  # requests past the concurrency limiter and running
+        self._idle: anyio.Event | None = None  # set when _in_flight drops to 0 (waited on by paused())
+        self._resumed: anyio.Event | None = None  # set when a paused() block ends
+        self._num_pauses = 0
 
     @property
     def num_carried_over_groups(self) -> int:
@@ -135,6 +135,11 @@ class AsyncRolloutManager:
         """Prompts of aborted requests, served first by the next step."""
         return len(self._pending_prompts)
 
+    @property
+    def num_partial_groups(self) -> int:
+        """Groups holding partial samples, continued first by the next round."""
+        return len(self._partial_groups)
+
     def abort(self) -> None:
         """Stop the step in progress now: in-flight requests are cancelled, finished groups kept.
 
@@ -145,59 +150,127 @@ class AsyncRolloutManager:
         if self._scope is not None:
             self._scope.cancel()
 
-    def _draw_prompts(self, num: int) -> list[tuple[int | None, Any]]:
-        """(position in the data stream, prompt) of the next `num` prompts, aborted ones first."""
-        from_pending, self._pending_prompts = self._pending_prompts[:num], self._pending_prompts[num:]
-        rest = num - len(from_pending)
-        if not rest:
-            return from_pending
-        start = self._buffer.epoch_id * len(self._buffer) + self._buffer.sample_offset
-        drawn = self._buffer.get_prompts(rest)
-        return from_pending + [(start + i, p) for i, p in enumerate(drawn)]
+    @asynccontextmanager
+    async def paused(self, interrupt: Callable[[], object] | None = None) -> AsyncIterator[None]:
+        """Hold generation for the block (a weight sync): no request starts until it ends.
+
+        With `interrupt` (an engine's abort()), it is called and the block is entered once the
+        requests running have come back (partial groups, kept to continue), at most twice
+        rollout.request_timeout_s; without it the requests keep running (an engine that aborts
+        them itself, as vLLM's pause in mode 'abort' does). The step in progress, if any, goes on
+        after the block, continuing the partial groups first."""
+        if self._resumed is not None:
+            raise RuntimeError("the rollout manager is already paused (paused() blocks do not nest)")
+        self._resumed = anyio.Event()
+        self._num_pauses += 1
+        try:
+            if interrupt is not None:
+                interrupt()
+                bound = 2 * self._config.request_timeout_s
+                with anyio.move_on_after(bound) as deadline:
+                    while self._in_flight:
+                        self._idle = anyio.Event()
+                        await self._idle.wait()
+                if deadline.cancelled_caught:
+                    raise TimeoutError(
+                        f"{self._in_flight} generate requests still running {bound} s after the engine's "
+                        f"abort{f' ({self._source})' if self._source else ''}: the engine does not abort"
+                    )
+            yield
+        finally:
+            resumed, self._resumed, self._idle = self._resumed, None, None
+            resumed.set()
+
+    async def _wait_resumed(self) -> None:
+        resumed = self._resumed
+        if resumed is None:
+            return
+        with anyio.move_on_after(self._max_pause_s) as deadline:
+            await resumed.wait()
+        if deadline.cancelled_caught:
+            raise TimeoutError(f"generation stayed paused over max_pause_s={self._max_pause_s} s")
+
+    def _draw(self, num: int) -> list[_Item]:
+        """The next `num` requests: partial groups to continue first, then aborted prompts, then new
+        prompts, each with its position in the data stream."""
+        partial, self._partial_groups = self._partial_groups[:num], self._partial_groups[num:]
+        items: list[_Item] = list(partial)
+        rest = num - len(items)
+        from_pending, self._pending_prompts = self._pending_prompts[:rest], self._pending_prompts[rest:]
+        items += [(pos, p, None) for pos, p in from_pending]
+        rest -= len(from_pending)
+        if rest:
+            start = self._buffer.epoch_id * len(self._buffer) + self._buffer.sample_offset
+            items += [(start + i, p, None) for i, p in enumerate(self._buffer.get_prompts(rest))]
+        return items
+
+    def _requeue(self, item: _Item) -> None:
+        """A request that did not run (or was cancelled): served again first, partial tokens kept."""
+        position, prompt, group = item
+        if group is None:
+            self._pending_prompts.append((position, prompt))
+        else:
+            self._partial_groups.append((position, prompt, group))
 
     def _seed_of(self, position: int | None) -> int | None:
         base = self._config.sampling.seed
         return None if base is None or position is None else request_seed(base, position)
 
-    async def _call(self, prompt: Any, n: int, seed: int | None) -> Any:
-        fn = self._generate_fn
-        kwargs = {"seed": seed} if self._takes_seed and seed is not None else {}
+    async def _call(self, prompt: Any, group: tuple[Sample, ...] | None, seed: int | None) -> Any:
+        n = self._config.samples_per_prompt
+        if group is None:
+            fn: Any = self._generate_fn
+            args: tuple[Any, ...] = (prompt, n)
+            kwargs = {"seed": seed} if self._takes_seed and seed is not None else {}
+        else:
+            fn, args = self._continue_fn, (prompt, group)
+            kwargs = {"seed": seed} if self._continue_takes_seed and seed is not None else {}
         if inspect.iscoroutinefunction(fn):
-            result = await fn(prompt, n, **kwargs)
+            result = await fn(*args, **kwargs)
         else:
             result = await anyio.to_thread.run_sync(
-                lambda: fn(prompt, n, **kwargs), abandon_on_cancel=True, limiter=self._thread_limiter
+                lambda: fn(*args, **kwargs), abandon_on_cancel=True, limiter=self._thread_limiter
             )
             if inspect.isawaitable(result):
                 result = await result
-        return validate_group(result, n, prompt=prompt)
+        return validate_group(result, n, prompt=prompt, allow_partial=self._continue_fn is not None)
 
     async def _request(
         self,
         rid: int,
-        position: int | None,
-        prompt: Any,
+        item: _Item,
         limiter: anyio.CapacityLimiter,
         results: dict[int, tuple[Sample, ...] | str],
         counts: dict[str, int],
         on_group: Any = None,
     ) -> None:
         cfg = self._config
+        position, prompt, group = item
         errors = []
         async with limiter:
-            for attempt in range(cfg.max_retries + 1):
-                try:
-                    with anyio.move_on_after(cfg.request_timeout_s) as deadline:
-                        results[rid] = await self._call(prompt, cfg.samples_per_prompt, self._seed_of(position))
-                    if not deadline.cancelled_caught:
-                        counts["retries"] += attempt
-                        if on_group is not None:
-                            on_group(rid)
+            if self._resumed is not None:  # paused: not started, served again after the pause
+                return
+            self._in_flight += 1
+            try:
+                for attempt in range(cfg.max_retries + 1):
+                    if attempt and self._resumed is not None:  # no retry during a pause: served again after it
                         return
-                    where = f" waiting for {self._source}" if self._source else ""
-                    errors.append(f"timed out after {cfg.request_timeout_s} s{where} (rollout.request_timeout_s)")
-                except Exception as e:  # a failed request is retried, then counted; never lost
-                    errors.append(f"{type(e).__name__}: {e}")
+                    try:
+                        with anyio.move_on_after(cfg.request_timeout_s) as deadline:
+                            results[rid] = await self._call(prompt, group, self._seed_of(position))
+                        if not deadline.cancelled_caught:
+                            counts["retries"] += attempt
+                            if on_group is not None:
+                                on_group(rid)
+                            return
+                        where = f" waiting for {self._source}" if self._source else ""
+                        errors.append(f"timed out after {cfg.request_timeout_s} s{where} (rollout.request_timeout_s)")
+                    except Exception as e:  # a failed request is retried, then counted; never lost
+                        errors.append(f"{type(e).__name__}: {e}")
+            finally:
+                self._in_flight -= 1
+                if not self._in_flight and self._idle is not None:
+                    self._idle.set()
         counts["retries"] += cfg.max_retries
         results[rid] = f"prompt {prompt!r:.80} failed {len(errors)} times; last: {errors[-1]}"
 
@@ -207,42 +280,52 @@ class AsyncRolloutManager:
         need = cfg.batch_size
         epoch = self._buffer.epoch_id
         kept, self._carry = self._carry[:need], self._carry[need:]
-        counts = {k: 0 for k in ("requested", "kept_new", "carried_over", "filtered", "failed", "aborted", "retries")}
+        names = ("requested", "kept_new", "carried_over", "filtered", "failed", "aborted", "partial", "retries")
+        counts = dict.fromkeys(names, 0)
         counts["from_carry_over"] = len(kept)
         filtered: list[tuple[str, tuple[Sample, ...]]] = []
         errors: list[str] = []
         rounds_allowed = cfg.max_generation_rounds if cfg.dynamic_sampling else 1
-        num_rounds = 0
+        num_rounds = num_paused = 0
         while len(kept) < need and num_rounds < rounds_allowed and not self._aborted:
+            await self._wait_resumed()
             num_rounds += 1
-            prompts = self._draw_prompts(math.ceil((need - len(kept)) * cfg.over_sampling_factor))
-            counts["requested"] += len(prompts)
+            pauses_before = self._num_pauses
+            items = self._draw(math.ceil((need - len(kept)) * cfg.over_sampling_factor))
+            counts["requested"] += len(items)
             results: dict[int, tuple[Sample, ...] | str] = {}
             limiter = anyio.CapacityLimiter(cfg.max_concurrency)
             with anyio.CancelScope() as scope:
                 self._scope = scope
                 if self._aborted:
                     scope.cancel()
-                first_n = _FirstN(need - len(kept), scope, self._transform) if cfg.tail == "first_n" else None
+                first_n = FirstN(need - len(kept), scope, self._transform) if cfg.tail == "first_n" else None
                 async with anyio.create_task_group() as tg:
-                    for rid, (position, prompt) in enumerate(prompts):
+                    for rid, item in enumerate(items):
                         on_group = None if first_n is None else first_n.on_group(results)
-                        tg.start_soon(self._request, rid, position, prompt, limiter, results, counts, on_group)
+                        tg.start_soon(self._request, rid, item, limiter, results, counts, on_group)
             self._scope = None
             if first_n is not None and first_n.error is not None:
                 raise first_n.error
             groups = []
-            for rid, (position, prompt) in enumerate(prompts):
+            for rid, item in enumerate(items):
                 result = results.get(rid)
                 if result is None:
-                    self._pending_prompts.append((position, prompt))
+                    self._requeue(item)
                     counts["aborted"] += 1
                 elif isinstance(result, str):
                     counts["failed"] += 1
                     if len(errors) < _MAX_ERRORS_REPORTED:
                         errors.append(result)
+                elif any(is_partial(s) for s in result):  # cut short: continued, not restarted
+                    self._partial_groups.append((item[0], item[1], result))
+                    counts["aborted"] += 1
+                    counts["partial"] += 1
                 else:
                     groups.append(result)
+            if self._num_pauses != pauses_before:  # a round a pause cut short is not one of the allowed rounds
+                num_rounds -= 1
+                num_paused += 1
             if first_n is None:
                 out = self._transform(groups)
             else:  # every group that finished was scored on arrival (in request order here)
@@ -261,7 +344,7 @@ class AsyncRolloutManager:
             filter_reasons[reason] = filter_reasons.get(reason, 0) + len(g)
         metadata: dict[str, Any] = {f"groups_{k}": v for k, v in counts.items()}
         aborted, self._aborted = self._aborted, False  # an abort ends one step: the next one runs
-        metadata |= {"num_rounds": num_rounds, "aborted": aborted, "errors": errors}
+        metadata |= {"num_rounds": num_rounds, "num_paused_rounds": num_paused, "aborted": aborted, "errors": errors}
         return convert_to_batch(
             samples,
             epoch=epoch,
@@ -277,27 +360,32 @@ class AsyncRolloutManager:
         return apply_sample_transforms(groups, reward_fn=self._reward_fn, filter_fn=self._filter_fn)
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-ready state: the carry-over cache, and the prompts of aborted requests with their
-        positions in the data stream (their seeds come from those)."""
+        """JSON-ready state: the carry-over cache, the prompts of aborted requests with their
+        positions in the data stream (their seeds come from those), and the partial groups."""
         return {
             "carry_over": [[s.to_dict() for s in g] for g in self._carry],
             "pending_prompts": [thaw(p) for _, p in self._pending_prompts],
             "pending_positions": [pos for pos, _ in self._pending_prompts],
+            "partial_groups": [
+                {"position": pos, "prompt": thaw(p), "samples": [s.to_dict() for s in g]}
+                for pos, p, g in self._partial_groups
+            ],
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what `state_dict` saved (a state without `pending_positions`, from before seeds
-        followed positions, restores its pending prompts without seeds)."""
+        followed positions, restores its pending prompts without seeds; one without
+        `partial_groups`, none)."""
         keys, required = set(state), {"carry_over", "pending_prompts"}
-        if not required <= keys <= required | {"pending_positions"}:
+        if not required <= keys <= required | {"pending_positions", "partial_groups"}:
             raise ValueError(
-                "manager state keys must be ['carry_over', 'pending_positions', 'pending_prompts'], "
-                f"got {sorted(state)}"
+                "manager state keys must be ['carry_over', 'partial_groups', 'pending_positions', "
+                f"'pending_prompts'], got {sorted(state)}"
             )
+        expected = self._config.samples_per_prompt
         carry = [tuple(Sample.from_dict(d) for d in g) for g in state["carry_over"]]
         for i, g in enumerate(carry):
-            if len(g) != self._config.samples_per_prompt:
-                expected = self._config.samples_per_prompt
+            if len(g) != expected:
                 raise ValueError(f"carry_over[{i}] has {len(g)} samples, expected samples_per_prompt={expected}")
         prompts = list(state["pending_prompts"])
         positions = list(state.get("pending_positions", [None] * len(prompts)))
@@ -305,5 +393,9 @@ class AsyncRolloutManager:
             raise ValueError(
                 f"pending_positions must be {len(prompts)} ints (one per pending prompt), got {positions!r:.120}"
             )
+        partial = [partial_group_of(i, d, expected) for i, d in enumerate(state.get("partial_groups", []))]
+        if partial and self._continue_fn is None:
+            raise ValueError(f"the state holds {len(partial)} partial groups; continuing them needs a continue_fn")
         self._carry = carry
         self._pending_prompts = list(zip(positions, prompts, strict=True))
+        self._partial_groups = partial

@@ -23,12 +23,20 @@ __all__ = [
     "batch_metadata",
     "convert_to_batch",
     "group_samples",
+    "is_partial",
     "validate_group",
 ]
 
 
-def validate_group(result: Any, n: int, *, prompt: Any) -> tuple[Sample, ...]:
-    """Check a generate function's output: exactly `n` Samples, none failed or aborted."""
+def is_partial(sample: Sample) -> bool:
+    """Whether `sample` is a partial response cut short by an abort, to be continued (status ABORTED
+    and metadata["partial"] set: the convention of rollouts.sync.partial and the in-process sampler)."""
+    return sample.status is Status.ABORTED and bool(sample.metadata.get("partial"))
+
+
+def validate_group(result: Any, n: int, *, prompt: Any, allow_partial: bool = False) -> tuple[Sample, ...]:
+    """Check a generate function's output: exactly `n` Samples, none failed or aborted (with
+    `allow_partial`, aborted ones may be partial responses, `is_partial`)."""
     if isinstance(result, (str, bytes, Mapping)) or not isinstance(result, Sequence):
         raise TypeError(
             f"generate_fn must return a sequence of {n} Samples, got {type(result).__name__} for prompt {prompt!r:.80}"
@@ -41,7 +49,7 @@ def validate_group(result: Any, n: int, *, prompt: Any) -> tuple[Sample, ...]:
     for i, s in enumerate(group):
         if not isinstance(s, Sample):
             raise TypeError(f"generate_fn returned {type(s).__name__} at position {i}, expected Sample")
-        if s.status in (Status.FAILED, Status.ABORTED, Status.PENDING):
+        if s.status in (Status.FAILED, Status.ABORTED, Status.PENDING) and not (allow_partial and is_partial(s)):
             raise ValueError(f"generate_fn returned a sample with status {s.status.value!r} at position {i}")
     return group
 

@@ -165,6 +165,10 @@ class RolloutConfig:
     """"wait": a round waits for every request it sent; "first_n": a round ends as soon as the step's
     groups are kept (the first to finish), and the requests still running are aborted, their prompts
     served first by the next step with the same seeds (cuts the slow tail of long responses)."""
+    partial: bool = False
+    """Partial rollouts: a weight sync does not wait for the generation in flight; the engine cuts
+    the running responses short, they keep their tokens, log-probs and each token's weight version,
+    and are continued (not restarted) under the new weights (rl.overlap; single-turn rollouts)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -312,6 +316,12 @@ class RLConfig:
             "is 0 and nothing is learned",
         )
         require(self.max_staleness >= 1, f"{n}.max_staleness", self.max_staleness, "be >= 1")
+        require(
+            not self.rollout.partial or self.overlap,
+            f"{n}.rollout.partial",
+            self.rollout.partial,
+            "be false without overlap: only with overlap does a weight sync meet generation in flight",
+        )
         require(
             self.reference.update == "frozen" or self.algorithm.needs_reference,
             f"{n}.reference.update",
