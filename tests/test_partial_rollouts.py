@@ -7,10 +7,12 @@ import copy
 
 import anyio
 import numpy as np
+import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rollouts.backends import InProcessEngine
+from rollouts.loops.rollout_fns import single_turn_rollout
 from rollouts.sync.partial import continue_partials, token_versions
 from rollouts.types import SamplingParams, Status
 
@@ -62,3 +64,126 @@ def test_a_response_aborted_for_a_sync_continues_on_the_new_weights(tmp_path):
             s.rollout_logprobs[:k], teacher_forced(v0, list(s.tokens[: n_prompt + k]), n_prompt), atol=1e-4
         )
         np.testing.assert_allclose(s.rollout_logprobs[k:], teacher_forced(v1, list(s.tokens), n_prompt + k), atol=1e-4)
+
+
+# ---------------------------------------------------------------- through the RL loop
+
+B, N, MAX_NEW, CUT = 3, 2, 8, 3  # groups per step, samples per group, response budget, tokens before the sync
+
+
+def _partial_run(tmp_path, monkeypatch, *, num_steps, partial=True):
+    """The RL loop (overlap, in-process engine with its own weights) where each sync lands while the
+    next batch is generating: the generation of batch b >= 1 stops after CUT tokens until the sync's
+    abort (event-driven both ways: training of step b-1 waits until batch b is there). Returns
+    (per-step metrics, per-step trained samples, fresh generate calls per prompt id)."""
+    import threading
+
+    import rollouts.backends.inprocess_engine as inprocess
+    import rollouts.loops.step as step_module
+    from rollouts.backends import build_components
+    from rollouts.data import DataBuffer
+    from rollouts.loops.app.tiny import build_tiny_model
+    from rollouts.loops.engines import CoalescingEngine
+    from rollouts.loops.loggers import NullLogger
+    from rollouts.loops.rl import run_rl_training
+    from rollouts.types import OptimizerConfig, RLConfig, RolloutConfig
+
+    mid = {b: threading.Event() for b in range(num_steps)}  # batch b reached the middle of its generation
+    fresh_calls: dict[int, int] = {}
+    real_generate, real_update = inprocess.generate, step_module.rl_update
+
+    def batch_of(prompt):
+        return (prompt[0] - 3) * 8 + (prompt[1] - 3) if len(prompt) == 2 else None  # None: a continuation
+
+    def gated_generate(model, prompts, *, should_abort, **kw):
+        ids = [batch_of(p) for p in prompts]
+        fresh = [i for i in ids if i is not None]
+        for i in fresh:
+            fresh_calls[i] = fresh_calls.get(i, 0) + 1
+        batch = max((i // B for i in fresh), default=0)
+        checks = 0
+
+        def check():
+            nonlocal checks
+            checks += 1
+            if batch >= 1 and checks == CUT and not should_abort():
+                mid[batch].set()
+                assert should_abort.__self__.wait(60), "the sync's abort never came"  # the engine's Event
+            return should_abort()
+
+        return real_generate(model, prompts, should_abort=check, **kw)
+
+    trained = []
+
+    def recording_update(components, state, samples, config, **kw):
+        trained.append(list(samples))
+        if state.step + 1 < num_steps:  # the next batch is generating: the sync lands mid-way
+            assert mid[state.step + 1].wait(60), "the next batch never reached the middle"
+        return real_update(components, state, samples, config, **kw)
+
+    monkeypatch.setattr(inprocess, "generate", gated_generate)
+    monkeypatch.setattr(step_module, "rl_update", recording_update)
+    model = build_tiny_model(32, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
+    config = RLConfig(
+        num_steps=num_steps,
+        overlap=True,
+        max_tokens_per_micro_batch=64,
+        rollout=RolloutConfig(
+            batch_size=B,
+            samples_per_prompt=N,
+            partial=partial,
+            sampling=SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, seed=0),
+        ),
+        optimizer=OptimizerConfig(schedule="constant", lr=1e-3),
+    )
+    components = build_components(model, config.optimizer, num_training_steps=num_steps)
+    engine = CoalescingEngine(InProcessEngine(copy.deepcopy(model), shares_training_model=False, eos_token_ids=()))
+    records = [{"prompt": f"p{i}", "id": i} for i in range(40)]
+    _, history = run_rl_training(
+        components,
+        DataBuffer(records, shuffle=False),
+        engine,
+        config,
+        reward=lambda s, r: float(s.tokens[-1] % 2),
+        encode_prompt=lambda r: [3 + r["id"] // 8, 3 + r["id"] % 8],
+        logger=NullLogger(),
+        run_dir=tmp_path,
+    )
+    return history, trained, fresh_calls
+
+
+def test_a_sync_mid_generation_aborts_it_and_the_loop_continues_the_partial_samples(tmp_path, monkeypatch):
+    num_steps = 3
+    history, trained, fresh_calls = _partial_run(tmp_path, monkeypatch, num_steps=num_steps)
+    ids = [sorted({s.metadata["id"] for s in samples}) for samples in trained]
+    assert ids == [list(range(b * B, (b + 1) * B)) for b in range(num_steps)]  # none lost, none trained twice
+    assert fresh_calls == dict.fromkeys(range(num_steps * B), 1)  # each prompt started once: continued, not restarted
+    assert all(len(samples) == B * N for samples in trained)
+    assert [m["groups_partial"] for m in history] == [0] + [B] * (num_steps - 1)
+    assert [m["groups_requested"] for m in history] == [B] + [2 * B] * (num_steps - 1)
+    for b, samples in enumerate(trained[1:], start=1):  # generated across the sync after step b-1
+        for s in samples:
+            (old, cut), (new, rest) = s.metadata["version_segments"]
+            assert (old, new) == (b - 1, b) and cut >= 1 and cut + rest == s.response_length == MAX_NEW
+            assert token_versions(s) == (b - 1,) * cut + (b,) * rest
+            assert s.weight_version == b - 1 and s.status is Status.TRUNCATED  # the oldest version: staleness 1
+            assert len(s.rollout_logprobs) == MAX_NEW
+    assert all(m["num_too_stale"] == 0 and m["num_trained"] == B * N for m in history)
+    assert all(m["weight_version"] == i + 1 for i, m in enumerate(history))
+
+
+def test_partial_rollouts_are_refused_where_a_response_cannot_be_continued():
+    from rollouts.loops.rollout_fns import check_partial_rollouts, tool_rollout
+    from rollouts.types import AlgorithmConfig, RLConfig, RolloutConfig
+
+    with pytest.raises(ValueError, match="rollout.partial"):
+        RLConfig(rollout=RolloutConfig(partial=True))  # without overlap a sync never meets generation
+    config = RLConfig(overlap=True, rollout=RolloutConfig(partial=True))
+    tools = tool_rollout(tool_parser=lambda text: None, tool_executor=lambda call: "")
+    with pytest.raises(ValueError, match="single-turn rollout"):
+        check_partial_rollouts(config, tools)
+    remax = RLConfig(
+        overlap=True, rollout=RolloutConfig(partial=True), algorithm=AlgorithmConfig(advantage_estimator="remax")
+    )
+    with pytest.raises(ValueError, match="remax"):
+        check_partial_rollouts(remax, single_turn_rollout)

@@ -7,6 +7,7 @@ order is the same on every rank because only the loop's one consumer task calls 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from rollouts.loops.run_dir import ADAPTER_DIR, WEIGHTS_DIR
 from rollouts.types import InferenceEngine, RolloutBatch, TrainingState
 from rollouts.types.wire import batch_from_bytes, batch_to_bytes
 
-_SHARED_METADATA = ("errors", "groups_requested", "num_rounds", "generate_s")
+_SHARED_METADATA = ("errors", "groups_requested", "groups_partial", "num_rounds", "generate_s")
 """The batch metadata the other ranks receive (what every rank logs or raises on)."""
 
 
@@ -40,9 +41,18 @@ class BatchSource:
     returns the step's batch, broadcast from rank 0 (a generation error is raised on every rank)."""
 
     def __init__(
-        self, nursery: trio.Nursery, manager: AsyncRolloutManager | None, lock: trio.Lock, ahead: RolloutBatch | None
+        self,
+        nursery: trio.Nursery,
+        manager: AsyncRolloutManager | None,
+        lock: trio.Lock,
+        ahead: RolloutBatch | None,
+        *,
+        hold_lock: bool = True,
     ) -> None:
+        """`hold_lock`: generate a batch holding the engine lock, so a sync waits for it; without it
+        (partial rollouts) a sync pauses the manager instead (`sync_engine(manager=...)`)."""
         self.ahead = ahead
+        self._hold_lock = hold_lock
         self._outstanding = False
         self._requests, requests_rx = trio.open_memory_channel[int](1)
         self._results_tx, self._results = trio.open_memory_channel[Any](1)
@@ -51,7 +61,7 @@ class BatchSource:
 
     async def _produce(self, manager: AsyncRolloutManager, lock: trio.Lock, requests: Any) -> None:
         async for step in requests:
-            async with lock:
+            async with lock if self._hold_lock else contextlib.nullcontext():
                 start = time.perf_counter()
                 try:
                     batch = await manager.generate_batch(step=step)
@@ -118,11 +128,15 @@ async def sync_engine(
     lock: trio.Lock,
     version: int | None = None,
     writer: CheckpointWriter | None = None,
+    manager: AsyncRolloutManager | None = None,
 ) -> tuple[TrainingState, dict[str, float]]:
     """Export the weights (every rank; not when the engine samples from the training model itself)
     and load them into the engine (rank 0) as `version` (default: the next one). A LoRA model with
     sync 'adapter' exports its adapter alone (engines load it as a runtime LoRA adapter); with
-    'merged', the merged full weights. The previous export is deleted on `writer`'s thread if given."""
+    'merged', the merged full weights. The previous export is deleted on `writer`'s thread if given.
+    With `manager` (partial rollouts: the producer generates without the lock), the load runs
+    inside `manager.paused`: the engine's abort() cuts the responses in flight short, they come
+    back partial, and the manager continues them under the new weights after the load."""
     version = state.weight_version + 1 if version is None else version
     start = time.perf_counter()
     path = run_dir / WEIGHTS_DIR
@@ -134,5 +148,20 @@ async def sync_engine(
     export_s = time.perf_counter() - start
     if engine is not None and rank_world()[0] == 0:
         async with lock:  # never mid-generation
-            await engine.update_weights_from_disk(str(path.resolve()), version)
+            if manager is None:
+                await engine.update_weights_from_disk(str(path.resolve()), version)
+            else:
+                interrupt = getattr(engine, "abort", None)
+                pause_start = time.perf_counter()
+                async with manager.paused(interrupt=interrupt if callable(interrupt) else None):
+                    paused_s = time.perf_counter() - pause_start
+                    await engine.update_weights_from_disk(str(path.resolve()), version)
+                    resume = getattr(engine, "resume", None)
+                    if callable(resume):
+                        resume()
+                return state.with_weight_version(version), {
+                    "sync_export_s": export_s,
+                    "sync_abort_wait_s": paused_s,
+                    "sync_s": time.perf_counter() - start,
+                }
     return state.with_weight_version(version), {"sync_export_s": export_s, "sync_s": time.perf_counter() - start}

@@ -40,7 +40,9 @@ from rollouts.loops.rollout_fns import (
     PromptEncoder,
     RolloutContext,
     RolloutFn,
+    check_partial_rollouts,
     check_prompt_lengths,
+    group_continuer,
     group_generator,
     model_vocab_size,
     single_turn_rollout,
@@ -161,6 +163,7 @@ def run_rl_training(
             "under torchrun a KL term needs ref_components on every rank: the starting model, "
             "sharded like the trained one (a sharded model cannot be copied here)"
         )
+    check_partial_rollouts(config, rollout)
     if config.algorithm.needs_reference and ref_components is None:
         ref_components = default_reference(components)
     check_reference_update(config.reference, components)
@@ -255,7 +258,7 @@ async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:
     empty_in_a_row = 0
     kl_state = initial_kl_state(config, extra)
     async with trio.open_nursery() as nursery:
-        batches = BatchSource(nursery, manager, lock, ahead)
+        batches = BatchSource(nursery, manager, lock, ahead, hold_lock=not config.rollout.partial)
         while state.step < total:
             step_start = time.perf_counter()
             batch, wait_s = await batches.next(state.step // updates)
@@ -264,7 +267,8 @@ async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:
             check_reward_errors(batch.samples, run.hooks.reward.on_error)
             log_completions(batch, state.step + 1, run.num_logged_completions)
             step_config = with_kl_coef(config, kl_state)
-            state, metrics = await _train(run, state, batch, lock, batches, step_config)
+            pausable = manager if config.rollout.partial else None
+            state, metrics = await _train(run, state, batch, lock, pausable, step_config)
             metrics["kl_coef"] = step_config.algorithm.kl_coef
             if run.ref_components is not None and metrics["num_trained"]:
                 update_reference(run.ref_components, run.components, config.reference, step=state.step // updates)
@@ -285,8 +289,14 @@ def _manager(run: _Run, extra: dict[str, Any]) -> AsyncRolloutManager | None:
         return None
     remax = run.config.algorithm.advantage_estimator == "remax"  # a greedy rollout per prompt as the baseline
     generate = group_generator(run.hooks.rollout, run.context, run.hooks.reward, greedy_baseline=remax)
+    continue_fn = group_continuer(run.context, run.hooks.reward) if run.config.rollout.partial else None
     manager = AsyncRolloutManager(
-        run.buffer, run.config.rollout, generate, filter_fn=run.hooks.filter_fn, source=run.context.engine.name
+        run.buffer,
+        run.config.rollout,
+        generate,
+        filter_fn=run.hooks.filter_fn,
+        source=run.context.engine.name,
+        continue_fn=continue_fn,
     )
     if "buffer" in extra:
         run.buffer.load_state_dict(extra["buffer"])
@@ -296,10 +306,16 @@ def _manager(run: _Run, extra: dict[str, Any]) -> AsyncRolloutManager | None:
 
 
 async def _train(
-    run: _Run, state: TrainingState, batch: RolloutBatch, lock: trio.Lock, batches: BatchSource, config: RLConfig
+    run: _Run,
+    state: TrainingState,
+    batch: RolloutBatch,
+    lock: trio.Lock,
+    manager: AsyncRolloutManager | None,
+    config: RLConfig,
 ) -> tuple[TrainingState, dict[str, float]]:
     """rl_step in a worker thread (the producer keeps generating), then the sync when it is due.
-    `config` is the run's, with this step's KL coefficient."""
+    `config` is the run's, with this step's KL coefficient; `manager` (partial rollouts) is paused
+    for the sync instead of the sync waiting for the generation in flight."""
     updates = config.algorithm.num_updates_per_batch
     start = time.perf_counter()
     state, metrics = await trio.to_thread.run_sync(
@@ -318,7 +334,14 @@ async def _train(
     metrics["sync_s"] = 0.0
     if state.step % (config.sync_every_steps * updates) == 0 or state.step >= config.num_steps * updates:
         state, sync_metrics = await sync_engine(
-            run.components, run.engine, state, run.run_dir, shares_model=run.shares_model, lock=lock, writer=run.writer
+            run.components,
+            run.engine,
+            state,
+            run.run_dir,
+            shares_model=run.shares_model,
+            lock=lock,
+            writer=run.writer,
+            manager=manager,
         )
         metrics.update(sync_metrics)
         if config.sync_probe_tokens:  # the engine serves what was trained, or the step fails naming it

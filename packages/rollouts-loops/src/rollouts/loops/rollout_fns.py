@@ -20,7 +20,8 @@ import trio
 
 from rollouts.loops.multiturn import ToolExecutor, ToolParser, run_tool_rollout
 from rollouts.loops.scoring import REWARD_ERROR_KEY, Reward, score_group
-from rollouts.types import InferenceEngine, Sample, SamplingParams
+from rollouts.sync.partial import PARTIAL, continue_partials
+from rollouts.types import InferenceEngine, RLConfig, Sample, SamplingParams
 
 PromptEncoder = Callable[[Any], Sequence[int]]
 """Turns a prompt record (from the DataBuffer) into prompt token ids."""
@@ -200,33 +201,87 @@ def group_generator(
     `seed` (passed by the manager when the run is seeded: one per prompt position) replaces the
     sampling seed for this group's requests. `greedy_baseline` (ReMax): one more rollout of the
     prompt at temperature 0, scored and not trained on; its reward goes into every sample's
-    metadata["greedy_reward"] (a reward error of it is the samples' reward error)."""
+    metadata["greedy_reward"] (a reward error of it is the samples' reward error). A group cut
+    short by an engine abort (partial samples, rollouts.sync.partial) comes back unscored, to be
+    continued by `group_continuer` and scored then."""
 
     async def generate_group(record: Any, n: int, *, seed: int | None = None) -> list[Sample]:
-        sampling = ctx.sampling
-        if sampling.n != n or (seed is not None and sampling.seed != seed):
-            sampling = dataclasses.replace(sampling, n=n, seed=sampling.seed if seed is None else seed)
+        sampling = _seeded(ctx.sampling, n, seed)
         group_ctx = ctx if sampling is ctx.sampling else dataclasses.replace(ctx, sampling=sampling)
         result = rollout(record, group_ctx)
         samples = await result if inspect.isawaitable(result) else result
         if not isinstance(samples, Sequence) or len(samples) != n or not all(isinstance(s, Sample) for s in samples):
             raise TypeError(f"the rollout function must return {n} Samples, got {samples!r:.120}")
-        if ctx.vocab_size is not None:
-            check_vocabulary(samples, vocab_size=ctx.vocab_size, engine=ctx.engine.name)
-        if ctx.max_sample_tokens is not None:
-            check_fits(samples, max_tokens=ctx.max_sample_tokens)
-        scored = await score_group(reward, _with_record(samples, record), record)
-        if not greedy_baseline:
-            return scored
-        greedy_ctx = dataclasses.replace(ctx, sampling=dataclasses.replace(ctx.sampling, n=1, temperature=0.0))
-        result = rollout(record, greedy_ctx)
-        greedy = await result if inspect.isawaitable(result) else result
-        if not isinstance(greedy, Sequence) or len(greedy) != 1 or not isinstance(greedy[0], Sample):
-            raise TypeError(f"the rollout function must return 1 Sample for the greedy baseline, got {greedy!r:.120}")
-        (baseline,) = await score_group(reward, _with_record(greedy, record), record)
-        extra: dict[str, Any] = {GREEDY_REWARD_KEY: baseline.reward}
-        if REWARD_ERROR_KEY in baseline.metadata:
-            extra[REWARD_ERROR_KEY] = f"greedy baseline: {baseline.metadata[REWARD_ERROR_KEY]}"
-        return [s.with_metadata(**extra) for s in scored]
+        return await _finish_group(rollout, ctx, reward, samples, record, greedy_baseline=greedy_baseline)
 
     return generate_group
+
+
+def check_partial_rollouts(config: RLConfig, rollout: RolloutFn) -> None:
+    """Refuse rl.rollout.partial where a response cannot be continued from prompt + partial response:
+    a rollout function other than the single-turn one, or ReMax (its greedy baseline rollout)."""
+    if config.rollout.partial and rollout is not single_turn_rollout:
+        raise ValueError(
+            "rl.rollout.partial continues a response from prompt + partial response: it takes the "
+            f"single-turn rollout, not {getattr(rollout, '__name__', rollout)!r}"
+        )
+    if config.rollout.partial and config.algorithm.advantage_estimator == "remax":
+        raise ValueError("rl.rollout.partial does not take advantage_estimator 'remax' (its greedy baseline rollout)")
+
+
+def group_continuer(
+    ctx: RolloutContext, reward: Reward, *, greedy_baseline: bool = False
+) -> Callable[..., Awaitable[list[Sample]]]:
+    """The rollout manager's continue_fn for single-turn rollouts: (record, group) -> the group with
+    each partial sample continued on `ctx.engine` (prompt + partial response, the remaining budget
+    of max_new_tokens; rollouts.sync.partial.continue_partials), so its tokens keep the log-probs
+    and weight versions that made them; scored (as `group_generator` scores) once none is partial."""
+
+    async def continue_group(record: Any, group: Sequence[Sample], *, seed: int | None = None) -> list[Sample]:
+        todo = [i for i, s in enumerate(group) if s.metadata.get(PARTIAL)]
+        params = _seeded(ctx.sampling, 1, seed)
+        done = await continue_partials(ctx.engine, [group[i] for i in todo], params)
+        samples = list(group)
+        for i, s in zip(todo, done, strict=True):
+            samples[i] = s
+        return await _finish_group(single_turn_rollout, ctx, reward, samples, record, greedy_baseline=greedy_baseline)
+
+    return continue_group
+
+
+def _seeded(sampling: SamplingParams, n: int, seed: int | None) -> SamplingParams:
+    if sampling.n != n or (seed is not None and sampling.seed != seed):
+        return dataclasses.replace(sampling, n=n, seed=sampling.seed if seed is None else seed)
+    return sampling
+
+
+async def _finish_group(
+    rollout: RolloutFn,
+    ctx: RolloutContext,
+    reward: Reward,
+    samples: Sequence[Sample],
+    record: Any,
+    *,
+    greedy_baseline: bool,
+) -> list[Sample]:
+    """Check a generated group, then score it (with ReMax's greedy baseline); a group still holding
+    partial samples is returned unscored."""
+    if ctx.vocab_size is not None:
+        check_vocabulary(samples, vocab_size=ctx.vocab_size, engine=ctx.engine.name)
+    if any(s.metadata.get(PARTIAL) for s in samples):
+        return _with_record(samples, record)
+    if ctx.max_sample_tokens is not None:
+        check_fits(samples, max_tokens=ctx.max_sample_tokens)
+    scored = await score_group(reward, _with_record(samples, record), record)
+    if not greedy_baseline:
+        return scored
+    greedy_ctx = dataclasses.replace(ctx, sampling=dataclasses.replace(ctx.sampling, n=1, temperature=0.0))
+    result = rollout(record, greedy_ctx)
+    greedy = await result if inspect.isawaitable(result) else result
+    if not isinstance(greedy, Sequence) or len(greedy) != 1 or not isinstance(greedy[0], Sample):
+        raise TypeError(f"the rollout function must return 1 Sample for the greedy baseline, got {greedy!r:.120}")
+    (baseline,) = await score_group(reward, _with_record(greedy, record), record)
+    extra: dict[str, Any] = {GREEDY_REWARD_KEY: baseline.reward}
+    if REWARD_ERROR_KEY in baseline.metadata:
+        extra[REWARD_ERROR_KEY] = f"greedy baseline: {baseline.metadata[REWARD_ERROR_KEY]}"
+    return [s.with_metadata(**extra) for s in scored]
