@@ -51,6 +51,12 @@ class FakeEngine:
         self.expect_running = 0
         self.generate_calls: list = []
         self.continue_calls: list = []
+        self.fast: set = set()  # prompts that complete at once
+        self.num_resumes = 0
+
+    def resume(self):
+        self.num_resumes += 1
+        self.aborted, self.abort_event = False, anyio.Event()
 
     def abort(self):
         self.aborted = True
@@ -59,7 +65,9 @@ class FakeEngine:
     def update(self, version):
         self.version, self.aborted, self.abort_event = version, False, anyio.Event()
 
-    async def _run(self):
+    async def _run(self, prompt=None):
+        if prompt in self.fast:
+            return True
         self.running += 1
         if self.running == self.expect_running:
             self.all_running.set()
@@ -81,7 +89,7 @@ class FakeEngine:
     async def generate(self, prompt, n):
         self.generate_calls.append(prompt)
         version = self.version
-        if await self._run():
+        if await self._run(prompt):
             return [sample(prompt, i, length=FULL_LEN, version=version) for i in range(n)]
         return [sample(prompt, i, length=PARTIAL_LEN, version=version, partial=True) for i in range(n)]
 
@@ -326,3 +334,39 @@ def test_every_prompt_is_trained_once_whatever_the_pause_lands_on(running, concu
         assert len(engine.continue_calls) == num_partial
 
     anyio.run(main, backend="trio")
+
+
+@pytest.mark.anyio
+async def test_first_n_cuts_the_tail_short_and_carries_it_as_partial_groups():
+    engine = FakeEngine()
+    engine.fast = {0, 2}
+    config = cfg(batch_size=2, over_sampling_factor=2.0, tail="first_n")
+    manager = AsyncRolloutManager(
+        DataBuffer(list(range(16)), shuffle=False),
+        config,
+        engine.generate,
+        reward_fn=lambda s: s.metadata["r"],
+        continue_fn=engine.continue_group,
+        interrupt=engine.abort,
+        resume=engine.resume,
+    )
+    batch = await manager.generate_batch(step=0)  # 0 and 2 finish; the slow 1 and 3 are cut short
+    md = batch.metadata
+    assert sorted({s.metadata["prompt_id"] for s in batch.samples}) == [0, 2] and balanced(md)
+    # the slow ones that had started come back partial; one not started yet is served again as a prompt
+    assert md["groups_partial"] == manager.num_partial_groups and md["groups_aborted"] == 2
+    assert manager.num_partial_groups + manager.num_pending_prompts == 2
+    assert engine.num_resumes == 1 and not engine.aborted  # resumed once the cut requests were back
+    partial = {g["prompt"] for g in manager.state_dict()["partial_groups"]}
+    engine.release.set()
+    engine.fast = set(range(16))
+    batch = await manager.generate_batch(step=1)  # continued first: never restarted
+    still = {g["prompt"] for g in manager.state_dict()["partial_groups"]}  # a tail may be cut again
+    assert {p for p, _ in engine.continue_calls} | still == partial
+    assert all(engine.generate_calls.count(p) <= 1 for p in range(16))  # none restarted
+    assert balanced(batch.metadata) and batch.num_kept == 4
+
+
+def test_first_n_partial_needs_the_engines_abort_and_resume():
+    with pytest.raises(ValueError, match="needs interrupt and resume"):
+        AsyncRolloutManager(DataBuffer([1, 2]), cfg(tail="first_n"), lambda p, n: [], continue_fn=lambda p, g: g)

@@ -130,3 +130,15 @@ def test_presets_are_distinct_and_valid():
     assert algorithm_preset("grpo_passk").advantage_estimator == "grpo_passk"
     with pytest.raises(ValueError, match="unknown algorithm preset 'x'; allowed"):
         algorithm_preset("x")
+
+
+def test_partial_rollouts_load_round_trip_and_are_refused_by_name_when_invalid(tmp_path):
+    path = _write(tmp_path, "[rl]\noverlap = true\n[rl.rollout]\npartial = true\n")
+    run = load_run(RLRun, path)
+    assert run.rl.rollout.partial and run.rl.overlap
+    assert build_run(RLRun, tomllib.loads(to_toml(run))) == run  # the resolved config keeps it
+    assert not load_run(RLRun, None).rl.rollout.partial  # off by default
+    with pytest.raises(ConfigError, match=r"rl\.rollout\.partial must be bool, got str 'yes'"):
+        load_run(RLRun, _write(tmp_path, "[rl.rollout]\npartial = 'yes'\n"))
+    with pytest.raises(ConfigError, match=r"RLConfig\.rollout\.partial must be false without overlap"):
+        load_run(RLRun, None, ["rl.rollout.partial=true"])

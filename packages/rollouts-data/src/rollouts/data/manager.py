@@ -48,7 +48,7 @@ import anyio
 
 from rollouts.data.buffer import DataBuffer
 from rollouts.data.filters import check_reward_nonzero_std
-from rollouts.data.manager_parts import FirstN, partial_group_of, request_seed, takes_seed
+from rollouts.data.manager_parts import FirstN, parse_state, request_seed, takes_seed
 from rollouts.data.rollout import (
     Transformed,
     apply_sample_transforms,
@@ -85,12 +85,18 @@ class AsyncRolloutManager:
         filter_fn: FilterFn | None = None,
         source: str = "",
         continue_fn: ContinueFn | None = None,
+        interrupt: Callable[[], object] | None = None,
+        resume: Callable[[], object] | None = None,
         max_pause_s: float = 3600.0,
     ) -> None:
         """`source`: what generates (an engine's name or URL), named in the failure of a request
         that timed out, which otherwise has no error of its own to say where it hung.
         `continue_fn`: continues a group holding partial samples (needed by `config.partial`);
         without it a group holding a partial sample is a failed request, as before.
+        `interrupt`, `resume` (an engine's abort() and resume()): with `config.partial` and
+        tail="first_n", the requests still running once the step's groups are kept are cut short
+        by `interrupt` and carried as partial groups (continued next step), not cancelled and
+        restarted; `resume` is called once they are back.
         `max_pause_s`: bound on a step's wait for a `paused()` block to end."""
         if not callable(generate_fn):
             raise TypeError(f"generate_fn must be callable, got {type(generate_fn).__name__}")
@@ -100,6 +106,8 @@ class AsyncRolloutManager:
             raise ValueError(
                 "RolloutConfig.partial=True needs a continue_fn ((prompt, partial group) -> continued group)"
             )
+        if config.partial and config.tail == "first_n" and (interrupt is None or resume is None):
+            raise ValueError("RolloutConfig.partial with tail='first_n' needs interrupt and resume (the engine's)")
         if not max_pause_s > 0:
             raise ValueError(f"max_pause_s must be > 0, got {max_pause_s}")
         self._buffer = buffer
@@ -124,6 +132,8 @@ class AsyncRolloutManager:
         self._idle: anyio.Event | None = None  # set when _in_flight drops to 0 (waited on by paused())
         self._resumed: anyio.Event | None = None  # set when a paused() block ends
         self._num_pauses = 0
+        self._interrupt, self._resume = interrupt, resume
+        self._tail_cut = False  # first_n cut the round's tail short: no request starts until its end
 
     @property
     def num_carried_over_groups(self) -> int:
@@ -190,6 +200,14 @@ class AsyncRolloutManager:
         if deadline.cancelled_caught:
             raise TimeoutError(f"generation stayed paused over max_pause_s={self._max_pause_s} s")
 
+    def _held(self) -> bool:
+        return self._resumed is not None or self._tail_cut
+
+    def _cut_tail(self) -> None:
+        self._tail_cut = True
+        if self._interrupt is not None:
+            self._interrupt()
+
     def _draw(self, num: int) -> list[_Item]:
         """The next `num` requests: partial groups to continue first, then aborted prompts, then new
         prompts, each with its position in the data stream."""
@@ -248,12 +266,12 @@ class AsyncRolloutManager:
         position, prompt, group = item
         errors = []
         async with limiter:
-            if self._resumed is not None:  # paused: not started, served again after the pause
+            if self._held():  # paused or tail cut: not started, served again after
                 return
             self._in_flight += 1
             try:
                 for attempt in range(cfg.max_retries + 1):
-                    if attempt and self._resumed is not None:  # no retry during a pause: served again after it
+                    if attempt and self._held():  # no retry during a pause: served again after it
                         return
                     try:
                         with anyio.move_on_after(cfg.request_timeout_s) as deadline:
@@ -299,12 +317,17 @@ class AsyncRolloutManager:
                 self._scope = scope
                 if self._aborted:
                     scope.cancel()
-                first_n = FirstN(need - len(kept), scope, self._transform) if cfg.tail == "first_n" else None
+                cut = self._cut_tail if cfg.partial else None
+                first_n = FirstN(need - len(kept), scope, self._transform, cut) if cfg.tail == "first_n" else None
                 async with anyio.create_task_group() as tg:
                     for rid, item in enumerate(items):
                         on_group = None if first_n is None else first_n.on_group(results)
                         tg.start_soon(self._request, rid, item, limiter, results, counts, on_group)
             self._scope = None
+            if self._tail_cut:  # every request cut short is back
+                self._tail_cut = False
+                if self._resume is not None:
+                    self._resume()
             if first_n is not None and first_n.error is not None:
                 raise first_n.error
             groups = []
@@ -376,26 +399,9 @@ class AsyncRolloutManager:
         """Restore what `state_dict` saved (a state without `pending_positions`, from before seeds
         followed positions, restores its pending prompts without seeds; one without
         `partial_groups`, none)."""
-        keys, required = set(state), {"carry_over", "pending_prompts"}
-        if not required <= keys <= required | {"pending_positions", "partial_groups"}:
-            raise ValueError(
-                "manager state keys must be ['carry_over', 'partial_groups', 'pending_positions', "
-                f"'pending_prompts'], got {sorted(state)}"
-            )
-        expected = self._config.samples_per_prompt
-        carry = [tuple(Sample.from_dict(d) for d in g) for g in state["carry_over"]]
-        for i, g in enumerate(carry):
-            if len(g) != expected:
-                raise ValueError(f"carry_over[{i}] has {len(g)} samples, expected samples_per_prompt={expected}")
-        prompts = list(state["pending_prompts"])
-        positions = list(state.get("pending_positions", [None] * len(prompts)))
-        if len(positions) != len(prompts) or not all(p is None or isinstance(p, int) for p in positions):
-            raise ValueError(
-                f"pending_positions must be {len(prompts)} ints (one per pending prompt), got {positions!r:.120}"
-            )
-        partial = [partial_group_of(i, d, expected) for i, d in enumerate(state.get("partial_groups", []))]
+        carry, pending, partial = parse_state(state, self._config.samples_per_prompt)
         if partial and self._continue_fn is None:
             raise ValueError(f"the state holds {len(partial)} partial groups; continuing them needs a continue_fn")
         self._carry = carry
-        self._pending_prompts = list(zip(positions, prompts, strict=True))
+        self._pending_prompts = pending
         self._partial_groups = partial

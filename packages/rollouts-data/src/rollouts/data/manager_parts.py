@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
@@ -13,7 +13,7 @@ import anyio
 from rollouts.data.rollout import Transformed, is_partial
 from rollouts.types import Sample
 
-__all__ = ["FirstN", "partial_group_of", "request_seed", "takes_seed"]
+__all__ = ["FirstN", "parse_state", "request_seed", "takes_seed"]
 
 
 def request_seed(seed: int, position: int) -> int:
@@ -39,30 +39,41 @@ def takes_seed(fn: Any) -> bool:
 
 class FirstN:
     """tail="first_n": scores each group as it arrives (scoring is per group, so the same as after
-    the round) and cancels the round once `room` groups are kept; a scoring error ends the round
-    and is raised after it, as it would be without first_n."""
+    the round) and ends the round once `room` groups are kept: with `cut` (partial rollouts) by
+    calling it (the engine's abort: the running requests come back partial, to be continued),
+    otherwise by cancelling the round. A scoring error ends the round and is raised after it, as
+    it would be without first_n. Groups holding partial samples are left to the round's end."""
 
-    def __init__(self, room: int, scope: anyio.CancelScope, transform: Any) -> None:
-        self.room, self.scope, self.transform = room, scope, transform
+    def __init__(
+        self, room: int, scope: anyio.CancelScope, transform: Any, cut: Callable[[], object] | None = None
+    ) -> None:
+        self.room, self.scope, self.transform, self.cut = room, scope, transform, cut
         self.num_kept = 0
         self.error: Exception | None = None
         self.outs: dict[int, Transformed] = {}  # request id -> its scored, filtered group
+        self.was_cut = False
 
     def on_group(self, results: dict[int, Any]) -> Any:
         def done(rid: int) -> None:
+            if any(is_partial(s) for s in results[rid]):
+                return
             try:
                 self.outs[rid] = self.transform([results[rid]])
                 self.num_kept += len(self.outs[rid].kept)
             except Exception as e:  # raised by generate_batch once the round is over
                 self.error = self.error or e
                 self.scope.cancel()
-            if self.num_kept >= self.room:
-                self.scope.cancel()
+            if self.num_kept >= self.room and not self.was_cut:
+                if self.cut is None:
+                    self.scope.cancel()
+                else:
+                    self.was_cut = True
+                    self.cut()
 
         return done
 
 
-def partial_group_of(i: int, saved: Any, expected: int) -> tuple[int | None, Any, tuple[Sample, ...]]:
+def _partial_group_of(i: int, saved: Any, expected: int) -> tuple[int | None, Any, tuple[Sample, ...]]:
     """partial_groups[i] of a saved state, checked: a mapping of position, prompt and `expected`
     samples, at least one of them partial."""
     if not isinstance(saved, Mapping) or set(saved) != {"position", "prompt", "samples"}:
@@ -77,3 +88,28 @@ def partial_group_of(i: int, saved: Any, expected: int) -> tuple[int | None, Any
             f"got {len(group)} ({sum(is_partial(s) for s in group)} partial)"
         )
     return position, saved["prompt"], group
+
+
+def parse_state(
+    state: Mapping[str, Any], expected: int
+) -> tuple[list[tuple[Sample, ...]], list[tuple[int | None, Any]], list[tuple[int | None, Any, tuple[Sample, ...]]]]:
+    """A saved manager state, checked: (carry-over groups, (position, prompt) of pending prompts,
+    (position, prompt, group) of partial groups), each group of `expected` samples."""
+    keys, required = set(state), {"carry_over", "pending_prompts"}
+    if not required <= keys <= required | {"pending_positions", "partial_groups"}:
+        raise ValueError(
+            "manager state keys must be ['carry_over', 'partial_groups', 'pending_positions', "
+            f"'pending_prompts'], got {sorted(state)}"
+        )
+    carry = [tuple(Sample.from_dict(d) for d in g) for g in state["carry_over"]]
+    for i, g in enumerate(carry):
+        if len(g) != expected:
+            raise ValueError(f"carry_over[{i}] has {len(g)} samples, expected samples_per_prompt={expected}")
+    prompts = list(state["pending_prompts"])
+    positions = list(state.get("pending_positions", [None] * len(prompts)))
+    if len(positions) != len(prompts) or not all(p is None or isinstance(p, int) for p in positions):
+        raise ValueError(
+            f"pending_positions must be {len(prompts)} ints (one per pending prompt), got {positions!r:.120}"
+        )
+    partial = [_partial_group_of(i, d, expected) for i, d in enumerate(state.get("partial_groups", []))]
+    return carry, list(zip(positions, prompts, strict=True)), partial

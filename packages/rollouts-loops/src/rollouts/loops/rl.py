@@ -46,6 +46,7 @@ from rollouts.loops.rollout_fns import (
     group_generator,
     model_vocab_size,
     single_turn_rollout,
+    tail_controls,
 )
 from rollouts.loops.run_dir import CHECKPOINTS_DIR, lock_run_dir, resume_if_possible, sweep_run_dir
 from rollouts.loops.scoring import Reward, check_reward_errors, summarize
@@ -297,6 +298,7 @@ def _manager(run: _Run, extra: dict[str, Any]) -> AsyncRolloutManager | None:
         filter_fn=run.hooks.filter_fn,
         source=run.context.engine.name,
         continue_fn=continue_fn,
+        **tail_controls(run.context.engine, run.config),
     )
     if "buffer" in extra:
         run.buffer.load_state_dict(extra["buffer"])

@@ -229,6 +229,20 @@ def check_partial_rollouts(config: RLConfig, rollout: RolloutFn) -> None:
         raise ValueError("rl.rollout.partial does not take advantage_estimator 'remax' (its greedy baseline rollout)")
 
 
+def tail_controls(engine: InferenceEngine, config: RLConfig) -> dict[str, Callable[[], object]]:
+    """The manager's interrupt and resume for partial rollouts with tail 'first_n': the engine's
+    abort() and resume(), which it must have; none otherwise."""
+    if not (config.rollout.partial and config.rollout.tail == "first_n"):
+        return {}
+    abort, resume = getattr(engine, "abort", None), getattr(engine, "resume", None)
+    if not (callable(abort) and callable(resume)):
+        raise ValueError(
+            f"rl.rollout.partial with tail 'first_n' cuts the tail short with the engine's abort() and "
+            f"resume(); engine {engine.name} ({type(engine).__name__}) has no such methods"
+        )
+    return {"interrupt": abort, "resume": resume}
+
+
 def group_continuer(
     ctx: RolloutContext, reward: Reward, *, greedy_baseline: bool = False
 ) -> Callable[..., Awaitable[list[Sample]]]:

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import anyio
+
 from rollouts.types import InferenceEngine, LogProbs, LossMask, Sample, SamplingParams, Status, TokenIds
 
 __all__ = [
@@ -131,7 +133,9 @@ async def continue_partials(
 ) -> list[Sample]:
     """Continue each partial Sample on `engine` (n=1 each, the remaining budget of
     `params.max_new_tokens`); a partial already at its budget comes back TRUNCATED as it is.
-    A continuation aborted again comes back partial, to be continued later."""
+    A continuation aborted again comes back partial, to be continued later. Partials with different
+    remaining budgets go out as concurrent calls (one per budget), so the whole takes as long as
+    the longest, not the sum."""
     if params.n != 1:
         raise ValueError(f"continuing partial samples takes params.n=1 (one continuation each), got n={params.n}")
     out: list[Sample | None] = [None] * len(partials)
@@ -143,10 +147,15 @@ async def continue_partials(
             out[i] = replace(s, status=Status.TRUNCATED, metadata=meta)
         else:
             by_budget.setdefault(remaining, []).append(i)
-    for remaining, idx in sorted(by_budget.items()):
+
+    async def run(remaining: int, idx: list[int]) -> None:
         got = await engine.generate([list(partials[i].tokens) for i in idx], replace(params, max_new_tokens=remaining))
         if len(got) != len(idx):
             raise RuntimeError(f"engine returned {len(got)} samples for {len(idx)} continuations")
         for i, c in zip(idx, got, strict=True):
             out[i] = join_continuation(partials[i], c)
+
+    async with anyio.create_task_group() as tg:  # one call per budget, all at once: a group takes its longest
+        for remaining, idx in sorted(by_budget.items()):
+            tg.start_soon(run, remaining, idx)
     return [s for s in out if s is not None]
