@@ -25,7 +25,8 @@ Modes:
 
 Figures: a run's time a step (the sum of its step times, less the wait for the first batch, which
 every mode spends alike, over the number of steps), median over repeats (modes interleaved within
-each repeat); tokens decoded per trained token; partial groups a step.
+each repeat); tokens decoded per token of the trained batches; partial groups a step (a group cut
+short twice counts twice); the fraction of samples dropped as too stale (rl.max_staleness).
 
 Run: OMP_NUM_THREADS=1 uv run python benchmarks/bench_partial.py [steps] [repeats]
 """
@@ -132,8 +133,9 @@ class PacedEngine:
         return out
 
 
-def run_mode(tail: str, partial: bool, steps: int, lengths: np.ndarray) -> tuple[float, float, float]:
-    """(time a step, tokens decoded / tokens trained, mean partial groups a step)."""
+def run_mode(tail: str, partial: bool, steps: int, lengths: np.ndarray) -> tuple[float, float, float, float]:
+    """(time a step, tokens decoded / tokens generated into batches, mean partial groups a step,
+    fraction of samples dropped as too stale)."""
     model = build_tiny_model(
         VOCAB,
         hidden_size=64,
@@ -177,7 +179,8 @@ def run_mode(tail: str, partial: bool, steps: int, lengths: np.ndarray) -> tuple
         )
     # The run's time a step: every step's time, less the wait for the first batch (the same in every mode).
     per_step = (sum(m["step_time_s"] for m in history) - history[0]["generate_wait_s"]) / steps
-    return per_step, engine.decoded / sum(trained), statistics.mean(m["groups_partial"] for m in history)
+    stale = sum(m["num_too_stale"] for m in history) / sum(m["num_samples"] for m in history)
+    return per_step, engine.decoded / sum(trained), statistics.mean(m["groups_partial"] for m in history), stale
 
 
 def main() -> None:
@@ -193,7 +196,7 @@ def main() -> None:
     )
     modes = {"wait": ("wait", False), "wait partial": ("wait", True)}
     modes |= {"first_n": ("first_n", False), "first_n partial": ("first_n", True)}
-    results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in modes}
+    results: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in modes}
     start = time.perf_counter()
     for _ in range(repeats):
         for name, (tail, partial) in modes.items():
@@ -205,6 +208,7 @@ def main() -> None:
             + ", ".join(f"{r[0] * 1e3:.0f}" for r in runs)
             + f")  decoded/trained tokens {statistics.median(r[1] for r in runs):.2f}"
             f"  partial groups/step {statistics.median(r[2] for r in runs):.1f}"
+            f"  too stale {statistics.median(r[3] for r in runs):.1%}"
         )
     base = medians["wait"]
     print(f"  ratio wait / wait partial (step time): {base / medians['wait partial']:.2f}x")

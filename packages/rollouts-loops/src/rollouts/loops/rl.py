@@ -42,11 +42,9 @@ from rollouts.loops.rollout_fns import (
     RolloutFn,
     check_partial_rollouts,
     check_prompt_lengths,
-    group_continuer,
-    group_generator,
     model_vocab_size,
+    rollout_manager,
     single_turn_rollout,
-    tail_controls,
 )
 from rollouts.loops.run_dir import CHECKPOINTS_DIR, lock_run_dir, resume_if_possible, sweep_run_dir
 from rollouts.loops.scoring import Reward, check_reward_errors, summarize
@@ -288,17 +286,8 @@ def _manager(run: _Run, extra: dict[str, Any]) -> AsyncRolloutManager | None:
     """Rank 0's rollout manager, restored from a checkpoint's extra; None on other ranks."""
     if run.context is None or rank_world()[0] != 0:
         return None
-    remax = run.config.algorithm.advantage_estimator == "remax"  # a greedy rollout per prompt as the baseline
-    generate = group_generator(run.hooks.rollout, run.context, run.hooks.reward, greedy_baseline=remax)
-    continue_fn = group_continuer(run.context, run.hooks.reward) if run.config.rollout.partial else None
-    manager = AsyncRolloutManager(
-        run.buffer,
-        run.config.rollout,
-        generate,
-        filter_fn=run.hooks.filter_fn,
-        source=run.context.engine.name,
-        continue_fn=continue_fn,
-        **tail_controls(run.context.engine, run.config),
+    manager = rollout_manager(
+        run.buffer, run.config, run.hooks.rollout, run.context, run.hooks.reward, run.hooks.filter_fn
     )
     if "buffer" in extra:
         run.buffer.load_state_dict(extra["buffer"])

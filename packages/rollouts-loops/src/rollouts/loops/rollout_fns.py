@@ -18,10 +18,11 @@ from typing import Any
 import numpy as np
 import trio
 
+from rollouts.data import AsyncRolloutManager, DataBuffer
 from rollouts.loops.multiturn import ToolExecutor, ToolParser, run_tool_rollout
 from rollouts.loops.scoring import REWARD_ERROR_KEY, Reward, score_group
 from rollouts.sync.partial import PARTIAL, continue_partials
-from rollouts.types import InferenceEngine, RLConfig, Sample, SamplingParams
+from rollouts.types import FilterFn, InferenceEngine, RLConfig, Sample, SamplingParams
 
 PromptEncoder = Callable[[Any], Sequence[int]]
 """Turns a prompt record (from the DataBuffer) into prompt token ids."""
@@ -227,6 +228,29 @@ def check_partial_rollouts(config: RLConfig, rollout: RolloutFn) -> None:
         )
     if config.rollout.partial and config.algorithm.advantage_estimator == "remax":
         raise ValueError("rl.rollout.partial does not take advantage_estimator 'remax' (its greedy baseline rollout)")
+
+
+def rollout_manager(
+    buffer: DataBuffer,
+    config: RLConfig,
+    rollout: RolloutFn,
+    ctx: RolloutContext,
+    reward: Reward,
+    filter_fn: FilterFn | None,
+) -> AsyncRolloutManager:
+    """The loop's rollout manager: groups from `rollout` scored with `reward` (ReMax: with its greedy
+    baseline); with rl.rollout.partial, groups cut short continued on the engine (`group_continuer`),
+    and with tail 'first_n' the tail cut short by the engine's abort() (`tail_controls`)."""
+    remax = config.algorithm.advantage_estimator == "remax"  # a greedy rollout per prompt as the baseline
+    return AsyncRolloutManager(
+        buffer,
+        config.rollout,
+        group_generator(rollout, ctx, reward, greedy_baseline=remax),
+        filter_fn=filter_fn,
+        source=ctx.engine.name,
+        continue_fn=group_continuer(ctx, reward) if config.rollout.partial else None,
+        **tail_controls(ctx.engine, config),
+    )
 
 
 def tail_controls(engine: InferenceEngine, config: RLConfig) -> dict[str, Callable[[], object]]:
