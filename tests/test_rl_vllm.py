@@ -111,3 +111,64 @@ def test_vllm_and_the_trainer_describe_the_same_truncated_distribution(tiny_run_
         trainer = lp[0, s.num_prompt_tokens : len(s.tokens)]
         diffs.extend(abs(float(a) - float(b)) for a, b in zip(trainer, s.rollout_logprobs, strict=True))
     assert sum(diffs) / len(diffs) <= 1e-3, (sum(diffs) / len(diffs), max(diffs))
+
+
+async def _requests_running(url):
+    """vLLM's own gauge of the requests it is decoding now (its /metrics)."""
+    import httpx
+
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        text = (await client.get(f"{url}/metrics")).text
+    values = [
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running")
+    ]
+    return sum(values)
+
+
+def test_vllm_responses_aborted_by_a_sync_are_kept_and_continued(tiny_run_inputs, vllm_for_tiny_model):
+    """A sync (a pause in mode 'abort') lands while vLLM decodes: the responses come back partial
+    (their tokens and log-probs so far, with the old version), and continue_partials finishes them
+    under the new one: nothing lost, nothing repeated, each token's version recorded."""
+    import dataclasses
+
+    from rollouts.sync.partial import continue_partials, token_versions
+
+    model_dir, url = str(tiny_run_inputs / "model"), vllm_for_tiny_model.url
+    budget = 40
+    prompts = [[3 + i % 10, 4 + i % 7, 5] for i in range(16)]
+    params = SamplingParams(n=4, max_new_tokens=budget, temperature=1.0, seed=1, logprobs=True)
+
+    async def run():
+        async with VLLMEngine(url, timeout_s=60.0, keep_partial=True, pause_mode="abort") as engine:
+            version = (await engine.weight_version() or 0) + 1
+            await engine.update_weights_from_disk(model_dir, version)
+            for _ in range(5):  # a batch done before the sync reached it has nothing to abort: again
+                got = {}
+
+                async def generate(got=got):
+                    got["samples"] = await engine.generate(prompts, params)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(generate)
+                    with trio.fail_after(60):
+                        while not await _requests_running(url) and "samples" not in got:
+                            await trio.sleep(0.005)
+                    await engine.update_weights_from_disk(model_dir, version + 1)  # pauses in mode abort
+                partial = [s for s in got["samples"] if s.metadata.get("partial")]
+                if partial:
+                    break
+                version += 1
+            done = await continue_partials(engine, partial, dataclasses.replace(params, n=1))
+            return partial, done, version
+
+    partial, done, old = trio.run(run)
+    assert partial, "no response was in flight when the sync paused vLLM in 5 tries"
+    for p, s in zip(partial, done, strict=True):
+        assert p.status.value == "aborted" and p.weight_version == old
+        assert len(p.rollout_logprobs) == p.response_length < budget
+        assert s.tokens[: len(p.tokens)] == p.tokens  # the partial response kept, continued from its end
+        k, rest = p.response_length, s.response_length - p.response_length
+        assert rest >= 1 and token_versions(s) == (old,) * k + (old + 1,) * rest
+        assert s.weight_version == old and len(s.rollout_logprobs) == s.response_length
+        assert s.response_length == budget or s.status.value == "completed"  # the budget, unless EOS ended it
+        assert "partial" not in s.metadata
