@@ -147,21 +147,10 @@ async def sync_engine(
         await trio.to_thread.run_sync(lambda: export_weights(components, path, writer=writer))
     export_s = time.perf_counter() - start
     if engine is not None and rank_world()[0] == 0:
-        async with lock:  # never mid-generation
-            if manager is None:
-                await engine.update_weights_from_disk(str(path.resolve()), version)
-            else:
-                interrupt = getattr(engine, "abort", None)
-                pause_start = time.perf_counter()
-                async with manager.paused(interrupt=interrupt if callable(interrupt) else None):
-                    paused_s = time.perf_counter() - pause_start
-                    await engine.update_weights_from_disk(str(path.resolve()), version)
-                    resume = getattr(engine, "resume", None)
-                    if callable(resume):
-                        resume()
-                return state.with_weight_version(version), {
-                    "sync_export_s": export_s,
-                    "sync_abort_wait_s": paused_s,
-                    "sync_s": time.perf_counter() - start,
-                }
+        abort, resume = (getattr(engine, name, None) for name in ("abort", "resume"))
+        held: Any = contextlib.nullcontext() if manager is None else manager.paused(abort if callable(abort) else None)
+        async with lock, held:  # never mid-generation: it waited for the lock, or was cut short
+            await engine.update_weights_from_disk(str(path.resolve()), version)
+            if manager is not None and callable(resume):
+                resume()
     return state.with_weight_version(version), {"sync_export_s": export_s, "sync_s": time.perf_counter() - start}

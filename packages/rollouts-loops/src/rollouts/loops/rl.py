@@ -10,7 +10,10 @@ Generation is a producer task on rank 0 feeding a memory channel, one batch per 
 overlap the next batch is requested after the sync; with `config.overlap` it is requested before
 training, so step n+1 generates while step n trains. An engine never changes weights mid-generation:
 the sync takes the engine lock the producer holds while generating, so a sample is at most
-`max_staleness` versions behind the weights it trains.
+`max_staleness` versions behind the weights it trains. With `config.rollout.partial` the producer
+does not hold the lock: the sync pauses the rollout manager, the engine's abort() cuts the responses
+in flight short, and they are continued under the new weights (each token keeps its version; a
+sample's version is its oldest token's).
 """
 
 from __future__ import annotations
