@@ -172,3 +172,25 @@ def test_vllm_responses_aborted_by_a_sync_are_kept_and_continued(tiny_run_inputs
         assert s.weight_version == old and len(s.rollout_logprobs) == s.response_length
         assert s.response_length == budget or s.status.value == "completed"  # the budget, unless EOS ended it
         assert "partial" not in s.metadata
+
+
+def test_rl_loop_with_partial_rollouts_on_vllm(tiny_run_inputs, vllm_for_tiny_model, tmp_path):
+    """rl.rollout.partial against the real server: each sync pauses vLLM in mode 'abort' while the
+    next batch decodes; whatever it cuts short is continued, and every step trains a full batch of
+    samples at most one version old, their version segments summing to their responses."""
+    out = tmp_path / "rl_vllm_partial"
+    engine = f"""
+[engine]
+kind = "vllm"
+urls = ["{vllm_for_tiny_model.url}"]
+timeout_s = 60.0
+"""
+    config = rl_toml(tiny_run_inputs, out, tiny_run_inputs / "model", extra=engine)
+    settings = ["rl.overlap=true", "rl.rollout.partial=true", "rl.rollout.sampling.max_new_tokens=48"]
+    settings += ["rl.rollout.batch_size=8", "rl.rollout.samples_per_prompt=8"]  # decoding outlasts training
+    args = ["rl", "--config", str(config), "--set", "rl.rollout.request_timeout_s=60.0"]
+    assert main([*args, *(a for s in settings for a in ("--set", s))]) == 0
+    records = read_jsonl(out / "metrics_rl.jsonl")
+    assert [r["weight_version"] for r in records] == [1.0, 2.0, 3.0]
+    assert all(r["num_samples"] == 64 and r["num_trained"] == 64 and r["staleness_max"] <= 1 for r in records)
+    assert all(r["groups_requested"] >= 8 + r["groups_partial"] for r in records)  # a group cut short is asked again

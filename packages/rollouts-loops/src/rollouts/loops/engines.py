@@ -228,11 +228,14 @@ def remote_engine(
     max_retries: int,
     sync_timeout_s: float,
     sync: str = "disk",
+    partial: bool = False,
 ) -> InferenceEngine:
     """A vLLM / SGLang client (a pool of them for several URLs); the API key comes from `api_key_env`.
 
     `sync`: "disk" reloads each engine from the exported weights' absolute path (a shared
-    filesystem); "http" sends them in request bodies (`SendWeights`)."""
+    filesystem); "http" sends them in request bodies (`SendWeights`). `partial` (rl.rollout.partial,
+    vLLM only): a sync pauses the server in mode "abort" and the responses it cuts short come back
+    as partial samples (`VLLMEngine(keep_partial=True)`), to be continued."""
     from rollouts.sync import EnginePool, SGLangEngine, VLLMEngine
 
     if sync not in ("disk", "http"):
@@ -240,10 +243,13 @@ def remote_engine(
     api_key = os.environ.get(api_key_env) if api_key_env else None
     if api_key_env and not api_key:
         raise ValueError(f"environment variable {api_key_env!r} (engine.api_key_env) is not set")
+    if partial and kind != "vllm":
+        raise ValueError(f"rl.rollout.partial needs an engine that keeps aborted responses: 'vllm', not {kind!r}")
+    common: dict[str, Any] = {"api_key": api_key, "timeout_s": timeout_s, "max_retries": max_retries}
+    if partial:
+        common |= {"keep_partial": True, "pause_mode": "abort"}
     cls = {"vllm": VLLMEngine, "sglang": SGLangEngine}[kind]
-    engines: list[InferenceEngine] = [
-        cls(url, api_key=api_key, timeout_s=timeout_s, max_retries=max_retries) for url in urls
-    ]
+    engines: list[InferenceEngine] = [cls(url, **common) for url in urls]
     if sync == "http":
         engines = [SendWeights(e) for e in engines]
     if len(engines) == 1:

@@ -180,6 +180,7 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
             max_retries=run.engine.max_retries,
             sync_timeout_s=run.engine.sync_timeout_s,
             sync=run.engine.sync,
+            partial=run.rl.rollout.partial,
         )
     if shares:
         model = components.model
