@@ -233,6 +233,18 @@ def test_remote_engine_bounds_a_single_url_by_sync_timeout_s():
     assert isinstance(engine, BoundedSync) and engine.sync_timeout_s == 7.0
 
 
+def test_remote_engine_for_partial_rollouts_keeps_aborted_responses_and_refuses_sglang():
+    from rollouts.loops.engines import remote_engine
+
+    common = {"api_key_env": "", "timeout_s": 5.0, "max_retries": 0, "sync_timeout_s": 7.0}
+    engine = remote_engine("vllm", ["http://127.0.0.1:1"], partial=True, **common)
+    assert engine.engine.keep_partial and engine.engine.pause_mode == "abort"  # a sync cuts responses short
+    plain = remote_engine("vllm", ["http://127.0.0.1:1"], **common)
+    assert not plain.engine.keep_partial and plain.engine.pause_mode == "wait"
+    with pytest.raises(ValueError, match="rl.rollout.partial needs .* 'vllm', not 'sglang'"):
+        remote_engine("sglang", ["http://127.0.0.1:1"], partial=True, **common)
+
+
 class PickyEngine:
     """Refuses a whole call when any prompt in it is longer than `max_len` (as a context limit does)."""
 
