@@ -25,10 +25,12 @@ Modes:
 
 Figures: a run's time a step (the sum of its step times, less the wait for the first batch, which
 every mode spends alike, over the number of steps), median over repeats (modes interleaved within
-each repeat); tokens decoded per token of the trained batches; partial groups a step (a group cut
-short twice counts twice); the fraction of samples dropped as too stale (rl.max_staleness).
+each repeat); samples trained a second (a sample more than rl.max_staleness versions old when its
+step trains is dropped: a response carried across several steps is); tokens decoded per token of
+the batches; partial groups a step (a group cut short twice counts twice); the fraction of
+samples dropped as too stale.
 
-Run: OMP_NUM_THREADS=1 uv run python benchmarks/bench_partial.py [steps] [repeats]
+Run: OMP_NUM_THREADS=1 uv run python benchmarks/bench_partial.py [steps] [repeats] [max_staleness]
 """
 
 from __future__ import annotations
@@ -133,9 +135,11 @@ class PacedEngine:
         return out
 
 
-def run_mode(tail: str, partial: bool, steps: int, lengths: np.ndarray) -> tuple[float, float, float, float]:
-    """(time a step, tokens decoded / tokens generated into batches, mean partial groups a step,
-    fraction of samples dropped as too stale)."""
+def run_mode(
+    tail: str, partial: bool, steps: int, lengths: np.ndarray, max_staleness: int
+) -> tuple[float, float, float, float, float]:
+    """(time a step, samples trained a second, tokens decoded / tokens generated into batches, mean
+    partial groups a step, fraction of samples dropped as too stale)."""
     model = build_tiny_model(
         VOCAB,
         hidden_size=64,
@@ -148,6 +152,7 @@ def run_mode(tail: str, partial: bool, steps: int, lengths: np.ndarray) -> tuple
     config = RLConfig(
         num_steps=steps,
         overlap=True,
+        max_staleness=max_staleness,
         max_tokens_per_micro_batch=2048,
         rollout=RolloutConfig(
             batch_size=BATCH,
@@ -180,41 +185,50 @@ def run_mode(tail: str, partial: bool, steps: int, lengths: np.ndarray) -> tuple
     # The run's time a step: every step's time, less the wait for the first batch (the same in every mode).
     per_step = (sum(m["step_time_s"] for m in history) - history[0]["generate_wait_s"]) / steps
     stale = sum(m["num_too_stale"] for m in history) / sum(m["num_samples"] for m in history)
-    return per_step, engine.decoded / sum(trained), statistics.mean(m["groups_partial"] for m in history), stale
+    per_second = sum(m["num_trained"] for m in history) / (per_step * steps)
+    partial_groups = statistics.mean(m["groups_partial"] for m in history)
+    return per_step, per_second, engine.decoded / sum(trained), partial_groups, stale
 
 
 def main() -> None:
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 10
     repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    max_staleness = int(sys.argv[3]) if len(sys.argv) > 3 else 1
     rng = np.random.default_rng(0)
     lengths = np.minimum(MIN_LEN * (1.0 + rng.pareto(PARETO_ALPHA, (NUM_PROMPTS, GROUP))), MAX_TOKENS).astype(int)
     print(
         f"workload: {steps} steps x {BATCH} groups x {GROUP} samples, response lengths Pareto(alpha={PARETO_ALPHA}) x "
         f"{MIN_LEN} capped at {MAX_TOKENS} (mean {lengths.mean():.0f}, longest of a group: mean "
         f"{lengths.max(axis=1).mean():.0f}), {PER_TOKEN_S * 1e3:.0f} ms/token, over-sampling {OVER_SAMPLING} "
-        f"with first_n; overlap on; {repeats} repeats, modes interleaved"
+        f"with first_n; overlap on, max_staleness {max_staleness}; {repeats} repeats, modes interleaved"
     )
     modes = {"wait": ("wait", False), "wait partial": ("wait", True)}
     modes |= {"first_n": ("first_n", False), "first_n partial": ("first_n", True)}
-    results: dict[str, list[tuple[float, float, float, float]]] = {name: [] for name in modes}
+    results: dict[str, list[tuple[float, float, float, float, float]]] = {name: [] for name in modes}
     start = time.perf_counter()
     for _ in range(repeats):
         for name, (tail, partial) in modes.items():
-            results[name].append(run_mode(tail, partial, steps, lengths))
-    medians = {name: statistics.median(r[0] for r in runs) for name, runs in results.items()}
+            results[name].append(run_mode(tail, partial, steps, lengths, max_staleness))
+    step = {name: statistics.median(r[0] for r in runs) for name, runs in results.items()}
+    rate = {name: statistics.median(r[1] for r in runs) for name, runs in results.items()}
     for name, runs in results.items():
         print(
-            f"  {name:16s} step time {medians[name] * 1e3:7.1f} ms (runs: "
+            f"  {name:16s} step time {step[name] * 1e3:6.1f} ms (runs: "
             + ", ".join(f"{r[0] * 1e3:.0f}" for r in runs)
-            + f")  decoded/trained tokens {statistics.median(r[1] for r in runs):.2f}"
-            f"  partial groups/step {statistics.median(r[2] for r in runs):.1f}"
-            f"  too stale {statistics.median(r[3] for r in runs):.1%}"
+            + f")  trained {rate[name]:5.1f} samples/s  decoded/batched tokens "
+            f"{statistics.median(r[2] for r in runs):.2f}  partial groups/step {statistics.median(r[3] for r in runs):4.1f}"
+            f"  too stale {statistics.median(r[4] for r in runs):5.1%}"
         )
-    base = medians["wait"]
-    print(f"  ratio wait / wait partial (step time): {base / medians['wait partial']:.2f}x")
-    print(f"  ratio wait / first_n (restart): {base / medians['first_n']:.2f}x")
-    print(f"  ratio wait / first_n partial: {base / medians['first_n partial']:.2f}x")
-    print(f"  ratio first_n (restart) / first_n partial: {medians['first_n'] / medians['first_n partial']:.2f}x")
+    for ours, base in (
+        ("wait partial", "wait"),
+        ("first_n", "wait"),
+        ("first_n partial", "wait"),
+        ("first_n partial", "first_n"),
+    ):
+        print(
+            f"  {ours} vs {base}: step time {step[base] / step[ours]:.2f}x shorter, "
+            f"trained samples/s {rate[ours] / rate[base]:.2f}x"
+        )
     print(f"  ({time.perf_counter() - start:.0f} s)")
 
 
