@@ -84,6 +84,7 @@ def _partial_run(tmp_path, monkeypatch, *, num_steps, partial=True):
     from rollouts.data import DataBuffer
     from rollouts.loops.app.tiny import build_tiny_model
     from rollouts.loops.engines import CoalescingEngine
+    from rollouts.loops.evaluation import Evaluation
     from rollouts.loops.loggers import NullLogger
     from rollouts.loops.rl import run_rl_training
     from rollouts.types import OptimizerConfig, RLConfig, RolloutConfig
@@ -113,7 +114,7 @@ def _partial_run(tmp_path, monkeypatch, *, num_steps, partial=True):
 
         return real_generate(model, prompts, should_abort=check, **kw)
 
-    trained = []
+    trained, eval_statuses = [], []
 
     def recording_update(components, state, samples, config, **kw):
         trained.append(list(samples))
@@ -139,28 +140,43 @@ def _partial_run(tmp_path, monkeypatch, *, num_steps, partial=True):
     components = build_components(model, config.optimizer, num_training_steps=num_steps)
     engine = CoalescingEngine(InProcessEngine(copy.deepcopy(model), shares_training_model=False, eos_token_ids=()))
     records = [{"prompt": f"p{i}", "id": i} for i in range(40)]
+    evaluation = Evaluation(
+        records=tuple({"prompt": f"e{i}", "id": i, "eval": True} for i in range(2)),
+        every_steps=1,
+        sampling=SamplingParams(n=2, max_new_tokens=MAX_NEW, temperature=1.0, seed=1),
+    )
+
+    def reward(sample, record):
+        if record.get("eval"):  # evaluation has the engine to itself: never cut short by an abort
+            eval_statuses.append(sample.status)
+        return float(sample.tokens[-1] % 2)
+
     _, history = run_rl_training(
         components,
         DataBuffer(records, shuffle=False),
         engine,
         config,
-        reward=lambda s, r: float(s.tokens[-1] % 2),
-        encode_prompt=lambda r: [3 + r["id"] // 8, 3 + r["id"] % 8],
+        reward=reward,
+        encode_prompt=lambda r: [3 + r["id"] // 8, 3 + r["id"] % 8] + ([9] if r.get("eval") else []),
         logger=NullLogger(),
         run_dir=tmp_path,
+        evaluation=evaluation,
     )
-    return history, trained, fresh_calls
+    return history, trained, fresh_calls, eval_statuses
 
 
 def test_a_sync_mid_generation_aborts_it_and_the_loop_continues_the_partial_samples(tmp_path, monkeypatch):
     num_steps = 3
-    history, trained, fresh_calls = _partial_run(tmp_path, monkeypatch, num_steps=num_steps)
+    history, trained, fresh_calls, eval_statuses = _partial_run(tmp_path, monkeypatch, num_steps=num_steps)
+    assert len(eval_statuses) == 2 * 2 * num_steps and Status.ABORTED not in eval_statuses
+    assert all("eval_reward_mean" in m for m in history)
     ids = [sorted({s.metadata["id"] for s in samples}) for samples in trained]
     assert ids == [list(range(b * B, (b + 1) * B)) for b in range(num_steps)]  # none lost, none trained twice
     assert fresh_calls == dict.fromkeys(range(num_steps * B), 1)  # each prompt started once: continued, not restarted
     assert all(len(samples) == B * N for samples in trained)
     assert [m["groups_partial"] for m in history] == [0] + [B] * (num_steps - 1)
-    assert [m["groups_requested"] for m in history] == [B] + [2 * B] * (num_steps - 1)
+    # each partial group is asked for again (more when the evaluation's pause held a request back)
+    assert all(m["groups_requested"] >= B + m["groups_partial"] for m in history)
     for b, samples in enumerate(trained[1:], start=1):  # generated across the sync after step b-1
         for s in samples:
             (old, cut), (new, rest) = s.metadata["version_segments"]

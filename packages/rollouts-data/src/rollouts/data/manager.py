@@ -132,6 +132,7 @@ class AsyncRolloutManager:
         self._idle: anyio.Event | None = None  # set when _in_flight drops to 0 (waited on by paused())
         self._resumed: anyio.Event | None = None  # set when a paused() block ends
         self._num_pauses = 0
+        self._num_held = 0  # requests a pause or a tail cut kept from starting
         self._interrupt, self._resume = interrupt, resume
         self._tail_cut = False  # first_n cut the round's tail short: no request starts until its end
 
@@ -192,11 +193,10 @@ class AsyncRolloutManager:
             resumed.set()
 
     async def _wait_resumed(self) -> None:
-        resumed = self._resumed
-        if resumed is None:
-            return
+        """Until no pause holds generation (one may begin as soon as another ends), at most max_pause_s."""
         with anyio.move_on_after(self._max_pause_s) as deadline:
-            await resumed.wait()
+            while self._resumed is not None:
+                await self._resumed.wait()
         if deadline.cancelled_caught:
             raise TimeoutError(f"generation stayed paused over max_pause_s={self._max_pause_s} s")
 
@@ -267,11 +267,13 @@ class AsyncRolloutManager:
         errors = []
         async with limiter:
             if self._held():  # paused or tail cut: not started, served again after
+                self._num_held += 1
                 return
             self._in_flight += 1
             try:
                 for attempt in range(cfg.max_retries + 1):
                     if attempt and self._held():  # no retry during a pause: served again after it
+                        self._num_held += 1
                         return
                     try:
                         with anyio.move_on_after(cfg.request_timeout_s) as deadline:
@@ -308,7 +310,7 @@ class AsyncRolloutManager:
         while len(kept) < need and num_rounds < rounds_allowed and not self._aborted:
             await self._wait_resumed()
             num_rounds += 1
-            pauses_before = self._num_pauses
+            interruptions = (self._num_pauses, self._num_held)
             items = self._draw(math.ceil((need - len(kept)) * cfg.over_sampling_factor))
             counts["requested"] += len(items)
             results: dict[int, tuple[Sample, ...] | str] = {}
@@ -346,7 +348,7 @@ class AsyncRolloutManager:
                     counts["partial"] += 1
                 else:
                     groups.append(result)
-            if self._num_pauses != pauses_before:  # a round a pause cut short is not one of the allowed rounds
+            if (self._num_pauses, self._num_held) != interruptions:  # a round cut short is not one of the allowed
                 num_rounds -= 1
                 num_paused += 1
             if first_n is None:

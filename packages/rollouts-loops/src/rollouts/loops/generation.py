@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,23 @@ class BatchSource:
         if shared is not None:
             return shared
         return await trio.to_thread.run_sync(batch_from_bytes, memoryview(received)[1:])
+
+
+@contextlib.asynccontextmanager
+async def engine_alone(engine: Any, lock: trio.Lock, manager: AsyncRolloutManager | None) -> AsyncIterator[None]:
+    """The engine to one caller (evaluation, the sync probe): the lock, not mid-sync; with partial
+    rollouts (`manager`: the producer generates without the lock) also the manager paused, its
+    responses in flight cut short by the engine's abort() (continued afterwards) and the engine
+    resumed for the caller, so that no abort (a sync's, a first_n cut) reaches the caller's requests."""
+    async with lock:
+        if manager is None:
+            yield
+            return
+        abort, resume = (getattr(engine, name, None) for name in ("abort", "resume"))
+        async with manager.paused(abort if callable(abort) else None):
+            if callable(resume):
+                resume()
+            yield
 
 
 async def sync_engine(

@@ -34,7 +34,7 @@ from rollouts.data import AsyncRolloutManager, DataBuffer
 from rollouts.loops.critic import default_critic, load_critic, save_critic
 from rollouts.loops.distributed import rank_world
 from rollouts.loops.evaluation import Evaluation, evaluate_groups, group_metrics
-from rollouts.loops.generation import BatchSource, sync_engine
+from rollouts.loops.generation import BatchSource, engine_alone, sync_engine
 from rollouts.loops.kl_control import KL_CONTROLLER_KEY, initial_kl_state, next_kl_state, with_kl_coef
 from rollouts.loops.per_token import AdvantageFn
 from rollouts.loops.probe import probe_sync
@@ -339,7 +339,7 @@ async def _train(
         )
         metrics.update(sync_metrics)
         if config.sync_probe_tokens:  # the engine serves what was trained, or the step fails naming it
-            async with lock:
+            async with engine_alone(run.engine, lock, manager):
                 metrics.update(
                     await probe_sync(
                         run.components,
@@ -372,7 +372,7 @@ async def _after_step(
         and (state.step % evaluation.every_steps == 0 or state.step >= total)
     ):
         start = time.perf_counter()
-        async with lock:  # the engine's current weights, not mid-sync
+        async with engine_alone(run.context.engine, lock, manager if config.rollout.partial else None):
             groups = await evaluate_groups(
                 run.context.engine, evaluation.records, run.context.encode_prompt, run.hooks.reward, evaluation.sampling
             )
