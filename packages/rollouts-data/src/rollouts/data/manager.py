@@ -22,8 +22,11 @@ engine cut the running ones short (they come back as groups holding partial samp
 tokens and log-probs) and waits for them; inside it the weights are synced. On leaving it the step
 goes on: the partial groups are continued first (`continue_fn`: prompt + partial response, the
 remaining budget, under the new weights), so no token is decoded twice. A paused round does not
-count against `max_generation_rounds`. Partial groups are counted in groups_aborted (and
-groups_partial), and kept across steps and in `state_dict`.
+count against `max_generation_rounds`. With tail="first_n", `interrupt` and `resume` (the
+engine's abort() and resume()) cut the round's tail short the same way once the step's groups are
+kept: it is carried to the next step as partial groups instead of being cancelled and restarted.
+Partial groups are counted in groups_aborted (and groups_partial), and kept across steps and in
+`state_dict`.
 
 Seeds: with `config.sampling.seed` set, each request gets its own seed, derived from that seed and
 the prompt's position in the data stream (`request_seed`), and passed to a generate function that
