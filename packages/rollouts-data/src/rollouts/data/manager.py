@@ -51,7 +51,7 @@ import anyio
 
 from rollouts.data.buffer import DataBuffer
 from rollouts.data.filters import check_reward_nonzero_std
-from rollouts.data.manager_parts import FirstN, parse_state, request_seed, takes_seed
+from rollouts.data.manager_parts import FirstN, dump_state, parse_state, request_seed, takes_seed
 from rollouts.data.rollout import (
     Transformed,
     apply_sample_transforms,
@@ -60,7 +60,7 @@ from rollouts.data.rollout import (
     is_partial,
     validate_group,
 )
-from rollouts.types import FilterFn, GenerateFn, RewardFn, RolloutBatch, RolloutConfig, Sample, thaw
+from rollouts.types import FilterFn, GenerateFn, RewardFn, RolloutBatch, RolloutConfig, Sample
 
 __all__ = ["AsyncRolloutManager", "ContinueFn", "request_seed"]
 
@@ -390,15 +390,7 @@ class AsyncRolloutManager:
     def state_dict(self) -> dict[str, Any]:
         """JSON-ready state: the carry-over cache, the prompts of aborted requests with their
         positions in the data stream (their seeds come from those), and the partial groups."""
-        return {
-            "carry_over": [[s.to_dict() for s in g] for g in self._carry],
-            "pending_prompts": [thaw(p) for _, p in self._pending_prompts],
-            "pending_positions": [pos for pos, _ in self._pending_prompts],
-            "partial_groups": [
-                {"position": pos, "prompt": thaw(p), "samples": [s.to_dict() for s in g]}
-                for pos, p, g in self._partial_groups
-            ],
-        }
+        return dump_state(self._carry, self._pending_prompts, self._partial_groups)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what `state_dict` saved (a state without `pending_positions`, from before seeds

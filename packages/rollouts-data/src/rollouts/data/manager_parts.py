@@ -11,9 +11,9 @@ from typing import Any
 import anyio
 
 from rollouts.data.rollout import Transformed, is_partial
-from rollouts.types import Sample
+from rollouts.types import Sample, thaw
 
-__all__ = ["FirstN", "parse_state", "request_seed", "takes_seed"]
+__all__ = ["FirstN", "dump_state", "parse_state", "request_seed", "takes_seed"]
 
 
 def request_seed(seed: int, position: int) -> int:
@@ -113,3 +113,19 @@ def parse_state(
         )
     partial = [_partial_group_of(i, d, expected) for i, d in enumerate(state.get("partial_groups", []))]
     return carry, list(zip(positions, prompts, strict=True)), partial
+
+
+def dump_state(
+    carry: list[tuple[Sample, ...]],
+    pending: list[tuple[int | None, Any]],
+    partial: list[tuple[int | None, Any, tuple[Sample, ...]]],
+) -> dict[str, Any]:
+    """The manager's state as JSON-ready data (what `parse_state` reads back)."""
+    return {
+        "carry_over": [[s.to_dict() for s in g] for g in carry],
+        "pending_prompts": [thaw(p) for _, p in pending],
+        "pending_positions": [pos for pos, _ in pending],
+        "partial_groups": [
+            {"position": pos, "prompt": thaw(p), "samples": [s.to_dict() for s in g]} for pos, p, g in partial
+        ],
+    }
