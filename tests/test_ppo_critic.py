@@ -39,7 +39,7 @@ def test_a_resumed_ppo_run_continues_with_the_critic_it_saved(tiny_run_inputs, t
         load(critic, path)
         loaded.update({k: v.detach().clone() for k, v in critic.model.state_dict().items()})
 
-    monkeypatch.setattr("rollouts.loops.rl.load_critic", recording_load)
+    monkeypatch.setattr("rollouts.loops.rl_run.load_critic", recording_load)
     _run(tiny_run_inputs, tmp_path, algorithm=algorithm, steps=3, lr=1e-2, reward=starts_with_seven, resume=True)
     assert loaded and all(torch.equal(loaded[k], v) for k, v in saved.items())
 

@@ -22,23 +22,23 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from rollouts.backends import CheckpointWriter, TrainingComponents, save_checkpoint
+from rollouts.backends import CheckpointWriter, TrainingComponents
 from rollouts.backends.lora import has_lora
 from rollouts.data import AsyncRolloutManager, DataBuffer
-from rollouts.loops.critic import default_critic, load_critic, save_critic
+from rollouts.loops.critic import default_critic
 from rollouts.loops.distributed import rank_world
 from rollouts.loops.evaluation import Evaluation, evaluate_groups, group_metrics
 from rollouts.loops.generation import BatchSource, engine_alone, sync_engine
-from rollouts.loops.kl_control import KL_CONTROLLER_KEY, initial_kl_state, next_kl_state, with_kl_coef
+from rollouts.loops.kl_control import initial_kl_state, next_kl_state, with_kl_coef
 from rollouts.loops.per_token import AdvantageFn
 from rollouts.loops.probe import probe_sync
-from rollouts.loops.reference import check_reference_update, default_reference, saved_models, update_reference
+from rollouts.loops.reference import check_reference_update, default_reference, update_reference
+from rollouts.loops.rl_run import RLHooks, Run, restore, save_run_checkpoint
 from rollouts.loops.rollout_fns import (
     PromptEncoder,
     RolloutContext,
@@ -46,10 +46,9 @@ from rollouts.loops.rollout_fns import (
     check_partial_rollouts,
     check_prompt_lengths,
     model_vocab_size,
-    rollout_manager,
     single_turn_rollout,
 )
-from rollouts.loops.run_dir import CHECKPOINTS_DIR, lock_run_dir, resume_if_possible, sweep_run_dir
+from rollouts.loops.run_dir import lock_run_dir, sweep_run_dir
 from rollouts.loops.scoring import Reward, check_reward_errors, summarize
 from rollouts.loops.step import failure_causes, log_completions, rl_step
 from rollouts.losses import KLControllerState, LossFn
@@ -59,26 +58,10 @@ from rollouts.types import (
     MetricsLogger,
     RLConfig,
     RolloutBatch,
-    Sample,
     TrainingState,
 )
 
 _MAX_EMPTY_BATCHES = 3  # steps in a row with nothing to train on before the loop gives up
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RLHooks:
-    """The loop's plug points, each with a built-in default."""
-
-    reward: Reward
-    rollout: RolloutFn = single_turn_rollout
-    filter_fn: FilterFn | None = None
-    """Judges a group: None keeps it, a string is why it was dropped (default: DAPO's non-zero std
-    filter when dynamic_sampling is on, else none)."""
-    advantage_fn: AdvantageFn | None = None
-    """(rewards_N, groups_N) -> advantages_N; default: the configured estimator."""
-    loss_fn: LossFn | None = None
-    """Per micro-batch loss; default: rollouts.losses.loss_fn_from_config(config.algorithm)."""
 
 
 def _no_progress_error(batch: RolloutBatch, metrics: dict[str, float], empty_in_a_row: int) -> RuntimeError:
@@ -91,32 +74,6 @@ def _no_progress_error(batch: RolloutBatch, metrics: dict[str, float], empty_in_
 
 
 # ---------------------------------------------------------------- the loop
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _Run:
-    """Everything one run of the loop uses, fixed for its duration."""
-
-    components: TrainingComponents
-    ref_components: TrainingComponents | None
-    critic: TrainingComponents | None
-    buffer: DataBuffer
-    engine: InferenceEngine | None
-    config: RLConfig
-    hooks: RLHooks
-    context: RolloutContext | None
-    logger: MetricsLogger
-    run_dir: Path
-    shares_model: bool
-    resume: bool
-    resume_from: str | Path | None
-    tokenizer: Any
-    on_step: Callable[[TrainingState, dict[str, float]], None] | None
-    evaluation: Evaluation | None
-    num_logged_completions: int
-    probe_prompt: tuple[int, ...]
-    writer: CheckpointWriter
-    """Finishes checkpoints and deletes old exports off the loop's path; closed when the run ends."""
 
 
 def run_rl_training(
@@ -193,7 +150,7 @@ def run_rl_training(
             max_sample_tokens=config.max_tokens_per_micro_batch,
         )
     )
-    run = _Run(
+    run = Run(
         components=components,
         ref_components=ref_components,
         critic=critic_components if critic_components is not None else default_critic(components, config, world=world),
@@ -227,38 +184,14 @@ def run_rl_training(
             raise
 
 
-async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:
+async def _rl_main(run: Run) -> tuple[TrainingState, list[dict[str, float]]]:
     config, updates, lock = run.config, run.config.algorithm.num_updates_per_batch, trio.Lock()
     total = config.num_steps * updates
-    state, extra, resumed = resume_if_possible(
-        run.components,
-        run.run_dir,
-        resume=run.resume,
-        resume_from=run.resume_from,
-        models=saved_models(run.config.reference, run.ref_components),
-    )
-    if run.critic is not None and resumed is not None:
-        load_critic(run.critic, resumed)
-    manager = _manager(run, extra)
-    ahead = (
-        RolloutBatch(samples=[Sample.from_dict(d) for d in extra["pending_batch"]], step=state.step // updates)
-        if "pending_batch" in extra
-        else None
-    )
-    if state.step > 0:  # a resumed run: the engine serves the restored weights, under their own version
-        state, _ = await sync_engine(
-            run.components,
-            run.engine,
-            state,
-            run.run_dir,
-            shares_model=run.shares_model,
-            lock=lock,
-            version=state.weight_version,
-            writer=run.writer,
-        )
+    state, extra, manager, ahead = await restore(run, lock)
     history: list[dict[str, float]] = []
     empty_in_a_row = 0
     kl_state = initial_kl_state(config, extra)
+    pausable = manager if config.rollout.partial else None  # paused for a sync, evaluation or probe
     async with trio.open_nursery() as nursery:
         batches = BatchSource(nursery, manager, lock, ahead, hold_lock=not config.rollout.partial)
         while state.step < total:
@@ -269,7 +202,6 @@ async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:
             check_reward_errors(batch.samples, run.hooks.reward.on_error)
             log_completions(batch, state.step + 1, run.num_logged_completions)
             step_config = with_kl_coef(config, kl_state)
-            pausable = manager if config.rollout.partial else None
             state, metrics = await _train(run, state, batch, lock, pausable, step_config)
             metrics["kl_coef"] = step_config.algorithm.kl_coef
             if run.ref_components is not None and metrics["num_trained"]:
@@ -285,22 +217,8 @@ async def _rl_main(run: _Run) -> tuple[TrainingState, list[dict[str, float]]]:
     return state, history
 
 
-def _manager(run: _Run, extra: dict[str, Any]) -> AsyncRolloutManager | None:
-    """Rank 0's rollout manager, restored from a checkpoint's extra; None on other ranks."""
-    if run.context is None or rank_world()[0] != 0:
-        return None
-    manager = rollout_manager(
-        run.buffer, run.config, run.hooks.rollout, run.context, run.hooks.reward, run.hooks.filter_fn
-    )
-    if "buffer" in extra:
-        run.buffer.load_state_dict(extra["buffer"])
-    if "manager" in extra:
-        manager.load_state_dict(extra["manager"])
-    return manager
-
-
 async def _train(
-    run: _Run,
+    run: Run,
     state: TrainingState,
     batch: RolloutBatch,
     lock: trio.Lock,
@@ -355,7 +273,7 @@ async def _train(
 
 
 async def _after_step(
-    run: _Run,
+    run: Run,
     state: TrainingState,
     metrics: dict[str, float],
     manager: AsyncRolloutManager | None,
@@ -381,31 +299,6 @@ async def _after_step(
         run.logger.log(state.step, metrics)
     if run.on_step is not None:  # in a worker thread: a callback may block, or run trio itself
         await trio.to_thread.run_sync(run.on_step, state, metrics)
-    ckpt = config.checkpoint
-    if not ((ckpt.every_steps > 0 and state.step % ckpt.every_steps == 0) or state.step >= total):
-        return
-    extra: dict[str, Any] = {}
-    ahead = await batches.wait_ahead() if state.step < total else None
-    if ahead is not None:  # saved with its samples, and with the buffer and carry-over after it
-        extra["pending_batch"] = [s.to_dict() for s in ahead.samples]
-    if manager is not None:
-        extra.update(buffer=run.buffer.state_dict(), manager=manager.state_dict())
-    if kl_state is not None:
-        extra[KL_CONTROLLER_KEY] = {"coef": kl_state.coef}
-    if run.critic is not None:  # first: a published policy step always has its critic
-        await trio.to_thread.run_sync(
-            lambda: save_critic(run.critic, state, run.run_dir / CHECKPOINTS_DIR, config, writer=run.writer)
-        )
-    await trio.to_thread.run_sync(
-        lambda: save_checkpoint(
-            run.components,
-            state,
-            run.run_dir / CHECKPOINTS_DIR,
-            extra=extra,
-            keep_last=ckpt.keep_last,
-            save_optimizer=ckpt.save_optimizer,
-            tokenizer=run.tokenizer,
-            writer=run.writer,
-            models=saved_models(run.config.reference, run.ref_components),
-        )
-    )  # flushed while training goes on
+    every = config.checkpoint.every_steps
+    if (every > 0 and state.step % every == 0) or state.step >= total:
+        await save_run_checkpoint(run, state, manager, batches, kl_state)
