@@ -17,26 +17,22 @@ Aborted requests (in flight when `abort()` was called) put their prompt back in 
 next step serves first, so no prompt is lost.
 
 Partial rollouts (`config.partial`, with a `continue_fn`): a weight sync does not wait for the
-step's generation. `async with manager.paused(interrupt=engine.abort):` stops new requests, has the
-engine cut the running ones short (they come back as groups holding partial samples, with their
-tokens and log-probs) and waits for them; inside it the weights are synced. On leaving it the step
-goes on: the partial groups are continued first (`continue_fn`: prompt + partial response, the
-remaining budget, under the new weights), so no token is decoded twice. A paused round does not
-count against `max_generation_rounds`. With tail="first_n", `interrupt` and `resume` (the
-engine's abort() and resume()) cut the round's tail short the same way once the step's groups are
-kept: it is carried to the next step as partial groups instead of being cancelled and restarted.
-Partial groups are counted in groups_aborted (and groups_partial), and kept across steps and in
-`state_dict`.
+step's generation. `async with manager.paused(interrupt=engine.abort):` stops new requests and has
+the engine cut the running ones short (they come back as groups of partial samples with their
+tokens and log-probs); the weights are synced inside it. On leaving it the partial groups are
+continued first (`continue_fn`: prompt + partial response, the remaining budget, the new weights),
+so no token is decoded twice; a paused round does not count against `max_generation_rounds`. With
+tail="first_n", `interrupt` and `resume` cut the round's tail short the same way once the step's
+groups are kept, and it is carried to the next step as partial groups. Partial groups are counted
+in groups_aborted (and groups_partial), and kept across steps and in `state_dict`.
 
-Seeds: with `config.sampling.seed` set, each request gets its own seed, derived from that seed and
-the prompt's position in the data stream (`request_seed`), and passed to a generate function that
-takes a `seed` keyword. A prompt's samples then depend on its position, not on which requests ran
-beside it or finished first, so a run repeats exactly at any concurrency; a retry or an aborted
-prompt served again keeps its seed.
+Seeds: with `config.sampling.seed` set, a generate function taking `seed` gets one per request,
+from that seed and the prompt's position in the data stream (`request_seed`; kept by a retry or a
+re-served aborted prompt), so a run repeats exactly at any concurrency.
 
 Sync generate functions run in worker threads; on timeout or abort the thread is abandoned (its
-result discarded), since Python cannot cancel a running thread. The manager runs under asyncio and
-trio alike (anyio); a generate function may be a coroutine function of the running event loop's library.
+result discarded: Python cannot cancel a running thread). Runs under asyncio and trio (anyio); a
+generate function may be a coroutine function of the running event loop's library.
 """
 
 from __future__ import annotations
