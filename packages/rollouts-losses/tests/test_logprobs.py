@@ -5,8 +5,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollouts.losses import fused_chunk_size, fused_token_logprobs, token_entropy, token_logprobs
-from rollouts.losses.fused_logprobs import FUSED_MEMORY_BUDGET_BYTES
+from rollouts.losses import fused_block_shape, fused_token_logprobs, token_entropy, token_logprobs
+from rollouts.losses.fused_logprobs import (
+    FUSED_FRACTION_OF_LOGITS,
+    FUSED_MEMORY_BUDGET_BYTES,
+    MIN_TOKEN_CHUNK,
+    MIN_VOCAB_BLOCK,
+)
 
 
 def _naive(logits_B_T_V, labels_B_T):
@@ -63,13 +68,20 @@ def test_token_entropy_matches_naive(chunk_size):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 @pytest.mark.parametrize("chunk_size", [1, 5, 100])
-def test_fused_matches_naive_with_entropy(temperature, chunk_size):
+@pytest.mark.parametrize("vocab_chunk_size", [None, 1, 4])
+def test_fused_matches_naive_with_entropy(temperature, chunk_size, vocab_chunk_size):
     hidden, weight, labels = _inputs(3)
     hidden.requires_grad_()
     weight.requires_grad_()
     g_lp, g_ent = torch.randn(labels.shape, dtype=hidden.dtype), torch.randn(labels.shape, dtype=hidden.dtype)
     lp, ent = fused_token_logprobs(
-        hidden, weight, labels, chunk_size=chunk_size, temperature=temperature, return_entropy=True
+        hidden,
+        weight,
+        labels,
+        chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
+        temperature=temperature,
+        return_entropy=True,
     )
     ours = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), [hidden, weight])
     ref_lp, ref_ent = _naive(hidden @ weight.T / temperature, labels)
@@ -96,6 +108,16 @@ def test_fused_float32_grads_and_only_one_output_used():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_fused_no_tokens_gives_empty_outputs_and_zero_grads():
+    hidden, weight, labels = _inputs(8, t=0)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    lp, ent = fused_token_logprobs(hidden, weight, labels, return_entropy=True)
+    assert lp.shape == ent.shape == (2, 0)
+    grads = torch.autograd.grad(lp.sum() + ent.sum(), [hidden, weight])
+    assert grads[0].shape == hidden.shape and bool((grads[1] == 0).all())
+
+
 def test_fused_frozen_weight_gets_no_grad():
     hidden, weight, labels = _inputs(5, dtype=torch.float32)
     hidden.requires_grad_()
@@ -115,6 +137,10 @@ def test_bad_inputs_raise():
         fused_token_logprobs(hidden, weight, labels, temperature=0.0)
     with pytest.raises(ValueError, match="hidden size"):
         fused_token_logprobs(hidden, weight[:, :3], labels)
+    with pytest.raises(ValueError, match="chunk_size"):
+        fused_token_logprobs(hidden, weight, labels, vocab_chunk_size=0)
+    with pytest.raises(ValueError, match="vocab_chunk_size"):
+        fused_token_logprobs(hidden, weight, labels, top_k=3, vocab_chunk_size=4)
 
 
 _floats = st.floats(-30.0, 30.0, allow_nan=False, width=32)
@@ -137,12 +163,18 @@ def test_logprobs_are_shift_invariant(seed, shift, chunk_size):
 
 
 @settings(max_examples=25, deadline=None)
-@given(seed=st.integers(0, 2**16), chunk_a=st.integers(1, 20), chunk_b=st.integers(1, 20), t=st.integers(1, 9))
-def test_fused_equals_token_logprobs_for_any_chunk_size(seed, chunk_a, chunk_b, t):
+@given(
+    seed=st.integers(0, 2**16),
+    chunk_a=st.integers(1, 20),
+    vocab_chunk=st.integers(1, 20),
+    chunk_b=st.integers(1, 20),
+    t=st.integers(1, 9),
+)
+def test_fused_equals_token_logprobs_for_any_block_shape(seed, chunk_a, vocab_chunk, chunk_b, t):
     hidden, weight, labels = _inputs(seed, t=t)
     hidden.requires_grad_()
     weight.requires_grad_()
-    fused = fused_token_logprobs(hidden, weight, labels, chunk_size=chunk_a)
+    fused = fused_token_logprobs(hidden, weight, labels, chunk_size=chunk_a, vocab_chunk_size=vocab_chunk)
     grads_fused = torch.autograd.grad(fused.sum(), [hidden, weight])
     plain = token_logprobs(hidden @ weight.T, labels, chunk_size=chunk_b)
     grads_plain = torch.autograd.grad(plain.sum(), [hidden, weight])
@@ -177,14 +209,21 @@ _BF16_GRAD_REL = 2.0**-8
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("with_entropy", [False, True])
-def test_fused_bfloat16_matches_float64_reference(temperature, with_entropy):
+@pytest.mark.parametrize("vocab_chunk_size", [None, 64])
+def test_fused_bfloat16_matches_float64_reference(temperature, with_entropy, vocab_chunk_size):
     g = torch.Generator().manual_seed(11)
     hidden = torch.randn(2, 24, 64, generator=g).bfloat16().requires_grad_()
     weight = (torch.randn(700, 64, generator=g) * 1.5).bfloat16().requires_grad_()
     labels = torch.randint(0, 700, (2, 24), generator=g)
     g_lp, g_ent = torch.randn(2, 24, generator=g), torch.randn(2, 24, generator=g)
     out = fused_token_logprobs(
-        hidden, weight, labels, chunk_size=5, temperature=temperature, return_entropy=with_entropy
+        hidden,
+        weight,
+        labels,
+        chunk_size=5,
+        vocab_chunk_size=vocab_chunk_size,
+        temperature=temperature,
+        return_entropy=with_entropy,
     )
     lp, ent = out if with_entropy else (out, None)
     loss = (lp * g_lp).sum() + ((ent * g_ent).sum() if with_entropy else 0.0)
@@ -202,22 +241,44 @@ def test_fused_bfloat16_matches_float64_reference(temperature, with_entropy):
         assert float((a.double() - b).norm() / b.norm()) <= _BF16_GRAD_REL
 
 
-@settings(max_examples=20, deadline=None)
-@given(n=st.integers(0, 10**7), v=st.integers(1, 300_000), entropy=st.booleans())
-def test_fused_chunk_size_bounds_memory(n, v, entropy):
-    c = fused_chunk_size(n, v, with_entropy=entropy)
-    buffers = (2 if entropy else 1) * c * v * 4
-    assert c >= 16
-    # within budget, or at the 16-row floor that keeps the matmuls efficient
-    assert buffers <= FUSED_MEMORY_BUDGET_BYTES or c == 16
-    # within 1/16 of the N x V float32 logits once N is past the floor's reach
-    if n >= 16 * 16 * 2:
-        assert buffers <= n * v * 4 / 16 + 2 * v * 4
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(0, 10**7),
+    v=st.integers(1, 300_000),
+    entropy=st.booleans(),
+    budget=st.one_of(st.just(FUSED_MEMORY_BUDGET_BYTES), st.integers(1, 2**32)),
+)
+def test_fused_block_shape_stays_within_budget_and_fraction(n, v, entropy, budget):
+    c, u = fused_block_shape(n, v, with_entropy=entropy, budget_bytes=budget)
+    k = max(n, 1)
+    assert 1 <= c <= k and 1 <= u <= v
+    buffers = (2 if entropy else 1) * c * u * 4
+    u_floor, c_floor = min(v, MIN_VOCAB_BLOCK), min(k, MIN_TOKEN_CHUNK)
+    assert u >= u_floor and c >= c_floor  # never below the sizes where the matmuls stay efficient
+    # within the budget unless both sides are at their floors (a budget below one floor-sized block)
+    assert buffers <= budget or (c == c_floor and u == u_floor)
+    # within 1/16 of the K x V float32 logits unless U is at its floor
+    assert buffers <= k * v * 4 / FUSED_FRACTION_OF_LOGITS or u == u_floor
+    # all tokens in one block (W read once per pass) whenever that block fits the budget
+    if (2 if entropy else 1) * k * u * 4 <= budget:
+        assert c == k
 
 
-def test_fused_chunk_size_refuses_bad_sizes():
+def test_fused_block_shape_at_qwen_sizes():
+    """V=151936: all tokens in one block from 1k to 16k tokens, U a fixed fraction of V until the budget binds."""
+    v = 151936
+    assert fused_block_shape(1024, v) == (1024, v // 16)
+    assert fused_block_shape(8192, v) == (8192, v // 16)
+    assert fused_block_shape(8192, v, with_entropy=True) == (8192, v // 32)
+    c, u = fused_block_shape(16384, v)
+    assert c == 16384 and c * u * 4 <= FUSED_MEMORY_BUDGET_BYTES
+
+
+def test_fused_block_shape_refuses_bad_sizes():
     with pytest.raises(ValueError, match="vocab_size"):
-        fused_chunk_size(10, 0)
+        fused_block_shape(10, 0)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        fused_block_shape(10, 10, budget_bytes=0)
 
 
 def _naive_truncated_logprobs(hidden, weight, labels, temperature, top_k, top_p):

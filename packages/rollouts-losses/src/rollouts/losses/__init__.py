@@ -19,7 +19,7 @@ from rollouts.losses.correction import (
     off_policy_sequence_mask,
     rejection_mask,
 )
-from rollouts.losses.fused_logprobs import fused_chunk_size, fused_token_logprobs, truncation_mask
+from rollouts.losses.fused_logprobs import fused_block_shape, fused_token_logprobs, truncation_mask
 from rollouts.losses.kl import KL_KINDS, KLControllerState, adaptive_kl_update, importance_weights, kl_penalty
 from rollouts.losses.logprobs import token_entropy, token_logprobs
 from rollouts.losses.loss_fn import LossFn, PolicyLossFn, SFTLossFn, loss_fn_from_config, sft_loss_fn
@@ -65,7 +65,7 @@ __all__ = [
     "combine_rewards",
     "dppo_loss",
     "format_reward",
-    "fused_chunk_size",
+    "fused_block_shape",
     "fused_token_logprobs",
     "gae_advantages",
     "gmpo_loss",

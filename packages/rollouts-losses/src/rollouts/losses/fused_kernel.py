@@ -1,0 +1,182 @@
+"""The autograd Function behind `fused_token_logprobs`: log p(label) and entropy of
+softmax(h W.T / temperature) in C x U float32 blocks, never holding the K x V logits.
+
+Legend: K flattened tokens, C tokens per block, V vocabulary, U vocabulary rows per block, H hidden.
+
+Both passes walk W in blocks of U vocabulary rows in the outer loop and the tokens in chunks of C
+in the inner one, so each row of W is read (and, for a bf16 W, upcast to float32) once per pass
+however many tokens there are, and with C = K each block's weight gradient is one float32 matmul
+over all K tokens, written once: no V x H float32 accumulator. The forward keeps, per token, a
+running max m, sum s of exp(x - m) and sum t of exp(x - m) (x - m), rescaled whenever a block
+raises the max (the online softmax of Milakov & Gimelshein, 2018, extended to the entropy
+H = log s - t / s). Backward recomputes each block's logits from the saved [K] log-sum-exp.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rollouts.losses.logprobs import chunks, compute_dtype
+
+__all__ = ["FusedTokenLogprobs"]
+
+
+def _scaled(hidden_K_H: Tensor, temperature: float, dtype: torch.dtype) -> Tensor:
+    """hidden / temperature in dtype: upcast first, so a bf16 input is divided in float32."""
+    h_K_H = hidden_K_H.to(dtype)
+    return h_K_H / temperature if temperature != 1.0 else h_K_H
+
+
+def _block_view(flat: Tensor, rows: int, cols: int) -> Tensor:
+    """A contiguous [rows, cols] view of the front of a flat buffer (the last blocks are smaller)."""
+    return flat[: rows * cols].view(rows, cols)
+
+
+def _weight_block(weight_V_H: Tensor, start: int, end: int, upcast_U_H: Tensor | None) -> Tensor:
+    """W[start:end] in the compute dtype: a view when W already is, else an exact upcast into upcast_U_H."""
+    if upcast_U_H is None:
+        return weight_V_H[start:end]
+    return _block_view(upcast_U_H, end - start, weight_V_H.shape[1]).copy_(weight_V_H[start:end])
+
+
+def _in_block(labels_C: Tensor, start: int, end: int) -> tuple[Tensor, Tensor]:
+    """(label - start clamped into the block, whether the label lies in [start, end)), without a host sync."""
+    offset_C = labels_C - start
+    inside_C = (offset_C >= 0) & (offset_C < end - start)
+    return offset_C.clamp_(0, end - start - 1), inside_C
+
+
+class FusedTokenLogprobs(torch.autograd.Function):
+    """([K, H] hidden, [V, H] W, [K] labels) -> ([K] log p(label), [K] entropy or empty), in C x U blocks.
+
+    Backward: G = g (onehot - p) - g_H p (log p + H) is never formed beyond one block. Without the
+    entropy term the per-token scale -g moves off the C x U block into the [K, H] operands (the
+    block is touched only by exp); the onehot part is a gather / index_add of H-vectors.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden_K_H: Tensor,
+        weight_V_H: Tensor,
+        labels_K: Tensor,
+        block_shape: tuple[int, int],
+        temperature: float,
+        with_entropy: bool,
+    ) -> tuple[Tensor, Tensor]:
+        """Online log-sum-exp (and entropy) over the vocabulary blocks; saves only the [K] results."""
+        ctx.set_materialize_grads(False)
+        (n, _), v, device = hidden_K_H.shape, weight_V_H.shape[0], hidden_K_H.device
+        dtype = compute_dtype(hidden_K_H, weight_V_H)
+        c, u = min(block_shape[0], max(n, 1)), min(block_shape[1], v)
+        h_K_H = _scaled(hidden_K_H, temperature, dtype)
+        flat = torch.empty(c * u, dtype=dtype, device=device)
+        aux = torch.empty_like(flat) if with_entropy else None
+        upcast_U_H = (
+            None if weight_V_H.dtype == dtype else torch.empty(u * weight_V_H.shape[1], dtype=dtype, device=device)
+        )
+        max_K = torch.full((n,), -torch.inf, dtype=dtype, device=device)
+        sum_K = torch.zeros(n, dtype=dtype, device=device)
+        tilt_K = torch.zeros(n if with_entropy else 0, dtype=dtype, device=device)
+        picked_K = torch.zeros(n, dtype=dtype, device=device)
+        for vs, ve in chunks(v, u):
+            w_U_H = _weight_block(weight_V_H, vs, ve, upcast_U_H)
+            for s, e in chunks(n, c):
+                x_C_U = torch.mm(h_K_H[s:e], w_U_H.t(), out=_block_view(flat, e - s, ve - vs))
+                offset_C, inside_C = _in_block(labels_K[s:e], vs, ve)
+                picked_K[s:e] = torch.where(inside_C, x_C_U.gather(1, offset_C[:, None]).squeeze(1), picked_K[s:e])
+                new_max_C = torch.maximum(max_K[s:e], x_C_U.amax(dim=1))
+                decay_C = torch.exp(max_K[s:e] - new_max_C)  # 0 on the first block (max -inf)
+                x_C_U.sub_(new_max_C[:, None])
+                if aux is not None:
+                    exp_C_U = torch.exp(x_C_U, out=_block_view(aux, e - s, ve - vs))
+                    # t re-centred on the new max: sum e^(x-m')(x-m') = decay (t + log(decay) s); xlogy(0, 0) = 0
+                    tilt_K[s:e] = decay_C * tilt_K[s:e] + torch.xlogy(decay_C, decay_C) * sum_K[s:e]
+                    tilt_K[s:e] += x_C_U.mul_(exp_C_U).sum(dim=1)
+                    sum_K[s:e] = decay_C * sum_K[s:e] + exp_C_U.sum(dim=1)
+                else:
+                    sum_K[s:e] = decay_C * sum_K[s:e] + x_C_U.exp_().sum(dim=1)
+                max_K[s:e] = new_max_C
+        log_sum_K = sum_K.log()
+        lse_K = max_K + log_sum_K
+        entropy_K = log_sum_K - tilt_K / sum_K if with_entropy else tilt_K
+        ctx.save_for_backward(hidden_K_H, weight_V_H, labels_K, lse_K, entropy_K)
+        ctx.block_shape, ctx.temperature, ctx.with_entropy = (c, u), temperature, with_entropy
+        return picked_K - lse_K, entropy_K
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_logprobs_K: Tensor | None, grad_entropy_K: Tensor | None
+    ) -> tuple[Tensor | None, Tensor | None, None, None, None, None]:
+        """dh = G W / temperature and dW = G.T (h / temperature), block by block from the recomputed logits."""
+        hidden_K_H, weight_V_H, labels_K, lse_K, entropy_K = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        use_entropy = ctx.with_entropy and grad_entropy_K is not None
+        if (grad_logprobs_K is None and not use_entropy) or not (need_h or need_w):
+            return None, None, None, None, None, None
+        (n, hid), v, device, temperature = hidden_K_H.shape, weight_V_H.shape[0], hidden_K_H.device, ctx.temperature
+        dtype = compute_dtype(hidden_K_H, weight_V_H)
+        c, u = ctx.block_shape
+        h_K_H = _scaled(hidden_K_H, temperature, dtype)
+        g_K = grad_logprobs_K.to(dtype) if grad_logprobs_K is not None else torch.zeros(n, dtype=dtype, device=device)
+        # G = row_scale * x + g onehot, with x = p (logprobs only) or p (g + g_H (log p + H)) (with entropy)
+        row_scale_K1 = torch.full((n, 1), -1.0, dtype=dtype, device=device) if use_entropy else -g_K[:, None]
+        scaled_h_K_H = h_K_H * row_scale_K1 if need_w else None  # dW = x.T @ (row_scale h) + onehot.T @ (g h)
+        label_h_K_H = h_K_H * g_K[:, None] if need_w and use_entropy else None  # else g h = -scaled_h
+        acc_K_H = torch.zeros(n, hid, dtype=dtype, device=device) if need_h else None  # sum over blocks of x @ W
+        if n == 0:
+            return (
+                (torch.zeros_like(hidden_K_H) if need_h else None),
+                (torch.zeros_like(weight_V_H) if need_w else None),
+                None,
+                None,
+                None,
+                None,
+            )
+        grad_w_V_H = torch.empty_like(weight_V_H) if need_w else None  # every block written by its first chunk
+        low_precision = weight_V_H.dtype != dtype
+        upcast_U_H = torch.empty(u * hid, dtype=dtype, device=device) if low_precision else None
+        # float32 block gradient for a bf16 W: summed over all tokens in float32, rounded to bf16 once
+        grad_block = torch.empty(u * hid, dtype=dtype, device=device) if need_w and low_precision else None
+        flat = torch.empty(c * u, dtype=dtype, device=device)
+        aux = torch.empty_like(flat) if use_entropy else None
+        for vs, ve in chunks(v, u):
+            w_U_H = _weight_block(weight_V_H, vs, ve, upcast_U_H)
+            gw_U_H = None
+            if grad_w_V_H is not None:
+                gw_U_H = grad_w_V_H[vs:ve] if grad_block is None else _block_view(grad_block, ve - vs, hid)
+            for s, e in chunks(n, c):
+                x_C_U = torch.mm(h_K_H[s:e], w_U_H.t(), out=_block_view(flat, e - s, ve - vs))
+                x_C_U.sub_(lse_K[s:e, None])  # log p
+                if aux is not None:
+                    assert grad_entropy_K is not None  # use_entropy
+                    p_C_U = torch.exp(x_C_U, out=_block_view(aux, e - s, ve - vs))
+                    g_ent_C1 = grad_entropy_K[s:e, None].to(dtype)
+                    x_C_U.add_(entropy_K[s:e, None]).mul_(g_ent_C1).add_(g_K[s:e, None]).mul_(p_C_U)
+                else:
+                    x_C_U.exp_()  # p
+                if acc_K_H is not None:
+                    acc_K_H[s:e].addmm_(x_C_U, w_U_H)
+                if gw_U_H is not None:
+                    assert scaled_h_K_H is not None  # need_w
+                    # beta=0 on the first chunk: the block's old contents (uninitialised) are ignored
+                    gw_U_H.addmm_(x_C_U.t(), scaled_h_K_H[s:e], beta=0.0 if s == 0 else 1.0)
+                    offset_C, inside_C = _in_block(labels_K[s:e], vs, ve)
+                    if label_h_K_H is None:  # g h = -(row_scale h) when row_scale = -g
+                        gw_U_H.index_add_(0, offset_C, scaled_h_K_H[s:e] * inside_C[:, None], alpha=-1.0)
+                    else:
+                        gw_U_H.index_add_(0, offset_C, label_h_K_H[s:e] * inside_C[:, None])
+            if grad_w_V_H is not None and grad_block is not None:
+                assert gw_U_H is not None
+                grad_w_V_H[vs:ve] = gw_U_H  # one rounding to W's dtype
+        grad_h_K_H = None
+        if acc_K_H is not None:
+            # G @ W = row_scale * sum_blocks(x @ W) + g W[label]
+            grad_h_K_H = acc_K_H.mul_(row_scale_K1).add_(weight_V_H[labels_K].to(dtype) * g_K[:, None])
+            if temperature != 1.0:
+                grad_h_K_H.div_(temperature)
+            grad_h_K_H = grad_h_K_H.to(hidden_K_H.dtype)
+        return grad_h_K_H, grad_w_V_H, None, None, None, None
