@@ -9,12 +9,14 @@ however many tokens there are, and with C = K each block's weight gradient is on
 over all K tokens, written once: no V x H float32 accumulator. The forward keeps, per token, a
 running max m, sum s of exp(x - m) and sum t of exp(x - m) (x - m), rescaled whenever a block
 raises the max (the online softmax of Milakov & Gimelshein, 2018, extended to the entropy
-H = log s - t / s). Backward recomputes each block's logits from the saved [K] log-sum-exp.
+H = log s - t / s). Backward recomputes each block's logits from the saved [K] log-sum-exp, except
+the last two blocks of a log-probs-only forward over all tokens at once: those are still in the
+forward's two buffers, so backward starts from them instead of recomputing them.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -22,6 +24,9 @@ from torch import Tensor
 from rollouts.losses.logprobs import chunks, compute_dtype
 
 __all__ = ["FusedTokenLogprobs"]
+
+_KEPT_BLOCKS = 2
+"""Blocks the forward leaves for backward: its two C x U buffers, which the block rule pays for anyway."""
 
 
 def _scaled(hidden_K_H: Tensor, temperature: float, dtype: torch.dtype) -> Tensor:
@@ -49,6 +54,67 @@ def _in_block(labels_C: Tensor, start: int, end: int) -> tuple[Tensor, Tensor]:
     return offset_C.clamp_(0, end - start - 1), inside_C
 
 
+class _Running(NamedTuple):
+    """Per-token state of the online softmax over the blocks seen so far (views of [K] tensors)."""
+
+    max_C: Tensor
+    """running max m of the logits"""
+    sum_C: Tensor
+    """sum of exp(x - m)"""
+    tilt_C: Tensor
+    """sum of exp(x - m) (x - m); empty without entropy"""
+    picked_C: Tensor
+    """the label's logit, once its block has been seen"""
+
+
+def _absorb_block(x_C_U: Tensor, aux_C_U: Tensor | None, offset_C: Tensor, inside_C: Tensor, run: _Running) -> Tensor:
+    """Fold one block of logits into the running state; leaves exp(x - m) in x_C_U (log-probs only)
+    or x_C_U * exp(x - m) (with entropy, aux_C_U given); returns the new running max."""
+    run.picked_C.copy_(torch.where(inside_C, x_C_U.gather(1, offset_C[:, None]).squeeze(1), run.picked_C))
+    new_max_C = torch.maximum(run.max_C, x_C_U.amax(dim=1))
+    decay_C = torch.exp(run.max_C - new_max_C)  # 0 on the first block (max -inf)
+    x_C_U.sub_(new_max_C[:, None])
+    if aux_C_U is not None:
+        exp_C_U = torch.exp(x_C_U, out=aux_C_U)
+        # t re-centred on the new max: sum e^(x-m')(x-m') = decay (t + log(decay) s); xlogy(0, 0) = 0
+        run.tilt_C.mul_(decay_C).add_(torch.xlogy(decay_C, decay_C) * run.sum_C).add_(x_C_U.mul_(exp_C_U).sum(dim=1))
+        run.sum_C.mul_(decay_C).add_(exp_C_U.sum(dim=1))
+    else:
+        run.sum_C.mul_(decay_C).add_(x_C_U.exp_().sum(dim=1))
+    run.max_C.copy_(new_max_C)
+    return new_max_C
+
+
+class _GradTargets(NamedTuple):
+    """What backward accumulates into, and the [K, H] operands it uses (None where not needed)."""
+
+    acc_K_H: Tensor | None
+    """sum over blocks of x @ W_block (dh before the row scale and the label term)"""
+    scaled_h_K_H: Tensor | None
+    """row_scale * h / temperature: dW_block = x.T @ this + the label rows"""
+    label_h_K_H: Tensor | None
+    """g h / temperature added onto the label rows; None when it is -scaled_h (row_scale = -g)"""
+    labels_K: Tensor
+
+
+def _add_block_grads(
+    x_C_U: Tensor, w_U_H: Tensor, gw_U_H: Tensor | None, rows: tuple[int, int], vs: int, t: _GradTargets
+) -> None:
+    """Add one block's share of dh (into t.acc_K_H) and dW (into gw_U_H, overwritten on the first rows)."""
+    s, e = rows
+    if t.acc_K_H is not None:
+        t.acc_K_H[s:e].addmm_(x_C_U, w_U_H)
+    if gw_U_H is not None:
+        assert t.scaled_h_K_H is not None  # built whenever dW is needed
+        # beta=0 on the first chunk: the block's old contents (uninitialised) are ignored
+        gw_U_H.addmm_(x_C_U.t(), t.scaled_h_K_H[s:e], beta=0.0 if s == 0 else 1.0)
+        offset_C, inside_C = _in_block(t.labels_K[s:e], vs, vs + gw_U_H.shape[0])
+        if t.label_h_K_H is None:  # g h = -(row_scale h) when row_scale = -g
+            gw_U_H.index_add_(0, offset_C, t.scaled_h_K_H[s:e] * inside_C[:, None], alpha=-1.0)
+        else:
+            gw_U_H.index_add_(0, offset_C, t.label_h_K_H[s:e] * inside_C[:, None])
+
+
 class FusedTokenLogprobs(torch.autograd.Function):
     """([K, H] hidden, [V, H] W, [K] labels) -> ([K] log p(label), [K] entropy or empty), in C x U blocks.
 
@@ -67,44 +133,38 @@ class FusedTokenLogprobs(torch.autograd.Function):
         temperature: float,
         with_entropy: bool,
     ) -> tuple[Tensor, Tensor]:
-        """Online log-sum-exp (and entropy) over the vocabulary blocks; saves only the [K] results."""
+        """Online log-sum-exp (and entropy) over the vocabulary blocks; saves the [K] results (and the last blocks)."""
         ctx.set_materialize_grads(False)
         (n, _), v, device = hidden_K_H.shape, weight_V_H.shape[0], hidden_K_H.device
         dtype = compute_dtype(hidden_K_H, weight_V_H)
         c, u = min(block_shape[0], max(n, 1)), min(block_shape[1], v)
         h_K_H = _scaled(hidden_K_H, temperature, dtype)
-        flat = torch.empty(c * u, dtype=dtype, device=device)
-        aux = torch.empty_like(flat) if with_entropy else None
-        upcast_U_H = (
-            None if weight_V_H.dtype == dtype else torch.empty(u * weight_V_H.shape[1], dtype=dtype, device=device)
-        )
+        flats = [torch.empty(c * u, dtype=dtype, device=device) for _ in range(2)]
+        low_precision = weight_V_H.dtype != dtype
+        upcast_U_H = torch.empty(u * weight_V_H.shape[1], dtype=dtype, device=device) if low_precision else None
         max_K = torch.full((n,), -torch.inf, dtype=dtype, device=device)
         sum_K = torch.zeros(n, dtype=dtype, device=device)
         tilt_K = torch.zeros(n if with_entropy else 0, dtype=dtype, device=device)
         picked_K = torch.zeros(n, dtype=dtype, device=device)
-        for vs, ve in chunks(v, u):
+        blocks = chunks(v, u)
+        keep_from = len(blocks) - _KEPT_BLOCKS if not with_entropy and c >= n > 0 else len(blocks)
+        kept: list[tuple[int, int, Tensor, Tensor]] = []  # (start, end, buffer holding exp(x - m), that m)
+        for i, (vs, ve) in enumerate(blocks):
             w_U_H = _weight_block(weight_V_H, vs, ve, upcast_U_H)
+            flat, aux = (flats[0], flats[1]) if with_entropy else (flats[i % 2], None)
             for s, e in chunks(n, c):
                 x_C_U = torch.mm(h_K_H[s:e], w_U_H.t(), out=_block_view(flat, e - s, ve - vs))
-                offset_C, inside_C = _in_block(labels_K[s:e], vs, ve)
-                picked_K[s:e] = torch.where(inside_C, x_C_U.gather(1, offset_C[:, None]).squeeze(1), picked_K[s:e])
-                new_max_C = torch.maximum(max_K[s:e], x_C_U.amax(dim=1))
-                decay_C = torch.exp(max_K[s:e] - new_max_C)  # 0 on the first block (max -inf)
-                x_C_U.sub_(new_max_C[:, None])
-                if aux is not None:
-                    exp_C_U = torch.exp(x_C_U, out=_block_view(aux, e - s, ve - vs))
-                    # t re-centred on the new max: sum e^(x-m')(x-m') = decay (t + log(decay) s); xlogy(0, 0) = 0
-                    tilt_K[s:e] = decay_C * tilt_K[s:e] + torch.xlogy(decay_C, decay_C) * sum_K[s:e]
-                    tilt_K[s:e] += x_C_U.mul_(exp_C_U).sum(dim=1)
-                    sum_K[s:e] = decay_C * sum_K[s:e] + exp_C_U.sum(dim=1)
-                else:
-                    sum_K[s:e] = decay_C * sum_K[s:e] + x_C_U.exp_().sum(dim=1)
-                max_K[s:e] = new_max_C
+                run = _Running(max_K[s:e], sum_K[s:e], tilt_K[s:e], picked_K[s:e])
+                aux_C_U = None if aux is None else _block_view(aux, e - s, ve - vs)
+                new_max_C = _absorb_block(x_C_U, aux_C_U, *_in_block(labels_K[s:e], vs, ve), run)
+            if i >= keep_from:
+                kept.append((vs, ve, flat, new_max_C))
         log_sum_K = sum_K.log()
         lse_K = max_K + log_sum_K
         entropy_K = log_sum_K - tilt_K / sum_K if with_entropy else tilt_K
         ctx.save_for_backward(hidden_K_H, weight_V_H, labels_K, lse_K, entropy_K)
         ctx.block_shape, ctx.temperature, ctx.with_entropy = (c, u), temperature, with_entropy
+        ctx.kept_blocks = kept if any(ctx.needs_input_grad[:2]) else []
         return picked_K - lse_K, entropy_K
 
     @staticmethod
@@ -113,41 +173,56 @@ class FusedTokenLogprobs(torch.autograd.Function):
     ) -> tuple[Tensor | None, Tensor | None, None, None, None, None]:
         """dh = G W / temperature and dW = G.T (h / temperature), block by block from the recomputed logits."""
         hidden_K_H, weight_V_H, labels_K, lse_K, entropy_K = ctx.saved_tensors
+        kept, ctx.kept_blocks = ctx.kept_blocks, []  # used once: a second backward recomputes them
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         use_entropy = ctx.with_entropy and grad_entropy_K is not None
         if (grad_logprobs_K is None and not use_entropy) or not (need_h or need_w):
             return None, None, None, None, None, None
         (n, hid), v, device, temperature = hidden_K_H.shape, weight_V_H.shape[0], hidden_K_H.device, ctx.temperature
+        if n == 0:
+            grad_h = torch.zeros_like(hidden_K_H) if need_h else None
+            return grad_h, (torch.zeros_like(weight_V_H) if need_w else None), None, None, None, None
         dtype = compute_dtype(hidden_K_H, weight_V_H)
         c, u = ctx.block_shape
         h_K_H = _scaled(hidden_K_H, temperature, dtype)
         g_K = grad_logprobs_K.to(dtype) if grad_logprobs_K is not None else torch.zeros(n, dtype=dtype, device=device)
-        # G = row_scale * x + g onehot, with x = p (logprobs only) or p (g + g_H (log p + H)) (with entropy)
+        # G = row_scale * x + g onehot, with x = p (log-probs only) or p (g + g_H (log p + H)) (with entropy)
         row_scale_K1 = torch.full((n, 1), -1.0, dtype=dtype, device=device) if use_entropy else -g_K[:, None]
-        scaled_h_K_H = h_K_H * row_scale_K1 if need_w else None  # dW = x.T @ (row_scale h) + onehot.T @ (g h)
-        label_h_K_H = h_K_H * g_K[:, None] if need_w and use_entropy else None  # else g h = -scaled_h
-        acc_K_H = torch.zeros(n, hid, dtype=dtype, device=device) if need_h else None  # sum over blocks of x @ W
-        if n == 0:
-            return (
-                (torch.zeros_like(hidden_K_H) if need_h else None),
-                (torch.zeros_like(weight_V_H) if need_w else None),
-                None,
-                None,
-                None,
-                None,
-            )
+        targets = _GradTargets(
+            acc_K_H=torch.zeros(n, hid, dtype=dtype, device=device) if need_h else None,
+            scaled_h_K_H=h_K_H * row_scale_K1 if need_w else None,
+            label_h_K_H=h_K_H * g_K[:, None] if need_w and use_entropy else None,
+            labels_K=labels_K,
+        )
         grad_w_V_H = torch.empty_like(weight_V_H) if need_w else None  # every block written by its first chunk
         low_precision = weight_V_H.dtype != dtype
         upcast_U_H = torch.empty(u * hid, dtype=dtype, device=device) if low_precision else None
         # float32 block gradient for a bf16 W: summed over all tokens in float32, rounded to bf16 once
         grad_block = torch.empty(u * hid, dtype=dtype, device=device) if need_w and low_precision else None
-        flat = torch.empty(c * u, dtype=dtype, device=device)
+
+        def block_grad(vs: int, ve: int) -> Tensor | None:
+            if grad_w_V_H is None:
+                return None
+            return grad_w_V_H[vs:ve] if grad_block is None else _block_view(grad_block, ve - vs, hid)
+
+        def finish_block(vs: int, ve: int, gw_U_H: Tensor | None) -> None:
+            if grad_w_V_H is not None and gw_U_H is not None and grad_block is not None:
+                grad_w_V_H[vs:ve] = gw_U_H  # one rounding to W's dtype
+
+        flat = kept[0][2] if kept else torch.empty(c * u, dtype=dtype, device=device)
+        kept_starts = {vs for vs, *_ in kept}
+        while kept:  # log-probs only, all tokens in one chunk: p = exp(x - m) * exp(m - lse)
+            vs, ve, kept_flat, kept_max_K = kept.pop()
+            p_K_U = _block_view(kept_flat, n, ve - vs).mul_(torch.exp(kept_max_K - lse_K)[:, None])
+            gw_U_H = block_grad(vs, ve)
+            _add_block_grads(p_K_U, _weight_block(weight_V_H, vs, ve, upcast_U_H), gw_U_H, (0, n), vs, targets)
+            finish_block(vs, ve, gw_U_H)
         aux = torch.empty_like(flat) if use_entropy else None
         for vs, ve in chunks(v, u):
+            if vs in kept_starts:
+                continue
             w_U_H = _weight_block(weight_V_H, vs, ve, upcast_U_H)
-            gw_U_H = None
-            if grad_w_V_H is not None:
-                gw_U_H = grad_w_V_H[vs:ve] if grad_block is None else _block_view(grad_block, ve - vs, hid)
+            gw_U_H = block_grad(vs, ve)
             for s, e in chunks(n, c):
                 x_C_U = torch.mm(h_K_H[s:e], w_U_H.t(), out=_block_view(flat, e - s, ve - vs))
                 x_C_U.sub_(lse_K[s:e, None])  # log p
@@ -158,24 +233,12 @@ class FusedTokenLogprobs(torch.autograd.Function):
                     x_C_U.add_(entropy_K[s:e, None]).mul_(g_ent_C1).add_(g_K[s:e, None]).mul_(p_C_U)
                 else:
                     x_C_U.exp_()  # p
-                if acc_K_H is not None:
-                    acc_K_H[s:e].addmm_(x_C_U, w_U_H)
-                if gw_U_H is not None:
-                    assert scaled_h_K_H is not None  # need_w
-                    # beta=0 on the first chunk: the block's old contents (uninitialised) are ignored
-                    gw_U_H.addmm_(x_C_U.t(), scaled_h_K_H[s:e], beta=0.0 if s == 0 else 1.0)
-                    offset_C, inside_C = _in_block(labels_K[s:e], vs, ve)
-                    if label_h_K_H is None:  # g h = -(row_scale h) when row_scale = -g
-                        gw_U_H.index_add_(0, offset_C, scaled_h_K_H[s:e] * inside_C[:, None], alpha=-1.0)
-                    else:
-                        gw_U_H.index_add_(0, offset_C, label_h_K_H[s:e] * inside_C[:, None])
-            if grad_w_V_H is not None and grad_block is not None:
-                assert gw_U_H is not None
-                grad_w_V_H[vs:ve] = gw_U_H  # one rounding to W's dtype
+                _add_block_grads(x_C_U, w_U_H, gw_U_H, (s, e), vs, targets)
+            finish_block(vs, ve, gw_U_H)
         grad_h_K_H = None
-        if acc_K_H is not None:
+        if targets.acc_K_H is not None:
             # G @ W = row_scale * sum_blocks(x @ W) + g W[label]
-            grad_h_K_H = acc_K_H.mul_(row_scale_K1).add_(weight_V_H[labels_K].to(dtype) * g_K[:, None])
+            grad_h_K_H = targets.acc_K_H.mul_(row_scale_K1).add_(weight_V_H[labels_K].to(dtype) * g_K[:, None])
             if temperature != 1.0:
                 grad_h_K_H.div_(temperature)
             grad_h_K_H = grad_h_K_H.to(hidden_K_H.dtype)

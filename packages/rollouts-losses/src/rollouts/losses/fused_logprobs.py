@@ -18,34 +18,36 @@ __all__ = ["FUSED_MEMORY_BUDGET_BYTES", "fused_block_shape", "fused_token_logpro
 
 
 FUSED_MEMORY_BUDGET_BYTES = 512 * 2**20
-"""Upper bound on the C x U float32 blocks of `fused_token_logprobs` when their shape is chosen for you."""
-FUSED_FRACTION_OF_LOGITS = 16
-"""Default blocks hold at most 1/16 of one K x V float32 logits tensor: naive log_softmax(h @ W.T).gather
-holds at least two such tensors through backward (four, measured on CPU), so the blocks stay near
-1/32 of naive or below and the [K, H] terms (the gradient of h and its operands) fit under the 1/8 goal."""
+"""Upper bound on the two C x U float32 buffers of `fused_token_logprobs` when their shape is chosen for you."""
+FUSED_FRACTION_OF_LOGITS = 8
+"""Default buffers hold at most 1/8 of one K x V float32 logits tensor, two blocks of 1/16: naive
+log_softmax(h @ W.T).gather holds two or more such tensors through backward (2.1 to 2.6, measured on
+CPU), so the buffers stay within 1/16 of naive and the [K, H] terms (the gradient of h and its
+operands) fit under the 1/8 goal. A log-probs-only forward leaves its last two blocks in them, which
+spares backward 2 of its V / U logit recomputations."""
 MIN_VOCAB_BLOCK = 1024
 """Fewest vocabulary rows per block (unless V is smaller): on one CPU thread a [K, H] @ [H, U] matmul
-with U = 1024 runs as fast per element as with U = 19000 (measured at K=1024, H=896), and the
+with U = 1024 runs as fast per element as with U = 9496 (measured at K=1024, H=896), and the
 per-block work outside the matmuls (the label gather, the running max) is O(K), so 1/U of it."""
 MIN_TOKEN_CHUNK = 16
 """Fewest tokens per block (unless K is smaller): below that a matmul loses much of its efficiency."""
 
 
 def fused_block_shape(
-    num_tokens: int, vocab_size: int, *, with_entropy: bool = False, budget_bytes: int = FUSED_MEMORY_BUDGET_BYTES
+    num_tokens: int, vocab_size: int, *, budget_bytes: int = FUSED_MEMORY_BUDGET_BYTES
 ) -> tuple[int, int]:
-    """(C tokens, U vocabulary rows) per block of `fused_token_logprobs`.
+    """(C tokens, U vocabulary rows) per block of `fused_token_logprobs`, which holds two such float32 blocks.
 
     All K tokens go in one block while that fits (so W is read once per pass and each block's
-    gradient is one matmul); U then shrinks as K grows, keeping the C x U float32 buffers (two with
-    entropy) within 1/16 of the K x V logits and within budget_bytes. U stops at MIN_VOCAB_BLOCK,
-    after which C shrinks to stay within the budget, down to MIN_TOKEN_CHUNK.
+    gradient is one matmul); U then shrinks as K grows, keeping the two C x U float32 buffers within
+    1/8 of the K x V logits and within budget_bytes. U stops at MIN_VOCAB_BLOCK, after which C
+    shrinks to stay within the budget, down to MIN_TOKEN_CHUNK.
     """
     if num_tokens < 0 or vocab_size < 1 or budget_bytes < 1:
         raise ValueError(
             f"need num_tokens >= 0, vocab_size >= 1, budget_bytes >= 1, got {num_tokens}, {vocab_size}, {budget_bytes}"
         )
-    k, block_bytes = max(num_tokens, 1), (2 if with_entropy else 1) * 4
+    k, block_bytes = max(num_tokens, 1), 2 * 4  # two float32 buffers
     allowed_bytes = min(budget_bytes, k * vocab_size * 4 // FUSED_FRACTION_OF_LOGITS)
     u = min(vocab_size, max(MIN_VOCAB_BLOCK, allowed_bytes // (block_bytes * k)))
     c = min(k, max(MIN_TOKEN_CHUNK, budget_bytes // (block_bytes * u)))
@@ -118,7 +120,7 @@ def fused_token_logprobs(
             hidden_K_H, lm_head_weight_V_H, labels_K, c, float(temperature), top_k, float(top_p)
         )
         return logprobs_K.view(b, t)
-    auto_c, auto_u = fused_block_shape(b * t, v, with_entropy=return_entropy)
+    auto_c, auto_u = fused_block_shape(b * t, v)
     block_shape = (chunk_size or auto_c, vocab_chunk_size or auto_u)
     fused: tuple[Tensor, Tensor] = FusedTokenLogprobs.apply(
         hidden_K_H, lm_head_weight_V_H, labels_K, block_shape, float(temperature), return_entropy
