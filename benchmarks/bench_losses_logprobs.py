@@ -14,7 +14,10 @@ Method
   (/proc/self/clear_refs), run forward + backward, then read the peak (VmHWM, /proc/self/status).
   Peak memory beyond the inputs = peak RSS - RSS before the step - bytes of what both variants
   must return (the gradients of hidden and W, and the [B, T] log-probs; the V x H gradient of W
-  alone is 0.54 GB). The same definition on both sides, forward + backward. Large CPU tensors are
+  alone is 0.54 GB). The same definition on both sides, forward + backward; the peak reached by the
+  end of the forward (when no gradient exists yet, so nothing is subtracted but the log-probs) is
+  printed too, so memory held from forward to backward shows even where the gradients' bytes
+  would cover it. Large CPU tensors are
   mmap'd by the allocator and returned to the OS when freed, so RSS tracks live tensors.
 - The naive variant is the minimal one, log_softmax(hidden @ W.T).gather with nothing else kept
   (its logits die once log_softmax has its output), so its peak is what autograd itself needs.
@@ -92,7 +95,8 @@ def _inputs(args: argparse.Namespace):  # noqa: ANN202
 
 
 def _step(variant: str, hidden, weight, labels, upstream):  # noqa: ANN001, ANN202
-    """One forward + backward; returns the [B, T] log-probs (the output both variants hold)."""
+    """One forward + backward; returns the [B, T] log-probs (the output both variants hold) and the
+    peak RSS (bytes) reached by the end of the forward."""
     import torch
 
     from rollouts.losses import fused_token_logprobs
@@ -102,8 +106,9 @@ def _step(variant: str, hidden, weight, labels, upstream):  # noqa: ANN001, ANN2
         logp = torch.log_softmax(hidden @ weight.T, dim=-1).gather(-1, labels[..., None]).squeeze(-1)
     else:
         logp = fused_token_logprobs(hidden, weight, labels)
+    forward_peak = _status_kib("VmHWM") * 1024
     (logp * upstream).sum().backward()
-    return logp.detach()
+    return logp.detach(), forward_peak
 
 
 def run_variant(args: argparse.Namespace) -> None:
@@ -115,12 +120,12 @@ def run_variant(args: argparse.Namespace) -> None:
     hidden.requires_grad_()
     weight.requires_grad_()
     tiny = [x.detach()[:1, :4].clone().requires_grad_(x.requires_grad) for x in (hidden, labels, upstream)]
-    _step(args.variant, tiny[0], weight.detach()[:64].clone().requires_grad_(), tiny[1] % 64, tiny[2])
+    _step(args.variant, tiny[0], weight.detach()[:64].clone().requires_grad_(), tiny[1] % 64, tiny[2])  # warm-up
     del tiny
     baseline_rss = _rss_bytes()
     _reset_peak_rss()
     cpu_start, wall_start = time.process_time(), time.perf_counter()
-    logp = _step(args.variant, hidden, weight, labels, upstream)
+    logp, forward_peak = _step(args.variant, hidden, weight, labels, upstream)
     cpu_s, wall_s = time.process_time() - cpu_start, time.perf_counter() - wall_start
     peak = _status_kib("VmHWM") * 1024
     returned_bytes = (hidden.numel() + weight.numel() + logp.numel()) * 4
@@ -128,6 +133,7 @@ def run_variant(args: argparse.Namespace) -> None:
     hidden.grad.numpy().tofile(out / f"{args.variant}_hidden.f32")
     weight.grad.numpy().tofile(out / f"{args.variant}_weight.f32")
     result = {"variant": args.variant, "cpu_s": cpu_s, "wall_s": wall_s}
+    result["forward_peak_bytes"] = forward_peak - baseline_rss - logp.numel() * 4
     print(json.dumps(result | {"extra_peak_bytes": peak - baseline_rss - returned_bytes}))
 
 
@@ -198,6 +204,7 @@ def _measure(args: argparse.Namespace, variants: tuple[str, ...]) -> dict:
             "wall_s": statistics.median(x["wall_s"] for x in runs[v]),
             "all_cpu_s": [x["cpu_s"] for x in runs[v]],
             "extra_peak_bytes": max(x["extra_peak_bytes"] for x in runs[v]),
+            "forward_peak_bytes": max(x["forward_peak_bytes"] for x in runs[v]),
         }
         for v in variants
     }
@@ -213,6 +220,7 @@ def _report(args: argparse.Namespace, m: dict) -> tuple[float, float] | None:
         ("CPU time, median (s)", "cpu_s", 1.0, ".2f", ".3f"),
         ("wall time, median (s)", "wall_s", 1.0, ".2f", ".3f"),
         ("peak beyond inputs+outputs (GB)", "extra_peak_bytes", _GB, ".3f", ".4f"),
+        ("  of which in forward (GB)", "forward_peak_bytes", _GB, ".3f", ".4f"),
     ]
     for label, key, unit, fmt, ratio_fmt in rows:
         line = f"{label:<34}" + "".join(f"{x[key] / unit:>12{fmt}}" for _, x in cols)
