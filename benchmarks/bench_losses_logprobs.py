@@ -220,7 +220,7 @@ def _report(args: argparse.Namespace, m: dict) -> tuple[float, float] | None:
         ("CPU time, median (s)", "cpu_s", 1.0, ".2f", ".3f"),
         ("wall time, median (s)", "wall_s", 1.0, ".2f", ".3f"),
         ("peak beyond inputs+outputs (GB)", "extra_peak_bytes", _GB, ".3f", ".4f"),
-        ("  of which in forward (GB)", "forward_peak_bytes", _GB, ".3f", ".4f"),
+        ("peak by end of forward (GB)", "forward_peak_bytes", _GB, ".3f", ".4f"),
     ]
     for label, key, unit, fmt, ratio_fmt in rows:
         line = f"{label:<34}" + "".join(f"{x[key] / unit:>12{fmt}}" for _, x in cols)

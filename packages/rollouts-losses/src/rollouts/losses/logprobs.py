@@ -5,8 +5,9 @@ Legend: B sequences, T tokens, V vocabulary, H hidden, K = B * T flattened token
 The vocabulary axis dominates RL memory (V = 151936 for Qwen2), so every function here walks the
 tokens in chunks of C and keeps at most a couple of C x V buffers alive. `fused_token_logprobs`
 goes further and never holds the logits at all: its backward recomputes each chunk's logits from
-the hidden states (one extra matmul) instead of storing them (it lives in fused_logprobs.py), and its chunk size adapts to K and V
-(`fused_chunk_size`) so its extra memory stays a small fraction of naive's at every size. All
+the hidden states (one extra matmul) instead of storing them (it lives in fused_logprobs.py), and it
+works in blocks of tokens by vocabulary rows whose shape adapts to K and V (`fused_block_shape`),
+so its extra memory stays a small fraction of naive's at every size. All
 arithmetic on the vocabulary axis is float32 (float64 for float64 inputs) whatever the input
 dtype: bf16 hidden states are upcast before the temperature divides them, and a bf16 W is upcast
 block by block into float32 matmuls, so no logit is rounded to bf16.
