@@ -33,12 +33,12 @@ from rollouts.data import AsyncRolloutManager, DataBuffer
 from rollouts.loops.critic import default_critic
 from rollouts.loops.distributed import rank_world
 from rollouts.loops.evaluation import Evaluation, evaluate_groups, group_metrics
-from rollouts.loops.generation import BatchSource, engine_alone, sync_engine
+from rollouts.loops.generation import BatchSource, engine_alone
 from rollouts.loops.kl_control import initial_kl_state, next_kl_state, with_kl_coef
 from rollouts.loops.per_token import AdvantageFn
 from rollouts.loops.probe import probe_sync
 from rollouts.loops.reference import check_reference_update, default_reference, update_reference
-from rollouts.loops.rl_run import RLHooks, Run, restore, save_run_checkpoint
+from rollouts.loops.rl_run import RLHooks, Run, restore, save_run_checkpoint, sync_run_engine
 from rollouts.loops.rollout_fns import (
     PromptEncoder,
     RolloutContext,
@@ -245,16 +245,7 @@ async def _train(
     metrics["train_s"] = time.perf_counter() - start
     metrics["sync_s"] = 0.0
     if state.step % (config.sync_every_steps * updates) == 0 or state.step >= config.num_steps * updates:
-        state, sync_metrics = await sync_engine(
-            run.components,
-            run.engine,
-            state,
-            run.run_dir,
-            shares_model=run.shares_model,
-            lock=lock,
-            writer=run.writer,
-            manager=manager,
-        )
+        state, sync_metrics = await sync_run_engine(run, state, lock, manager=manager)
         metrics.update(sync_metrics)
         if config.sync_probe_tokens:  # the engine serves what was trained, or the step fails naming it
             async with engine_alone(run.engine, lock, manager):

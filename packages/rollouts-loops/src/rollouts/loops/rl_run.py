@@ -30,7 +30,7 @@ from rollouts.loops.scoring import Reward
 from rollouts.losses import KLControllerState, LossFn
 from rollouts.types import FilterFn, InferenceEngine, MetricsLogger, RLConfig, RolloutBatch, Sample, TrainingState
 
-__all__ = ["RLHooks", "Run", "restore", "save_run_checkpoint"]
+__all__ = ["RLHooks", "Run", "restore", "save_run_checkpoint", "sync_run_engine"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,17 +98,30 @@ async def restore(
         else None
     )
     if state.step > 0:  # a resumed run: the engine serves the restored weights, under their own version
-        state, _ = await sync_engine(
-            run.components,
-            run.engine,
-            state,
-            run.run_dir,
-            shares_model=run.shares_model,
-            lock=lock,
-            version=state.weight_version,
-            writer=run.writer,
-        )
+        state, _ = await sync_run_engine(run, state, lock, version=state.weight_version)
     return state, extra, manager, ahead
+
+
+async def sync_run_engine(
+    run: Run,
+    state: TrainingState,
+    lock: trio.Lock,
+    *,
+    version: int | None = None,
+    manager: AsyncRolloutManager | None = None,
+) -> tuple[TrainingState, dict[str, float]]:
+    """`sync_engine` with the run's model, engine, directory and writer."""
+    return await sync_engine(
+        run.components,
+        run.engine,
+        state,
+        run.run_dir,
+        shares_model=run.shares_model,
+        lock=lock,
+        version=version,
+        writer=run.writer,
+        manager=manager,
+    )
 
 
 def _manager(run: Run, extra: dict[str, Any]) -> AsyncRolloutManager | None:
