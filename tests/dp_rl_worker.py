@@ -13,14 +13,35 @@ import torch.distributed as dist
 from dp_rl_cases import CASES, NUM_STEPS, batch, components, config, critic
 
 from rollouts.backends import export_weights
-from rollouts.loops.distributed import close_distributed
+from rollouts.loops.distributed import broadcast_bytes, broadcast_json, broadcast_tagged, close_distributed
 from rollouts.loops.policy_update import rl_update
-from rollouts.types import TrainingState
+from rollouts.types import RolloutBatch, TrainingState
+from rollouts.types.wire import batch_from_bytes, batch_to_bytes, batch_to_parts
+
+
+def check_broadcasts(out: Path) -> None:
+    """Rank 0's batch (as wire parts, behind a tag), bytes and JSON reach rank 1 unchanged; each
+    rank writes what it holds for the test to compare."""
+    rank = dist.get_rank()
+    sent = RolloutBatch(samples=tuple(s.with_reward(float(i)) for i, s in enumerate(batch())), step=3)
+    tag, data = broadcast_tagged(b"B", *batch_to_parts(sent)) if rank == 0 else broadcast_tagged()
+    assert tag == b"B" and data.readonly
+    got = batch_from_bytes(data) if rank else sent
+    empty_tag, empty = broadcast_tagged(b"E") if rank == 0 else broadcast_tagged()
+    held = {
+        "batch": batch_to_bytes(got).hex(),
+        "equal": got == sent,
+        "empty": [empty_tag.decode(), bytes(empty).hex()],
+        "bytes": broadcast_bytes(b"\x00abc" if rank == 0 else b"").hex(),
+        "json": broadcast_json({"a": [1, 2.5, None]} if rank == 0 else None),
+    }
+    (out / f"broadcast_rank{rank}.json").write_text(json.dumps(held))
 
 
 def main(out: Path) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     torch.set_num_threads(1)
+    check_broadcasts(out)
     metrics = {}
     for name, algorithm in CASES.items():
         trained, ref = components(sharded=True)

@@ -1,4 +1,5 @@
-"""Data-parallel RL (torchrun, 2 gloo ranks) gives what one process gives on the same batch, for
+"""Data-parallel RL (torchrun, 2 gloo ranks) gives what one process gives on the same batch (and the
+broadcasts that hand rank 0's batch to the others deliver it unchanged), for
 settings whose advantages need the whole batch and for KL in the loss."""
 
 import json
@@ -32,6 +33,10 @@ def test_rl_update_on_two_ranks_matches_one_process(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=_TORCHRUN_TIMEOUT_S, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
+    held = [json.loads((tmp_path / f"broadcast_rank{r}.json").read_text()) for r in (0, 1)]
+    assert held[0] == held[1]  # the batch decoded on rank 1 is rank 0's, byte for byte
+    assert held[1]["equal"] and held[1]["empty"] == ["E", ""]
+    assert held[1]["bytes"] == "00616263" and held[1]["json"] == {"a": [1, 2.5, None]}
     distributed = json.loads((tmp_path / "metrics.json").read_text())
     for name, algorithm in CASES.items():
         trained, ref = components(sharded=False)

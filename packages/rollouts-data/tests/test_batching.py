@@ -22,7 +22,7 @@ def samples(draw, max_len=40, rl=None):
         t = draw(st.integers(2, max_len))
         p = draw(st.integers(1, t - 1))
         tokens = draw(st.lists(st.integers(1, 999), min_size=t, max_size=t))
-        mask = [0.0] * p + [float(draw(st.sampled_from([0.0, 1.0]))) for _ in range(t - p)]
+        mask = [0.0] * p + [float(draw(st.sampled_from([0.0, 1.0, 1.0, 0.5, 2.0]))) for _ in range(t - p)]
         kw = {}
         if rl:
             kw = {"advantage": draw(_F32), "rollout_logprobs": [-abs(draw(_F32)) for _ in range(t - p)]}
@@ -54,6 +54,12 @@ def _check_contract(mb):
         assert getattr(mb, k).shape == (b, t)
     real = mb.attention_mask == 1
     assert np.all(mb.segment_ids[~real] == -1) and np.all(mb.loss_mask[~real] == 0)
+    # padding holds the pad id and zeros, never what the (uninitialised) memory held before
+    assert np.all(mb.input_ids[~real] == 0) and np.all(mb.position_ids[~real] == 0)
+    assert np.all(mb.attention_mask[~real] == 0)
+    for name in ("advantages", "rollout_logprobs"):
+        if mb.get(name) is not None:
+            assert np.all(mb.get(name)[~real] == 0), name
     assert np.all(mb.loss_mask[mb.position_ids == 0] == 0)  # no prediction at a sequence start
 
 

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -247,6 +248,65 @@ def test_with_reward_returns_a_new_sample(sample, reward):
     assert rewarded.reward == reward
     assert rewarded.tokens == sample.tokens and rewarded is not sample
     assert dataclasses.replace(rewarded, reward=sample.reward) == sample
+
+
+_CHANGES = st.fixed_dictionaries(
+    {},
+    optional={
+        "reward": st.none() | st.floats(-10, 10),
+        "advantage": st.none() | st.floats(-5, 5),
+        "group_index": st.none() | st.integers(0, 9),
+        "index": st.none() | st.integers(0, 9),
+        "weight_version": st.none() | st.integers(0, 9),
+        "response": st.text(max_size=5),
+        "prompt": st.text(max_size=5) | st.just([{"role": "user", "content": "x"}]),
+        "metadata": st.just({"k": [1, 2]}),
+        "status": st.sampled_from([*Status, "aborted"]),
+        "rollout_logprobs": st.none(),
+        "num_prompt_tokens": st.integers(0, 3),
+    },
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(sample=samples(), changes=_CHANGES)
+def test_replace_is_dataclasses_replace(sample, changes):
+    """Sample.replace checks only the changed fields, and gives what dataclasses.replace gives
+    (which checks all of them), or refuses what it refuses, with the same error."""
+    if "num_prompt_tokens" in changes:
+        changes["rollout_logprobs"] = None  # their lengths go together
+    try:
+        expected = dataclasses.replace(sample, **changes)
+    except (ValueError, TypeError) as error:
+        with pytest.raises(type(error), match=re.escape(str(error))):
+            sample.replace(**changes)
+        return
+    got = sample.replace(**changes)
+    assert got == expected and got is not sample
+    assert {f.name: type(getattr(got, f.name)) for f in dataclasses.fields(Sample)} == {
+        f.name: type(getattr(expected, f.name)) for f in dataclasses.fields(Sample)
+    }
+    assert got.tokens is sample.tokens  # passed on, not packed or checked again
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "match"),
+    [
+        ({"reward": math.nan}, ValueError, r"Sample\.reward must be finite"),
+        ({"reward": True}, TypeError, r"Sample\.reward must be a float"),
+        ({"index": -1}, ValueError, r"Sample\.index must be a non-negative int"),
+        ({"num_prompt_tokens": 9}, ValueError, r"num_prompt_tokens \(9\) must be in \[0, len\(tokens\)=3\]"),
+        ({"num_prompt_tokens": 1.0}, TypeError, r"num_prompt_tokens must be an int"),
+        ({"tokens": [1, 2]}, ValueError, r"loss_mask has 3 entries but tokens has 2"),
+        ({"status": "done"}, ValueError, r"'done' is not a valid Status"),
+        ({"metadata": [1]}, TypeError, r"metadata must be a mapping"),
+        ({"rewardd": 1.0}, TypeError, r"unknown fields \['rewardd'\]"),
+    ],
+)
+def test_replace_checks_what_it_changes(changes, error, match):
+    sample = Sample(tokens=[1, 2, 3], num_prompt_tokens=1, loss_mask=[0, 1, 1], rollout_logprobs=[-1.0, -2.0])
+    with pytest.raises(error, match=match):
+        sample.replace(**changes)
 
 
 def test_frozen_really_means_frozen():

@@ -3,7 +3,6 @@ protocol, for runs without an inference server and for tests."""
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -81,13 +80,10 @@ class InProcessEngine:
             should_abort=self._abort.is_set,
         )
         if not params.logprobs:
-            samples = [dataclasses.replace(s, rollout_logprobs=None) for s in samples]
+            samples = [s.replace(rollout_logprobs=None) for s in samples]
         if self._tokenizer is not None:
             decode = self._tokenizer.decode  # type: ignore[attr-defined]
-            samples = [
-                dataclasses.replace(s, response=decode(list(s.response_tokens), skip_special_tokens=True))
-                for s in samples
-            ]
+            samples = [s.replace(response=decode(list(s.response_tokens), skip_special_tokens=True)) for s in samples]
         return samples
 
     async def generate_seeded(

@@ -8,7 +8,6 @@ built from the functions here; a loop with its own driver composes them the same
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -58,7 +57,7 @@ def assign_groups(groups: Sequence[Sequence[Sample]]) -> tuple[tuple[Sample, ...
     """The groups with group_index g set on group g and index set to the position in the flattened step."""
     out, position = [], 0
     for g, group in enumerate(groups):
-        out.append(tuple(dataclasses.replace(s, group_index=g, index=position + i) for i, s in enumerate(group)))
+        out.append(tuple(s.replace(group_index=g, index=position + i) for i, s in enumerate(group)))
         position += len(group)
     return tuple(out)
 

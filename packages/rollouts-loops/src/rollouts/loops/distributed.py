@@ -95,19 +95,42 @@ def broadcast_bytes(data: bytes = b"") -> bytes:
     rank, world = rank_world()
     if world == 1:
         return data
-    device = collective_device()
-    size = torch.tensor([len(data) if rank == 0 else 0], dtype=torch.int64, device=device)
-    torch.distributed.broadcast(size, src=0)
     if rank == 0:
-        buffer = (
-            torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-            if data
-            else torch.empty(0, dtype=torch.uint8, device=device)
-        )
+        broadcast_tagged(b"", data)
+        return data
+    return bytes(broadcast_tagged()[1])
+
+
+def broadcast_tagged(tag: bytes = b"", *parts: bytes | memoryview) -> tuple[bytes, memoryview]:
+    """Rank 0's tag and parts (joined) on every rank; other ranks pass nothing. What
+    `broadcast_bytes` does, with a short tag in front in the same message, and the data in parts
+    (e.g. rollouts.types.wire.batch_to_parts) that rank 0 copies once, straight into the tensor it
+    sends: a step's batch is tens of MB at real sizes. Every rank gets (tag, a read-only view of the
+    data); the view is of memory nothing else holds, and never changes."""
+    rank, world = rank_world()
+    if world == 1:
+        return tag, memoryview(b"".join(parts)).toreadonly()
+    device = collective_device()
+    sizes = [len(tag), sum(memoryview(p).nbytes for p in parts)] if rank == 0 else [0, 0]
+    sizes_tensor = torch.tensor(sizes, dtype=torch.int64, device=device)
+    torch.distributed.broadcast(sizes_tensor, src=0)
+    num_tag, num_data = (int(n) for n in sizes_tensor.tolist())
+    if rank == 0:
+        staging = torch.empty(num_tag + num_data, dtype=torch.uint8)
+        view, offset = staging.numpy(), 0
+        for part in (tag, *parts):
+            size = memoryview(part).nbytes
+            view[offset : offset + size] = np.frombuffer(part, dtype=np.uint8)
+            offset += size
+        buffer = staging.to(device)
+        received = view
     else:
-        buffer = torch.empty(int(size[0]), dtype=torch.uint8, device=device)
+        buffer = torch.empty(num_tag + num_data, dtype=torch.uint8, device=device)
     torch.distributed.broadcast(buffer, src=0)
-    return data if rank == 0 else buffer.cpu().numpy().tobytes()
+    if rank != 0:
+        received = buffer.cpu().numpy()
+    data = memoryview(received).toreadonly()
+    return bytes(data[:num_tag]), data[num_tag:]
 
 
 def all_gather_arrays(arrays: list[np.ndarray]) -> list[list[np.ndarray]]:

@@ -20,10 +20,10 @@ from rollouts.backends import CheckpointWriter, TrainingComponents, export_weigh
 from rollouts.backends.lora import syncs_adapter
 from rollouts.backends.lora_files import save_adapter
 from rollouts.data import AsyncRolloutManager
-from rollouts.loops.distributed import broadcast_bytes, rank_world
+from rollouts.loops.distributed import broadcast_tagged, rank_world
 from rollouts.loops.run_dir import ADAPTER_DIR, WEIGHTS_DIR
 from rollouts.types import InferenceEngine, RolloutBatch, TrainingState
-from rollouts.types.wire import batch_from_bytes, batch_to_bytes
+from rollouts.types.wire import batch_from_bytes, batch_to_parts
 
 _SHARED_METADATA = ("errors", "groups_requested", "groups_partial", "num_rounds", "generate_s")
 """The batch metadata the other ranks receive (what every rank logs or raises on)."""
@@ -101,22 +101,22 @@ class BatchSource:
                 if isinstance(result, Exception):
                     raise result
                 return result[0]
-            # One byte says which: b"E" + an error's text, or b"B" + the batch (rollouts.types.wire,
+            # A tag says which: b"E" and an error's text, or b"B" and the batch (rollouts.types.wire,
             # which round-trips exactly: rank 0 keeps its own copy, equal to what the others decode).
             shared = None if isinstance(result, Exception) else _shared(result[0])
-            payload = (
-                b"E" + f"{type(result).__name__}: {result}".encode()
+            tag, parts = (
+                (b"E", [f"{type(result).__name__}: {result}".encode()])
                 if shared is None
-                else b"B" + await trio.to_thread.run_sync(batch_to_bytes, shared)
+                else (b"B", await trio.to_thread.run_sync(batch_to_parts, shared))
             )
         else:
-            payload = shared = None
-        received = await trio.to_thread.run_sync(broadcast_bytes, payload or b"")
-        if received[:1] == b"E":
-            raise RuntimeError(f"generation on rank 0 failed: {received[1:].decode()}")
+            tag, parts, shared = b"", [], None
+        tag, received = await trio.to_thread.run_sync(broadcast_tagged, tag, *parts)
+        if tag == b"E":
+            raise RuntimeError(f"generation on rank 0 failed: {bytes(received).decode()}")
         if shared is not None:
             return shared
-        return await trio.to_thread.run_sync(batch_from_bytes, memoryview(received)[1:])
+        return await trio.to_thread.run_sync(batch_from_bytes, received)
 
 
 @contextlib.asynccontextmanager

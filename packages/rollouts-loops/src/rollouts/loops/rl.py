@@ -34,6 +34,7 @@ from rollouts.loops.critic import default_critic
 from rollouts.loops.distributed import rank_world
 from rollouts.loops.evaluation import Evaluation, evaluate_groups, group_metrics
 from rollouts.loops.generation import BatchSource, engine_alone
+from rollouts.loops.heap import startup_objects_frozen
 from rollouts.loops.kl_control import initial_kl_state, next_kl_state, with_kl_coef
 from rollouts.loops.per_token import AdvantageFn
 from rollouts.loops.probe import probe_sync
@@ -176,7 +177,7 @@ def run_rl_training(
         if rank == 0:
             sweep_run_dir(run.run_dir)
         try:
-            with run.writer:  # closed on every exit path: the last checkpoint is published
+            with run.writer, startup_objects_frozen():  # writer closed on every exit path
                 return trio.run(_rl_main, run)
         except BaseExceptionGroup as group:  # the loop's nursery wraps even a lone error: raise that one
             if len(group.exceptions) == 1:

@@ -153,7 +153,7 @@ def grpo_minimal(
         samples = trio.run(engine.generate, [list(encode_prompt(r)) for r in records], params)
         # 2. rewards (the group index tells 3. which samples share a prompt)
         samples = [
-            dataclasses.replace(s, group_index=i // samples_per_prompt).with_reward(
+            s.replace(group_index=i // samples_per_prompt).with_reward(
                 float(reward(s, records[i // samples_per_prompt]))
             )
             for i, s in enumerate(samples)

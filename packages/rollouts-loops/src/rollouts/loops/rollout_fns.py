@@ -55,7 +55,7 @@ def _with_record(samples: Sequence[Sample], record: Any) -> list[Sample]:
     prompt = record.get("prompt", "") if isinstance(record, Mapping) else str(record)
     prompt = prompt if isinstance(prompt, str) else tuple(prompt)
     metadata = record_metadata(record)
-    return [dataclasses.replace(s, prompt=prompt, metadata={**s.metadata, **metadata}) for s in samples]
+    return [s.replace(prompt=prompt, metadata={**s.metadata, **metadata}) for s in samples]
 
 
 async def single_turn_rollout(record: Any, ctx: RolloutContext) -> list[Sample]:

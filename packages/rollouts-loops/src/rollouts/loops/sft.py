@@ -17,6 +17,7 @@ from typing import Any
 from rollouts.backends import CheckpointWriter, TrainingComponents, forward_backward, optim_step, save_checkpoint
 from rollouts.data import DataBuffer
 from rollouts.loops.distributed import global_sum, rank_world
+from rollouts.loops.heap import startup_objects_frozen
 from rollouts.loops.micro_batches import plan_shard
 from rollouts.loops.run_dir import CHECKPOINTS_DIR, lock_run_dir, resume_if_possible, sweep_run_dir
 from rollouts.losses import sft_loss_fn
@@ -96,7 +97,8 @@ def run_sft_training(
     with held:  # one run per directory: another process on it is refused, naming its pid
         if run_dir is not None and rank_world()[0] == 0:
             sweep_run_dir(run_dir)
-        with CheckpointWriter() as writer:  # closed on every exit path: the last checkpoint is published
+        # the writer is closed on every exit path: the last checkpoint is published
+        with CheckpointWriter() as writer, startup_objects_frozen():
             return _sft_loop(
                 components,
                 buffer,

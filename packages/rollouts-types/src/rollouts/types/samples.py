@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,58 +65,25 @@ class Sample:
     status: Status = Status.PENDING
 
     def __post_init__(self) -> None:
-        name = "Sample"
-        prompt = self.prompt
-        if not isinstance(prompt, str):
-            if isinstance(prompt, Mapping) or not isinstance(prompt, Sequence):
-                raise TypeError(f"{name}.prompt must be a str or a sequence of messages, got {type(prompt).__name__}")
-            for i, message in enumerate(prompt):
-                if not isinstance(message, Mapping):
-                    raise TypeError(f"{name}.prompt[{i}] must be a message mapping, got {type(message).__name__}")
-            object.__setattr__(self, "prompt", freeze(prompt))
-        if not isinstance(self.response, str):
-            raise TypeError(f"{name}.response must be a str, got {type(self.response).__name__}")
-        # Packed and validated once: arrays already of these types (a replace) are taken as they are.
-        tokens = self.tokens if type(self.tokens) is TokenIds else TokenIds(self.tokens, what=f"{name}.tokens")
-        mask = (
-            self.loss_mask if type(self.loss_mask) is LossMask else LossMask(self.loss_mask, what=f"{name}.loss_mask")
-        )
-        object.__setattr__(self, "tokens", tokens)
-        object.__setattr__(self, "loss_mask", mask)
-        if len(mask) != len(tokens):
-            raise ValueError(
-                f"{name}.loss_mask has {len(mask)} entries but tokens has {len(tokens)}: "
-                "the mask needs one weight per token"
-            )
-        if not 0 <= self.num_prompt_tokens <= len(tokens):
-            raise ValueError(
-                f"{name}.num_prompt_tokens ({self.num_prompt_tokens}) must be in [0, len(tokens)={len(tokens)}]"
-            )
-        if self.rollout_logprobs is not None:
-            logprobs = self.rollout_logprobs
-            if type(logprobs) is not LogProbs:
-                logprobs = LogProbs(logprobs, what=f"{name}.rollout_logprobs")
-            if len(logprobs) != self.response_length:
-                raise ValueError(
-                    f"{name}.rollout_logprobs has {len(logprobs)} entries but the response has "
-                    f"{self.response_length} tokens: one log-prob per response token"
-                )
-            object.__setattr__(self, "rollout_logprobs", logprobs)
-        for fname in ("reward", "advantage"):
-            value = getattr(self, fname)
-            if value is not None:
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    raise TypeError(f"{name}.{fname} must be a float or None, got {type(value).__name__}")
-                check_finite(name, fname, float(value))
-                object.__setattr__(self, fname, float(value))
-        for fname in ("group_index", "index", "weight_version"):
-            value = getattr(self, fname)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise ValueError(f"{name}.{fname} must be a non-negative int or None, got {value!r}")
-        if not isinstance(self.metadata, Mapping):
-            raise TypeError(f"{name}.metadata must be a mapping, got {type(self.metadata).__name__}")
-        object.__setattr__(self, "metadata", freeze(self.metadata))
-        object.__setattr__(self, "status", Status(self.status))
+        for check in _CHECKS.values():
+            check(self)
+
+    def replace(self, **changes: Any) -> Sample:
+        """A copy with `changes` applied, like `dataclasses.replace` but checking only what changed
+        (the arrays are not looked at again unless one of them, or num_prompt_tokens, changes):
+        ~4x faster, which counts at a thousand samples per step and several replaces each."""
+        out = object.__new__(Sample)
+        for name in _FIELDS:
+            object.__setattr__(out, name, changes[name] if name in changes else getattr(self, name))
+        checks = dict.fromkeys(_CHECK_OF.get(name) for name in changes)  # each once, in order
+        if None in checks:
+            unknown = sorted(set(changes) - set(_FIELDS))
+            raise TypeError(f"Sample.replace: unknown fields {unknown}; allowed: {list(_FIELDS)}")
+        for check in checks:
+            check(out)  # type: ignore[misc]
+        return out
+
+    __replace__ = replace  # copy.replace (Python 3.13+)
 
     @property
     def response_length(self) -> int:
@@ -145,15 +112,15 @@ class Sample:
 
     def with_reward(self, reward: float) -> Sample:
         """A copy with `reward` set."""
-        return dataclasses.replace(self, reward=reward)
+        return self.replace(reward=reward)
 
     def with_advantage(self, advantage: float) -> Sample:
         """A copy with `advantage` set."""
-        return dataclasses.replace(self, advantage=advantage)
+        return self.replace(advantage=advantage)
 
     def with_metadata(self, **updates: Any) -> Sample:
         """A copy whose metadata has `updates` merged in."""
-        return dataclasses.replace(self, metadata={**self.metadata, **updates})
+        return self.replace(metadata={**self.metadata, **updates})
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (plain lists and dicts); `Sample.from_dict` inverts it."""
@@ -169,6 +136,107 @@ class Sample:
         if unknown:
             raise ValueError(f"Sample.from_dict: unknown keys {unknown}; allowed: {sorted(known)}")
         return cls(**data)
+
+
+# Sample's checks, one per group of fields that are checked together: __post_init__ runs them all,
+# Sample.replace only those of the fields it changes.
+_NAME = "Sample"
+
+
+def _check_prompt(sample: Sample) -> None:
+    prompt = sample.prompt
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, Mapping) or not isinstance(prompt, Sequence):
+        raise TypeError(f"{_NAME}.prompt must be a str or a sequence of messages, got {type(prompt).__name__}")
+    for i, message in enumerate(prompt):
+        if not isinstance(message, Mapping):
+            raise TypeError(f"{_NAME}.prompt[{i}] must be a message mapping, got {type(message).__name__}")
+    object.__setattr__(sample, "prompt", freeze(prompt))
+
+
+def _check_response(sample: Sample) -> None:
+    if not isinstance(sample.response, str):
+        raise TypeError(f"{_NAME}.response must be a str, got {type(sample.response).__name__}")
+
+
+def _check_arrays(sample: Sample) -> None:
+    """tokens, loss_mask, num_prompt_tokens and rollout_logprobs, which must agree in length.
+    Packed and validated once: arrays already of these types (a replace) are taken as they are."""
+    tokens = sample.tokens if type(sample.tokens) is TokenIds else TokenIds(sample.tokens, what=f"{_NAME}.tokens")
+    mask = sample.loss_mask
+    if type(mask) is not LossMask:
+        mask = LossMask(mask, what=f"{_NAME}.loss_mask")
+    object.__setattr__(sample, "tokens", tokens)
+    object.__setattr__(sample, "loss_mask", mask)
+    if len(mask) != len(tokens):
+        raise ValueError(
+            f"{_NAME}.loss_mask has {len(mask)} entries but tokens has {len(tokens)}: "
+            "the mask needs one weight per token"
+        )
+    num_prompt = sample.num_prompt_tokens
+    if isinstance(num_prompt, bool) or not isinstance(num_prompt, int):
+        raise TypeError(f"{_NAME}.num_prompt_tokens must be an int, got {type(num_prompt).__name__}")
+    if not 0 <= num_prompt <= len(tokens):
+        raise ValueError(f"{_NAME}.num_prompt_tokens ({num_prompt}) must be in [0, len(tokens)={len(tokens)}]")
+    logprobs = sample.rollout_logprobs
+    if logprobs is not None:
+        if type(logprobs) is not LogProbs:
+            logprobs = LogProbs(logprobs, what=f"{_NAME}.rollout_logprobs")
+        if len(logprobs) != sample.response_length:
+            raise ValueError(
+                f"{_NAME}.rollout_logprobs has {len(logprobs)} entries but the response has "
+                f"{sample.response_length} tokens: one log-prob per response token"
+            )
+        object.__setattr__(sample, "rollout_logprobs", logprobs)
+
+
+def _float_check(fname: str) -> Callable[[Sample], None]:
+    def check(sample: Sample) -> None:
+        value = getattr(sample, fname)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{_NAME}.{fname} must be a float or None, got {type(value).__name__}")
+            check_finite(_NAME, fname, float(value))
+            object.__setattr__(sample, fname, float(value))
+
+    return check
+
+
+def _index_check(fname: str) -> Callable[[Sample], None]:
+    def check(sample: Sample) -> None:
+        value = getattr(sample, fname)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise ValueError(f"{_NAME}.{fname} must be a non-negative int or None, got {value!r}")
+
+    return check
+
+
+def _check_metadata(sample: Sample) -> None:
+    if not isinstance(sample.metadata, Mapping):
+        raise TypeError(f"{_NAME}.metadata must be a mapping, got {type(sample.metadata).__name__}")
+    object.__setattr__(sample, "metadata", freeze(sample.metadata))
+
+
+def _check_status(sample: Sample) -> None:
+    if type(sample.status) is not Status:
+        object.__setattr__(sample, "status", Status(sample.status))
+
+
+_CHECKS: dict[str, Callable[[Sample], None]] = {
+    "prompt": _check_prompt,
+    "response": _check_response,
+    "arrays": _check_arrays,
+    **{fname: _float_check(fname) for fname in ("reward", "advantage")},
+    **{fname: _index_check(fname) for fname in ("group_index", "index", "weight_version")},
+    "metadata": _check_metadata,
+    "status": _check_status,
+}
+_FIELDS = tuple(f.name for f in dataclasses.fields(Sample))
+_CHECK_OF = {
+    name: _CHECKS["arrays" if name in ("tokens", "loss_mask", "num_prompt_tokens", "rollout_logprobs") else name]
+    for name in _FIELDS
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

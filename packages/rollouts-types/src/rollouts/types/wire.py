@@ -20,7 +20,7 @@ from rollouts.types.arrays import LogProbs, LossMask, TokenIds
 from rollouts.types.frozen import thaw
 from rollouts.types.samples import RolloutBatch, Sample
 
-__all__ = ["batch_from_bytes", "batch_to_bytes"]
+__all__ = ["batch_from_bytes", "batch_to_bytes", "batch_to_parts"]
 
 MAGIC = b"RB02"  # RB01 carried float32 loss weights and float64 log-probs as columns
 _SCALARS = ("num_prompt_tokens", "reward", "advantage", "group_index", "index", "weight_version")
@@ -28,8 +28,15 @@ _SCALARS = ("num_prompt_tokens", "reward", "advantage", "group_index", "index", 
 
 def batch_to_bytes(batch: RolloutBatch) -> bytes:
     """The batch as bytes; `batch_from_bytes` gives back an equal batch."""
+    return b"".join(batch_to_parts(batch))
+
+
+def batch_to_parts(batch: RolloutBatch) -> list[bytes | memoryview]:
+    """The pieces whose concatenation is `batch_to_bytes(batch)`, without the concatenation: the
+    samples' arrays as views of their own bytes, so a sender copies each byte once, straight into
+    whatever buffer it sends (rollouts.loops writes them into the tensor it broadcasts)."""
     samples: list[dict[str, Any]] = []
-    columns: tuple[list[Any], ...] = ([], [], [], [])
+    columns: tuple[list[Any], ...] = ([], [], [], [])  # tokens, (loss weights: in the header), log-probs, texts
     for s in batch.samples:
         response = s.response.encode("utf-8")
         samples.append(
@@ -57,7 +64,7 @@ def batch_to_bytes(batch: RolloutBatch) -> bytes:
         "samples": samples,
     }
     head = json.dumps(header, separators=(",", ":")).encode()
-    return b"".join([MAGIC, len(head).to_bytes(8, "little"), head, *columns[0], *columns[1], *columns[2], *columns[3]])
+    return [MAGIC, len(head).to_bytes(8, "little"), head, *columns[0], *columns[1], *columns[2], *columns[3]]
 
 
 def batch_from_bytes(data: bytes | bytearray | memoryview) -> RolloutBatch:
