@@ -18,13 +18,14 @@ per repeat, beside the goal (<= 1.15).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import tempfile
 
 import torch
 
-from rollouts.backends import InProcessEngine, build_components
+from rollouts.backends import InProcessEngine, ProcessEngine, build_components
 from rollouts.data import DataBuffer
 from rollouts.loops.app.demo import DemoConfig
 from rollouts.loops.app.tasks import addition_problems, exact_answer_reward
@@ -35,7 +36,9 @@ from rollouts.loops.rl import run_rl_training
 from rollouts.types import AlgorithmConfig, CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams
 
 
-def run(mode_overlap: bool, *, steps: int, demo: DemoConfig, adaptive: bool = True) -> list[dict[str, float]]:
+def run(
+    mode_overlap: bool, *, steps: int, demo: DemoConfig, adaptive: bool = True, process: bool = False, threads: int = 1
+) -> list[dict[str, float]]:
     records = addition_problems(4000, digits=demo.digits, seed=0)
     tokenizer = build_tokenizer((r["prompt"] + r["answer"] for r in records), vocab_size=32)
     model = build_tiny_model(
@@ -67,16 +70,17 @@ def run(mode_overlap: bool, *, steps: int, demo: DemoConfig, adaptive: bool = Tr
         max_tokens_per_micro_batch=4096,
     )
     components = build_components(model, config.optimizer, num_training_steps=steps)
-    engine = CoalescingEngine(
-        InProcessEngine(copy.deepcopy(model), shares_training_model=False, tokenizer=tokenizer),
-        max_prompts_per_call=demo.rl_prompts_per_step,
-        adaptive=adaptive,
+    inner = (
+        ProcessEngine.from_model(model, tokenizer=tokenizer, num_threads=threads)
+        if process
+        else InProcessEngine(copy.deepcopy(model), shares_training_model=False, tokenizer=tokenizer)
     )
+    engine = CoalescingEngine(inner, max_prompts_per_call=demo.rl_prompts_per_step, adaptive=adaptive)
 
     def encode(record):
         return tokenizer.encode(record["prompt"], add_special_tokens=False)
 
-    with tempfile.TemporaryDirectory() as run_dir:
+    with tempfile.TemporaryDirectory() as run_dir, contextlib.closing(inner) if process else contextlib.nullcontext():
         _, history = run_rl_training(
             components,
             DataBuffer(records, seed=0),
@@ -97,6 +101,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-gather", dest="gather", action="store_false", help="skip the gather comparison")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     demo = DemoConfig()
@@ -105,43 +110,57 @@ def main() -> None:
         f"{args.steps} steps (first dropped), torch threads {args.threads}"
     )
     keys = ("generate_s", "train_s", "sync_s", "generate_wait_s", "step_time_s")
-    steps_of: dict[bool, list[dict[str, float]]] = {False: [], True: []}
-    per_repeat = []
+    modes = {  # name -> (overlap, process engine)
+        "synchronous": (False, False),
+        "overlapped": (True, False),
+        "synchronous, process engine": (False, True),
+        "overlapped, process engine": (True, True),
+    }
+    steps_of: dict[str, list[dict[str, float]]] = {name: [] for name in modes}
+    per_repeat: dict[str, list[float]] = {name: [] for name in modes}
     for _ in range(args.repeats):
         medians = {}
-        for overlap in (False, True):
-            history = run(overlap, steps=args.steps, demo=demo)
-            steps_of[overlap] += history
-            medians[overlap] = {k: statistics.median(h[k] for h in history) for k in keys}
-        bound = max(medians[False]["generate_s"], medians[False]["train_s"])
-        per_repeat.append(medians[True]["step_time_s"] / bound)
+        for name, (overlap, process) in modes.items():
+            history = run(overlap, steps=args.steps, demo=demo, process=process, threads=args.threads)
+            steps_of[name] += history
+            medians[name] = {k: statistics.median(h[k] for h in history) for k in keys}
+        bound = max(medians["synchronous"]["generate_s"], medians["synchronous"]["train_s"])
+        for name in modes:
+            per_repeat[name].append(medians[name]["step_time_s"] / bound)
     results = {}
-    for overlap in (False, True):
-        med = {k: statistics.median(h[k] for h in steps_of[overlap]) for k in keys}
-        results[overlap] = med
-        name = "overlapped " if overlap else "synchronous"
+    for name in modes:
+        med = {k: statistics.median(h[k] for h in steps_of[name]) for k in keys}
+        results[name] = med
         print(
-            f"{name}: step {med['step_time_s']:.3f} s | generate {med['generate_s']:.3f} s "
+            f"{name:>27}: step {med['step_time_s']:.3f} s | generate {med['generate_s']:.3f} s "
             f"(waited {med['generate_wait_s']:.3f} s) | train {med['train_s']:.3f} s | sync {med['sync_s']:.3f} s"
         )
+    sync = results["synchronous"]
+    bound = max(sync["generate_s"], sync["train_s"])
+    print(
+        f"overlap efficiency: step / max(generate, train) of the synchronous in-process run ({bound:.3f} s); goal <= 1.15"
+    )
+    for name in modes:
+        step = results[name]["step_time_s"]
+        print(
+            f"{name:>27}: {step:.3f} / {bound:.3f} = {step / bound:.2f}; per repeat: "
+            + ", ".join(f"{r:.2f}" for r in per_repeat[name])
+        )
+    if args.gather:
+        print_gather(steps=args.steps, demo=demo)
+
+
+def print_gather(*, steps: int, demo: DemoConfig) -> None:
     # The first batch's gather: waiting only while callers join vs a flat 10 ms window (synchronous),
     # alternating runs, medians over every measured step of three runs each.
     gen: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(3):
         for adaptive in (True, False):
-            gen[adaptive] += [h["generate_s"] for h in run(False, steps=args.steps, demo=demo, adaptive=adaptive)]
+            gen[adaptive] += [h["generate_s"] for h in run(False, steps=steps, demo=demo, adaptive=adaptive)]
     adaptive_s, flat_s = statistics.median(gen[True]), statistics.median(gen[False])
     print(
         f"gather: generate {adaptive_s * 1e3:.1f} ms adaptive vs {flat_s * 1e3:.1f} ms with a flat 10 ms window "
         f"(saves {(flat_s - adaptive_s) * 1e3:.1f} ms per step; flat / adaptive = {flat_s / adaptive_s:.2f}x)"
-    )
-    sync = results[False]
-    bound = max(sync["generate_s"], sync["train_s"])
-    print(
-        f"overlap efficiency: overlapped step / max(generate, train) = {results[True]['step_time_s']:.3f} / "
-        f"{bound:.3f} = {results[True]['step_time_s'] / bound:.2f} "
-        f"(synchronous step / that bound = {sync['step_time_s'] / bound:.2f}); goal <= 1.15; per repeat: "
-        + ", ".join(f"{r:.2f}" for r in per_repeat)
     )
 
 

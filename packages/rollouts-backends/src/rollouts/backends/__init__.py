@@ -21,6 +21,7 @@ from rollouts.backends.distributed import shard_model, transformer_blocks
 from rollouts.backends.export import export_weights, load_model_weights, read_weights
 from rollouts.backends.inprocess_engine import InProcessEngine
 from rollouts.backends.model_files import load_tokenizer, resolve_model_dir
+from rollouts.backends.process_engine import EngineProcessError, ProcessEngine
 from rollouts.backends.sampler import generate, sample_next_tokens
 from rollouts.backends.train import (
     NonFiniteError,
@@ -48,8 +49,10 @@ __version__ = _version()
 
 __all__ = [
     "CheckpointWriter",
+    "EngineProcessError",
     "InProcessEngine",
     "NonFiniteError",
+    "ProcessEngine",
     "TrainingComponents",
     "attention_mask_4d",
     "build_components",

@@ -43,7 +43,7 @@ class InProcessEngine:
     ) -> None:
         self._model = model
         self._shares = shares_training_model
-        self._eos = tuple(eos_token_ids) or _config_eos(model)
+        self._eos = tuple(eos_token_ids) or config_eos(model)
         self._tokenizer = tokenizer
         self._name = name
         self._weight_version = weight_version
@@ -117,7 +117,8 @@ class InProcessEngine:
         return True
 
 
-def _config_eos(model: torch.nn.Module) -> tuple[int, ...]:
+def config_eos(model: torch.nn.Module) -> tuple[int, ...]:
+    """The stop token ids of the model's config (none when it names no eos_token_id)."""
     eos = getattr(model.config, "eos_token_id", None)
     if eos is None:
         return ()

@@ -203,6 +203,12 @@ class CoalescingEngine:
         """The inner engine's resume(): generation runs to the end again."""
         self._inner_method("resume")()
 
+    def close(self) -> None:
+        """The inner engine's close(), where it has one (ProcessEngine: its process is reaped)."""
+        close = getattr(self.inner, "close", None)
+        if callable(close):
+            close()
+
     def _inner_method(self, name: str) -> Any:
         method = getattr(self.inner, name, None)
         if not callable(method):

@@ -23,7 +23,7 @@ _SECTIONS = {
     "  [data] train_path (chat JSONL: messages)\n  [run] out_dir, resume\n"
     "  [log] wandb, tensorboard\n  [sft] num_steps, batch_size, max_length, ... [sft.optimizer] [sft.checkpoint]",
     "rl": "preset = grpo | drgrpo | dapo | ...\n  [model] path, ...\n  [data] train_path, eval_path, prompt_key, answer_key\n"
-    "  [engine] kind (inprocess | vllm | sglang), urls, timeouts\n  [run] out_dir, resume\n"
+    "  [engine] kind (inprocess | process | vllm | sglang), urls, timeouts\n  [run] out_dir, resume\n"
     "  [reward] fn, batched, on_error, timeout_s\n  [hooks] rollout, filter, advantages, loss\n"
     "  [eval] every_steps, samples_per_prompt, temperature\n  [log] wandb, tensorboard, num_sample_completions\n"
     "  [rl] num_steps, overlap, ... [rl.rollout] [rl.rollout.sampling] [rl.algorithm] [rl.optimizer] [rl.checkpoint]\n"

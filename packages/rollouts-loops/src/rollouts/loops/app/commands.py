@@ -161,16 +161,28 @@ def _with_reward_models(verifier: Any, spec: Any, source: str) -> Any:
 
 
 def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> Any:
-    """Rank 0's engine (None on other ranks): the in-process sampler or remote servers."""
+    """Rank 0's engine (None on other ranks): the in-process sampler, in this process or its own, or
+    remote servers."""
     import copy
 
-    from rollouts.backends import InProcessEngine, load_hf_model
+    from rollouts.backends import InProcessEngine, ProcessEngine, load_hf_model
     from rollouts.loops import CoalescingEngine, remote_engine
     from rollouts.loops.distributed import rank_world
 
     rank, world = rank_world()
     if rank != 0:
         return None
+    if run.engine.kind == "process":  # starts from the run's model; restore() syncs a resumed run's weights
+        engine = ProcessEngine(
+            run.model.path,
+            tokenizer=tokenizer,
+            num_threads=run.engine.num_threads,
+            device=run.model.device,
+            dtype=run.model.dtype,
+            attn_implementation=run.model.attn_implementation,
+            timeout_s=run.engine.timeout_s,
+        )
+        return CoalescingEngine(engine, max_prompts_per_call=run.rl.rollout.batch_size)
     if run.engine.kind != "inprocess":
         return remote_engine(
             run.engine.kind,
@@ -266,11 +278,12 @@ def cmd_rl(run: RLRun, source: str) -> Path:
             # The starting model, sharded like the trained one (one process copies it itself).
             ref_components = dataclasses.replace(components, model=sharded_model(run, components.device).eval())
         logger = run_loggers(run, out, "rl", run.rl.num_steps * run.rl.algorithm.num_updates_per_batch, rank=rank)
+        engine = _rl_engine(run, components, tokenizer, shares=shares)
         try:
             state, _ = run_rl_training(
                 components,
                 DataBuffer(records, seed=run.rl.seed),
-                _rl_engine(run, components, tokenizer, shares=shares),
+                engine,
                 run.rl,
                 encode_prompt=_encoder(tokenizer),
                 logger=logger,
@@ -287,6 +300,8 @@ def cmd_rl(run: RLRun, source: str) -> Path:
             )
         finally:
             logger.close()
+            if callable(close := getattr(engine, "close", None)):  # an engine process is reaped
+                close()
     finally:
         release_run(out, rank)
     print(

@@ -25,7 +25,7 @@ from rollouts.loops.algorithms import ALGORITHMS, preset_dicts
 from rollouts.loops.app.toml_out import NONE
 from rollouts.types import LoraConfig, RLConfig, SFTConfig, check_fields, from_dict, require
 
-EngineKind = Literal["inprocess", "vllm", "sglang"]
+EngineKind = Literal["inprocess", "process", "vllm", "sglang"]
 
 
 class ConfigError(ValueError):
@@ -74,11 +74,14 @@ class EngineSpec:
     """Which inference engine generates rollouts."""
 
     kind: EngineKind = "inprocess"
+    """"inprocess": the in-process sampler; "process": the same sampler in a process of its own (runs
+    beside training instead of sharing its interpreter: for rl.overlap); "vllm" / "sglang": servers."""
     urls: tuple[str, ...] = ()
     """Server base URLs for vllm / sglang (several spread the load)."""
     api_key_env: str = ""
     """Name of the environment variable holding the API key (never the key itself)."""
     timeout_s: float = 120.0
+    """Bound on one request (a generate call, a weight load) to an engine."""
     max_retries: int = 3
     sync_timeout_s: float = 600.0
     """Bound on one weight sync to all engines."""
@@ -86,6 +89,8 @@ class EngineSpec:
     """How new weights reach remote engines: "disk" sends the absolute path of the exported weights
     (the engines must see the trainer's filesystem at that path); "http" sends the weights in request
     bodies, chunked (no shared disk; vLLM started with the worker extension: `rollouts engine vllm`)."""
+    num_threads: int = 1
+    """Torch threads of the engine process (kind = "process")."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -95,8 +100,9 @@ class EngineSpec:
         require(self.sync in ("disk", "http"), "EngineSpec.sync", self.sync, "be 'disk' or 'http'")
         if self.sync == "http":
             require(self.kind == "vllm", "EngineSpec.sync", self.sync, "be 'disk' unless kind='vllm'")
-        if self.kind == "inprocess":
-            require(not self.urls, "EngineSpec.urls", self.urls, "be empty for kind='inprocess'")
+        require(self.num_threads >= 1, "EngineSpec.num_threads", self.num_threads, "be >= 1")
+        if self.kind in ("inprocess", "process"):
+            require(not self.urls, "EngineSpec.urls", self.urls, f"be empty for kind={self.kind!r}")
         else:
             require(
                 len(self.urls) >= 1, "EngineSpec.urls", self.urls, f"name at least one server for kind={self.kind!r}"

@@ -1,0 +1,153 @@
+"""The engine process behind ProcessEngine: `python -m rollouts.backends.engine_worker ...`.
+
+It loads the model from a local HF directory (never a hub), then answers one request frame at a
+time (rollouts.backends.engine_wire) until its request pipe closes or a "close" request comes:
+"generate" runs the in-process sampler and answers the Samples as rollouts.types.wire batch
+bytes; "update" loads HF safetensors weights (or a LoRA adapter) from a directory and records the
+version. A request that fails answers its error's type and text, and the process goes on.
+
+The abort flag is byte 0 of a small shared file (`--control`, mapped by both processes): the
+parent sets it from any thread while a generate runs here, and the sampler checks it after each
+token step. A weight update clears it, as InProcessEngine's does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import mmap
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rollouts.backends.components import load_hf_model
+from rollouts.backends.engine_wire import decode_frame, encode_frame
+from rollouts.backends.export import load_model_weights, read_weights
+from rollouts.backends.inprocess_engine import config_eos
+from rollouts.backends.lora_files import ADAPTER_CONFIG, load_adapter_dir
+from rollouts.backends.sampler import generate
+from rollouts.types import RolloutBatch, SamplingParams, from_dict
+from rollouts.types.wire import batch_to_bytes
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclasses.dataclass(slots=True)
+class _Worker:
+    model: torch.nn.Module
+    control: mmap.mmap
+    eos: tuple[int, ...]
+    weight_version: int | None
+
+    def aborted(self) -> bool:
+        return self.control[0] != 0
+
+    def generate(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        params = from_dict(SamplingParams, header["params"])
+        seeds = header.get("seeds")
+        samples = generate(
+            self.model,
+            header["prompts"],
+            n=params.n,
+            max_new_tokens=params.max_new_tokens,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            stop_token_ids=tuple(params.stop_token_ids) + self.eos,
+            seed=params.seed if seeds is None else seeds,
+            weight_version=self.weight_version,
+            should_abort=self.aborted,
+        )
+        if not params.logprobs:
+            samples = [dataclasses.replace(s, rollout_logprobs=None) for s in samples]
+        return {"ok": True}, batch_to_bytes(RolloutBatch(samples=samples))
+
+    def update(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        path, version = Path(header["path"]), header["weight_version"]
+        if (path / ADAPTER_CONFIG).is_file():  # a LoRA adapter (model.lora.sync = 'adapter')
+            load_adapter_dir(self.model, path)
+        else:
+            load_model_weights(self.model, read_weights(path))
+        self.weight_version = version
+        self.control[0] = 0
+        return {"ok": True, "weight_version": version}, b""
+
+
+def _read_exact(fd: int, num_bytes: int) -> bytes | None:
+    """`num_bytes` from blocking `fd`; None at a clean end of stream."""
+    parts, got = [], 0
+    while got < num_bytes:
+        chunk = os.read(fd, num_bytes - got)
+        if not chunk:
+            if got:
+                raise ValueError(f"request pipe closed mid-frame ({got} of {num_bytes} bytes)")
+            return None
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _read_request(fd: int) -> tuple[dict[str, Any], bytes] | None:
+    prefix = _read_exact(fd, 16)
+    if prefix is None:
+        return None
+    rest = _read_exact(fd, int.from_bytes(prefix[4:8], "little") + int.from_bytes(prefix[8:16], "little"))
+    return decode_frame(prefix + (rest or b""))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def serve(worker: _Worker, requests_fd: int, answers_fd: int) -> None:
+    """Answer requests until the pipe closes or a "close" request comes."""
+    handlers = {"generate": worker.generate, "update": worker.update}
+    while (request := _read_request(requests_fd)) is not None:
+        header, _ = request
+        if header.get("op") == "close":
+            return
+        try:
+            handler = handlers.get(header.get("op", ""))
+            if handler is None:
+                raise ValueError(f"unknown engine request op {header.get('op')!r}; known: {sorted(handlers)}")
+            answer, body = handler(header)
+        except Exception as e:  # answered to the caller, who raises it; this process serves on
+            answer, body = {"ok": False, "error_type": type(e).__name__, "error": str(e)}, b""
+        _write_all(answers_fd, encode_frame(answer, body))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--requests-fd", type=int, required=True)
+    parser.add_argument("--answers-fd", type=int, required=True)
+    parser.add_argument("--control", required=True)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    parser.add_argument("--attn", default="sdpa")
+    parser.add_argument("--weight-version", type=int, default=None)
+    parser.add_argument("--eos", type=int, nargs="*", default=[])
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # stderr keeps what explains a failure
+    model = load_hf_model(args.model_dir, dtype=_DTYPES[args.dtype], device=args.device, attn_implementation=args.attn)
+    model.eval()
+    with open(args.control, "r+b") as f:
+        control = mmap.mmap(f.fileno(), 0)
+    worker = _Worker(
+        model=model, control=control, eos=tuple(args.eos) or config_eos(model), weight_version=args.weight_version
+    )
+    _write_all(args.answers_fd, encode_frame({"ok": True, "ready": True, "pid": os.getpid()}))
+    serve(worker, args.requests_fd, args.answers_fd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""ProcessEngine: the in-process sampler in a process of its own, behind the InferenceEngine protocol.
+
+The in-process sampler is many small torch ops driven from Python, so beside training in the same
+process the two share one interpreter lock: an overlapped run (generate step n+1 while step n
+trains) serialises much of the work it meant to overlap. In its own process the sampler runs
+truly beside training, on its own core.
+
+The engine process (rollouts.backends.engine_worker) loads the model from a local HF directory,
+and each call is one request frame and one answer frame over a pair of pipes
+(rollouts.backends.engine_wire: JSON headers, Samples as rollouts.types.wire batch bytes; never
+pickles). Weights are synced the way the loops export them: the engine process reads the exported
+safetensors directory itself (from the page cache, just written), so a sync moves no tensor
+through the pipe. `abort()` sets a flag in a small file both processes map, read by the sampler
+after each token step.
+
+Every wait is bounded: a request that gets no answer within `timeout_s` kills the engine process
+and raises EngineProcessError with its exit code and the tail of its stderr; so does an engine
+process that exits. `close()` (or leaving a `with` block) always reaps it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+from rollouts.backends.engine_wire import ChildGone, encode_frame, read_frame, write_frame
+from rollouts.backends.export import model_tensors
+from rollouts.types import Sample, SamplingParams
+from rollouts.types.wire import batch_from_bytes
+
+__all__ = ["EngineProcessError", "ProcessEngine"]
+
+_CLOSE_TIMEOUT_S = 10.0  # a clean exit after "close" is instant; past this the process is killed
+_REAP_TIMEOUT_S = 10.0  # after SIGKILL the kernel reaps at once; this only bounds the wait
+_STDERR_TAIL_BYTES = 2000  # enough for a Python traceback's last frames and its message
+_SHM_DIR = "/dev/shm"  # memory-backed where there is one: the abort flag never touches a disk
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process exited, hung past its timeout or broke the protocol (the message names its
+    exit code and the tail of its stderr); the engine cannot be used afterwards."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Child:
+    """What the engine process holds open on this side; `reap` releases all of it, once."""
+
+    process: subprocess.Popen[bytes]
+    requests_fd: int
+    answers_fd: int
+    control: mmap.mmap
+    files: tuple[Path, ...]
+    dirs: tuple[Path, ...]
+
+    def reap(self, *, kill: bool = False) -> int | None:
+        """Stop the process (`kill`: at once; otherwise asked first), close and delete everything;
+        its exit code."""
+        if kill:
+            self.process.kill()
+        elif self.process.poll() is None and self.requests_fd >= 0:
+            try:
+                write_frame(self.requests_fd, encode_frame({"op": "close"}), deadline=time.monotonic() + 1.0)
+            except (OSError, TimeoutError):  # ChildGone is an OSError
+                pass  # killed below
+        for fd in (self.requests_fd, self.answers_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.requests_fd = self.answers_fd = -1
+        try:
+            self.process.wait(timeout=_CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=_REAP_TIMEOUT_S)
+        if not self.control.closed:
+            self.control.close()
+        for path in self.files:
+            path.unlink(missing_ok=True)
+        for path in self.dirs:
+            shutil.rmtree(path, ignore_errors=True)
+        return self.process.returncode
+
+
+class ProcessEngine:
+    """The in-process sampler, run in an engine process of its own (one request at a time).
+
+    `model_dir`: a local HF model directory (config.json + safetensors), loaded by the engine
+    process with `dtype`, `device` and `attn_implementation`; `num_threads` is its torch thread
+    count. The engine serves `weight_version` until the first `update_weights_from_disk`.
+    Like InProcessEngine, calls block the calling thread (wrap it in rollouts.loops'
+    CoalescingEngine, which batches concurrent calls and runs them in a worker thread), and
+    `abort()` (any thread) ends generations in progress at their next token step as partial
+    Samples, until `resume()` or the next weight update. With a `tokenizer`, responses are decoded
+    here. Seeded calls give the tokens InProcessEngine gives for the same weights and seed.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        tokenizer: object | None = None,
+        name: str = "process",
+        weight_version: int | None = 0,
+        num_threads: int = 1,
+        device: str = "cpu",
+        dtype: str = "float32",
+        attn_implementation: str = "sdpa",
+        eos_token_ids: Sequence[int] = (),
+        timeout_s: float = 600.0,
+        start_timeout_s: float = 300.0,
+        _owned_dir: Path | None = None,
+    ) -> None:
+        if not (Path(model_dir) / "config.json").is_file():
+            raise ValueError(f"model_dir {str(model_dir)!r} has no config.json: the engine loads a local HF model")
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        if dtype not in _DTYPE_NAMES.values():
+            raise ValueError(f"dtype must be one of {sorted(_DTYPE_NAMES.values())}, got {dtype!r}")
+        if not (timeout_s > 0 and start_timeout_s > 0):
+            raise ValueError(f"timeout_s ({timeout_s}) and start_timeout_s ({start_timeout_s}) must be > 0")
+        self._name, self._tokenizer, self._timeout_s = name, tokenizer, timeout_s
+        self._weight_version = weight_version
+        self._lock = threading.Lock()
+        self._error: EngineProcessError | None = None
+        args = ["--threads", str(num_threads), "--device", device, "--dtype", dtype, "--attn", attn_implementation]
+        args += ["--eos", *map(str, eos_token_ids)] if eos_token_ids else []
+        args += [] if weight_version is None else ["--weight-version", str(weight_version)]
+        self._child = _start(Path(model_dir), args, owned_dir=_owned_dir)
+        self._reaper = weakref.finalize(self, self._child.reap)  # at close, or when dropped unclosed
+        try:
+            answer, _ = read_frame(self._child.answers_fd, deadline=time.monotonic() + start_timeout_s)
+            if not answer.get("ready"):
+                raise ValueError(f"expected the ready frame, got {answer!r:.200}")
+        except TimeoutError as e:
+            raise self._broken(f"did not start within start_timeout_s={start_timeout_s}", kill=True) from e
+        except ChildGone as e:
+            raise self._broken(f"exited before it was ready ({e})") from e
+        except ValueError as e:
+            raise self._broken(f"did not start ({e})", kill=True) from e
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, **kwargs: Any) -> ProcessEngine:
+        """An engine over a copy of `model`'s current weights (a plain HF model), written to a
+        temporary directory the engine deletes when closed; `dtype` and `attn_implementation`
+        follow the model's. Other options as for the constructor."""
+        directory = Path(tempfile.mkdtemp(prefix="rollouts-engine-model-"))
+        try:
+            model.config.save_pretrained(directory)  # type: ignore[operator]
+            safetensors.torch.save_file(
+                model_tensors(model), directory / "model.safetensors", metadata={"format": "pt"}
+            )
+            kwargs.setdefault("dtype", _DTYPE_NAMES[next(model.parameters()).dtype])
+            kwargs.setdefault("attn_implementation", getattr(model.config, "_attn_implementation", None) or "sdpa")
+            return cls(directory, _owned_dir=directory, **kwargs)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+
+    # ------------------------------------------------------------ lifecycle
+
+    @property
+    def name(self) -> str:
+        """Id for logs."""
+        return self._name
+
+    @property
+    def pid(self) -> int:
+        """The engine process's id."""
+        return self._child.process.pid
+
+    def close(self) -> None:
+        """Stop and reap the engine process and delete its files; idempotent."""
+        self._reaper()
+
+    def __enter__(self) -> ProcessEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def abort(self) -> None:
+        """Cut generations in progress (and any started before `resume` or a weight update) short."""
+        if self._reaper.alive:
+            self._child.control[0] = 1
+
+    def resume(self) -> None:
+        """Let generations run to the end again."""
+        if self._reaper.alive:
+            self._child.control[0] = 0
+
+    # ------------------------------------------------------------ the protocol
+
+    async def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seeds: Sequence[int | None] | None = None
+    ) -> list[Sample]:
+        """`params.n` Samples per prompt, prompt-major, with this engine's weight version."""
+        request = {
+            "op": "generate",
+            "prompts": [[int(t) for t in p] for p in prompts],
+            "params": dataclasses.asdict(params),
+            "seeds": None if seeds is None else list(seeds),
+        }
+        _, body = self._call(request)
+        samples = list(batch_from_bytes(body).samples)
+        if self._tokenizer is not None:
+            decode = self._tokenizer.decode  # type: ignore[attr-defined]
+            samples = [
+                dataclasses.replace(s, response=decode(list(s.response_tokens), skip_special_tokens=True))
+                for s in samples
+            ]
+        return samples
+
+    async def generate_seeded(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int | None]
+    ) -> list[Sample]:
+        """`generate` with one seed per prompt (`params.seed` is ignored), as InProcessEngine's."""
+        return await self.generate(prompts, params, seeds=seeds)
+
+    async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
+        """Load HF safetensors weights (or a LoRA adapter) from directory `path` in the engine
+        process and serve them as `weight_version`; clears an abort."""
+        if self._weight_version is not None and weight_version < self._weight_version:
+            raise ValueError(f"weight_version may only grow: {weight_version} < current {self._weight_version}")
+        if not Path(path).is_dir():
+            raise ValueError(f"weight path {path!r} is not a directory of HF safetensors weights")
+        self._call({"op": "update", "path": str(Path(path).resolve()), "weight_version": weight_version})
+        self._weight_version = weight_version
+
+    async def weight_version(self) -> int | None:
+        """The version of the weights sampled from now."""
+        return self._weight_version
+
+    async def health(self) -> bool:
+        """Whether the engine process is up and answering."""
+        return self._reaper.alive and self._error is None and self._child.process.poll() is None
+
+    # ------------------------------------------------------------ one request
+
+    def _call(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        """Send `request`, return the answer; the engine's own errors come back as ValueError or
+        TypeError (a bad request) or RuntimeError, a dead or hung process as EngineProcessError."""
+        if self._error is not None:
+            raise self._error
+        if not self._reaper.alive:
+            raise EngineProcessError(f"{self._name}: the engine is closed")
+        deadline = time.monotonic() + self._timeout_s
+        if not self._lock.acquire(timeout=self._timeout_s):
+            raise TimeoutError(f"{self._name}: another request held the engine for timeout_s={self._timeout_s}")
+        try:
+            write_frame(self._child.requests_fd, encode_frame(request), deadline=deadline)
+            answer, body = read_frame(self._child.answers_fd, deadline=deadline)
+        except TimeoutError as e:
+            raise self._broken(
+                f"gave no answer to {request['op']!r} within timeout_s={self._timeout_s}", kill=True
+            ) from e
+        except ChildGone as e:
+            raise self._broken(f"exited during {request['op']!r} ({e})") from e
+        except ValueError as e:
+            raise self._broken(f"broke the protocol during {request['op']!r} ({e})", kill=True) from e
+        finally:
+            self._lock.release()
+        if not answer.get("ok"):
+            error_type = {"ValueError": ValueError, "TypeError": TypeError}.get(answer.get("error_type"), RuntimeError)
+            raise error_type(f"{self._name}: {answer.get('error_type')}: {answer.get('error')}")
+        return answer, body
+
+    def _broken(self, what: str, *, kill: bool = False) -> EngineProcessError:
+        """Reap the process (`kill`: a hung one, or one that broke the protocol) and remember why:
+        every later call raises the same error."""
+        process, stderr_path = self._child.process, self._child.files[0]
+        if kill:
+            process.kill()
+        try:  # an exiting process has written all its stderr once it is gone
+            process.wait(timeout=_CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        tail = stderr_path.read_bytes()[-_STDERR_TAIL_BYTES:] if stderr_path.exists() else b""
+        if self._reaper.detach() is not None:
+            self._child.reap(kill=True)
+        text = tail.decode(errors="replace").strip()
+        self._error = EngineProcessError(
+            f"{self._name}: engine process {process.pid} {what}; "
+            + ("killed" if kill else f"exit code {process.returncode}")
+            + (f"; stderr tail:\n{text}" if text else "; no stderr")
+        )
+        return self._error
+
+
+def _start(model_dir: Path, args: list[str], *, owned_dir: Path | None) -> _Child:
+    """Start the engine process: its pipes, its abort flag file and its stderr file."""
+    shm = _SHM_DIR if os.access(_SHM_DIR, os.W_OK) else None
+    fd, control_name = tempfile.mkstemp(prefix="rollouts-engine-control-", dir=shm)
+    os.write(fd, b"\0" * mmap.PAGESIZE)
+    control = mmap.mmap(fd, mmap.PAGESIZE)
+    os.close(fd)
+    fd, stderr_name = tempfile.mkstemp(prefix="rollouts-engine-stderr-")
+    requests_r, requests_w = os.pipe()
+    answers_r, answers_w = os.pipe()
+    command = [sys.executable, "-m", "rollouts.backends.engine_worker", "--model-dir", str(model_dir)]
+    command += ["--requests-fd", str(requests_r), "--answers-fd", str(answers_w), "--control", control_name, *args]
+    try:
+        process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, pass_fds=(requests_r, answers_w)
+        )
+    except BaseException:
+        for f in (requests_r, requests_w, answers_r, answers_w, fd):
+            os.close(f)
+        control.close()
+        for name in (control_name, stderr_name):
+            os.unlink(name)
+        raise
+    for f in (requests_r, answers_w, fd):  # the child's ends: its exit closes the pipes
+        os.close(f)
+    os.set_blocking(requests_w, False)
+    os.set_blocking(answers_r, False)
+    return _Child(
+        process=process,
+        requests_fd=requests_w,
+        answers_fd=answers_r,
+        control=control,
+        files=(Path(stderr_name), Path(control_name)),
+        dirs=() if owned_dir is None else (owned_dir,),
+    )

@@ -1,0 +1,152 @@
+"""ProcessEngine against InProcessEngine (same weights and seed: the same Samples), its weight
+sync, abort and resume, and what a dead, hung or closed engine process does."""
+
+import dataclasses
+import os
+import signal
+
+import pytest
+import safetensors.torch
+import trio
+from helpers import tiny_model
+
+from rollouts.backends import EngineProcessError, InProcessEngine, ProcessEngine
+from rollouts.backends.export import model_tensors
+from rollouts.types import InferenceEngine, SamplingParams, Status
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+_SHORT_TIMEOUT_S = 2.0  # a stopped engine process never answers; this only bounds the test's wait
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    with ProcessEngine.from_model(model, weight_version=0) as engine:
+        yield engine
+
+
+def _weights_dir(model, path):
+    path.mkdir()
+    model.config.save_pretrained(path)
+    safetensors.torch.save_file(model_tensors(model), path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(n=3, max_new_tokens=8, seed=7),
+        SamplingParams(n=2, max_new_tokens=5, seed=1, temperature=0.7, top_p=0.9, top_k=20),
+        SamplingParams(n=1, max_new_tokens=4, temperature=0.0, logprobs=False),
+        SamplingParams(n=2, max_new_tokens=6, seed=3, stop_token_ids=(7, 20, 33)),
+    ],
+)
+def test_seeded_samples_equal_the_in_process_engines(engine, model, params):
+    reference = InProcessEngine(model, shares_training_model=False)
+    assert trio.run(engine.generate, PROMPTS, params) == trio.run(reference.generate, PROMPTS, params)
+
+
+def test_one_seed_per_prompt_gives_the_in_process_engines_samples(engine, model):
+    params, seeds = SamplingParams(n=2, max_new_tokens=6), [11, 12, 13]
+    reference = InProcessEngine(model, shares_training_model=False)
+    ours = trio.run(engine.generate_seeded, PROMPTS, params, seeds)
+    assert ours == trio.run(reference.generate_seeded, PROMPTS, params, seeds)
+    assert all(s.rollout_logprobs is not None and len(s.rollout_logprobs) == s.response_length for s in ours)
+
+
+def test_a_bad_request_is_a_value_error_and_the_engine_serves_on(engine):
+    assert isinstance(engine, InferenceEngine)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        trio.run(engine.generate, [[10**6]], SamplingParams(max_new_tokens=2))
+    assert len(trio.run(engine.generate, PROMPTS[:1], SamplingParams(n=2, max_new_tokens=2))) == 2
+    assert trio.run(engine.health)
+
+
+def test_a_weight_sync_changes_the_samples_and_the_version(model, tmp_path):
+    params = SamplingParams(n=2, max_new_tokens=6, seed=0)
+    other = tiny_model(seed=5)
+    with ProcessEngine.from_model(model, weight_version=0) as engine:
+        before = trio.run(engine.generate, PROMPTS, params)
+        trio.run(engine.update_weights_from_disk, str(_weights_dir(other, tmp_path / "w")), 3)
+        after = trio.run(engine.generate, PROMPTS, params)
+        assert trio.run(engine.weight_version) == 3
+        with pytest.raises(ValueError, match="only grow"):
+            trio.run(engine.update_weights_from_disk, str(tmp_path / "w"), 2)
+        with pytest.raises(ValueError, match="not a directory"):
+            trio.run(engine.update_weights_from_disk, str(tmp_path / "missing"), 4)
+    expected = trio.run(InProcessEngine(other, shares_training_model=False, weight_version=3).generate, PROMPTS, params)
+    assert after == expected and all(s.weight_version == 3 for s in after)
+    assert [s.tokens for s in before] != [s.tokens for s in after] and all(s.weight_version == 0 for s in before)
+
+
+def test_abort_cuts_generations_until_resumed_or_synced(model, tmp_path):
+    params = SamplingParams(n=2, max_new_tokens=6, temperature=0.0)
+    weights = str(_weights_dir(model, tmp_path / "w"))
+    with ProcessEngine.from_model(model, weight_version=0) as engine:
+        engine.abort()
+        cut = trio.run(engine.generate, PROMPTS, params)
+        again = trio.run(engine.generate, PROMPTS, params)  # still aborted: nothing cleared it
+        engine.resume()
+        whole = trio.run(engine.generate, PROMPTS, params)
+        engine.abort()
+        trio.run(engine.update_weights_from_disk, weights, 1)  # a weight update clears the abort
+        synced = trio.run(engine.generate, PROMPTS, params)
+    reference = InProcessEngine(model, shares_training_model=False)
+    reference.abort()
+    assert cut == again == trio.run(reference.generate, PROMPTS, params)
+    assert all(s.status is Status.ABORTED and s.response_length == 1 and s.metadata["partial"] for s in cut)
+    assert all(s.status is not Status.ABORTED and "partial" not in s.metadata for s in whole + synced)
+    assert [dataclasses.replace(s, weight_version=1) for s in whole] == synced
+
+
+def test_a_killed_engine_process_is_an_error_naming_its_exit_code(model):
+    engine = ProcessEngine.from_model(model, name="victim")
+    os.kill(engine.pid, signal.SIGKILL)
+    with pytest.raises(
+        EngineProcessError, match=rf"victim: engine process {engine.pid} exited during 'generate'.*exit code -9"
+    ):
+        trio.run(engine.generate, PROMPTS, SamplingParams(max_new_tokens=2))
+    assert not trio.run(engine.health)
+    with pytest.raises(EngineProcessError, match="exit code -9"):  # every later call says the same
+        trio.run(engine.generate, PROMPTS, SamplingParams(max_new_tokens=2))
+    engine.close()
+
+
+def test_a_hung_engine_process_is_killed_at_its_timeout(model):
+    engine = ProcessEngine.from_model(model, timeout_s=_SHORT_TIMEOUT_S)
+    os.kill(engine.pid, signal.SIGSTOP)  # alive but never answers
+    with pytest.raises(EngineProcessError, match=r"gave no answer to 'generate' within timeout_s=2.0; killed"):
+        trio.run(engine.generate, PROMPTS, SamplingParams(max_new_tokens=2))
+    assert engine._child.process.returncode == -signal.SIGKILL  # reaped, not left stopped
+    engine.close()
+
+
+def test_an_engine_process_that_fails_to_start_reports_its_stderr(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    with pytest.raises(
+        EngineProcessError,
+        match=r"exited before it was ready.*exit code 1; stderr tail:\n(.|\n)*has no model.safetensors",
+    ):
+        ProcessEngine(tmp_path, start_timeout_s=300.0)
+    with pytest.raises(ValueError, match="has no config.json"):
+        ProcessEngine(tmp_path / "missing")
+
+
+def test_close_reaps_the_process_and_deletes_its_files(model):
+    with pytest.raises(RuntimeError, match="inside the block"):
+        with ProcessEngine.from_model(model) as engine:
+            child = engine._child
+            files, dirs = child.files, child.dirs
+            assert all(p.exists() for p in files + dirs) and dirs
+            raise RuntimeError("inside the block")
+    assert child.process.returncode == 0  # it exited on the close request
+    assert not any(p.exists() for p in files + dirs)
+    with pytest.raises(EngineProcessError, match="closed"):
+        trio.run(engine.generate, PROMPTS, SamplingParams(max_new_tokens=2))
+    engine.close()  # idempotent
+    engine.abort()  # a no-op once closed
+    assert not trio.run(engine.health)
