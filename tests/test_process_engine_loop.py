@@ -50,7 +50,7 @@ def test_an_overlapped_run_trains_against_an_engine_process(tiny_run_inputs, tmp
         tiny_rl_config(tokenizer, algorithm=ALGORITHMS["grpo"], steps=3, lr=1e-2, prompts=4, n=4), overlap=True
     )
     components = build_components(model, config.optimizer, num_training_steps=3)
-    inner = ProcessEngine(tiny_run_inputs / "model", tokenizer=tokenizer)
+    inner = ProcessEngine(tiny_run_inputs / "model", tokenizer_dir=tiny_run_inputs / "model")
     with inner:
         state, history = run_rl_training(
             components,

@@ -1,6 +1,7 @@
 """Rewards as users write them (per sample, batched, sync, async), their error policy, and plugin paths."""
 
 import math
+import threading
 
 import pytest
 import trio
@@ -18,6 +19,8 @@ from rollouts.loops.scoring import (
     summarize,
 )
 from rollouts.types import Sample
+
+_HUNG_BOUND_S = 2.0  # the hung call's bound; the other calls end far inside it, however loaded the machine
 
 
 def _group(n=3):
@@ -79,6 +82,42 @@ def test_a_hung_reward_times_out_within_its_bound():
 
     scored = _score(Reward(fn=hangs, timeout_s=0.05, on_error="zero"), samples=_group(1))
     assert "took longer than 0.05 s" in scored[0].metadata[REWARD_ERROR_KEY]
+
+
+def test_a_groups_sync_rewards_run_in_one_worker_thread():
+    threads = []
+
+    def reward(sample, record):
+        threads.append(threading.get_ident())
+        return float(sample.response)
+
+    assert [s.reward for s in _score(Reward.of(reward), samples=_group(4))] == [0.0, 1.0, 2.0, 3.0]
+    assert len(set(threads)) == 1 and threads[0] != threading.get_ident()
+
+
+def test_a_hung_sync_reward_fails_its_sample_and_the_others_still_score():
+    release = threading.Event()
+
+    def reward(sample, record):
+        if sample.response == "1":
+            release.wait(3600)  # hangs until the test ends: abandoned at its bound
+        return float(sample.response)
+
+    try:
+        scored = _score(Reward(fn=reward, timeout_s=_HUNG_BOUND_S, on_error="zero"), samples=_group(4))
+    finally:
+        release.set()
+    assert [s.reward for s in scored] == [0.0, 0.0, 2.0, 3.0]
+    assert [REWARD_ERROR_KEY in s.metadata for s in scored] == [False, True, False, False]
+    assert f"took longer than {_HUNG_BOUND_S} s" in scored[1].metadata[REWARD_ERROR_KEY]
+
+
+def test_a_sync_reward_may_return_an_awaitable():
+    async def later(value):
+        await trio.sleep(0)
+        return value
+
+    assert [s.reward for s in _score(Reward.of(lambda s, r: later(float(s.response))))] == [0.0, 1.0, 2.0]
 
 
 def test_a_batched_reward_of_the_wrong_length_fails_the_group():

@@ -2,8 +2,8 @@
 
 It loads the model from a local HF directory (never a hub), then answers one request frame at a
 time (rollouts.backends.engine_wire) until its request pipe closes or a "close" request comes:
-"generate" runs the in-process sampler and answers the Samples as rollouts.types.wire batch
-bytes; "update" loads HF safetensors weights (or a LoRA adapter) from a directory and records the
+"generate" runs the in-process sampler and answers the Samples (their responses decoded with
+the tokenizer from `--tokenizer-dir`, if given) as rollouts.types.wire batch bytes; "update" loads HF safetensors weights (or a LoRA adapter) from a directory and records the
 version. A request that fails answers its error's type and text, and the process goes on.
 
 The abort flag is byte 0 of a small shared file (`--control`, mapped by both processes): the
@@ -28,6 +28,7 @@ from rollouts.backends.engine_wire import decode_frame, encode_frame
 from rollouts.backends.export import load_model_weights, read_weights
 from rollouts.backends.inprocess_engine import config_eos
 from rollouts.backends.lora_files import ADAPTER_CONFIG, load_adapter_dir
+from rollouts.backends.model_files import load_tokenizer
 from rollouts.backends.sampler import generate
 from rollouts.types import RolloutBatch, SamplingParams, from_dict
 from rollouts.types.wire import batch_to_bytes
@@ -41,6 +42,7 @@ class _Worker:
     control: mmap.mmap
     eos: tuple[int, ...]
     weight_version: int | None
+    tokenizer: Any
 
     def aborted(self) -> bool:
         return self.control[0] != 0
@@ -63,6 +65,12 @@ class _Worker:
         )
         if not params.logprobs:
             samples = [dataclasses.replace(s, rollout_logprobs=None) for s in samples]
+        if self.tokenizer is not None:  # decoded here: the trainer's process has enough to do
+            decode = self.tokenizer.decode
+            samples = [
+                dataclasses.replace(s, response=decode(list(s.response_tokens), skip_special_tokens=True))
+                for s in samples
+            ]
         return {"ok": True}, batch_to_bytes(RolloutBatch(samples=samples))
 
     def update(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
@@ -133,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--attn", default="sdpa")
     parser.add_argument("--weight-version", type=int, default=None)
     parser.add_argument("--eos", type=int, nargs="*", default=[])
+    parser.add_argument("--tokenizer-dir", default="")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
@@ -142,9 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     model.eval()
     with open(args.control, "r+b") as f:
         control = mmap.mmap(f.fileno(), 0)
-    worker = _Worker(
-        model=model, control=control, eos=tuple(args.eos) or config_eos(model), weight_version=args.weight_version
-    )
+    tokenizer = load_tokenizer(args.tokenizer_dir) if args.tokenizer_dir else None
+    eos = tuple(args.eos) or config_eos(model)
+    worker = _Worker(model=model, control=control, eos=eos, weight_version=args.weight_version, tokenizer=tokenizer)
     _write_all(args.answers_fd, encode_frame({"ok": True, "ready": True, "pid": os.getpid()}))
     serve(worker, args.requests_fd, args.answers_fd)
 

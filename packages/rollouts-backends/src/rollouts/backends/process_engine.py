@@ -104,15 +104,16 @@ class ProcessEngine:
     Like InProcessEngine, calls block the calling thread (wrap it in rollouts.loops'
     CoalescingEngine, which batches concurrent calls and runs them in a worker thread), and
     `abort()` (any thread) ends generations in progress at their next token step as partial
-    Samples, until `resume()` or the next weight update. With a `tokenizer`, responses are decoded
-    here. Seeded calls give the tokens InProcessEngine gives for the same weights and seed.
+    Samples, until `resume()` or the next weight update. With `tokenizer_dir` (a saved tokenizer),
+    the engine process decodes the responses. Seeded calls give the Samples InProcessEngine gives
+    for the same weights, tokenizer and seed.
     """
 
     def __init__(
         self,
         model_dir: str | Path,
         *,
-        tokenizer: object | None = None,
+        tokenizer_dir: str | Path | None = None,
         name: str = "process",
         weight_version: int | None = 0,
         num_threads: int = 1,
@@ -132,13 +133,16 @@ class ProcessEngine:
             raise ValueError(f"dtype must be one of {sorted(_DTYPE_NAMES.values())}, got {dtype!r}")
         if not (timeout_s > 0 and start_timeout_s > 0):
             raise ValueError(f"timeout_s ({timeout_s}) and start_timeout_s ({start_timeout_s}) must be > 0")
-        self._name, self._tokenizer, self._timeout_s = name, tokenizer, timeout_s
+        if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
+            raise ValueError(f"tokenizer_dir {str(tokenizer_dir)!r} is not a directory holding a saved tokenizer")
+        self._name, self._timeout_s = name, timeout_s
         self._weight_version = weight_version
         self._lock = threading.Lock()
         self._error: EngineProcessError | None = None
         args = ["--threads", str(num_threads), "--device", device, "--dtype", dtype, "--attn", attn_implementation]
         args += ["--eos", *map(str, eos_token_ids)] if eos_token_ids else []
         args += [] if weight_version is None else ["--weight-version", str(weight_version)]
+        args += [] if tokenizer_dir is None else ["--tokenizer-dir", str(tokenizer_dir)]
         self._child = _start(Path(model_dir), args, owned_dir=_owned_dir)
         self._reaper = weakref.finalize(self, self._child.reap)  # at close, or when dropped unclosed
         try:
@@ -153,12 +157,16 @@ class ProcessEngine:
             raise self._broken(f"did not start ({e})", kill=True) from e
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, **kwargs: Any) -> ProcessEngine:
-        """An engine over a copy of `model`'s current weights (a plain HF model), written to a
-        temporary directory the engine deletes when closed; `dtype` and `attn_implementation`
-        follow the model's. Other options as for the constructor."""
+    def from_model(cls, model: torch.nn.Module, *, tokenizer: Any = None, **kwargs: Any) -> ProcessEngine:
+        """An engine over a copy of `model`'s current weights (a plain HF model) and `tokenizer` (a
+        transformers tokenizer; responses are decoded with it), written to a temporary directory the
+        engine deletes when closed; `dtype` and `attn_implementation` follow the model's. Other
+        options as for the constructor."""
         directory = Path(tempfile.mkdtemp(prefix="rollouts-engine-model-"))
         try:
+            if tokenizer is not None:
+                tokenizer.save_pretrained(directory)
+                kwargs["tokenizer_dir"] = directory
             model.config.save_pretrained(directory)  # type: ignore[operator]
             safetensors.torch.save_file(
                 model_tensors(model), directory / "model.safetensors", metadata={"format": "pt"}
@@ -215,14 +223,7 @@ class ProcessEngine:
             "seeds": None if seeds is None else list(seeds),
         }
         _, body = self._call(request)
-        samples = list(batch_from_bytes(body).samples)
-        if self._tokenizer is not None:
-            decode = self._tokenizer.decode  # type: ignore[attr-defined]
-            samples = [
-                dataclasses.replace(s, response=decode(list(s.response_tokens), skip_special_tokens=True))
-                for s in samples
-            ]
-        return samples
+        return list(batch_from_bytes(body).samples)
 
     async def generate_seeded(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int | None]

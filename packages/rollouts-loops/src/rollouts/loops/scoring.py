@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import inspect
 import math
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -80,6 +82,83 @@ async def call_bounded(fn: Callable[..., Any], *args: Any, timeout_s: float) -> 
         raise TimeoutError(f"{getattr(fn, '__qualname__', fn)} took longer than {timeout_s} s") from None
 
 
+class _Calls:
+    """A group's reward calls in one worker thread, as the event loop sees them."""
+
+    def __init__(self, num_calls: int) -> None:
+        self.lock = threading.Lock()
+        self.results: list[Any] = [_PENDING] * num_calls
+        self.current, self.started = 0, time.monotonic()
+        self.abandoned = False
+
+
+_PENDING = object()
+
+
+async def _sync_rewards(
+    fn: Callable[..., Any], samples: Sequence[Sample], record: Any, *, timeout_s: float
+) -> list[Any]:
+    """fn(sample, record) for each sample in turn, in ONE worker thread: a thread hop per sample costs
+    the event loop (and, beside an overlapped training step, the interpreter lock) more than a
+    typical grader. Each entry is the value (an awaitable one awaited here) or the exception. Each
+    call is bounded by `timeout_s` as `call_bounded` bounds it: past it that sample gets a
+    TimeoutError, the thread is abandoned, and the samples after it run one `call_bounded` each."""
+    if not samples:
+        return []
+    calls = _Calls(len(samples))
+
+    def work() -> None:
+        for i, sample in enumerate(samples):
+            with calls.lock:
+                if calls.abandoned:
+                    return
+                calls.current, calls.started = i, time.monotonic()
+            try:
+                value: Any = fn(sample, record)
+            except Exception as e:
+                value = e
+            with calls.lock:
+                calls.results[i] = value
+
+    finished = trio.Event()
+
+    async def run() -> None:
+        await trio.to_thread.run_sync(work, abandon_on_cancel=True)
+        finished.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        while not finished.is_set():
+            with calls.lock:
+                running = calls.results[calls.current] is _PENDING
+                left_s = calls.started + timeout_s - time.monotonic() if running else timeout_s
+                if left_s <= 0:  # the call in progress is past its bound
+                    calls.abandoned = True
+            if calls.abandoned:
+                nursery.cancel_scope.cancel()
+                break
+            with trio.move_on_after(left_s):  # the next call starts later, so its bound ends later
+                await finished.wait()
+    with calls.lock:
+        results = list(calls.results)
+    for i, value in enumerate(results):
+        if i == calls.current and value is _PENDING:
+            results[i] = TimeoutError(f"{getattr(fn, '__qualname__', fn)} took longer than {timeout_s} s")
+        elif value is _PENDING:  # after the abandoned call: each alone, as before
+            results[i] = await _bounded_result(fn, samples[i], record, timeout_s=timeout_s)
+        elif inspect.isawaitable(value):
+            results[i] = await _bounded_result(lambda v=value: v, timeout_s=timeout_s)
+    return results
+
+
+async def _bounded_result(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
+    """call_bounded's value, or the exception it raised."""
+    try:
+        return await call_bounded(fn, *args, timeout_s=timeout_s)
+    except Exception as e:
+        return e
+
+
 def _as_reward(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(value, "__float__"):
         raise TypeError(f"the reward returned {value!r} ({type(value).__name__}), not a number")
@@ -110,6 +189,15 @@ async def score_group(reward: Reward, samples: Sequence[Sample], record: Mapping
                     results.append(_error_text(e, reward.timeout_s))
         except Exception as e:
             results = [_error_text(e, reward.timeout_s)] * len(samples)
+    elif not inspect.iscoroutinefunction(reward.fn):
+        results = []
+        for value in await _sync_rewards(reward.fn, samples, record, timeout_s=reward.timeout_s):
+            try:
+                if isinstance(value, Exception):
+                    raise value
+                results.append(_as_reward(value))
+            except Exception as e:
+                results.append(_error_text(e, reward.timeout_s))
     else:
         results = []
         for sample in samples:

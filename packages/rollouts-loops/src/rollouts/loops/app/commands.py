@@ -175,7 +175,7 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
     if run.engine.kind == "process":  # starts from the run's model; restore() syncs a resumed run's weights
         engine = ProcessEngine(
             run.model.path,
-            tokenizer=tokenizer,
+            tokenizer_dir=run.model.tokenizer_path or run.model.path,
             num_threads=run.engine.num_threads,
             device=run.model.device,
             dtype=run.model.dtype,
