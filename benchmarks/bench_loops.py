@@ -1,18 +1,23 @@
 """RL step time split into generate / train / sync, synchronous vs overlapped, on the demo workload.
 
 Workload: the demo's model (Qwen2, hidden 128, 2 layers, head_dim 32) on 3-digit addition, GRPO,
-32 prompts x 8 samples per step, in-process sampler. Both modes use an engine with its own copy
-of the weights (overlap needs one), so they differ only in scheduling. Reports per-step medians
+32 prompts x 8 samples per step, in-process sampler: in the trainer's process (InProcessEngine) or
+in an engine process of its own (ProcessEngine, whose generation runs beside training instead of
+sharing its interpreter lock). Every mode uses an engine with its own copy of the weights (overlap
+needs one), so synchronous and overlapped differ only in scheduling. Reports per-step medians
 over the measured steps (the first step is warm-up) and the overlap efficiency:
-overlapped step time / max(generate, train) of the synchronous run (1.0 is perfect overlap).
+a mode's step time / max(generate, train) of the synchronous in-process run (1.0 is perfect
+overlap). The process engine needs a core of its own: on a machine whose other work takes a core,
+its rows measure that work (the load average is printed after each repeat).
 
-Also prints the first batch's gather (CoalescingEngine adaptive vs a flat 10 ms window).
+Also prints the first batch's gather (CoalescingEngine adaptive vs a flat 10 ms window; skip it
+with --no-gather).
 
-The two modes alternate `--repeats` times (a load that comes and goes hits both alike); each
+The modes alternate `--repeats` times (a load that comes and goes hits all alike); each
 figure is the median over every measured step of every repeat, and the efficiency is also given
-per repeat, beside the goal (<= 1.15).
+per repeat (and their median), beside the goal (<= 1.15).
 
-    OMP_NUM_THREADS=1 uv run python benchmarks/bench_loops.py [--steps 6] [--threads 1] [--repeats 3]
+    OMP_NUM_THREADS=1 uv run python benchmarks/bench_loops.py [--steps 6] [--threads 1] [--repeats 3] [--no-gather]
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
 import statistics
 import tempfile
 
@@ -118,6 +124,7 @@ def main() -> None:
     }
     steps_of: dict[str, list[dict[str, float]]] = {name: [] for name in modes}
     per_repeat: dict[str, list[float]] = {name: [] for name in modes}
+    loads: list[float] = []
     for _ in range(args.repeats):
         medians = {}
         for name, (overlap, process) in modes.items():
@@ -127,6 +134,7 @@ def main() -> None:
         bound = max(medians["synchronous"]["generate_s"], medians["synchronous"]["train_s"])
         for name in modes:
             per_repeat[name].append(medians[name]["step_time_s"] / bound)
+        loads.append(os.getloadavg()[0])  # other work on the machine slows some repeats: shown beside them
     results = {}
     for name in modes:
         med = {k: statistics.median(h[k] for h in steps_of[name]) for k in keys}
@@ -145,7 +153,13 @@ def main() -> None:
         print(
             f"{name:>27}: {step:.3f} / {bound:.3f} = {step / bound:.2f}; per repeat: "
             + ", ".join(f"{r:.2f}" for r in per_repeat[name])
+            + f" (median {statistics.median(per_repeat[name]):.2f})"
         )
+    print(
+        "1-minute load average after each repeat: "
+        + ", ".join(f"{x:.1f}" for x in loads)
+        + f" ({os.cpu_count()} cores)"
+    )
     if args.gather:
         print_gather(steps=args.steps, demo=demo)
 
