@@ -106,5 +106,7 @@ def _wait(fd: int, deadline: float, *, write: bool) -> None:
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise TimeoutError("the engine process did not answer in time")
-    fds = ([], [fd], []) if write else ([fd], [], [])
-    select.select(*fds, remaining)
+    if write:
+        select.select([], [fd], [], remaining)
+    else:
+        select.select([fd], [], [], remaining)

@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import mmap
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +70,7 @@ class _Worker:
                 dataclasses.replace(s, response=decode(list(s.response_tokens), skip_special_tokens=True))
                 for s in samples
             ]
-        return {"ok": True}, batch_to_bytes(RolloutBatch(samples=samples))
+        return {"ok": True}, batch_to_bytes(RolloutBatch(samples=tuple(samples)))
 
     def update(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         path, version = Path(header["path"]), header["weight_version"]
@@ -146,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # stderr keeps what explains a failure
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # stderr keeps what explains a failure
     model = load_hf_model(args.model_dir, dtype=_DTYPES[args.dtype], device=args.device, attn_implementation=args.attn)
     model.eval()
     with open(args.control, "r+b") as f:
@@ -159,4 +158,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -167,7 +167,7 @@ class ProcessEngine:
             if tokenizer is not None:
                 tokenizer.save_pretrained(directory)
                 kwargs["tokenizer_dir"] = directory
-            model.config.save_pretrained(directory)  # type: ignore[operator]
+            model.config.save_pretrained(directory)  # type: ignore[union-attr,operator]
             safetensors.torch.save_file(
                 model_tensors(model), directory / "model.safetensors", metadata={"format": "pt"}
             )
@@ -275,7 +275,9 @@ class ProcessEngine:
         finally:
             self._lock.release()
         if not answer.get("ok"):
-            error_type = {"ValueError": ValueError, "TypeError": TypeError}.get(answer.get("error_type"), RuntimeError)
+            error_type = {"ValueError": ValueError, "TypeError": TypeError}.get(
+                str(answer.get("error_type")), RuntimeError
+            )
             raise error_type(f"{self._name}: {answer.get('error_type')}: {answer.get('error')}")
         return answer, body
 
