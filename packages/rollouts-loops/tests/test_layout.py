@@ -11,7 +11,7 @@ from rollouts.backends import micro_batch_to_torch, packed_only
 from rollouts.backends.train import _model_inputs, one_sequence_per_row
 from rollouts.data import plan_micro_batches
 from rollouts.loops.app.tiny import build_tiny_model
-from rollouts.loops.micro_batches import choose_layout
+from rollouts.loops.micro_batches import attention_pair_cost, choose_layout, plan_shard
 from rollouts.types import Sample
 
 
@@ -32,6 +32,55 @@ def test_layout_follows_the_length_spread():
     assert choose_layout(_samples([10, 10, 9])) == "padded"
     assert choose_layout(_samples([40, 3, 2, 2])) == "packed"
     assert choose_layout(_samples([10, 10, 9]), packed_only=True) == "packed"
+
+
+def test_attention_pair_cost_is_the_ratio_of_multiply_adds(model):
+    # hidden 64, intermediate 64, 2 heads of 32, 1 kv head: per pair 2 * 64; per token
+    # q and o 2 * 64 * 64, k and v 2 * 64 * 32, gated MLP 3 * 64 * 64.
+    per_token = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 64
+    assert attention_pair_cost(model.config) == pytest.approx(2 * 64 / per_token, rel=1e-12)
+    assert attention_pair_cost(object()) is None
+
+
+def test_short_sequences_pad_when_packing_them_costs_more_attention():
+    # 32 samples of 7..22 tokens (fill 0.83): one packed row of 584 tokens attends over the whole
+    # row; padding to 22 wastes 120 tokens but its attention is 22 wide.
+    lengths = [22] * 20 + [7, 9, 11, 13, 15, 17] * 2
+    assert choose_layout(_samples(lengths)) == "packed"  # no cost known: fewest tokens
+    assert choose_layout(_samples(lengths), pair_cost=1e-3) == "padded"
+    # A large model (attention cheap beside the projections) and a long tail still pack.
+    assert choose_layout(_samples([400, 20, 20, 20]), pair_cost=5e-5) == "packed"
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    lengths=st.lists(st.integers(2, 64), min_size=1, max_size=32),
+    pair_cost=st.floats(0.0, 0.1),
+    max_tokens=st.integers(64, 4096),
+)
+def test_the_cost_model_picks_the_layout_with_fewer_estimated_operations(lengths, pair_cost, max_tokens):
+    """Padded wins at >= 90% fill; otherwise whichever layout's tokens plus attention pairs cost less."""
+    chosen = choose_layout(_samples(lengths), pair_cost=pair_cost, max_tokens=max_tokens)
+    longest, total, rows = max(lengths), sum(lengths), len(lengths)
+    padded = rows * longest * (1 + pair_cost * longest / 2)
+    packed = total * (1 + pair_cost * min(total, max_tokens))
+    if total >= 0.9 * rows * longest:
+        assert chosen == "padded"
+    else:
+        assert chosen == ("padded" if padded <= packed else "packed")
+    # No attention cost: the layout with fewer tokens (padding costs, packing does not)
+    if pair_cost == 0.0 and total < 0.9 * rows * longest:
+        assert chosen == "packed"
+
+
+def test_plan_shard_pads_short_completions_of_a_small_model(model):
+    from rollouts.backends import build_components
+    from rollouts.types import OptimizerConfig
+
+    components = build_components(model, OptimizerConfig(), num_training_steps=1)
+    lengths = [22] * 20 + [7, 9, 11, 13, 15, 17] * 2
+    shard = plan_shard(components, _samples(lengths), max_tokens_per_micro_batch=8192)
+    assert [mb.input_ids.shape for mb in shard.micro_batches] == [(32, 22)]
 
 
 @settings(max_examples=30, deadline=None)

@@ -22,17 +22,58 @@ _PADDED_MIN_FILL = 0.9
 sequences into one row costs attention over the whole row (block-diagonal mask), padding does not."""
 
 
-def choose_layout(samples: Sequence[Sample], *, packed_only: bool = False) -> str:
-    """'padded' for near-uniform lengths, else 'packed' (minimal padding for long-tailed lengths).
+def attention_pair_cost(config: object) -> float | None:
+    """The multiply-adds of one query-key pair of attention over those of one token through a layer's
+    projections and MLP, from a Llama-style config; None when the config lacks a size.
+
+    Per pair: q.k and p.v over every query head (2 * heads * head_dim). Per token: the q, k, v and o
+    projections and a gated MLP (3 * hidden * intermediate). The output layer is left out: it runs
+    on the loss tokens only, the same number in either layout.
+    """
+    sizes = [getattr(config, name, None) for name in ("hidden_size", "intermediate_size", "num_attention_heads")]
+    if not all(isinstance(n, int) and n > 0 for n in sizes):
+        return None
+    hidden, intermediate, num_heads = sizes
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // num_heads
+    if not isinstance(num_kv_heads, int) or not isinstance(head_dim, int) or head_dim < 1:
+        return None
+    q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
+    per_token = hidden * (2 * q_dim + 2 * kv_dim) + 3 * hidden * intermediate
+    return 2 * q_dim / per_token
+
+
+def choose_layout(
+    samples: Sequence[Sample],
+    *,
+    packed_only: bool = False,
+    pair_cost: float | None = None,
+    max_tokens: int | None = None,
+) -> str:
+    """'padded' for near-uniform lengths, else the cheaper layout by the arithmetic of both.
 
     `packed_only`: the model's attention takes no padding mask (flash kernels; see
     rollouts.backends.packed_only), so always 'packed'.
+    `pair_cost` (`attention_pair_cost` of the model): with it, 'padded' also wins wherever its
+    wasted tokens cost less than the attention a packed row spends across its sequences (a packed
+    row of `max_tokens` at most attends over the whole row through a dense mask; a padded row of
+    length T runs the causal kernel over T * T / 2 pairs). Many short sequences, as in RL
+    completions of a small model, pad cheaper than they pack. Without it: 'packed'.
     """
     if packed_only:
         return "packed"
     lengths = [len(s.tokens) for s in samples]
-    fill = sum(lengths) / (max(lengths) * len(lengths)) if lengths else 1.0
-    return "padded" if fill >= _PADDED_MIN_FILL else "packed"
+    if not lengths:
+        return "padded"
+    longest, total = max(lengths), sum(lengths)
+    if total >= _PADDED_MIN_FILL * longest * len(lengths):
+        return "padded"
+    if pair_cost is None:
+        return "packed"
+    row = total if max_tokens is None else min(total, max_tokens)
+    padded = len(lengths) * longest * (1.0 + pair_cost * longest / 2)
+    packed = total * (1.0 + pair_cost * row)
+    return "padded" if padded <= packed else "packed"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,7 +100,13 @@ def plan_shard(
     if len(samples) < world:
         raise ValueError(f"{what} of {len(samples)} samples cannot give each of {world} ranks one")
     local = tuple(samples[rank::world])
-    layout = choose_layout(local, packed_only=packed_only(components.model))
+    model = components.model
+    layout = choose_layout(
+        local,
+        packed_only=packed_only(model),
+        pair_cost=attention_pair_cost(getattr(model, "config", None)),
+        max_tokens=max_tokens_per_micro_batch,
+    )
     plan = plan_micro_batches(local, max_tokens=max_tokens_per_micro_batch, layout=layout)
     real = list(plan.micro_batches)
     num_tokens, num_sequences = global_counts(plan.num_loss_tokens, plan.num_sequences)
