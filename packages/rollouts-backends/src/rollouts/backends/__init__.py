@@ -17,6 +17,7 @@ from rollouts.backends.components import (
     load_hf_model,
     lr_multiplier,
 )
+from rollouts.backends.cpu_memory import retain_freed_cpu_memory
 from rollouts.backends.distributed import shard_model, transformer_blocks
 from rollouts.backends.export import export_weights, load_model_weights, read_weights
 from rollouts.backends.inprocess_engine import InProcessEngine
@@ -75,6 +76,7 @@ __all__ = [
     "packed_only",
     "read_weights",
     "resolve_model_dir",
+    "retain_freed_cpu_memory",
     "sample_next_tokens",
     "save_checkpoint",
     "shard_model",

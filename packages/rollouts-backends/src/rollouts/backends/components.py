@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from rollouts.backends.cpu_memory import retain_freed_cpu_memory
 from rollouts.types import LoraConfig, OptimizerConfig
 
 __all__ = [
@@ -179,6 +180,7 @@ def build_components(
     """Model (loaded from a local path, or given), AdamW and schedule, bundled.
 
     With `lora` (rank > 0) the model gets a PEFT LoRA adapter and the optimizer holds only its weights.
+    On CPU, glibc's malloc is told to keep freed memory for reuse (`retain_freed_cpu_memory`).
     """
     if isinstance(model_path, torch.nn.Module):
         model = model_path.to(torch.device(device))
@@ -188,6 +190,8 @@ def build_components(
         from rollouts.backends.lora import apply_lora
 
         model = apply_lora(model, lora)
+    if torch.device(device).type == "cpu":
+        retain_freed_cpu_memory()  # each step reuses the last one's activation memory (cpu_memory.py)
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config, num_training_steps=num_training_steps)
     return TrainingComponents(model=model, optimizer=optimizer, scheduler=scheduler, device=torch.device(device))

@@ -107,9 +107,10 @@ def one_sequence_per_row(batch: MicroBatch[torch.Tensor]) -> bool:
 def _model_inputs(model: torch.nn.Module, batch: MicroBatch[torch.Tensor]) -> dict[str, Any]:
     impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
     if not packed_only(model) and one_sequence_per_row(batch):
-        # Positions 0..T-1 on padding too: position ids restarting at 0 would read as packing.
-        positions_B_T = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device).expand_as(batch.input_ids)
-        return {"input_ids": batch.input_ids, "position_ids": positions_B_T, "attention_mask": None}
+        # Positions 0..T-1 on padding too: position ids restarting at 0 would read as packing. One
+        # row of them, broadcast over the batch: the rotary angles are computed once, not per row.
+        positions_1_T = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None]
+        return {"input_ids": batch.input_ids, "position_ids": positions_1_T, "attention_mask": None}
     if packed_only(model):
         if bool((batch.attention_mask == 0).any()):
             raise ValueError(f"attn_implementation {impl!r} needs the packed layout without padding")
