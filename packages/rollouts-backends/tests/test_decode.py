@@ -118,3 +118,20 @@ def test_bfloat16_decoding_is_bit_identical_to_the_hf_forward():
     slow = generate(model, prompts, n=3, max_new_tokens=20, seed=5, fast_decode=False)
     assert [s.tokens for s in fast] == [s.tokens for s in slow]
     assert [s.rollout_logprobs for s in fast] == [s.rollout_logprobs for s in slow]
+
+
+@settings(max_examples=20, deadline=None)
+@given(biases=st.lists(st.booleans(), min_size=1, max_size=3), seed=st.integers(0, 2**16))
+def test_stacked_projections_give_each_projection_its_own_columns(biases, seed):
+    """One matmul over the stacked weights: each projection's columns, bias or none, as if run alone."""
+    from rollouts.backends.decode import _stacked
+
+    torch.manual_seed(seed)
+    projections = [torch.nn.Linear(16, 8 * (i + 1), bias=b) for i, b in enumerate(biases)]
+    x = torch.randn(5, 16)
+    weight, bias = _stacked(*projections)
+    assert (bias is None) == (not any(biases))
+    columns = torch.nn.functional.linear(x, weight, bias).split([p.out_features for p in projections], dim=-1)
+    for projection, out in zip(projections, columns, strict=True):
+        # Same dot products; a projection without bias gets + 0.0 (exact) when another has one
+        torch.testing.assert_close(out, projection(x), rtol=1e-6, atol=1e-6)

@@ -33,9 +33,19 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x32.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated: x.roll(D/2) * signed_sin is HF's rotate_half(x) * sin, exactly."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _stacked(*projections: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The projections' weights (and biases, if any has one) stacked along the output dimension."""
+    weight = torch.cat([p.weight.detach() for p in projections])
+    if all(p.bias is None for p in projections):
+        return weight, None
+    biases = [p.bias.detach() if p.bias is not None else p.weight.new_zeros(p.out_features) for p in projections]
+    return weight, torch.cat(biases)
 
 
 def fast_decoder(model: torch.nn.Module, total_length: int) -> FastDecoder | None:
@@ -62,7 +72,7 @@ def fast_decoder(model: torch.nn.Module, total_length: int) -> FastDecoder | Non
 
 
 class FastDecoder:
-    """Static-cache decoding with the weights of an HF Llama-family model (read, never copied)."""
+    """Static-cache decoding with the weights of an HF Llama-family model (q/k/v and gate/up stacked per call)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._model = model
@@ -72,6 +82,14 @@ class FastDecoder:
         self._num_kv_heads = getattr(config, "num_key_value_heads", None) or self._num_heads
         self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // self._num_heads
         self._scaling = self._body.layers[0].self_attn.scaling
+        # One matmul for q, k, v and one for gate, up: their weights side by side (copied once per
+        # generate call, so a training step between calls is seen; the columns come out as from
+        # the separate projections).
+        self._qkv = [
+            _stacked(layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)
+            for layer in self._body.layers
+        ]
+        self._gate_up = [_stacked(layer.mlp.gate_proj, layer.mlp.up_proj) for layer in self._body.layers]
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self._mask_B_T: torch.Tensor | None = None
@@ -112,28 +130,32 @@ class FastDecoder:
         rows = tokens_B.shape[0]
         x_B_E = F.embedding(tokens_B, body.embed_tokens.weight)
         cos, sin = body.rotary_emb(x_B_E, positions_B[:, None])  # [B, 1, D] each, in x's dtype
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, D]: broadcast over heads
+        sin = _signed_sin(sin)
         mask = None if self._mask_B_T is None else self._mask_B_T[:, None, None, : t + 1]
         h, g, d = self._num_heads, self._num_kv_heads, self._head_dim
-        for layer, keys, values in zip(body.layers, self._keys, self._values, strict=True):
+        layers = zip(body.layers, self._qkv, self._gate_up, self._keys, self._values, strict=True)
+        for layer, (qkv_weight, qkv_bias), (gate_up_weight, gate_up_bias), keys, values in layers:
             attn, mlp = layer.self_attn, layer.mlp
             norm = layer.input_layernorm
             hidden = _rms_norm(x_B_E, norm.weight, norm.variance_epsilon)
-            q = F.linear(hidden, attn.q_proj.weight, attn.q_proj.bias).view(rows, h, 1, d)
-            k = F.linear(hidden, attn.k_proj.weight, attn.k_proj.bias).view(rows, g, 1, d)
-            v = F.linear(hidden, attn.v_proj.weight, attn.v_proj.bias).view(rows, g, 1, d)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            keys[:, :, t : t + 1] = k
-            values[:, :, t : t + 1] = v
+            qkv = F.linear(hidden, qkv_weight, qkv_bias).view(rows, h + 2 * g, d)
+            # Rotary on the q and k heads together: [B, H + G, D] against [B, 1, D]
+            qk = qkv[:, : h + g]
+            qk = qk * cos + qk.roll(d // 2, dims=-1) * sin
+            keys[:, :, t] = qk[:, h:]
+            values[:, :, t] = qkv[:, h + g :]
             out = F.scaled_dot_product_attention(
-                q, keys[:, :, : t + 1], values[:, :, : t + 1], attn_mask=mask, scale=self._scaling, enable_gqa=g != h
+                qk[:, :h, None],
+                keys[:, :, : t + 1],
+                values[:, :, : t + 1],
+                attn_mask=mask,
+                scale=self._scaling,
+                enable_gqa=g != h,
             )
             x_B_E = x_B_E + F.linear(out.reshape(rows, h * d), attn.o_proj.weight, attn.o_proj.bias)
             norm = layer.post_attention_layernorm
             hidden = _rms_norm(x_B_E, norm.weight, norm.variance_epsilon)
-            gate = F.linear(hidden, mlp.gate_proj.weight, mlp.gate_proj.bias)
-            up = F.linear(hidden, mlp.up_proj.weight, mlp.up_proj.bias)
+            gate, up = F.linear(hidden, gate_up_weight, gate_up_bias).chunk(2, dim=-1)
             x_B_E = x_B_E + F.linear(F.silu(gate) * up, mlp.down_proj.weight, mlp.down_proj.bias)
         self._length = t + 1
         norm = body.norm
