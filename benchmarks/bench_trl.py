@@ -158,12 +158,9 @@ def ours_grpo(directory: Path, *, warmup: int, steps: int) -> list[dict[str, flo
         params = dataclasses.replace(sampling, seed=step)
         samples = trio.run(engine.generate, prompts, params)
         generated = time.perf_counter()
-        samples = [
-            dataclasses.replace(s, group_index=i // GROUP).with_reward(
-                digit_fraction(tokenizer.decode(list(s.tokens[s.num_prompt_tokens :]), skip_special_tokens=True))
-            )
-            for i, s in enumerate(samples)
-        ]
+        # The engine decoded each response once (Sample.response), as TRL decodes its completions
+        # once for the reward function; group_index is the prompt's (sample i // GROUP) from the sampler.
+        samples = [s.with_reward(digit_fraction(s.response)) for s in samples]
         state, _ = rl_step(components, state, RolloutBatch(samples=samples, step=state.step + 1), config)
         total, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         if step >= warmup:
