@@ -6,8 +6,12 @@ G key/value heads, D head dim, E hidden size.
 One new token per row per step is overhead-bound on small models: transformers' forward spends
 most of its time in module calls, config lookups, mask construction and growing its cache with
 `torch.cat`. `FastDecoder` runs the same arithmetic as the HF modules (RMSNorm in float32,
-rotary from the model's own `rotary_emb`, SDPA with grouped KV heads, SwiGLU) straight from the
-modules' weights, writing keys and values into preallocated buffers. The prefill still goes
+rotary from the model's own `rotary_emb`, SDPA with grouped KV heads, SwiGLU) from the modules'
+weights, writing keys and values into preallocated buffers. Where it departs from the modules'
+order of calls, the products stay the same: q/k/v and gate/up each run as one matmul over their
+weights stacked (once per generate call: the columns are the separate projections' dot products),
+and rotary runs on the q and k heads together, rotate_half(x) * sin as x.roll(D/2) times sin
+with its first half negated (negation is exact). The prefill still goes
 through the HF model; its cache is copied in once. Models whose math or rounding would differ
 (extra norms, sliding windows, other activations, attention other than SDPA) are refused by
 `fast_decoder`, and the caller falls back to the HF forward.
