@@ -15,13 +15,17 @@ burst. Ours is split into phases: generate (the in-process sampler), log-probs (
 and the output layer's log-probs), loss+backward, optimizer, and other (rewards, advantages,
 packing). TRL's step is timed from on_step_begin to on_step_end (generation included for GRPO).
 
-Measured (--repeats 5 --steps 5, 2 shared cores, load average 2.0 at the start and 3.8 at the end,
-so wall times are noisy and the CPU-time ratio is the steadier figure):
+Measured (--repeats 5 --steps 5, 2 shared cores, load average 1.1 at the start and 3.3 at the
+end; wall and CPU time agree, so the run was barely contended):
 
-    GRPO: ours 152.7 ms, TRL 435.2 ms, wall ratio 2.85x; CPU time 109.8 vs 296.4 ms, 2.70x
-          ours: generate 54.9, log-probs 23.2, loss+backward 59.3, optimizer 5.9, other 2.0 ms
-    SFT:  ours 168.2 ms, TRL 591.3 ms, wall ratio 3.52x; CPU time 164.1 vs 422.3 ms, 2.57x
-          ours: log-probs 59.6, loss+backward 102.1, optimizer 3.7, other 0.6 ms
+    GRPO: ours 102.6 ms, TRL 268.8 ms, ratio 2.62x
+          ours: generate 41.4, log-probs 21.7, loss+backward 34.5, optimizer 3.2, other 1.9 ms
+    SFT:  ours 157.5 ms, TRL 398.1 ms, ratio 2.53x
+          ours: log-probs 56.8, loss+backward 96.5, optimizer 3.6, other 0.6 ms
+
+Under heavier load (2 to 3.8) the CPU-time ratios were GRPO 2.70x and SFT 2.49x to 2.57x: SFT sits
+at the goal, its step being almost all the model's own forward and backward (matmuls and the
+HF modules' elementwise ops), which both sides run alike.
 
 (Before: GRPO 2.11x and SFT 2.37x on an idle machine.) What moved them: GRPO's 32 short
 completions train as padded rows instead of one 620-token packed row behind a dense mask
