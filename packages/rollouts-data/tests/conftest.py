@@ -1,6 +1,11 @@
 """Shared fixtures: a tiny byte-level BPE tokenizer with real chat templates (built locally, no hub)."""
 
+import sys
+from pathlib import Path
+
 import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # the tests' shared fakes (partial_fakes.py)
 
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"

@@ -26,6 +26,11 @@ tail="first_n", `interrupt` and `resume` cut the round's tail short the same way
 groups are kept, and it is carried to the next step as partial groups. Partial groups are counted
 in groups_aborted (and groups_partial), and kept across steps and in `state_dict`.
 
+Staleness (`max_staleness`, `generate_batch(train_version=...)`): a sample is as old as its oldest
+token, so a partial group carried across syncs that would be trained over `max_staleness` versions
+after its oldest token is restarted from its prompt (same position and seed, its tokens discarded),
+not continued into a sample the trainer drops. Counted in groups_restarted (within groups_requested).
+
 Seeds: with `config.sampling.seed` set, a generate function taking `seed` gets one per request,
 from that seed and the prompt's position in the data stream (`request_seed`; kept by a retry or a
 re-served aborted prompt), so a run repeats exactly at any concurrency.
@@ -47,15 +52,16 @@ import anyio
 
 from rollouts.data.buffer import DataBuffer
 from rollouts.data.filters import check_reward_nonzero_std
-from rollouts.data.manager_parts import FirstN, dump_state, parse_state, request_seed, takes_seed
-from rollouts.data.rollout import (
-    Transformed,
-    apply_sample_transforms,
-    assign_groups,
-    convert_to_batch,
-    is_partial,
-    validate_group,
+from rollouts.data.manager_parts import (
+    FirstN,
+    dump_state,
+    parse_state,
+    request_seed,
+    takes_seed,
+    to_batch,
+    too_stale,
 )
+from rollouts.data.rollout import Transformed, apply_sample_transforms, is_partial, validate_group
 from rollouts.types import FilterFn, GenerateFn, RewardFn, RolloutBatch, RolloutConfig, Sample
 
 __all__ = ["AsyncRolloutManager", "ContinueFn", "request_seed"]
@@ -87,6 +93,7 @@ class AsyncRolloutManager:
         interrupt: Callable[[], object] | None = None,
         resume: Callable[[], object] | None = None,
         max_pause_s: float = 3600.0,
+        max_staleness: int | None = None,
     ) -> None:
         """`source`: what generates (an engine's name or URL), named in the failure of a request
         that timed out, which otherwise has no error of its own to say where it hung.
@@ -96,7 +103,9 @@ class AsyncRolloutManager:
         tail="first_n", the requests still running once the step's groups are kept are cut short
         by `interrupt` and carried as partial groups (continued next step), not cancelled and
         restarted; `resume` is called once they are back.
-        `max_pause_s`: bound on a step's wait for a `paused()` block to end."""
+        `max_pause_s`: bound on a step's wait for a `paused()` block to end.
+        `max_staleness`: a partial group whose oldest token would be trained over this many versions
+        late is restarted from its prompt (module docstring); None: always continued."""
         if not callable(generate_fn):
             raise TypeError(f"generate_fn must be callable, got {type(generate_fn).__name__}")
         if continue_fn is not None and not callable(continue_fn):
@@ -109,6 +118,10 @@ class AsyncRolloutManager:
             raise ValueError("RolloutConfig.partial with tail='first_n' needs interrupt and resume (the engine's)")
         if not max_pause_s > 0:
             raise ValueError(f"max_pause_s must be > 0, got {max_pause_s}")
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(
+                f"max_staleness must be >= 0, got {max_staleness}: a sample cannot be newer than its weights"
+            )
         self._buffer = buffer
         self._config = config
         self._generate_fn = generate_fn
@@ -121,6 +134,7 @@ class AsyncRolloutManager:
         self._continue_takes_seed = continue_fn is not None and takes_seed(continue_fn)
         self._source = source
         self._max_pause_s = max_pause_s
+        self._max_staleness = max_staleness
         self._carry: list[tuple[Sample, ...]] = []
         self._pending_prompts: list[tuple[int | None, Any]] = []  # (position in the data stream, prompt)
         self._partial_groups: list[tuple[int | None, Any, tuple[Sample, ...]]] = []  # (position, prompt, group)
@@ -207,11 +221,16 @@ class AsyncRolloutManager:
         if self._interrupt is not None:
             self._interrupt()
 
-    def _draw(self, num: int) -> list[_Item]:
-        """The next `num` requests: partial groups to continue first, then aborted prompts, then new
-        prompts, each with its position in the data stream."""
+    def _draw(self, num: int, train_version: int | None) -> tuple[list[_Item], int]:
+        """The next `num` requests: partial groups to continue first (restarted from their prompt
+        where too stale for `train_version`), then aborted prompts, then new prompts, each with its
+        position in the data stream; and the number of partial groups restarted."""
         partial, self._partial_groups = self._partial_groups[:num], self._partial_groups[num:]
-        items: list[_Item] = list(partial)
+        items: list[_Item] = [
+            (pos, p, None if too_stale(group, train_version, self._max_staleness) else group)
+            for pos, p, group in partial
+        ]
+        num_restarted = sum(group is None for _, _, group in items)
         rest = num - len(items)
         from_pending, self._pending_prompts = self._pending_prompts[:rest], self._pending_prompts[rest:]
         items += [(pos, p, None) for pos, p in from_pending]
@@ -219,7 +238,7 @@ class AsyncRolloutManager:
         if rest:
             start = self._buffer.epoch_id * len(self._buffer) + self._buffer.sample_offset
             items += [(start + i, p, None) for i, p in enumerate(self._buffer.get_prompts(rest))]
-        return items
+        return items, num_restarted
 
     def _requeue(self, item: _Item) -> None:
         """A request that did not run (or was cancelled): served again first, partial tokens kept."""
@@ -293,13 +312,16 @@ class AsyncRolloutManager:
         counts["retries"] += cfg.max_retries
         results[rid] = f"prompt {prompt!r:.80} failed {len(errors)} times; last: {errors[-1]}"
 
-    async def generate_batch(self, *, step: int) -> RolloutBatch:
-        """Generate, score and filter one step's groups; returns them as a RolloutBatch."""
+    async def generate_batch(self, *, step: int, train_version: int | None = None) -> RolloutBatch:
+        """Generate, score and filter one step's groups; returns them as a RolloutBatch.
+        `train_version`: the weight version the batch will be trained at (the staleness bound of
+        partial groups is checked against it; None: not checked)."""
         cfg, n = self._config, self._config.samples_per_prompt
         need = cfg.batch_size
         epoch = self._buffer.epoch_id
         kept, self._carry = self._carry[:need], self._carry[need:]
-        names = ("requested", "kept_new", "carried_over", "filtered", "failed", "aborted", "partial", "retries")
+        names = ("requested", "kept_new", "carried_over", "filtered", "failed", "aborted", "partial", "restarted",
+                 "retries")  # fmt: skip
         counts = dict.fromkeys(names, 0)
         counts["from_carry_over"] = len(kept)
         filtered: list[tuple[str, tuple[Sample, ...]]] = []
@@ -310,8 +332,9 @@ class AsyncRolloutManager:
             await self._wait_resumed()
             num_rounds += 1
             interruptions = (self._num_pauses, self._num_held)
-            items = self._draw(math.ceil((need - len(kept)) * cfg.over_sampling_factor))
+            items, num_restarted = self._draw(math.ceil((need - len(kept)) * cfg.over_sampling_factor), train_version)
             counts["requested"] += len(items)
+            counts["restarted"] += num_restarted
             results: dict[int, tuple[Sample, ...] | str] = {}
             limiter = anyio.CapacityLimiter(cfg.max_concurrency)
             with anyio.CancelScope() as scope:
@@ -362,23 +385,9 @@ class AsyncRolloutManager:
             self._carry.extend(out.kept[room:])
             counts["kept_new"] += min(room, len(out.kept))
             counts["carried_over"] += max(0, len(out.kept) - room)
-        samples = [s for g in assign_groups(kept) for s in g]
-        filter_reasons: dict[str, int] = {}
-        for reason, g in filtered:
-            filter_reasons[reason] = filter_reasons.get(reason, 0) + len(g)
-        metadata: dict[str, Any] = {f"groups_{k}": v for k, v in counts.items()}
         aborted, self._aborted = self._aborted, False  # an abort ends one step: the next one runs
-        metadata |= {"num_rounds": num_rounds, "num_paused_rounds": num_paused, "aborted": aborted, "errors": errors}
-        return convert_to_batch(
-            samples,
-            epoch=epoch,
-            step=step,
-            num_filtered=sum(len(g) for _, g in filtered),
-            num_failed=counts["failed"] * n,
-            num_carried_over=sum(len(g) for g in self._carry),
-            filter_reasons=filter_reasons,
-            metadata=metadata,
-        )
+        extra = {"num_rounds": num_rounds, "num_paused_rounds": num_paused, "aborted": aborted, "errors": errors}
+        return to_batch(kept, filtered, counts, extra, epoch=epoch, step=step, carry=self._carry, group_size=n)
 
     def _transform(self, groups: list[tuple[Sample, ...]]) -> Transformed:
         return apply_sample_transforms(groups, reward_fn=self._reward_fn, filter_fn=self._filter_fn)

@@ -25,7 +25,7 @@ from rollouts.loops.run_dir import ADAPTER_DIR, WEIGHTS_DIR
 from rollouts.types import InferenceEngine, RolloutBatch, TrainingState
 from rollouts.types.wire import batch_from_bytes, batch_to_parts
 
-_SHARED_METADATA = ("errors", "groups_requested", "groups_partial", "num_rounds", "generate_s")
+_SHARED_METADATA = ("errors", "groups_requested", "groups_partial", "groups_restarted", "num_rounds", "generate_s")
 """The batch metadata the other ranks receive (what every rank logs or raises on)."""
 
 
@@ -55,28 +55,30 @@ class BatchSource:
         self.ahead = ahead
         self._hold_lock = hold_lock
         self._outstanding = False
-        self._requests, requests_rx = trio.open_memory_channel[int](1)
+        self._requests, requests_rx = trio.open_memory_channel[tuple[int, int]](1)
         self._results_tx, self._results = trio.open_memory_channel[Any](1)
         if manager is not None:
             nursery.start_soon(self._produce, manager, lock, requests_rx)
 
     async def _produce(self, manager: AsyncRolloutManager, lock: trio.Lock, requests: Any) -> None:
-        async for step in requests:
+        async for step, train_version in requests:
             async with lock if self._hold_lock else contextlib.nullcontext():
                 start = time.perf_counter()
                 try:
-                    batch = await manager.generate_batch(step=step)
+                    batch = await manager.generate_batch(step=step, train_version=train_version)
                     seconds = time.perf_counter() - start  # logged as generate_s
                     result: Any = (dataclasses.replace(batch, metadata={**batch.metadata, "generate_s": seconds}),)
                 except Exception as error:  # handed to the consumer, which raises it
                     result = error
             await self._results_tx.send(result)
 
-    async def request(self, step: int) -> None:
+    async def request(self, step: int, train_version: int) -> None:
+        """Have rank 0 generate step `step`'s batch, to be trained at weight version `train_version`
+        (the rollout manager restarts partial groups too stale for it)."""
         if self.ahead is None and not self._outstanding:
             self._outstanding = True
             if rank_world()[0] == 0:
-                await self._requests.send(step)
+                await self._requests.send((step, train_version))
 
     async def wait_ahead(self) -> RolloutBatch | None:
         """The batch generated ahead (overlap), received so a checkpoint can hold it; None if none."""
@@ -84,8 +86,8 @@ class BatchSource:
             self.ahead = await self._receive()
         return self.ahead
 
-    async def next(self, step: int) -> tuple[RolloutBatch, float]:
-        await self.request(step)
+    async def next(self, step: int, train_version: int) -> tuple[RolloutBatch, float]:
+        await self.request(step, train_version)
         if self.ahead is not None:
             batch, self.ahead = self.ahead, None
             return batch, 0.0

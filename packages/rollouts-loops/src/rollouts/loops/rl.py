@@ -197,9 +197,9 @@ async def _rl_main(run: Run) -> tuple[TrainingState, list[dict[str, float]]]:
         batches = BatchSource(nursery, manager, lock, ahead, hold_lock=not config.rollout.partial)
         while state.step < total:
             step_start = time.perf_counter()
-            batch, wait_s = await batches.next(state.step // updates)
+            batch, wait_s = await batches.next(state.step // updates, state.weight_version)
             if config.overlap and (state.step // updates + 1) * updates < total:
-                await batches.request(state.step // updates + 1)
+                await batches.request(state.step // updates + 1, _version_after_step(config, state))
             check_reward_errors(batch.samples, run.hooks.reward.on_error)
             log_completions(batch, state.step + 1, run.num_logged_completions)
             step_config = with_kl_coef(config, kl_state)
@@ -216,6 +216,15 @@ async def _rl_main(run: Run) -> tuple[TrainingState, list[dict[str, float]]]:
             await _after_step(run, state, metrics, manager, batches, lock, kl_state)
         nursery.cancel_scope.cancel()  # the producer waits for requests that will not come
     return state, history
+
+
+def _version_after_step(config: RLConfig, state: TrainingState) -> int:
+    """The weight version the step starting at `state` leaves the engine at (the next batch's, with
+    overlap): one more where the step ends with a sync (as `_train` decides)."""
+    updates = config.algorithm.num_updates_per_batch
+    after = state.step + updates
+    syncs = after % (config.sync_every_steps * updates) == 0 or after >= config.num_steps * updates
+    return state.weight_version + int(syncs)
 
 
 async def _train(

@@ -249,6 +249,7 @@ def rollout_manager(
         filter_fn=filter_fn,
         source=ctx.engine.name,
         continue_fn=group_continuer(ctx, reward) if config.rollout.partial else None,
+        max_staleness=config.max_staleness,  # a partial group carried past it is restarted, not trained stale
         **tail_controls(ctx.engine, config),
     )
 

@@ -67,7 +67,7 @@ def rollout_metrics(batch: RolloutBatch, state: TrainingState) -> dict[str, floa
         "num_carried_over": float(batch.num_carried_over),
         "num_reward_errors": float(len(reward_errors(samples))),
     }
-    for key in ("groups_requested", "groups_partial", "num_rounds", "generate_s"):
+    for key in ("groups_requested", "groups_partial", "groups_restarted", "num_rounds", "generate_s"):
         if key in batch.metadata:
             out[key] = float(batch.metadata[key])
     return out
