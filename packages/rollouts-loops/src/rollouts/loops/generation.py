@@ -29,12 +29,17 @@ _SHARED_METADATA = ("errors", "groups_requested", "groups_partial", "groups_rest
 """The batch metadata the other ranks receive (what every rank logs or raises on)."""
 
 
-def _shared(batch: RolloutBatch) -> RolloutBatch:
-    """The batch every rank trains on: rank 0's, with only the metadata the others receive."""
+def shared_metadata(batch: RolloutBatch) -> dict[str, Any]:
+    """The batch metadata every rank receives (and a checkpoint keeps with a batch generated ahead)."""
     metadata = {k: v for k, v in batch.metadata.items() if k in _SHARED_METADATA}
     if "errors" in metadata:
         metadata["errors"] = [str(e) for e in metadata["errors"]]
-    return dataclasses.replace(batch, metadata=metadata)
+    return metadata
+
+
+def _shared(batch: RolloutBatch) -> RolloutBatch:
+    """The batch every rank trains on: rank 0's, with only the metadata the others receive."""
+    return dataclasses.replace(batch, metadata=shared_metadata(batch))
 
 
 class BatchSource:

@@ -20,7 +20,7 @@ from rollouts.data import AsyncRolloutManager, DataBuffer
 from rollouts.loops.critic import load_critic, save_critic
 from rollouts.loops.distributed import rank_world
 from rollouts.loops.evaluation import Evaluation
-from rollouts.loops.generation import BatchSource, sync_engine
+from rollouts.loops.generation import BatchSource, shared_metadata, sync_engine
 from rollouts.loops.kl_control import KL_CONTROLLER_KEY
 from rollouts.loops.per_token import AdvantageFn
 from rollouts.loops.reference import saved_models
@@ -93,6 +93,7 @@ async def restore(
         RolloutBatch(
             samples=[Sample.from_dict(d) for d in extra["pending_batch"]],
             step=state.step // run.config.algorithm.num_updates_per_batch,
+            metadata=extra.get("pending_batch_metadata", {}),  # its counts, logged with the step that trains it
         )
         if "pending_batch" in extra
         else None
@@ -152,8 +153,9 @@ async def save_run_checkpoint(
     ahead = (
         await batches.wait_ahead() if state.step < config.num_steps * config.algorithm.num_updates_per_batch else None
     )
-    if ahead is not None:  # saved with its samples, and with the buffer and carry-over after it
+    if ahead is not None:  # saved with its samples and counts, and with the buffer and carry-over after it
         extra["pending_batch"] = [s.to_dict() for s in ahead.samples]
+        extra["pending_batch_metadata"] = shared_metadata(ahead)
     if manager is not None:
         extra.update(buffer=run.buffer.state_dict(), manager=manager.state_dict())
     if kl_state is not None:
