@@ -25,10 +25,10 @@ Modes:
 
 Figures: a run's time a step (the sum of its step times, less the wait for the first batch, which
 every mode spends alike, over the number of steps), median over repeats (modes interleaved within
-each repeat); samples trained a second (a sample more than rl.max_staleness versions old when its
-step trains is dropped: a response carried across several steps is); tokens decoded per token of
-the batches; partial groups a step (a group cut short twice counts twice); the fraction of
-samples dropped as too stale.
+each repeat); samples trained a second; tokens decoded per token of the batches; partial groups a
+step (a group cut short twice counts twice); partial groups restarted a step (a group carried
+across so many syncs that its oldest tokens would be more than rl.max_staleness versions old when
+trained starts again from its prompt); the fraction of samples dropped as too stale.
 
 Run: OMP_NUM_THREADS=1 uv run python benchmarks/bench_partial.py [steps] [repeats] [max_staleness]
 """
@@ -137,9 +137,9 @@ class PacedEngine:
 
 def run_mode(
     tail: str, partial: bool, steps: int, lengths: np.ndarray, max_staleness: int
-) -> tuple[float, float, float, float, float]:
+) -> tuple[float, float, float, float, float, float]:
     """(time a step, samples trained a second, tokens decoded / tokens generated into batches, mean
-    partial groups a step, fraction of samples dropped as too stale)."""
+    partial groups a step, fraction of samples dropped as too stale, mean partial groups restarted a step)."""
     model = build_tiny_model(
         VOCAB,
         hidden_size=64,
@@ -187,7 +187,8 @@ def run_mode(
     stale = sum(m["num_too_stale"] for m in history) / sum(m["num_samples"] for m in history)
     per_second = sum(m["num_trained"] for m in history) / (per_step * steps)
     partial_groups = statistics.mean(m["groups_partial"] for m in history)
-    return per_step, per_second, engine.decoded / sum(trained), partial_groups, stale
+    restarted = statistics.mean(m.get("groups_restarted", 0.0) for m in history)
+    return per_step, per_second, engine.decoded / sum(trained), partial_groups, stale, restarted
 
 
 def main() -> None:
@@ -204,7 +205,7 @@ def main() -> None:
     )
     modes = {"wait": ("wait", False), "wait partial": ("wait", True)}
     modes |= {"first_n": ("first_n", False), "first_n partial": ("first_n", True)}
-    results: dict[str, list[tuple[float, float, float, float, float]]] = {name: [] for name in modes}
+    results: dict[str, list[tuple[float, float, float, float, float, float]]] = {name: [] for name in modes}
     start = time.perf_counter()
     for _ in range(repeats):
         for name, (tail, partial) in modes.items():
@@ -217,7 +218,7 @@ def main() -> None:
             + ", ".join(f"{r[0] * 1e3:.0f}" for r in runs)
             + f")  trained {rate[name]:5.1f} samples/s  decoded/batched tokens "
             f"{statistics.median(r[2] for r in runs):.2f}  partial groups/step {statistics.median(r[3] for r in runs):4.1f}"
-            f"  too stale {statistics.median(r[4] for r in runs):5.1%}"
+            f"  restarted/step {statistics.median(r[5] for r in runs):4.1f}  too stale {statistics.median(r[4] for r in runs):5.1%}"
         )
     for ours, base in (
         ("wait partial", "wait"),
