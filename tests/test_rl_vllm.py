@@ -198,3 +198,129 @@ timeout_s = 60.0
     assert [r["weight_version"] for r in records] == [1.0, 2.0, 3.0]
     assert all(r["num_samples"] == 64 and r["num_trained"] == 64 and r["staleness_max"] <= 1 for r in records)
     assert all(r["groups_requested"] >= 8 + r["groups_partial"] for r in records)  # a group cut short is asked again
+
+
+def _vllm_prompt_tokens(url):
+    """The prompt tokens vLLM has taken in so far (its own counter, on /metrics)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10.0).text
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:prompt_tokens_total")
+    )
+
+
+def _wait_until_vllm_decodes(url, prompt_tokens_before, num_tokens, timeout_s):
+    """From a worker thread: until vLLM has taken in `num_tokens` prompt tokens beyond
+    `prompt_tokens_before` (a counter, so no poll can miss it; vLLM counts a prompt once prefilled,
+    its first token decoded); False if not within timeout_s."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _vllm_prompt_tokens(url) >= prompt_tokens_before + num_tokens:
+            return True
+        time.sleep(0.005)  # polling the server's counter: no timing is assumed, only its event
+    return False
+
+
+def test_a_sync_lands_mid_decode_in_the_rl_loop_and_the_aborted_responses_are_continued(
+    tiny_run_inputs, vllm_for_tiny_model, tmp_path, monkeypatch
+):
+    """The RL loop (overlap, rl.rollout.partial) on the real server, the sync made to land while vLLM
+    decodes the next batch: each step's training waits (an event: vLLM's own prompt-token counter)
+    until half that batch's 512 sequences are in, so the sync's pause in mode 'abort' cuts it short.
+    The next step trains samples continued across the abort: tokens of two weight versions, every
+    token's log-prob kept. Training is recorded, not done (it would only widen the window the decode
+    must outlast)."""
+    import threading
+
+    import rollouts.loops.step as step_module
+    from rollouts.backends import build_components, load_hf_model
+    from rollouts.data import AsyncRolloutManager, DataBuffer
+    from rollouts.loops.loggers import NullLogger
+    from rollouts.loops.rl import run_rl_training
+    from rollouts.sync.partial import token_versions
+    from rollouts.types import CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig
+
+    url, num_steps, budget = vllm_for_tiny_model.url, 6, 56  # 3-token prompts: 59 of the 64-token context
+    trained, waited = {}, []
+    before = {b: [threading.Event(), None] for b in range(num_steps)}  # vLLM's prompt tokens as batch b began
+    generate_batch = AsyncRolloutManager.generate_batch
+
+    async def counted_generate_batch(self, *, step, **kw):
+        before[step][1] = await trio.to_thread.run_sync(_vllm_prompt_tokens, url)  # the batch before is done
+        before[step][0].set()
+        return await generate_batch(self, step=step, **kw)
+
+    def recording_update(components, state, samples, config, **_):
+        trained[state.step] = list(samples)
+        if state.step + 1 < num_steps:  # the next batch is generating: hold the sync until vLLM decodes it
+            began = before[state.step + 1][0]
+            # half the batch's prompts in (256 sequences x 3 tokens): far more than a batch just ended
+            # can still add to the counter, and all of them decoding, the longest for ~55 more tokens
+            taken_in = began.wait(60.0) and _wait_until_vllm_decodes(url, before[state.step + 1][1], 768, 60.0)
+            waited.append(taken_in)
+        return state.after_step(num_tokens=1, num_samples=len(samples)), {}
+
+    monkeypatch.setattr(AsyncRolloutManager, "generate_batch", counted_generate_batch)
+    monkeypatch.setattr(step_module, "rl_update", recording_update)
+    config = RLConfig(
+        num_steps=num_steps,
+        overlap=True,
+        max_tokens_per_micro_batch=64,
+        checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
+        rollout=RolloutConfig(
+            batch_size=64,
+            samples_per_prompt=8,
+            partial=True,
+            max_concurrency=64,  # every group at once: 512 sequences decoding together
+            request_timeout_s=120.0,
+            sampling=SamplingParams(max_new_tokens=budget, temperature=1.0, seed=1, logprobs=True),
+        ),
+        optimizer=OptimizerConfig(schedule="constant"),
+    )
+    model = load_hf_model(tiny_run_inputs / "model")
+    metrics = {}
+
+    engine = VLLMEngine(url, timeout_s=120.0, keep_partial=True, pause_mode="abort")
+    run_rl_training(
+        build_components(model, config.optimizer, num_training_steps=num_steps),
+        DataBuffer([{"prompt": f"p{i}", "id": i} for i in range(64 * num_steps)], shuffle=False),
+        engine,
+        config,
+        reward=lambda s, r: float(s.response_length % 2),
+        encode_prompt=lambda r: [3 + r["id"] % 10, 4 + r["id"] % 7, 5],
+        logger=NullLogger(),
+        run_dir=tmp_path,
+        on_step=lambda state, m: metrics.__setitem__(state.step, m),
+    )
+    assert waited == [True] * (num_steps - 1), "vLLM never decoded the next batch while a step trained"
+    assert [metrics[b + 1]["weight_version"] for b in range(num_steps)] == [float(b + 1) for b in range(num_steps)]
+    for b in range(1, num_steps):  # batch b decoded during step b-1's training, and its sync came
+        samples = trained[b]
+        assert len(samples) == 512 and metrics[b + 1]["num_trained"] == 512 and metrics[b + 1]["num_too_stale"] == 0
+        assert all(b - s.weight_version <= 1 for s in samples if s.weight_version is not None)
+        assert all(
+            sum(n for _, n in s.metadata.get("version_segments", [[0, s.response_length]])) == s.response_length
+            for s in samples
+        )
+    # The first sync also pays the first export's one-time setup (seconds, longer than a decode), so
+    # it may come after the batch is done; a later one lands while vLLM decodes (a few hundred ms
+    # after half the batch's prompts are in, against seconds of decoding), with versions known on
+    # both sides of the abort. A sync can still meet a server done early (a batch whose responses
+    # all hit EOS soon): of the four such syncs, at least one must have cut responses short.
+    cut_steps = []
+    for b in range(2, num_steps):
+        continued = [s for s in trained[b] if len(s.metadata.get("version_segments", ())) == 2]
+        if continued:
+            cut_steps.append(b)
+            assert metrics[b + 1]["groups_partial"] >= 1
+        for s in continued:
+            (v0, k), (v1, rest) = s.metadata["version_segments"]
+            assert (v0, v1) == (b - 1, b) and k >= 1 and rest >= 1 and k + rest == s.response_length
+            assert token_versions(s) == (b - 1,) * k + (b,) * rest and len(s.rollout_logprobs) == s.response_length
+            assert s.weight_version == b - 1  # the oldest: staleness 1 at step b
+            assert s.status.value in ("completed", "truncated") and "partial" not in s.metadata
+    timings = {b: {k: metrics[b + 1][k] for k in ("generate_s", "sync_s", "groups_partial")} for b in range(num_steps)}
+    assert cut_steps, f"no sync cut a response short: {timings}"
