@@ -133,3 +133,27 @@ def test_no_trained_sample_is_ever_too_stale_and_no_prompt_is_lost_or_trained_tw
         assert len(engine.generate_calls) == len(set(engine.generate_calls)) + restarted
 
     anyio.run(main, backend="trio")
+
+
+@pytest.mark.anyio
+async def test_a_kept_group_carried_over_too_stale_is_generated_again_from_its_prompt():
+    engine = FakeEngine()
+    engine.release.set()
+    config = cfg(batch_size=1, over_sampling_factor=2.0)
+    manager = staleness_manager(engine, config, max_staleness=1)
+    first = await manager.generate_batch(step=0, train_version=0)  # 2 groups kept: 1 trained, 1 carried
+    assert manager.num_carried_over_groups == 1 and first.metadata["groups_carried_over"] == 1
+    state = json.loads(json.dumps(manager.state_dict()))
+    assert state["carry_over_prompts"] == [1] and state["carry_over_positions"] == [1]
+    engine.update(2)
+    second = await manager.generate_batch(step=1, train_version=2)  # the carried group: 2 versions old
+    md = second.metadata
+    assert md["groups_restarted"] == 1 and md["groups_from_carry_over"] == 0 and balanced(md)
+    assert sorted(engine.generate_calls) == [0, 1, 1, 2]  # prompt 1 generated again, under version 2
+    assert {(s.metadata["prompt_id"], s.weight_version) for s in second.samples} == {(1, 2)}
+
+    resumed = staleness_manager(FakeEngine(), config, max_staleness=1)
+    old = {k: v for k, v in state.items() if not k.startswith("carry_over_")}  # saved before prompts were kept
+    resumed.load_state_dict(old)
+    batch = await resumed.generate_batch(step=1, train_version=2)
+    assert batch.metadata["groups_restarted"] == 0 and batch.metadata["groups_from_carry_over"] == 1

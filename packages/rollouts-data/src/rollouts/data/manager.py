@@ -27,9 +27,9 @@ groups are kept, and it is carried to the next step as partial groups. Partial g
 in groups_aborted (and groups_partial), and kept across steps and in `state_dict`.
 
 Staleness (`max_staleness`, `generate_batch(train_version=...)`): a sample is as old as its oldest
-token, so a partial group carried across syncs that would be trained over `max_staleness` versions
-after its oldest token is restarted from its prompt (same position and seed, its tokens discarded),
-not continued into a sample the trainer drops. Counted in groups_restarted (within groups_requested).
+token. A partial group carried across syncs, or a kept group in the carry-over cache, that would be
+trained over `max_staleness` versions after its oldest token is generated again from its prompt
+(same position and seed, its tokens discarded), not trained stale nor dropped. In groups_restarted.
 
 Seeds: with `config.sampling.seed` set, a generate function taking `seed` gets one per request,
 from that seed and the prompt's position in the data stream (`request_seed`; kept by a retry or a
@@ -57,6 +57,7 @@ from rollouts.data.manager_parts import (
     dump_state,
     parse_state,
     request_seed,
+    split_stale,
     takes_seed,
     to_batch,
     too_stale,
@@ -135,7 +136,7 @@ class AsyncRolloutManager:
         self._source = source
         self._max_pause_s = max_pause_s
         self._max_staleness = max_staleness
-        self._carry: list[tuple[Sample, ...]] = []
+        self._carry: list[tuple[int | None, Any, tuple[Sample, ...]]] = []  # (position, prompt, kept group)
         self._pending_prompts: list[tuple[int | None, Any]] = []  # (position in the data stream, prompt)
         self._partial_groups: list[tuple[int | None, Any, tuple[Sample, ...]]] = []  # (position, prompt, group)
         self._scope: anyio.CancelScope | None = None
@@ -319,10 +320,14 @@ class AsyncRolloutManager:
         cfg, n = self._config, self._config.samples_per_prompt
         need = cfg.batch_size
         epoch = self._buffer.epoch_id
-        kept, self._carry = self._carry[:need], self._carry[need:]
+        self._carry, stale = split_stale(self._carry, train_version, self._max_staleness)
+        self._pending_prompts[:0] = [(pos, prompt) for pos, prompt, _ in stale]  # generated again, first
+        taken, self._carry = self._carry[:need], self._carry[need:]
+        kept = [g for _, _, g in taken]
         names = ("requested", "kept_new", "carried_over", "filtered", "failed", "aborted", "partial", "restarted",
                  "retries")  # fmt: skip
         counts = dict.fromkeys(names, 0)
+        counts["restarted"] = len(stale)
         counts["from_carry_over"] = len(kept)
         filtered: list[tuple[str, tuple[Sample, ...]]] = []
         errors: list[str] = []
@@ -354,7 +359,7 @@ class AsyncRolloutManager:
                     self._resume()
             if first_n is not None and first_n.error is not None:
                 raise first_n.error
-            groups = []
+            groups: list[tuple[_Item, tuple[Sample, ...]]] = []
             for rid, item in enumerate(items):
                 result = results.get(rid)
                 if result is None:
@@ -369,25 +374,26 @@ class AsyncRolloutManager:
                     counts["aborted"] += 1
                     counts["partial"] += 1
                 else:
-                    groups.append(result)
+                    groups.append((item, result))
             if (self._num_pauses, self._num_held) != interruptions:  # a round cut short is not one of the allowed
                 num_rounds -= 1
                 num_paused += 1
-            if first_n is None:
-                out = self._transform(groups)
+            if first_n is None:  # scored per group (as first_n does), each kept with its prompt
+                outs = [(item, self._transform([g])) for item, g in groups]
             else:  # every group that finished was scored on arrival (in request order here)
-                outs = [first_n.outs[rid] for rid in sorted(first_n.outs)]
-                out = Transformed(kept=sum((o.kept for o in outs), ()), filtered=sum((o.filtered for o in outs), ()))
-            filtered.extend(out.filtered)
-            counts["filtered"] += len(out.filtered)
+                outs = [(items[rid], first_n.outs[rid]) for rid in sorted(first_n.outs)]
+            new = [(item[0], item[1], g) for item, o in outs for g in o.kept]
+            filtered.extend(f for _, o in outs for f in o.filtered)
+            counts["filtered"] += sum(len(o.filtered) for _, o in outs)
             room = need - len(kept)
-            kept.extend(out.kept[:room])
-            self._carry.extend(out.kept[room:])
-            counts["kept_new"] += min(room, len(out.kept))
-            counts["carried_over"] += max(0, len(out.kept) - room)
+            kept.extend(g for _, _, g in new[:room])
+            self._carry.extend(new[room:])
+            counts["kept_new"] += min(room, len(new))
+            counts["carried_over"] += max(0, len(new) - room)
         aborted, self._aborted = self._aborted, False  # an abort ends one step: the next one runs
         extra = {"num_rounds": num_rounds, "num_paused_rounds": num_paused, "aborted": aborted, "errors": errors}
-        return to_batch(kept, filtered, counts, extra, epoch=epoch, step=step, carry=self._carry, group_size=n)
+        carry = [g for _, _, g in self._carry]
+        return to_batch(kept, filtered, counts, extra, epoch=epoch, step=step, carry=carry, group_size=n)
 
     def _transform(self, groups: list[tuple[Sample, ...]]) -> Transformed:
         return apply_sample_transforms(groups, reward_fn=self._reward_fn, filter_fn=self._filter_fn)

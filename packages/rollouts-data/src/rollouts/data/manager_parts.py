@@ -14,7 +14,7 @@ import anyio
 from rollouts.data.rollout import Transformed, assign_groups, convert_to_batch, is_partial
 from rollouts.types import RolloutBatch, Sample, thaw
 
-__all__ = ["FirstN", "dump_state", "parse_state", "request_seed", "takes_seed", "to_batch", "too_stale"]
+__all__ = ["FirstN", "dump_state", "parse_state", "request_seed", "split_stale", "takes_seed", "to_batch", "too_stale"]
 
 
 def request_seed(seed: int, position: int) -> int:
@@ -47,6 +47,15 @@ def too_stale(group: tuple[Sample, ...], train_version: int | None, max_stalenes
         return False
     known = [s.weight_version for s in group if s.weight_version is not None]
     return bool(known) and train_version - min(known) > max_staleness
+
+
+def split_stale(
+    entries: list[tuple[int | None, Any, tuple[Sample, ...]]], train_version: int | None, max_staleness: int | None
+) -> tuple[list[tuple[int | None, Any, tuple[Sample, ...]]], list[tuple[int | None, Any, tuple[Sample, ...]]]]:
+    """(the rest, the stale) of (position, prompt, group) entries: stale where the group is too stale
+    for `train_version` and its prompt is known (not None), so that it can be generated again."""
+    stale = [e for e in entries if e[1] is not None and too_stale(e[2], train_version, max_staleness)]
+    return [e for e in entries if all(e is not x for x in stale)], stale
 
 
 def to_batch(
@@ -132,19 +141,30 @@ def _partial_group_of(i: int, saved: Any, expected: int) -> tuple[int | None, An
 
 def parse_state(
     state: Mapping[str, Any], expected: int
-) -> tuple[list[tuple[Sample, ...]], list[tuple[int | None, Any]], list[tuple[int | None, Any, tuple[Sample, ...]]]]:
-    """A saved manager state, checked: (carry-over groups, (position, prompt) of pending prompts,
-    (position, prompt, group) of partial groups), each group of `expected` samples."""
+) -> tuple[
+    list[tuple[int | None, Any, tuple[Sample, ...]]],
+    list[tuple[int | None, Any]],
+    list[tuple[int | None, Any, tuple[Sample, ...]]],
+]:
+    """A saved manager state, checked: ((position, prompt, group) of carry-over groups, (position,
+    prompt) of pending prompts, (position, prompt, group) of partial groups), each group of
+    `expected` samples; a carried group's prompt is None where the state does not hold it."""
     keys, required = set(state), {"carry_over", "pending_prompts"}
-    if not required <= keys <= required | {"pending_positions", "partial_groups"}:
-        raise ValueError(
-            "manager state keys must be ['carry_over', 'partial_groups', 'pending_positions', "
-            f"'pending_prompts'], got {sorted(state)}"
-        )
-    carry = [tuple(Sample.from_dict(d) for d in g) for g in state["carry_over"]]
-    for i, g in enumerate(carry):
+    optional = {"pending_positions", "partial_groups", "carry_over_prompts", "carry_over_positions"}
+    if not required <= keys <= required | optional:
+        raise ValueError(f"manager state keys must be {sorted(required | optional)}, got {sorted(state)}")
+    groups = [tuple(Sample.from_dict(d) for d in g) for g in state["carry_over"]]
+    for i, g in enumerate(groups):
         if len(g) != expected:
             raise ValueError(f"carry_over[{i}] has {len(g)} samples, expected samples_per_prompt={expected}")
+    carry_prompts = list(state.get("carry_over_prompts", [None] * len(groups)))  # None: not known (older states)
+    carry_positions = list(state.get("carry_over_positions", [None] * len(groups)))
+    if len(carry_prompts) != len(groups) or len(carry_positions) != len(groups):
+        raise ValueError(
+            f"carry_over_prompts and carry_over_positions must have {len(groups)} entries (one per carried group), "
+            f"got {len(carry_prompts)} and {len(carry_positions)}"
+        )
+    carry = list(zip(carry_positions, carry_prompts, groups, strict=True))
     prompts = list(state["pending_prompts"])
     positions = list(state.get("pending_positions", [None] * len(prompts)))
     if len(positions) != len(prompts) or not all(p is None or isinstance(p, int) for p in positions):
@@ -156,13 +176,15 @@ def parse_state(
 
 
 def dump_state(
-    carry: list[tuple[Sample, ...]],
+    carry: list[tuple[int | None, Any, tuple[Sample, ...]]],
     pending: list[tuple[int | None, Any]],
     partial: list[tuple[int | None, Any, tuple[Sample, ...]]],
 ) -> dict[str, Any]:
     """The manager's state as JSON-ready data (what `parse_state` reads back)."""
     return {
-        "carry_over": [[s.to_dict() for s in g] for g in carry],
+        "carry_over": [[s.to_dict() for s in g] for _, _, g in carry],
+        "carry_over_prompts": [thaw(p) for _, p, _ in carry],
+        "carry_over_positions": [pos for pos, _, _ in carry],
         "pending_prompts": [thaw(p) for _, p in pending],
         "pending_positions": [pos for pos, _ in pending],
         "partial_groups": [
