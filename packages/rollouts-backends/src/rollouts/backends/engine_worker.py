@@ -24,11 +24,8 @@ import torch
 
 from rollouts.backends.components import load_hf_model
 from rollouts.backends.engine_wire import decode_frame, encode_frame
-from rollouts.backends.export import load_model_weights, read_weights
-from rollouts.backends.inprocess_engine import config_eos
-from rollouts.backends.lora_files import ADAPTER_CONFIG, load_adapter_dir
+from rollouts.backends.inprocess_engine import config_eos, load_weights_dir, sample_prompts
 from rollouts.backends.model_files import load_tokenizer
-from rollouts.backends.sampler import generate
 from rollouts.types import RolloutBatch, SamplingParams, from_dict
 from rollouts.types.wire import batch_to_bytes
 
@@ -48,36 +45,21 @@ class _Worker:
 
     def generate(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         params = from_dict(SamplingParams, header["params"])
-        seeds = header.get("seeds")
-        samples = generate(
+        samples = sample_prompts(
             self.model,
             header["prompts"],
-            n=params.n,
-            max_new_tokens=params.max_new_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            stop_token_ids=tuple(params.stop_token_ids) + self.eos,
-            seed=params.seed if seeds is None else seeds,
+            params,
+            eos=self.eos,
+            seeds=header.get("seeds"),
             weight_version=self.weight_version,
             should_abort=self.aborted,
+            tokenizer=self.tokenizer,  # decoded here: the trainer's process has enough to do
         )
-        if not params.logprobs:
-            samples = [dataclasses.replace(s, rollout_logprobs=None) for s in samples]
-        if self.tokenizer is not None:  # decoded here: the trainer's process has enough to do
-            decode = self.tokenizer.decode
-            samples = [
-                dataclasses.replace(s, response=decode(list(s.response_tokens), skip_special_tokens=True))
-                for s in samples
-            ]
         return {"ok": True}, batch_to_bytes(RolloutBatch(samples=tuple(samples)))
 
     def update(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         path, version = Path(header["path"]), header["weight_version"]
-        if (path / ADAPTER_CONFIG).is_file():  # a LoRA adapter (model.lora.sync = 'adapter')
-            load_adapter_dir(self.model, path)
-        else:
-            load_model_weights(self.model, read_weights(path))
+        load_weights_dir(self.model, path)
         self.weight_version = version
         self.control[0] = 0
         return {"ok": True, "weight_version": version}, b""

@@ -4,7 +4,7 @@ protocol, for runs without an inference server and for tests."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -66,25 +66,16 @@ class InProcessEngine:
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seeds: Sequence[int | None] | None = None
     ) -> list[Sample]:
         """`params.n` Samples per prompt, prompt-major, with this engine's weight version."""
-        samples = generate(
+        return sample_prompts(
             self._model,
             prompts,
-            n=params.n,
-            max_new_tokens=params.max_new_tokens,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            stop_token_ids=tuple(params.stop_token_ids) + self._eos,
-            seed=params.seed if seeds is None else list(seeds),
+            params,
+            eos=self._eos,
+            seeds=seeds,
             weight_version=self._weight_version,
             should_abort=self._abort.is_set,
+            tokenizer=self._tokenizer,
         )
-        if not params.logprobs:
-            samples = [s.replace(rollout_logprobs=None) for s in samples]
-        if self._tokenizer is not None:
-            decode = self._tokenizer.decode  # type: ignore[attr-defined]
-            samples = [s.replace(response=decode(list(s.response_tokens), skip_special_tokens=True)) for s in samples]
-        return samples
 
     async def generate_seeded(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int | None]
@@ -101,10 +92,7 @@ class InProcessEngine:
         if not self._shares:
             if not Path(path).is_dir():
                 raise ValueError(f"weight path {path!r} is not a directory of HF safetensors weights")
-            if (Path(path) / ADAPTER_CONFIG).is_file():  # a LoRA adapter (model.lora.sync = 'adapter')
-                load_adapter_dir(self._model, path)
-            else:
-                load_model_weights(self._model, read_weights(path))
+            load_weights_dir(self._model, Path(path))
         self._weight_version = weight_version
         self._abort.clear()
 
@@ -123,3 +111,48 @@ def config_eos(model: torch.nn.Module) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def sample_prompts(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    *,
+    eos: tuple[int, ...],
+    seeds: Sequence[int | None] | None,
+    weight_version: int | None,
+    should_abort: Callable[[], bool],
+    tokenizer: object = None,
+) -> list[Sample]:
+    """What an engine built on the in-process sampler answers (InProcessEngine here, the engine
+    process behind ProcessEngine): `params.n` Samples per prompt, prompt-major, stopping at the
+    params' stop ids and `eos`; log-probs dropped unless asked for; responses decoded with
+    `tokenizer` where one is given."""
+    samples = generate(
+        model,
+        prompts,
+        n=params.n,
+        max_new_tokens=params.max_new_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        stop_token_ids=tuple(params.stop_token_ids) + eos,
+        seed=params.seed if seeds is None else list(seeds),
+        weight_version=weight_version,
+        should_abort=should_abort,
+    )
+    if not params.logprobs:
+        samples = [s.replace(rollout_logprobs=None) for s in samples]
+    if tokenizer is not None:
+        decode = tokenizer.decode  # type: ignore[attr-defined]
+        samples = [s.replace(response=decode(list(s.response_tokens), skip_special_tokens=True)) for s in samples]
+    return samples
+
+
+def load_weights_dir(model: torch.nn.Module, path: Path) -> None:
+    """Load directory `path` into `model`: a LoRA adapter where it holds one (model.lora.sync =
+    'adapter'), HF safetensors weights otherwise."""
+    if (path / ADAPTER_CONFIG).is_file():
+        load_adapter_dir(model, path)
+    else:
+        load_model_weights(model, read_weights(path))
