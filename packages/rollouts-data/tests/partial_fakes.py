@@ -129,8 +129,9 @@ def balanced(md):
     return md["groups_requested"] == sum(md[f"groups_{k}"] for k in parts)
 
 
-async def sync_mid_step(engine, manager, *, running, version=1):
-    """Run one step; once `running` requests are in flight, pause (aborting them), 'sync', release."""
+async def step_with(engine, manager, *, running, while_running):
+    """Run one step; once `running` requests are in flight, await `while_running()` (pauses, syncs),
+    then let the engine finish. Returns the step's batch."""
     engine.expect_running = running
     out = {}
 
@@ -141,9 +142,18 @@ async def sync_mid_step(engine, manager, *, running, version=1):
         tg.start_soon(step)
         with anyio.fail_after(10):
             await engine.all_running.wait()
-        async with manager.paused(interrupt=engine.abort):
-            assert engine.running == 0  # every running request came back before the sync
-            engine.update(version)
+        await while_running()
         engine.expect_running = 0
         engine.release.set()
     return out["batch"]
+
+
+async def sync_mid_step(engine, manager, *, running, version=1):
+    """Run one step; once `running` requests are in flight, pause (aborting them), 'sync', release."""
+
+    async def sync():
+        async with manager.paused(interrupt=engine.abort):
+            assert engine.running == 0  # every running request came back before the sync
+            engine.update(version)
+
+    return await step_with(engine, manager, running=running, while_running=sync)

@@ -21,6 +21,7 @@ from partial_fakes import (
     make_manager,
     sample,
     segments,
+    step_with,
     sync_mid_step,
 )
 
@@ -249,24 +250,15 @@ async def test_a_pause_right_after_another_does_not_end_the_step_short():
     """A sync's pause, then at once an evaluation's: the step waits out both and fills its batch."""
     engine = FakeEngine()
     manager = make_manager(engine, cfg())
-    engine.expect_running = 4
-    out = {}
 
-    async def step():
-        out["batch"] = await manager.generate_batch(step=0)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(step)
-        with anyio.fail_after(10):
-            await engine.all_running.wait()
+    async def two_pauses():
         async with manager.paused(interrupt=engine.abort):
             engine.update(1)
             await anyio.wait_all_tasks_blocked()  # the step waits for this pause's end
         async with manager.paused(interrupt=engine.abort):  # no checkpoint between the two
             engine.resume()
             await anyio.wait_all_tasks_blocked()
-        engine.expect_running = 0
-        engine.release.set()
-    batch = out["batch"]
+
+    batch = await step_with(engine, manager, running=4, while_running=two_pauses)
     assert batch.num_kept == 8 and balanced(batch.metadata) and batch.metadata["groups_partial"] == 4
     assert all(segments(s) == [[0, PARTIAL_LEN], [1, FULL_LEN - PARTIAL_LEN]] for s in batch.samples)
