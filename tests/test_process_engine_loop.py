@@ -66,6 +66,8 @@ def test_an_overlapped_run_trains_against_an_engine_process(tiny_run_inputs, tmp
         assert state.step == 3 and trio.run(inner.weight_version) == state.weight_version == 3
         assert [h["weight_version"] for h in history] == [1.0, 2.0, 3.0]
         assert max(h["staleness_max"] for h in history) <= 1.0  # step n+1 generated while step n trained
+        # Synced directly (load_weights through shared memory): nothing exported, no weights written.
+        assert all(h["sync_export_s"] == 0.0 for h in history) and not (tmp_path / "weights").exists()
         # The engine process serves exactly the trained weights: the same samples as the trained model.
         params = SamplingParams(n=4, max_new_tokens=5, seed=1)
         prompts = [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in records[:3]]

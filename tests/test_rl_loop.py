@@ -330,6 +330,9 @@ class _ForgetfulEngine(InProcessEngine):
     async def update_weights_from_disk(self, path, weight_version):
         self._weight_version = weight_version
 
+    async def load_weights(self, tensors, weight_version):  # the direct sync the loop uses
+        self._weight_version = weight_version
+
 
 @pytest.mark.parametrize("engine_cls", [InProcessEngine, _ForgetfulEngine], ids=["applied", "not-applied"])
 def test_the_sync_probe_catches_weights_that_did_not_arrive(tiny_run_inputs, tmp_path, engine_cls):

@@ -159,8 +159,10 @@ def test_an_inprocess_engine_with_its_own_copy_gets_the_adapter_or_the_merged_we
         run = functools.partial(sync_engine, components, engine, TrainingState(), tmp_path / sync, shares_model=False)
         state, _ = trio.run(lambda: run(lock=trio.Lock()))  # noqa: B023 (run at once, in this iteration)
         assert state.weight_version == 1
-        written = {p.name for p in (tmp_path / sync).iterdir()}
-        assert written == ({"adapter"} if sync == "adapter" else {"weights"})
+        directory = tmp_path / sync
+        written = {p.name for p in directory.iterdir()} if directory.exists() else set()
+        # the adapter alone is exported for the engine to load; merged weights go straight in (load_weights)
+        assert written == ({"adapter"} if sync == "adapter" else set())
         batch = MicroBatch(
             input_ids=np.array([[3, 4, 5, 6, 7, 8]]),
             position_ids=np.arange(6)[None],

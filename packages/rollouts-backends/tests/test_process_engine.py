@@ -7,6 +7,7 @@ import signal
 
 import pytest
 import safetensors.torch
+import torch
 import trio
 from helpers import tiny_model
 
@@ -81,6 +82,55 @@ def test_a_weight_sync_changes_the_samples_and_the_version(model, tmp_path):
     expected = trio.run(InProcessEngine(other, shares_training_model=False, weight_version=3).generate, PROMPTS, params)
     assert after == expected and all(s.weight_version == 3 for s in after)
     assert [s.tokens for s in before] != [s.tokens for s in after] and all(s.weight_version == 0 for s in before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_loaded_through_shared_memory_are_the_weights_served(dtype):
+    params = SamplingParams(n=2, max_new_tokens=6, seed=0)
+    base, other = tiny_model(seed=0, dtype=dtype), tiny_model(seed=5, dtype=dtype)
+
+    def at(samples, version):
+        return [dataclasses.replace(s, weight_version=version) for s in samples]
+
+    with ProcessEngine.from_model(other, weight_version=0) as fresh:  # what serving `other` gives
+        expected_other = trio.run(fresh.generate, PROMPTS, params)
+    with ProcessEngine.from_model(base, weight_version=0) as engine:
+        expected_base = trio.run(engine.generate, PROMPTS, params)
+        for version, source, expected in (
+            (2, other, expected_other),
+            (3, base, expected_base),
+            (4, other, expected_other),
+        ):
+            trio.run(engine.load_weights, model_tensors(source), version)  # each load replaces every weight
+            assert trio.run(engine.generate, PROMPTS, params) == at(expected, version)
+            assert trio.run(engine.weight_version) == version
+        engine.abort()
+        trio.run(engine.load_weights, model_tensors(other), 5)  # a load clears an abort, as a sync does
+        assert trio.run(engine.generate, PROMPTS, params) == at(expected_other, 5)
+    assert expected_base != at(expected_other, 0)
+    if dtype == torch.float32:  # the in-process engine's own direct load gives the same samples
+        reference = InProcessEngine(tiny_model(seed=0, dtype=dtype), shares_training_model=False)
+        trio.run(reference.load_weights, model_tensors(other), 4)
+        assert trio.run(reference.generate, PROMPTS, params) == at(expected_other, 4)
+
+
+def test_a_bad_shared_memory_load_is_refused_and_the_engine_serves_on(model):
+    tensors = model_tensors(model)
+    with ProcessEngine.from_model(model, weight_version=1) as engine:
+        with pytest.raises(ValueError, match="only grow"):
+            trio.run(engine.load_weights, tensors, 0)
+        with pytest.raises(TypeError, match="not a torch.Tensor"):
+            trio.run(engine.load_weights, {**tensors, "extra": [1.0]}, 2)
+        with pytest.raises(TypeError, match="has dtype torch.int64"):
+            trio.run(engine.load_weights, {**tensors, "extra": torch.zeros(2, dtype=torch.int64)}, 2)
+        with pytest.raises(ValueError, match="do not fit the model: .*unexpected \\['no.such.weight'\\]"):
+            trio.run(engine.load_weights, {**tensors, "no.such.weight": torch.zeros(3)}, 2)
+        name = next(iter(tensors))
+        with pytest.raises(ValueError, match="do not fit the model: missing"):
+            trio.run(engine.load_weights, {k: v for k, v in tensors.items() if k != name}, 2)
+        assert trio.run(engine.weight_version) == 1 and trio.run(engine.health)
+        trio.run(engine.load_weights, tensors, 2)
+        assert len(trio.run(engine.generate, PROMPTS, SamplingParams(max_new_tokens=2))) == 3
 
 
 def test_abort_cuts_generations_until_resumed_or_synced(model, tmp_path):

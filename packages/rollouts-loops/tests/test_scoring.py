@@ -213,3 +213,96 @@ def test_group_metrics_on_hand_made_groups():
     assert majority_correct(_scored(["a", "b"], [1.0, 0.0]))  # a tie goes to the first seen
     with pytest.raises(ValueError, match="k=5"):
         pass_at_k(4, 1, 5)
+
+
+def _score_groups(reward, groups, *, rounds=2):
+    """Score `groups` concurrently (as a batched engine call hands them back together), `rounds`
+    times in one trio run; the scored groups of each round."""
+
+    async def main():
+        out = []
+        for _ in range(rounds):
+            scored = [None] * len(groups)
+
+            async def one(i, scored=scored):
+                scored[i] = await score_group(reward, groups[i], {"answer": "1"})
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(groups)):
+                    nursery.start_soon(one, i)
+            out.append(scored)
+        return out
+
+    return trio.run(main)
+
+
+def test_cheap_sync_rewards_of_groups_finishing_together_share_one_thread_hop():
+    threads = []
+
+    def reward(sample, record):
+        threads.append(threading.get_ident())
+        return float(sample.response)
+
+    groups = [_group(4) for _ in range(16)]
+    first, second = _score_groups(Reward.of(reward), groups)
+    for scored in (first, second):
+        assert [[s.reward for s in g] for g in scored] == [[0.0, 1.0, 2.0, 3.0]] * 16
+    # before a cost is measured each group has a thread; once the calls are known cheap, one does all
+    assert len(set(threads[64:])) == 1 and threads[64] != threading.get_ident()
+
+
+def test_slow_sync_rewards_of_groups_finishing_together_run_in_parallel_threads():
+    active, most = [0], [0]
+    lock = threading.Lock()
+    release = threading.Event()
+
+    def reward(sample, record):
+        with lock:
+            active[0] += 1
+            most[0] = max(most[0], active[0])
+        release.wait(0.02)  # a slow grader (a sandbox, a judge): 20 ms a call
+        with lock:
+            active[0] -= 1
+        return float(sample.response)
+
+    groups = [_group(2) for _ in range(6)]
+    _, second = _score_groups(Reward.of(reward), groups)
+    assert [[s.reward for s in g] for g in second] == [[0.0, 1.0]] * 6
+    assert most[0] >= 2  # measured slow: the batch is split over threads, not run in one
+
+
+def test_groups_that_joined_a_cancelled_leader_score_their_own_samples():
+    entered, gate = threading.Event(), threading.Event()
+
+    def reward(sample, record):
+        entered.set()
+        gate.wait(5.0)  # the leader's batch is cancelled while it waits here
+        return float(sample.response)
+
+    reward_ = Reward(fn=reward, timeout_s=_HUNG_BOUND_S * 5)
+
+    async def main():
+        followers = [None, None]
+
+        async def follower(i):
+            followers[i] = await score_group(reward_, _group(2), {"answer": "1"})
+
+        async with trio.open_nursery() as nursery:
+            leader = trio.CancelScope()
+
+            async def lead():
+                with leader:
+                    await score_group(reward_, _group(2), {"answer": "1"})
+
+            nursery.start_soon(lead)
+            await trio.sleep(0)  # the leader is gathering
+            for i in range(2):
+                nursery.start_soon(follower, i)
+            await trio.to_thread.run_sync(entered.wait, 5.0)
+            leader.cancel()
+            gate.set()
+        return followers, leader.cancelled_caught
+
+    followers, cancelled = trio.run(main)
+    assert cancelled
+    assert [[s.reward for s in g] for g in followers] == [[0.0, 1.0], [0.0, 1.0]]

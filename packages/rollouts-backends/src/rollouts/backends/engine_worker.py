@@ -4,7 +4,7 @@ It loads the model from a local HF directory (never a hub), then answers one req
 time (rollouts.backends.engine_wire) until its request pipe closes or a "close" request comes:
 "generate" runs the in-process sampler and answers the Samples (their responses decoded with
 the tokenizer from `--tokenizer-dir`, if given) as rollouts.types.wire batch bytes; "update" loads HF safetensors weights (or a LoRA adapter) from a directory and records the
-version. A request that fails answers its error's type and text, and the process goes on.
+version; "load_shared" copies weights the parent wrote into the shared file `--weights`. A request that fails answers its error's type and text, and the process goes on.
 
 The abort flag is byte 0 of a small shared file (`--control`, mapped by both processes): the
 parent sets it from any thread while a generate runs here, and the sampler checks it after each
@@ -24,6 +24,7 @@ import torch
 
 from rollouts.backends.components import load_hf_model
 from rollouts.backends.engine_wire import decode_frame, encode_frame
+from rollouts.backends.export import load_model_weights
 from rollouts.backends.inprocess_engine import config_eos, load_weights_dir, sample_prompts
 from rollouts.backends.model_files import load_tokenizer
 from rollouts.types import RolloutBatch, SamplingParams, from_dict
@@ -39,6 +40,7 @@ class _Worker:
     eos: tuple[int, ...]
     weight_version: int | None
     tokenizer: Any
+    weights_file: str
 
     def aborted(self) -> bool:
         return self.control[0] != 0
@@ -57,12 +59,49 @@ class _Worker:
         )
         return {"ok": True}, batch_to_bytes(RolloutBatch(samples=tuple(samples)))
 
+    def load_shared(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        """Weights the parent wrote into the shared file (`--weights`): [name, dtype, shape, offset]
+        each, copied into the model."""
+        size = os.path.getsize(self.weights_file)
+        with open(self.weights_file, "rb") as f:
+            shared = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+        try:
+            load_model_weights(self.model, _views(shared, header["tensors"], size))  # copied: no view outlives it
+        finally:
+            if shared is not None:
+                try:
+                    shared.close()
+                except BufferError:  # a failed load's traceback still holds a view: closed when it goes
+                    pass
+        self.weight_version = header["weight_version"]
+        self.control[0] = 0
+        return {"ok": True, "weight_version": self.weight_version}, b""
+
     def update(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         path, version = Path(header["path"]), header["weight_version"]
         load_weights_dir(self.model, path)
         self.weight_version = version
         self.control[0] = 0
         return {"ok": True, "weight_version": version}, b""
+
+
+def _views(shared: mmap.mmap | None, layout: list[list[Any]], size: int) -> dict[str, torch.Tensor]:
+    """The tensors [name, dtype, shape, offset] of `layout`, as views of the `size`-byte `shared`."""
+    tensors = {}
+    for name, dtype, shape, offset in layout:
+        count = 1
+        for dim in shape:
+            count *= int(dim)
+        end = offset + count * _DTYPES[dtype].itemsize
+        if end > size or offset < 0:
+            raise ValueError(f"tensor {name!r} spans bytes {offset}..{end}, outside the {size}-byte weights file")
+        flat = (
+            torch.frombuffer(shared, dtype=_DTYPES[dtype], count=count, offset=offset)
+            if count and shared is not None
+            else torch.empty(0, dtype=_DTYPES[dtype])
+        )
+        tensors[name] = flat.view(shape)
+    return tensors
 
 
 def _read_exact(fd: int, num_bytes: int) -> bytes | None:
@@ -95,7 +134,7 @@ def _write_all(fd: int, data: bytes) -> None:
 
 def serve(worker: _Worker, requests_fd: int, answers_fd: int) -> None:
     """Answer requests until the pipe closes or a "close" request comes."""
-    handlers = {"generate": worker.generate, "update": worker.update}
+    handlers = {"generate": worker.generate, "update": worker.update, "load_shared": worker.load_shared}
     while (request := _read_request(requests_fd)) is not None:
         header, _ = request
         if header.get("op") == "close":
@@ -116,6 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests-fd", type=int, required=True)
     parser.add_argument("--answers-fd", type=int, required=True)
     parser.add_argument("--control", required=True)
+    parser.add_argument("--weights", required=True)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
@@ -134,7 +174,14 @@ def main(argv: list[str] | None = None) -> None:
         control = mmap.mmap(f.fileno(), 0)
     tokenizer = load_tokenizer(args.tokenizer_dir) if args.tokenizer_dir else None
     eos = tuple(args.eos) or config_eos(model)
-    worker = _Worker(model=model, control=control, eos=eos, weight_version=args.weight_version, tokenizer=tokenizer)
+    worker = _Worker(
+        model=model,
+        control=control,
+        eos=eos,
+        weight_version=args.weight_version,
+        tokenizer=tokenizer,
+        weights_file=args.weights,
+    )
     _write_all(args.answers_fd, encode_frame({"ok": True, "ready": True, "pid": os.getpid()}))
     serve(worker, args.requests_fd, args.answers_fd)
 

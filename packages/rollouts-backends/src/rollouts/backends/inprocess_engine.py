@@ -4,7 +4,7 @@ protocol, for runs without an inference server and for tests."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -93,6 +93,17 @@ class InProcessEngine:
             if not Path(path).is_dir():
                 raise ValueError(f"weight path {path!r} is not a directory of HF safetensors weights")
             load_weights_dir(self._model, Path(path))
+        self._weight_version = weight_version
+        self._abort.clear()
+
+    async def load_weights(self, tensors: Mapping[str, torch.Tensor], weight_version: int) -> None:
+        """Copy HF-named full weights (`tensors`, as `rollouts.backends.model_tensors` gives them;
+        tied ones may be absent) into the engine's model and serve them as `weight_version`: the
+        direct sync, with no export. The caller may change `tensors` afterwards."""
+        if self._weight_version is not None and weight_version < self._weight_version:
+            raise ValueError(f"weight_version may only grow: {weight_version} < current {self._weight_version}")
+        if not self._shares:
+            load_model_weights(self._model, dict(tensors))
         self._weight_version = weight_version
         self._abort.clear()
 

@@ -10,7 +10,8 @@ and each call is one request frame and one answer frame over a pair of pipes
 (rollouts.backends.engine_wire: JSON headers, Samples as rollouts.types.wire batch bytes; never
 pickles). Weights are synced the way the loops export them: the engine process reads the exported
 safetensors directory itself (from the page cache, just written), so a sync moves no tensor
-through the pipe. `abort()` sets a flag in a small file both processes map, read by the sampler
+through the pipe; `load_weights` (the loops' direct sync, with no export) passes the tensors
+through a file in shared memory both processes map. `abort()` sets a flag in a small file both processes map, read by the sampler
 after each token step.
 
 Every wait is bounded: a request that gets no answer within `timeout_s` kills the engine process
@@ -30,7 +31,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ _REAP_TIMEOUT_S = 10.0  # after SIGKILL the kernel reaps at once; this only boun
 _STDERR_TAIL_BYTES = 2000  # enough for a Python traceback's last frames and its message
 _SHM_DIR = "/dev/shm"  # memory-backed where there is one: the abort flag never touches a disk
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_ALIGN = 64  # each tensor of a weight load starts on a cache line of the shared file
 
 
 class EngineProcessError(RuntimeError):
@@ -64,8 +66,22 @@ class _Child:
     requests_fd: int
     answers_fd: int
     control: mmap.mmap
+    weights_file: Path
+    """Shared memory for `load_weights`: the engine process maps it per load."""
     files: tuple[Path, ...]
     dirs: tuple[Path, ...]
+    weights: mmap.mmap | None = None
+
+    def map_weights(self, size: int) -> mmap.mmap:
+        """The weights file mapped here, `size` bytes long (resized, and mapped again, when not)."""
+        if self.weights is None or len(self.weights) != size:
+            if self.weights is not None:
+                self.weights.close()
+                self.weights = None
+            with open(self.weights_file, "r+b") as f:
+                f.truncate(size)
+                self.weights = mmap.mmap(f.fileno(), size)
+        return self.weights
 
     def reap(self, *, kill: bool = False) -> int | None:
         """Stop the process (`kill`: at once; otherwise asked first), close and delete everything;
@@ -88,6 +104,8 @@ class _Child:
             self.process.wait(timeout=_REAP_TIMEOUT_S)
         if not self.control.closed:
             self.control.close()
+        if self.weights is not None:
+            self.weights.close()
         for path in self.files:
             path.unlink(missing_ok=True)
         for path in self.dirs:
@@ -138,6 +156,7 @@ class ProcessEngine:
         self._name, self._timeout_s = name, timeout_s
         self._weight_version = weight_version
         self._lock = threading.Lock()
+        self._loading = threading.Lock()
         self._error: EngineProcessError | None = None
         args = ["--threads", str(num_threads), "--device", device, "--dtype", dtype, "--attn", attn_implementation]
         args += ["--eos", *map(str, eos_token_ids)] if eos_token_ids else []
@@ -241,6 +260,42 @@ class ProcessEngine:
         self._call({"op": "update", "path": str(Path(path).resolve()), "weight_version": weight_version})
         self._weight_version = weight_version
 
+    async def load_weights(self, tensors: Mapping[str, torch.Tensor], weight_version: int) -> None:
+        """Load HF-named full weights (`tensors`, as `rollouts.backends.model_tensors` gives them; tied
+        ones may be absent) and serve them as `weight_version`; clears an abort. They travel through
+        a file in shared memory both processes map (one copy in, one copy out), not the disk: the
+        direct sync of a trainer in the same machine. Returns once the engine has them, so the
+        caller may change `tensors` afterwards."""
+        if self._weight_version is not None and weight_version < self._weight_version:
+            raise ValueError(f"weight_version may only grow: {weight_version} < current {self._weight_version}")
+        layout, offset = [], 0
+        for name, tensor in tensors.items():
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"load_weights: {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+            if tensor.dtype not in _DTYPE_NAMES:
+                raise TypeError(
+                    f"load_weights: {name!r} has dtype {tensor.dtype}; takes {sorted(_DTYPE_NAMES.values())}"
+                )
+            offset = -(-offset // _ALIGN) * _ALIGN
+            layout.append((name, tensor, offset))
+            offset += tensor.numel() * tensor.element_size()
+        if self._error is not None:
+            raise self._error
+        if not self._loading.acquire(timeout=self._timeout_s):
+            raise TimeoutError(f"{self._name}: another weight load held the engine for timeout_s={self._timeout_s}")
+        try:  # one load at a time: none writes the file while the engine reads it
+            shared = self._child.map_weights(max(offset, 1))
+            for _, tensor, start in layout:
+                if tensor.numel():
+                    target = torch.frombuffer(shared, dtype=tensor.dtype, count=tensor.numel(), offset=start)
+                    target.view(tensor.shape).copy_(tensor.detach().to("cpu"))
+                    del target  # no view may outlive the mapping
+            header = [[name, _DTYPE_NAMES[t.dtype], list(t.shape), start] for name, t, start in layout]
+            self._call({"op": "load_shared", "tensors": header, "weight_version": weight_version})
+        finally:
+            self._loading.release()
+        self._weight_version = weight_version
+
     async def weight_version(self) -> int | None:
         """The version of the weights sampled from now."""
         return self._weight_version
@@ -310,11 +365,14 @@ def _start(model_dir: Path, args: list[str], *, owned_dir: Path | None) -> _Chil
     os.write(fd, b"\0" * mmap.PAGESIZE)
     control = mmap.mmap(fd, mmap.PAGESIZE)
     os.close(fd)
+    weights_fd, weights_name = tempfile.mkstemp(prefix="rollouts-engine-weights-", dir=shm)
+    os.close(weights_fd)
     fd, stderr_name = tempfile.mkstemp(prefix="rollouts-engine-stderr-")
     requests_r, requests_w = os.pipe()
     answers_r, answers_w = os.pipe()
     command = [sys.executable, "-m", "rollouts.backends.engine_worker", "--model-dir", str(model_dir)]
-    command += ["--requests-fd", str(requests_r), "--answers-fd", str(answers_w), "--control", control_name, *args]
+    command += ["--requests-fd", str(requests_r), "--answers-fd", str(answers_w), "--control", control_name]
+    command += ["--weights", weights_name, *args]
     try:
         process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, pass_fds=(requests_r, answers_w)
@@ -323,7 +381,7 @@ def _start(model_dir: Path, args: list[str], *, owned_dir: Path | None) -> _Chil
         for f in (requests_r, requests_w, answers_r, answers_w, fd):
             os.close(f)
         control.close()
-        for name in (control_name, stderr_name):
+        for name in (control_name, stderr_name, weights_name):
             os.unlink(name)
         raise
     for f in (requests_r, answers_w, fd):  # the child's ends: its exit closes the pipes
@@ -335,6 +393,7 @@ def _start(model_dir: Path, args: list[str], *, owned_dir: Path | None) -> _Chil
         requests_fd=requests_w,
         answers_fd=answers_r,
         control=control,
-        files=(Path(stderr_name), Path(control_name)),
+        weights_file=Path(weights_name),
+        files=(Path(stderr_name), Path(control_name), Path(weights_name)),
         dirs=() if owned_dir is None else (owned_dir,),
     )

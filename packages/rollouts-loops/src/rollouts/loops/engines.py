@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,6 +217,15 @@ class CoalescingEngine:
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
         await self.inner.update_weights_from_disk(path, weight_version)
+
+    @property
+    def load_weights(self) -> Callable[[Mapping[str, torch.Tensor], int], Awaitable[None]]:
+        """The inner engine's direct weight load (AttributeError where it has none, so that
+        `getattr(engine, "load_weights", None)` tells)."""
+        method = getattr(self.inner, "load_weights", None)
+        if not callable(method):
+            raise AttributeError(f"{type(self.inner).__name__} has no load_weights")
+        return method  # type: ignore[no-any-return]
 
     async def weight_version(self) -> int | None:
         return await self.inner.weight_version()

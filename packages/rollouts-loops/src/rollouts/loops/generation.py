@@ -10,13 +10,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 import trio
 
 from rollouts.backends import CheckpointWriter, TrainingComponents, export_weights
+from rollouts.backends.export import model_tensors
 from rollouts.backends.lora import syncs_adapter
 from rollouts.backends.lora_files import save_adapter
 from rollouts.data import AsyncRolloutManager
@@ -143,6 +145,18 @@ async def engine_alone(engine: Any, lock: trio.Lock, manager: AsyncRolloutManage
             yield
 
 
+def direct_loader(
+    engine: InferenceEngine | None, components: TrainingComponents, *, shares_model: bool
+) -> Callable[[Mapping[str, torch.Tensor], int], Awaitable[None]] | None:
+    """The engine's `load_weights`, where a sync can hand it the model's tensors directly: a
+    single-process run (under torchrun the weights are gathered by the export) whose engine has
+    its own copy of the weights and which syncs full weights (not a LoRA adapter alone)."""
+    load = getattr(engine, "load_weights", None)
+    if not callable(load) or shares_model or rank_world()[1] > 1 or syncs_adapter(components.model):
+        return None
+    return load  # type: ignore[no-any-return]
+
+
 async def sync_engine(
     components: TrainingComponents,
     engine: InferenceEngine | None,
@@ -161,9 +175,17 @@ async def sync_engine(
     'merged', the merged full weights. The previous export is deleted on `writer`'s thread if given.
     With `manager` (partial rollouts: the producer generates without the lock), the load runs
     inside `manager.paused`: the engine's abort() cuts the responses in flight short, they come
-    back partial, and the manager continues them under the new weights after the load."""
+    back partial, and the manager continues them under the new weights after the load.
+
+    An engine with `load_weights(tensors, version)` (the in-process engine with its own copy, the
+    engine process: `direct_loader`) takes the weights straight from the model instead, in a
+    single-process run: nothing is exported, and the export directory is not written."""
     version = state.weight_version + 1 if version is None else version
     start = time.perf_counter()
+    direct = direct_loader(engine, components, shares_model=shares_model)
+    if direct is not None:
+        await _load(engine, lock, manager, lambda: direct(model_tensors(components.model), version))
+        return state.with_weight_version(version), {"sync_export_s": 0.0, "sync_s": time.perf_counter() - start}
     path = run_dir / WEIGHTS_DIR
     if not shares_model and syncs_adapter(components.model):  # LoRA: the adapter alone, in PEFT's format
         path = run_dir / ADAPTER_DIR
@@ -172,10 +194,19 @@ async def sync_engine(
         await trio.to_thread.run_sync(lambda: export_weights(components, path, writer=writer))
     export_s = time.perf_counter() - start
     if engine is not None and rank_world()[0] == 0:
-        abort, resume = (getattr(engine, name, None) for name in ("abort", "resume"))
-        held: Any = contextlib.nullcontext() if manager is None else manager.paused(abort if callable(abort) else None)
-        async with lock, held:  # never mid-generation: it waited for the lock, or was cut short
-            await engine.update_weights_from_disk(str(path.resolve()), version)
-            if manager is not None and callable(resume):
-                resume()
+        await _load(engine, lock, manager, lambda: engine.update_weights_from_disk(str(path.resolve()), version))
     return state.with_weight_version(version), {"sync_export_s": export_s, "sync_s": time.perf_counter() - start}
+
+
+async def _load(
+    engine: Any, lock: trio.Lock, manager: AsyncRolloutManager | None, load: Callable[[], Awaitable[None]]
+) -> None:
+    """`load()` the engine's new weights, never mid-generation: under the lock (the producer holds
+    it while generating), and with `manager` (partial rollouts) paused, the responses in flight cut
+    short by the engine's abort() and the engine resumed after the load."""
+    abort, resume = (getattr(engine, name, None) for name in ("abort", "resume"))
+    held: Any = contextlib.nullcontext() if manager is None else manager.paused(abort if callable(abort) else None)
+    async with lock, held:
+        await load()
+        if manager is not None and callable(resume):
+            resume()
