@@ -451,3 +451,34 @@ def test_greedy_sampling_is_accepted_where_it_can_learn(estimator, n, temperatur
             RLConfig(rollout=rollout, algorithm=AlgorithmConfig(advantage_estimator=estimator))
     else:  # one sample per prompt, a batch-level baseline, or real sampling
         RLConfig(rollout=rollout, algorithm=AlgorithmConfig(advantage_estimator=estimator))
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@given(value=_JSON)
+def test_freeze_copies_every_container_immutably_and_thaw_gives_it_back(value):
+    from types import MappingProxyType
+
+    from rollouts.types.frozen import empty_mapping, freeze, thaw
+
+    frozen = freeze(value)
+    assert thaw(frozen) == value and freeze(frozen) == frozen
+
+    def mutable_inside(v):
+        if isinstance(v, MappingProxyType):
+            return any(mutable_inside(x) for x in v.values())
+        if isinstance(v, tuple):
+            return any(mutable_inside(x) for x in v)
+        return isinstance(v, (dict, list))
+
+    assert not mutable_inside(frozen)
+    if isinstance(value, dict):  # a copy: changing the original leaves it as it was
+        value["new key"] = 1
+        assert "new key" not in frozen
+        if len(value) == 1:  # it was empty: every empty mapping freezes to the one shared empty mapping
+            assert frozen is empty_mapping()

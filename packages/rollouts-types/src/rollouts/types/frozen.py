@@ -16,7 +16,11 @@ _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 def freeze(value: Any) -> Any:
     """Return an immutable deep copy of a JSON-like value (mappings, sequences, scalars)."""
+    if value is _EMPTY:  # the shared empty mapping (most metadata): already frozen, nothing to copy
+        return value
     if isinstance(value, Mapping):
+        if not value:
+            return _EMPTY
         return MappingProxyType({k: freeze(v) for k, v in value.items()})
     if isinstance(value, (list, tuple)):
         return tuple(freeze(v) for v in value)

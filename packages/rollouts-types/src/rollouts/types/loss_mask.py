@@ -124,7 +124,9 @@ class LossMask(Sequence[float]):
             if len(run) != 3:
                 raise ValueError(f"{what}[{i}] must be (start, stop, weight), got {run!r}")
             start, stop, weight = run
-            if any(isinstance(x, bool) or not isinstance(x, int) for x in (start, stop)):
+            if not (type(start) is int and type(stop) is int) and any(  # exact ints: the common case, cheaply
+                isinstance(x, bool) or not isinstance(x, int) for x in (start, stop)
+            ):
                 raise TypeError(f"{what}[{i}]: start and stop must be ints, got {run!r}")
             if not end <= start <= stop <= length:
                 raise ValueError(
