@@ -12,13 +12,14 @@ from types import MappingProxyType
 from typing import Any
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
+_SCALARS = frozenset({str, int, float, bool, type(None), bytes})
 
 
 def freeze(value: Any) -> Any:
     """Return an immutable deep copy of a JSON-like value (mappings, sequences, scalars)."""
-    if value is _EMPTY:  # the shared empty mapping (most metadata): already frozen, nothing to copy
+    if value is _EMPTY or type(value) in _SCALARS:  # already immutable: the common leaves, cheaply
         return value
-    if isinstance(value, Mapping):
+    if type(value) is dict or isinstance(value, Mapping):
         if not value:
             return _EMPTY
         return MappingProxyType({k: freeze(v) for k, v in value.items()})

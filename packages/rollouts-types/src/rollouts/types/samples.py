@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,15 +73,14 @@ class Sample:
         """A copy with `changes` applied, like `dataclasses.replace` but checking only what changed
         (the arrays are not looked at again unless one of them, or num_prompt_tokens, changes):
         ~4x faster, which counts at a thousand samples per step and several replaces each."""
-        out = object.__new__(Sample)
-        for name in _FIELDS:
-            object.__setattr__(out, name, changes[name] if name in changes else getattr(self, name))
-        checks = dict.fromkeys(_CHECK_OF.get(name) for name in changes)  # each once, in order
-        if None in checks:
-            unknown = sorted(set(changes) - set(_FIELDS))
+        if not changes.keys() <= _FIELD_SET:
+            unknown = sorted(set(changes) - _FIELD_SET)
             raise TypeError(f"Sample.replace: unknown fields {unknown}; allowed: {list(_FIELDS)}")
-        for check in checks:
-            check(out)  # type: ignore[misc]
+        out = _copy(self)
+        for name, value in changes.items():
+            object.__setattr__(out, name, value)
+        for check in dict.fromkeys(_CHECK_OF[name] for name in changes):  # each once, in order
+            check(out)
         return out
 
     __replace__ = replace  # copy.replace (Python 3.13+)
@@ -233,6 +233,33 @@ _CHECKS: dict[str, Callable[[Sample], None]] = {
     "status": _check_status,
 }
 _FIELDS = tuple(f.name for f in dataclasses.fields(Sample))
+_FIELD_SET = frozenset(_FIELDS)
+
+
+def _copier(cls: type[Sample], fields: tuple[str, ...]) -> Callable[[Sample], Sample]:
+    """copy(obj): a new `cls` holding obj's `fields`, unchecked: all read in one C call, each slot set
+    by its descriptor in straight-line code (a third of the time of a loop over the names)."""
+    args = ", ".join(f"_set{i}=_setters[{i}]" for i in range(len(fields)))
+    values = ", ".join(f"v{i}" for i in range(len(fields)))
+    lines = [
+        f"def copy(obj, _get=_get, _new=_new, _cls=_cls, {args}):",
+        "    out = _new(_cls)",
+        f"    ({values},) = _get(obj)",
+    ]
+    lines += [f"    _set{i}(out, v{i})" for i in range(len(fields))]
+    lines.append("    return out")
+    namespace: dict[str, Any] = {
+        "_get": operator.attrgetter(*fields),
+        "_new": object.__new__,
+        "_cls": cls,
+        "_setters": tuple(getattr(cls, name).__set__ for name in fields),
+    }
+    exec("\n".join(lines), namespace)  # noqa: S102 (code built from the dataclass's own field names)
+    copy: Callable[[Sample], Sample] = namespace["copy"]
+    return copy
+
+
+_copy = _copier(Sample, _FIELDS)
 _CHECK_OF = {
     name: _CHECKS["arrays" if name in ("tokens", "loss_mask", "num_prompt_tokens", "rollout_logprobs") else name]
     for name in _FIELDS
