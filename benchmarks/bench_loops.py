@@ -17,7 +17,10 @@ The modes alternate `--repeats` times (a load that comes and goes hits all alike
 figure is the median over every measured step of every repeat, and the efficiency is also given
 per repeat (and their median), beside the goal (<= 1.15).
 
-    OMP_NUM_THREADS=1 uv run python benchmarks/bench_loops.py [--steps 6] [--threads 1] [--repeats 3] [--no-gather]
+With --gil it also prints how much a thread doing pure Python beside training slows a training step
+of the demo model (the trainer process's own work in an overlapped step shares that lock).
+
+    OMP_NUM_THREADS=1 uv run python benchmarks/bench_loops.py [--steps 6] [--threads 1] [--repeats 3] [--no-gather] [--gil]
 """
 
 from __future__ import annotations
@@ -108,6 +111,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-gather", dest="gather", action="store_false", help="skip the gather comparison")
+    parser.add_argument(
+        "--gil", action="store_true", help="also: how much a busy Python thread slows a training step of the model"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     demo = DemoConfig()
@@ -162,6 +168,69 @@ def main() -> None:
     )
     if args.gather:
         print_gather(steps=args.steps, demo=demo)
+    if args.gil:
+        print_gil_share(demo=demo)
+
+
+def print_gil_share(*, demo: DemoConfig, busy_ms: float = 20.0, steps: int = 25) -> None:
+    # A forward/backward/AdamW step of the demo model on one step's tokens (256 x 20), alone and
+    # beside a thread of the same process running `busy_ms` of pure Python per step (what the
+    # trainer's bookkeeping does while an overlapped step trains): the interpreter lock they share
+    # turns that work into training time. Alternating, medians.
+    import threading
+    import time
+
+    model = build_tiny_model(
+        32,
+        hidden_size=demo.hidden_size,
+        num_layers=demo.num_layers,
+        num_heads=demo.hidden_size // 32,
+        num_kv_heads=max(1, demo.hidden_size // 64),
+        intermediate_size=demo.intermediate_size,
+        max_position_embeddings=64,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(2, 32, (256, 20), generator=torch.Generator().manual_seed(0))
+    go, stop = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            if go.wait(0.1):
+                go.clear()
+                start = time.thread_time()
+                while time.thread_time() - start < busy_ms / 1e3:
+                    sum(i * i for i in range(200))
+
+    def step(with_busy: bool) -> float:
+        start = time.perf_counter()
+        if with_busy:
+            go.set()
+        for rows in tokens.split(128):
+            model(input_ids=rows).logits.logsumexp(-1).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return time.perf_counter() - start
+
+    worker = threading.Thread(target=busy, daemon=True)
+    worker.start()
+    try:
+        for _ in range(3):
+            step(False)
+        alone, beside = [], []
+        for _ in range(steps):
+            alone.append(step(False))
+            beside.append(step(True))
+            time.sleep(busy_ms / 1e3)  # the busy thread's burst is over before the next step alone
+    finally:
+        stop.set()
+        worker.join()
+    a, b = statistics.median(alone), statistics.median(beside)
+    print(
+        f"interpreter lock: a training step {a * 1e3:.1f} ms alone, {b * 1e3:.1f} ms beside {busy_ms:.0f} ms of "
+        f"Python in another thread (+{(b - a) * 1e3:.1f} ms: {(b - a) * 1e3 / busy_ms:.2f} ms per ms of that work)"
+    )
 
 
 def print_gather(*, steps: int, demo: DemoConfig) -> None:
