@@ -36,9 +36,9 @@ import torch
 
 from rollouts.backends import InProcessEngine, ProcessEngine, build_components
 from rollouts.data import DataBuffer
-from rollouts.loops.app.demo import DemoConfig
+from rollouts.loops.app.demo import DemoConfig, demo_model
 from rollouts.loops.app.tasks import addition_problems, exact_answer_reward
-from rollouts.loops.app.tiny import build_tiny_model, build_tokenizer
+from rollouts.loops.app.tiny import build_tokenizer
 from rollouts.loops.engines import CoalescingEngine
 from rollouts.loops.loggers import NullLogger
 from rollouts.loops.rl import run_rl_training
@@ -50,17 +50,7 @@ def run(
 ) -> list[dict[str, float]]:
     records = addition_problems(4000, digits=demo.digits, seed=0)
     tokenizer = build_tokenizer((r["prompt"] + r["answer"] for r in records), vocab_size=32)
-    model = build_tiny_model(
-        len(tokenizer),
-        hidden_size=demo.hidden_size,
-        num_layers=demo.num_layers,
-        num_heads=demo.hidden_size // 32,
-        num_kv_heads=max(1, demo.hidden_size // 64),
-        intermediate_size=demo.intermediate_size,
-        max_position_embeddings=64,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    model = demo_model(demo, len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     config = RLConfig(
         num_steps=steps,
         overlap=mode_overlap,
@@ -180,17 +170,7 @@ def print_gil_share(*, demo: DemoConfig, busy_ms: float = 20.0, steps: int = 25)
     import threading
     import time
 
-    model = build_tiny_model(
-        32,
-        hidden_size=demo.hidden_size,
-        num_layers=demo.num_layers,
-        num_heads=demo.hidden_size // 32,
-        num_kv_heads=max(1, demo.hidden_size // 64),
-        intermediate_size=demo.intermediate_size,
-        max_position_embeddings=64,
-        eos_token_id=1,
-        pad_token_id=0,
-    )
+    model = demo_model(demo, 32, eos_token_id=1, pad_token_id=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(2, 32, (256, 20), generator=torch.Generator().manual_seed(0))
     go, stop = threading.Event(), threading.Event()

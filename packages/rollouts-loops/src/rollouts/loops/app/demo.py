@@ -108,6 +108,22 @@ def demo_overrides(config: DemoConfig, overrides: list[str]) -> DemoConfig:
         raise ConfigError(f"demo --set {' '.join(overrides)}: {e}") from e
 
 
+def demo_model(config: DemoConfig, vocab_size: int, *, eos_token_id: int, pad_token_id: int) -> Any:
+    """The demo's random-init Qwen2: `config`'s sizes, head_dim 32 (the CPU build of vLLM serves it)."""
+    return build_tiny_model(
+        vocab_size,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_layers,
+        num_heads=config.hidden_size // 32,
+        num_kv_heads=max(1, config.hidden_size // 64),
+        intermediate_size=config.intermediate_size,
+        max_position_embeddings=64,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        seed=config.seed,
+    )
+
+
 def _first_last(history: list[dict[str, float]], key: str, span: int = 3) -> tuple[float, float]:
     """Mean of `key` over the first and over the last `span` steps (a short run's trend, not its noise)."""
     values = [h[key] for h in history if key in h]
@@ -145,18 +161,7 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
         exclude=held_out,
     )
     tokenizer = build_tokenizer((r["prompt"] + r["answer"] for r in train_records[:2000]), vocab_size=32)
-    model = build_tiny_model(
-        len(tokenizer),
-        hidden_size=config.hidden_size,
-        num_layers=config.num_layers,
-        num_heads=config.hidden_size // 32,
-        num_kv_heads=max(1, config.hidden_size // 64),
-        intermediate_size=config.intermediate_size,
-        max_position_embeddings=64,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        seed=config.seed,
-    )
+    model = demo_model(config, len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     save_model(model, tokenizer, out / "init_model")
     say(
         f"[demo] tokenizer: {len(tokenizer)} tokens; model: {sum(p.numel() for p in model.parameters()):,} parameters; "
