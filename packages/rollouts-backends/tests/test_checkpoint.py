@@ -395,6 +395,46 @@ def test_re_saving_a_step_swaps_directories_in_one_step(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["step_1"]
 
 
+def test_an_export_leaves_the_weights_the_last_one_replaced_to_the_writer(tmp_path, monkeypatch):
+    # Exports back to back (a sync every step): the weights one export swaps out are deleted on the
+    # writer's thread, which may still be at it when the next export starts; that export must not
+    # touch them (it once reused their temporary name and deleted them under the writer's feet).
+    import rollouts.backends.export as export_module
+
+    release, published, seen = threading.Event(), [0], []
+    delete_dirs, publish_dir = export_module.delete_dirs, export_module.publish_dir
+
+    def slow_delete(dirs):  # the writer's deletion, held until the next export publishes
+        if dirs:
+            release.wait(10.0)
+            seen.append(all((d / "handed-to-the-writer").exists() for d in dirs))
+        delete_dirs(dirs)
+
+    def publish(tmp, final):
+        published[0] += 1
+        if published[0] == 3:  # the third export has set up and written its own directory
+            release.set()
+        trash = publish_dir(tmp, final)
+        for d in trash:  # marks the very directories handed to the writer
+            (d / "handed-to-the-writer").touch()
+        return trash
+
+    monkeypatch.setattr(export_module, "delete_dirs", slow_delete)
+    monkeypatch.setattr(export_module, "publish_dir", publish)
+    components = fresh_components()
+    writer = CheckpointWriter()
+    try:
+        for _ in range(4):
+            export_weights(components, tmp_path / "weights", writer=writer)
+        writer.wait(10.0)
+    finally:
+        release.set()
+        writer.close(10.0)
+    assert seen == [True, True, True]  # each replaced export was still there for the writer to delete
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights"]
+    _assert_bit_identical(read_weights(tmp_path / "weights"), _weights(components.model))
+
+
 def test_durable_and_page_cache_exports_write_the_same_files(tmp_path):
     components = fresh_components()
     _, fast = export_weights(components, tmp_path / "fast")

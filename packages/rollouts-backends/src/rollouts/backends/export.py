@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import tempfile
 import zlib
 from pathlib import Path
 from typing import Any
@@ -142,10 +142,9 @@ def _write_export(
     else:
         file_names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.parent / f"{TMP_PREFIX}{directory.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    # A name of its own for each export: swapped into place, the previous weights take this
+    # directory's name and are deleted on `writer`'s thread, possibly while the next export starts.
+    tmp = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{directory.name}-{os.getpid()}-", dir=directory.parent))
     files = {}
     tensors_meta = {}
     for file_name, shard in zip(file_names, shards, strict=True):
