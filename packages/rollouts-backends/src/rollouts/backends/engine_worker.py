@@ -73,13 +73,14 @@ class _Worker:
                     shared.close()
                 except BufferError:  # a failed load's traceback still holds a view: closed when it goes
                     pass
-        self.weight_version = header["weight_version"]
-        self.control[0] = 0
-        return {"ok": True, "weight_version": self.weight_version}, b""
+        return self._serve(header["weight_version"])
 
     def update(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        path, version = Path(header["path"]), header["weight_version"]
-        load_weights_dir(self.model, path)
+        load_weights_dir(self.model, Path(header["path"]))
+        return self._serve(header["weight_version"])
+
+    def _serve(self, version: int) -> tuple[dict[str, Any], bytes]:
+        """Sample as `version` from now on, to the end again (a weight update clears an abort)."""
         self.weight_version = version
         self.control[0] = 0
         return {"ok": True, "weight_version": version}, b""

@@ -87,23 +87,24 @@ class InProcessEngine:
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
         """Record `weight_version`; load weights from `path` unless the model is the training one."""
-        if self._weight_version is not None and weight_version < self._weight_version:
-            raise ValueError(f"weight_version may only grow: {weight_version} < current {self._weight_version}")
+        check_version_grows(self._weight_version, weight_version)
         if not self._shares:
             if not Path(path).is_dir():
                 raise ValueError(f"weight path {path!r} is not a directory of HF safetensors weights")
             load_weights_dir(self._model, Path(path))
-        self._weight_version = weight_version
-        self._abort.clear()
+        self._serve(weight_version)
 
     async def load_weights(self, tensors: Mapping[str, torch.Tensor], weight_version: int) -> None:
         """Copy HF-named full weights (`tensors`, as `rollouts.backends.model_tensors` gives them;
         tied ones may be absent) into the engine's model and serve them as `weight_version`: the
         direct sync, with no export. The caller may change `tensors` afterwards."""
-        if self._weight_version is not None and weight_version < self._weight_version:
-            raise ValueError(f"weight_version may only grow: {weight_version} < current {self._weight_version}")
+        check_version_grows(self._weight_version, weight_version)
         if not self._shares:
             load_model_weights(self._model, dict(tensors))
+        self._serve(weight_version)
+
+    def _serve(self, weight_version: int) -> None:
+        """Sample as `weight_version` from now on, to the end again (a weight update clears an abort)."""
         self._weight_version = weight_version
         self._abort.clear()
 
@@ -114,6 +115,12 @@ class InProcessEngine:
     async def health(self) -> bool:
         """Always ready: the model lives in this process."""
         return True
+
+
+def check_version_grows(current: int | None, new: int) -> None:
+    """Refuse a weight update that would take an engine's version back."""
+    if current is not None and new < current:
+        raise ValueError(f"weight_version may only grow: {new} < current {current}")
 
 
 def config_eos(model: torch.nn.Module) -> tuple[int, ...]:

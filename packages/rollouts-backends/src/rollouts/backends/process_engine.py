@@ -40,6 +40,7 @@ import torch
 
 from rollouts.backends.engine_wire import ChildGone, encode_frame, read_frame, write_frame
 from rollouts.backends.export import model_tensors
+from rollouts.backends.inprocess_engine import check_version_grows
 from rollouts.types import Sample, SamplingParams
 from rollouts.types.wire import batch_from_bytes
 
@@ -253,8 +254,7 @@ class ProcessEngine:
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
         """Load HF safetensors weights (or a LoRA adapter) from directory `path` in the engine
         process and serve them as `weight_version`; clears an abort."""
-        if self._weight_version is not None and weight_version < self._weight_version:
-            raise ValueError(f"weight_version may only grow: {weight_version} < current {self._weight_version}")
+        check_version_grows(self._weight_version, weight_version)
         if not Path(path).is_dir():
             raise ValueError(f"weight path {path!r} is not a directory of HF safetensors weights")
         self._call({"op": "update", "path": str(Path(path).resolve()), "weight_version": weight_version})
@@ -266,8 +266,7 @@ class ProcessEngine:
         a file in shared memory both processes map (one copy in, one copy out), not the disk: the
         direct sync of a trainer in the same machine. Returns once the engine has them, so the
         caller may change `tensors` afterwards."""
-        if self._weight_version is not None and weight_version < self._weight_version:
-            raise ValueError(f"weight_version may only grow: {weight_version} < current {self._weight_version}")
+        check_version_grows(self._weight_version, weight_version)
         layout, offset = [], 0
         for name, tensor in tensors.items():
             if not isinstance(tensor, torch.Tensor):
