@@ -1,6 +1,7 @@
 """ProcessEngine against InProcessEngine (same weights and seed: the same Samples), its weight
 sync, abort and resume, and what a dead, hung or closed engine process does."""
 
+import copy
 import dataclasses
 import os
 import signal
@@ -128,9 +129,34 @@ def test_a_bad_shared_memory_load_is_refused_and_the_engine_serves_on(model):
         name = next(iter(tensors))
         with pytest.raises(ValueError, match="do not fit the model: missing"):
             trio.run(engine.load_weights, {k: v for k, v in tensors.items() if k != name}, 2)
+        with pytest.raises(ValueError, match=f"{name!r} has shape \\(1, "):
+            trio.run(engine.load_weights, {**tensors, name: tensors[name].reshape(1, -1)}, 2)
         assert trio.run(engine.weight_version) == 1 and trio.run(engine.health)
         trio.run(engine.load_weights, tensors, 2)
         assert len(trio.run(engine.generate, PROMPTS, SamplingParams(max_new_tokens=2))) == 3
+
+
+def test_a_load_returns_before_the_engine_takes_it_and_a_refusal_then_breaks_the_engine(model):
+    """load_weights returns once the tensors are in shared memory; the engine process copies them
+    out first thing at its next request. One it refuses then (here: a weight this side was told of and
+    the engine's model lacks) leaves it serving another version than it was given: every later
+    call says so."""
+    tensors = model_tensors(model)
+    with ProcessEngine.from_model(model, weight_version=0, name="told") as engine:
+        changed = {k: v + 1.0 for k, v in tensors.items()}
+        trio.run(engine.load_weights, changed, 1)
+        for v in changed.values():
+            v.zero_()  # the caller may change its tensors as soon as the load returns
+        after = trio.run(engine.generate, PROMPTS, SamplingParams(max_new_tokens=3, temperature=0.0))
+        reference = InProcessEngine(copy.deepcopy(model), shares_training_model=False)
+        trio.run(reference.load_weights, {k: v + 1.0 for k, v in tensors.items()}, 1)
+        assert after == trio.run(reference.generate, PROMPTS, SamplingParams(max_new_tokens=3, temperature=0.0))
+        engine._shapes["extra"], engine._storage["extra"] = (3,), -1  # this side's check passes it
+        trio.run(engine.load_weights, {**tensors, "extra": torch.zeros(3)}, 2)
+        for _ in range(2):
+            with pytest.raises(EngineProcessError, match="told: .*refused the weight load of version 2 .*extra"):
+                trio.run(engine.generate, PROMPTS, SamplingParams(max_new_tokens=2))
+        assert not trio.run(engine.health)
 
 
 def test_abort_cuts_generations_until_resumed_or_synced(model, tmp_path):

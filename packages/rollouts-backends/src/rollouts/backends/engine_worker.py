@@ -1,6 +1,7 @@
 """The engine process behind ProcessEngine: `python -m rollouts.backends.engine_worker ...`.
 
-It loads the model from a local HF directory (never a hub), then answers one request frame at a
+It loads the model from a local HF directory (never a hub), says it is ready with the layout of
+its weights (what the parent checks a shared-memory load against), then answers one request frame at a
 time (rollouts.backends.engine_wire) until its request pipe closes or a "close" request comes:
 "generate" runs the in-process sampler and answers the Samples (their responses decoded with
 the tokenizer from `--tokenizer-dir`, if given) as rollouts.types.wire batch bytes; "update" loads HF safetensors weights (or a LoRA adapter) from a directory and records the
@@ -84,6 +85,16 @@ class _Worker:
         self.weight_version = version
         self.control[0] = 0
         return {"ok": True, "weight_version": version}, b""
+
+
+def weight_layout(model: torch.nn.Module) -> list[list[Any]]:
+    """[name, shape, storage] of each of the model's weights; tied weights share a storage number
+    (a load needs one name of each storage). What ProcessEngine checks a `load_weights` against."""
+    storages: dict[tuple[int, int], int] = {}
+    return [
+        [name, list(t.shape), storages.setdefault((t.untyped_storage().data_ptr(), t.storage_offset()), len(storages))]
+        for name, t in model.state_dict().items()
+    ]
 
 
 def _views(shared: mmap.mmap | None, layout: list[list[Any]], size: int) -> dict[str, torch.Tensor]:
@@ -183,7 +194,8 @@ def main(argv: list[str] | None = None) -> None:
         tokenizer=tokenizer,
         weights_file=args.weights,
     )
-    _write_all(args.answers_fd, encode_frame({"ok": True, "ready": True, "pid": os.getpid()}))
+    ready = {"ok": True, "ready": True, "pid": os.getpid(), "weights": weight_layout(model)}
+    _write_all(args.answers_fd, encode_frame(ready))
     serve(worker, args.requests_fd, args.answers_fd)
 
 

@@ -11,8 +11,9 @@ and each call is one request frame and one answer frame over a pair of pipes
 pickles). Weights are synced the way the loops export them: the engine process reads the exported
 safetensors directory itself (from the page cache, just written), so a sync moves no tensor
 through the pipe; `load_weights` (the loops' direct sync, with no export) passes the tensors
-through a file in shared memory both processes map. `abort()` sets a flag in a small file both processes map, read by the sampler
-after each token step.
+through a file in shared memory both processes map, taken by the engine process at its next
+request. `abort()` sets a flag in a small file both processes map, read by the sampler after each
+token step.
 
 Every wait is bounded: a request that gets no answer within `timeout_s` kills the engine process
 and raises EngineProcessError with its exit code and the tail of its stderr; so does an engine
@@ -21,6 +22,7 @@ process that exits. `close()` (or leaving a `with` block) always reaps it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import mmap
 import os
@@ -31,7 +33,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -156,8 +158,8 @@ class ProcessEngine:
             raise ValueError(f"tokenizer_dir {str(tokenizer_dir)!r} is not a directory holding a saved tokenizer")
         self._name, self._timeout_s = name, timeout_s
         self._weight_version = weight_version
-        self._lock = threading.Lock()
-        self._loading = threading.Lock()
+        self._lock = threading.Lock()  # one request at a time on the pipes
+        self._pending_load: dict[str, Any] | None = None  # a load staged in shared memory, not yet sent
         self._error: EngineProcessError | None = None
         args = ["--threads", str(num_threads), "--device", device, "--dtype", dtype, "--attn", attn_implementation]
         args += ["--eos", *map(str, eos_token_ids)] if eos_token_ids else []
@@ -169,6 +171,8 @@ class ProcessEngine:
             answer, _ = read_frame(self._child.answers_fd, deadline=time.monotonic() + start_timeout_s)
             if not answer.get("ready"):
                 raise ValueError(f"expected the ready frame, got {answer!r:.200}")
+            self._shapes = {name: tuple(shape) for name, shape, _ in answer["weights"]}
+            self._storage = {name: group for name, _, group in answer["weights"]}
         except TimeoutError as e:
             raise self._broken(f"did not start within start_timeout_s={start_timeout_s}", kill=True) from e
         except ChildGone as e:
@@ -264,8 +268,16 @@ class ProcessEngine:
         """Load HF-named full weights (`tensors`, as `rollouts.backends.model_tensors` gives them; tied
         ones may be absent) and serve them as `weight_version`; clears an abort. They travel through
         a file in shared memory both processes map (one copy in, one copy out), not the disk: the
-        direct sync of a trainer in the same machine. Returns once the engine has them, so the
-        caller may change `tensors` afterwards."""
+        direct sync of a trainer in the same machine.
+
+        Returns once the tensors are copied into that file: the caller may change them at once, and
+        the engine process is not woken. It copies them out first thing on the next request (a
+        load not yet taken is replaced by a later one), so a trainer's next step starts at once
+        instead of sharing its core with the load: a pipe write runs the woken reader on the
+        writer's core. So the names, shapes and dtypes are checked here, against the model the
+        engine process reported at start; a load it refuses all the same breaks the engine (that
+        request and every later call raise EngineProcessError naming the refusal), since it would
+        no longer serve the version it was given."""
         check_version_grows(self._weight_version, weight_version)
         layout, offset = [], 0
         for name, tensor in tensors.items():
@@ -278,11 +290,8 @@ class ProcessEngine:
             offset = -(-offset // _ALIGN) * _ALIGN
             layout.append((name, tensor, offset))
             offset += tensor.numel() * tensor.element_size()
-        if self._error is not None:
-            raise self._error
-        if not self._loading.acquire(timeout=self._timeout_s):
-            raise TimeoutError(f"{self._name}: another weight load held the engine for timeout_s={self._timeout_s}")
-        try:  # one load at a time: none writes the file while the engine reads it
+        self._check_fits(tensors)
+        with self._held(send_load=False):  # the engine process reads the file only while it holds the pipes
             shared = self._child.map_weights(max(offset, 1))
             for _, tensor, start in layout:
                 if tensor.numel():
@@ -290,10 +299,26 @@ class ProcessEngine:
                     target.view(tensor.shape).copy_(tensor.detach().to("cpu"))
                     del target  # no view may outlive the mapping
             header = [[name, _DTYPE_NAMES[t.dtype], list(t.shape), start] for name, t, start in layout]
-            self._call({"op": "load_shared", "tensors": header, "weight_version": weight_version})
-        finally:
-            self._loading.release()
+            self._pending_load = {"op": "load_shared", "tensors": header, "weight_version": weight_version}
         self._weight_version = weight_version
+
+    def _check_fits(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Refuse weights the engine's model would not take: a name it lacks, a weight it has none
+        of (tied weights share one: either name will do), a shape other than its own."""
+        unexpected = [name for name in tensors if name not in self._shapes]
+        covered = {self._storage[name] for name in tensors if name in self._storage}
+        missing = [name for name, storage in self._storage.items() if storage not in covered]
+        if unexpected or missing:
+            raise ValueError(
+                f"{self._name}: load_weights: the weights do not fit the model: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}"
+            )
+        for name, tensor in tensors.items():
+            if tuple(tensor.shape) != self._shapes[name]:
+                raise ValueError(
+                    f"{self._name}: load_weights: {name!r} has shape {tuple(tensor.shape)}, the model's is "
+                    f"{self._shapes[name]}"
+                )
 
     async def weight_version(self) -> int | None:
         """The version of the weights sampled from now."""
@@ -308,32 +333,60 @@ class ProcessEngine:
     def _call(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         """Send `request`, return the answer; the engine's own errors come back as ValueError or
         TypeError (a bad request) or RuntimeError, a dead or hung process as EngineProcessError."""
-        if self._error is not None:
-            raise self._error
-        if not self._reaper.alive:
-            raise EngineProcessError(f"{self._name}: the engine is closed")
-        deadline = time.monotonic() + self._timeout_s
-        if not self._lock.acquire(timeout=self._timeout_s):
-            raise TimeoutError(f"{self._name}: another request held the engine for timeout_s={self._timeout_s}")
-        try:
-            write_frame(self._child.requests_fd, encode_frame(request), deadline=deadline)
-            answer, body = read_frame(self._child.answers_fd, deadline=deadline)
-        except TimeoutError as e:
-            raise self._broken(
-                f"gave no answer to {request['op']!r} within timeout_s={self._timeout_s}", kill=True
-            ) from e
-        except ChildGone as e:
-            raise self._broken(f"exited during {request['op']!r} ({e})") from e
-        except ValueError as e:
-            raise self._broken(f"broke the protocol during {request['op']!r} ({e})", kill=True) from e
-        finally:
-            self._lock.release()
+        with self._held():
+            deadline = self._deadline()
+            with self._guard(request["op"]):
+                write_frame(self._child.requests_fd, encode_frame(request), deadline=deadline)
+                answer, body = read_frame(self._child.answers_fd, deadline=deadline)
         if not answer.get("ok"):
             error_type = {"ValueError": ValueError, "TypeError": TypeError}.get(
                 str(answer.get("error_type")), RuntimeError
             )
             raise error_type(f"{self._name}: {answer.get('error_type')}: {answer.get('error')}")
         return answer, body
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self._timeout_s
+
+    @contextlib.contextmanager
+    def _held(self, *, send_load: bool = True) -> Iterator[None]:
+        """The pipes to this caller alone (bounded by timeout_s); `send_load`: the staged weight
+        load sent and answered first, so the engine process has taken every load before this."""
+        if self._error is not None:
+            raise self._error
+        if not self._reaper.alive:
+            raise EngineProcessError(f"{self._name}: the engine is closed")
+        if not self._lock.acquire(timeout=self._timeout_s):
+            raise TimeoutError(f"{self._name}: another request held the engine for timeout_s={self._timeout_s}")
+        try:
+            if send_load and self._pending_load is not None:
+                load, self._pending_load = self._pending_load, None
+                deadline = self._deadline()
+                with self._guard("load_shared"):
+                    write_frame(self._child.requests_fd, encode_frame(load), deadline=deadline)
+                    answer, _ = read_frame(self._child.answers_fd, deadline=deadline)
+                if not answer.get("ok"):
+                    raise self._broken(
+                        f"refused the weight load of version {load['weight_version']} after load_weights returned "
+                        f"({answer.get('error_type')}: {answer.get('error')}), so it no longer serves the "
+                        "version it was given",
+                        kill=True,
+                    )
+            yield
+        finally:
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def _guard(self, op: str) -> Iterator[None]:
+        """Pipe failures during `op` as the broken engine they mean (see `_broken`)."""
+        try:
+            yield
+        except TimeoutError as e:
+            raise self._broken(f"gave no answer to {op!r} within timeout_s={self._timeout_s}", kill=True) from e
+        except ChildGone as e:
+            raise self._broken(f"exited during {op!r} ({e})") from e
+        except ValueError as e:
+            raise self._broken(f"broke the protocol during {op!r} ({e})", kill=True) from e
 
     def _broken(self, what: str, *, kill: bool = False) -> EngineProcessError:
         """Reap the process (`kill`: a hung one, or one that broke the protocol) and remember why:
