@@ -73,13 +73,14 @@ class Sample:
         """A copy with `changes` applied, like `dataclasses.replace` but checking only what changed
         (the arrays are not looked at again unless one of them, or num_prompt_tokens, changes):
         ~4x faster, which counts at a thousand samples per step and several replaces each."""
-        if not changes.keys() <= _FIELD_SET:
-            unknown = sorted(set(changes) - _FIELD_SET)
-            raise TypeError(f"Sample.replace: unknown fields {unknown}; allowed: {list(_FIELDS)}")
+        names = tuple(changes)
+        checks = _CHECKS_OF_CHANGES.get(names)
+        if checks is None:
+            checks = _checks_of_changes(names)
         out = _copy(self)
         for name, value in changes.items():
-            object.__setattr__(out, name, value)
-        for check in dict.fromkeys(_CHECK_OF[name] for name in changes):  # each once, in order
+            _setattr(out, name, value)
+        for check in checks:
             check(out)
         return out
 
@@ -269,6 +270,20 @@ _CHECK_OF = {
     name: _CHECKS["arrays" if name in ("tokens", "loss_mask", "num_prompt_tokens", "rollout_logprobs") else name]
     for name in _FIELDS
 }
+_setattr = object.__setattr__
+_CHECKS_OF_CHANGES: dict[tuple[str, ...], tuple[Callable[[Sample], None], ...]] = {}
+"""Sample.replace's checks for each tuple of changed field names it has seen (a handful per program)."""
+
+
+def _checks_of_changes(names: tuple[str, ...]) -> tuple[Callable[[Sample], None], ...]:
+    """The checks of the fields `names`, each once, in order; TypeError naming any unknown field."""
+    unknown = [name for name in names if name not in _FIELD_SET]
+    if unknown:
+        raise TypeError(f"Sample.replace: unknown fields {sorted(unknown)}; allowed: {list(_FIELDS)}")
+    checks = tuple(dict.fromkeys(_CHECK_OF[name] for name in names))
+    if len(_CHECKS_OF_CHANGES) < 1024:  # bounded, whatever the callers
+        _CHECKS_OF_CHANGES[names] = checks
+    return checks
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
