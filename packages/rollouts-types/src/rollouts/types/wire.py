@@ -24,7 +24,7 @@ from typing import Any
 
 from rollouts.types.arrays import LogProbs, LossMask, TokenIds
 from rollouts.types.frozen import freeze, thaw
-from rollouts.types.samples import RolloutBatch, Status, _build_checked
+from rollouts.types.samples import _FIELDS, RolloutBatch, Status, _build_checked
 
 __all__ = ["batch_from_bytes", "batch_to_bytes", "batch_to_parts"]
 
@@ -33,6 +33,12 @@ _COUNTS = ("num_prompt_tokens", "num_tokens", "response_chars")
 _FLOATS = ("reward", "advantage")
 _INDICES = ("group_index", "index", "weight_version")
 _STATUS = {s.value: s for s in Status}
+_BUILD_ORDER = (
+    "prompt", "response", "tokens", "num_prompt_tokens", "loss_mask", "reward", "advantage", "group_index", "index",
+    "rollout_logprobs", "weight_version", "metadata", "status",
+)  # fmt: skip
+if _FIELDS != _BUILD_ORDER:  # batch_from_bytes passes the fields by position
+    raise ImportError(f"rollouts.types.wire builds Samples with fields {_BUILD_ORDER}, Sample has {_FIELDS}")
 
 
 def batch_to_bytes(batch: RolloutBatch) -> bytes:
