@@ -169,8 +169,8 @@ class ProcessEngine:
         self._reaper = weakref.finalize(self, self._child.reap)  # at close, or when dropped unclosed
         try:
             answer, _ = read_frame(self._child.answers_fd, deadline=time.monotonic() + start_timeout_s)
-            if not answer.get("ready"):
-                raise ValueError(f"expected the ready frame, got {answer!r:.200}")
+            if not (answer.get("ready") and isinstance(answer.get("weights"), list)):
+                raise ValueError(f"expected the ready frame with the weights' layout, got {answer!r:.200}")
             self._shapes = {name: tuple(shape) for name, shape, _ in answer["weights"]}
             self._storage = {name: group for name, _, group in answer["weights"]}
         except TimeoutError as e:
@@ -334,10 +334,7 @@ class ProcessEngine:
         """Send `request`, return the answer; the engine's own errors come back as ValueError or
         TypeError (a bad request) or RuntimeError, a dead or hung process as EngineProcessError."""
         with self._held():
-            deadline = self._deadline()
-            with self._guard(request["op"]):
-                write_frame(self._child.requests_fd, encode_frame(request), deadline=deadline)
-                answer, body = read_frame(self._child.answers_fd, deadline=deadline)
+            answer, body = self._exchange(request)
         if not answer.get("ok"):
             error_type = {"ValueError": ValueError, "TypeError": TypeError}.get(
                 str(answer.get("error_type")), RuntimeError
@@ -345,8 +342,12 @@ class ProcessEngine:
             raise error_type(f"{self._name}: {answer.get('error_type')}: {answer.get('error')}")
         return answer, body
 
-    def _deadline(self) -> float:
-        return time.monotonic() + self._timeout_s
+    def _exchange(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        """Write `request`, read its answer, within timeout_s (the caller holds the pipes)."""
+        deadline = time.monotonic() + self._timeout_s
+        with self._guard(request["op"]):
+            write_frame(self._child.requests_fd, encode_frame(request), deadline=deadline)
+            return read_frame(self._child.answers_fd, deadline=deadline)
 
     @contextlib.contextmanager
     def _held(self, *, send_load: bool = True) -> Iterator[None]:
@@ -361,10 +362,7 @@ class ProcessEngine:
         try:
             if send_load and self._pending_load is not None:
                 load, self._pending_load = self._pending_load, None
-                deadline = self._deadline()
-                with self._guard("load_shared"):
-                    write_frame(self._child.requests_fd, encode_frame(load), deadline=deadline)
-                    answer, _ = read_frame(self._child.answers_fd, deadline=deadline)
+                answer, _ = self._exchange(load)
                 if not answer.get("ok"):
                     raise self._broken(
                         f"refused the weight load of version {load['weight_version']} after load_weights returned "
