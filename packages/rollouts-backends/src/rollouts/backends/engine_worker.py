@@ -25,7 +25,7 @@ import torch
 
 from rollouts.backends.components import load_hf_model
 from rollouts.backends.engine_wire import decode_frame, encode_frame
-from rollouts.backends.export import load_model_weights
+from rollouts.backends.export import load_model_weights, storage_key
 from rollouts.backends.inprocess_engine import config_eos, load_weights_dir, sample_prompts
 from rollouts.backends.model_files import load_tokenizer
 from rollouts.types import RolloutBatch, SamplingParams, from_dict
@@ -92,7 +92,7 @@ def weight_layout(model: torch.nn.Module) -> list[list[Any]]:
     (a load needs one name of each storage). What ProcessEngine checks a `load_weights` against."""
     storages: dict[tuple[int, int], int] = {}
     return [
-        [name, list(t.shape), storages.setdefault((t.untyped_storage().data_ptr(), t.storage_offset()), len(storages))]
+        [name, list(t.shape), storages.setdefault(storage_key(t), len(storages))]
         for name, t in model.state_dict().items()
     ]
 

@@ -28,6 +28,11 @@ _DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 """HF's default shard size: one file per 5 GiB keeps any single write and load bounded."""
 
 
+def storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    """Where `tensor`'s data starts: tied weights (lm_head = embeddings) share one key."""
+    return tensor.untyped_storage().data_ptr(), tensor.storage_offset()
+
+
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """HF-named full weights on CPU; a tensor tied to an earlier one (lm_head = embeddings) is left out."""
     if is_distributed(model):
@@ -42,7 +47,7 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, int]] = set()
     for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        key = storage_key(tensor)
         if key in seen:
             continue
         seen.add(key)
@@ -76,10 +81,8 @@ def load_model_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor])
         return
     result = model.load_state_dict(tensors, strict=False)
     own = model.state_dict()
-    storages = {(t.untyped_storage().data_ptr(), t.storage_offset()) for n, t in own.items() if n in tensors}
-    untied_missing = [
-        n for n in result.missing_keys if (own[n].untyped_storage().data_ptr(), own[n].storage_offset()) not in storages
-    ]
+    storages = {storage_key(t) for n, t in own.items() if n in tensors}
+    untied_missing = [n for n in result.missing_keys if storage_key(own[n]) not in storages]
     if untied_missing or result.unexpected_keys:
         raise ValueError(
             f"checkpoint weights do not fit the model: missing {untied_missing[:5]}, unexpected {result.unexpected_keys[:5]}"

@@ -124,8 +124,8 @@ def batch_from_bytes(data: bytes | bytearray | memoryview) -> RolloutBatch:
     prompts, metadatas = _table(header.pop("values", None), columns)
     num_tokens, num_prompt = columns["num_tokens"], columns["num_prompt_tokens"]
     response_tokens = [t - p for t, p in zip(num_tokens, num_prompt, strict=True)]
-    if any(r < 0 for r in response_tokens):
-        i = next(i for i, r in enumerate(response_tokens) if r < 0)
+    i = next((i for i, r in enumerate(response_tokens) if r < 0), None)
+    if i is not None:
         raise ValueError(f"rollouts batch sample {i}: num_prompt_tokens {num_prompt[i]} > its {num_tokens[i]} tokens")
 
     offset, parts = 12 + size, []
@@ -142,15 +142,11 @@ def batch_from_bytes(data: bytes | bytearray | memoryview) -> RolloutBatch:
         text = bytes(view[offset:]).decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"rollouts batch cut short or damaged in its responses (not UTF-8): {e}") from e
-    if len(text) != sum(columns["response_chars"]):
-        verdict = (
-            "cut short in its responses"
-            if len(text) < sum(columns["response_chars"])
-            else "has bytes after its last sample"
-        )
+    chars_counted = sum(columns["response_chars"])
+    if len(text) != chars_counted:
+        verdict = "cut short in its responses" if len(text) < chars_counted else "has bytes after its last sample"
         raise ValueError(
-            f"rollouts batch {verdict}: {len(text)} characters of responses, the header counts "
-            f"{sum(columns['response_chars'])}"
+            f"rollouts batch {verdict}: {len(text)} characters of responses, the header counts {chars_counted}"
         )
     # Each array column is checked once, whole; a sample's arrays are views of it (same package:
     # the columns' checks cover every slice, so the slices are made without checking again).
