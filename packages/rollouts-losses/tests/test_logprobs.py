@@ -11,6 +11,7 @@ from rollouts.losses.fused_logprobs import (
     FUSED_MEMORY_BUDGET_BYTES,
     MIN_TOKEN_CHUNK,
     MIN_VOCAB_BLOCK,
+    resolve_matmul_dtype,
 )
 
 
@@ -239,6 +240,99 @@ def test_fused_bfloat16_matches_float64_reference(temperature, with_entropy, chu
     for a, b in zip(ours, ref, strict=True):
         assert a.dtype == torch.bfloat16
         assert float((a.double() - b).norm() / b.norm()) <= _BF16_GRAD_REL
+
+
+_BF16_U = 2.0**-8
+"""bf16's unit roundoff: rounding to bf16 moves a value by at most this fraction of it."""
+
+
+def _native_case(seed, temperature, with_entropy, device):
+    """bf16 inputs with logits up to ~20, the fused outputs and gradients with matmul_dtype=bf16, and a float64 reference."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, 24, 64, generator=g).bfloat16().to(device).requires_grad_()
+    weight = (torch.randn(700, 64, generator=g) * 1.5).bfloat16().to(device).requires_grad_()
+    labels = torch.randint(0, 700, (2, 24), generator=g).to(device)
+    g_lp, g_ent = torch.randn(2, 24, generator=g).to(device), torch.randn(2, 24, generator=g).to(device)
+    out = fused_token_logprobs(
+        hidden, weight, labels, vocab_chunk_size=128, chunk_size=16, temperature=temperature,
+        return_entropy=with_entropy, matmul_dtype=None if device == "cuda" else torch.bfloat16,
+    )  # fmt: skip
+    lp, ent = out if with_entropy else (out, None)
+    loss = (lp * g_lp).sum() + ((ent * g_ent).sum() if with_entropy else 0.0)
+    ours = torch.autograd.grad(loss, [hidden, weight])
+    return hidden, weight, labels, (g_lp, g_ent), (lp, ent), ours
+
+
+def _reference(hidden, weight, labels, grads_out, temperature, with_entropy, *, round_logits):
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    logits = h64 @ w64.T
+    if round_logits:  # the bf16 product's rounding, with the gradient passing straight through it
+        logits = logits + (logits.detach().bfloat16().double() - logits.detach())
+    ref_lp, ref_ent = _naive(logits / temperature, labels)
+    g_lp, g_ent = (x.double() for x in grads_out)
+    ref_loss = (ref_lp * g_lp).sum() + ((ref_ent * g_ent).sum() if with_entropy else 0.0)
+    return ref_lp.detach(), ref_ent.detach(), torch.autograd.grad(ref_loss, [h64, w64]), logits.detach()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_fused_bf16_matmul_on_cpu_rounds_the_logits_like_a_bf16_matmul(temperature, with_entropy):
+    """matmul_dtype=bf16 off CUDA: each block's logits are rounded to bf16 (torch.mm has no float32
+    output there), so the log-probs sit within 2 u max|z| / T of exact (the label's logit and the
+    log-sum-exp each move by at most u max|z| / T). The gradients match those of the rounded logits
+    within 3u: the block of the logits' gradient, the [K, H] operand of dW and the output are each
+    rounded once to bf16."""
+    hidden, weight, labels, grads_out, (lp, ent), ours = _native_case(3, temperature, with_entropy, "cpu")
+    lp, ent = lp.detach(), None if ent is None else ent.detach()
+    ref_lp, ref_ent, _, logits = _reference(
+        hidden, weight, labels, grads_out, temperature, with_entropy, round_logits=False
+    )
+    bound = 2 * _BF16_U * float(logits.abs().max()) / temperature
+    assert bound > 5e-2, "logits large enough that the rounding shows"
+    assert float((lp.double() - ref_lp).abs().max()) <= bound
+    if with_entropy:
+        assert float((ent.double() - ref_ent).abs().max()) <= 2 * bound  # H = lse - sum p z: two such terms
+    _, _, rounded_grads, _ = _reference(hidden, weight, labels, grads_out, temperature, with_entropy, round_logits=True)
+    for a, b in zip(ours, rounded_grads, strict=True):
+        assert a.dtype == torch.bfloat16
+        assert float((a.double() - b).norm() / b.norm()) <= 3 * _BF16_U
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_fused_bf16_on_cuda_multiplies_in_bf16_with_float32_logits(temperature, with_entropy):
+    """On CUDA bf16 inputs are multiplied as they are, with float32 accumulation and float32 logits:
+    the log-probs are as close to exact as the upcast path's (products of bf16 values are exact in
+    float32; only the float32 sums round), and the gradients within 3u of exact (the logits'
+    gradient block, dW's [K, H] operand and the output are each rounded once to bf16)."""
+    hidden, weight, labels, grads_out, (lp, ent), ours = _native_case(5, temperature, with_entropy, "cuda")
+    lp, ent = lp.detach(), None if ent is None else ent.detach()
+    assert resolve_matmul_dtype(hidden, weight, None) == torch.bfloat16
+    ref_lp, ref_ent, ref_grads, _ = _reference(
+        hidden, weight, labels, grads_out, temperature, with_entropy, round_logits=False
+    )
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=0.0, atol=1e-4)
+    if with_entropy:
+        torch.testing.assert_close(ent.double(), ref_ent, rtol=0.0, atol=1e-4)
+    for a, b in zip(ours, ref_grads, strict=True):
+        assert a.dtype == torch.bfloat16
+        assert float((a.double() - b).norm() / b.norm()) <= 3 * _BF16_U
+
+
+def test_matmul_dtype_default_and_refusals():
+    h32, w32 = torch.zeros(1, 2, 4), torch.zeros(3, 4)
+    h16, w16 = h32.bfloat16(), w32.bfloat16()
+    assert resolve_matmul_dtype(h16, w16, None) == torch.float32  # CPU: exact upcast by default
+    assert resolve_matmul_dtype(h16, w16, torch.bfloat16) == torch.bfloat16
+    assert resolve_matmul_dtype(h32.double(), w32, None) == torch.float64
+    for hidden, weight, asked in [(h32, w32, torch.bfloat16), (h16, w32, torch.bfloat16), (h16, w16, torch.float16)]:
+        with pytest.raises(ValueError, match="matmul_dtype"):
+            resolve_matmul_dtype(hidden, weight, asked)
+    labels = torch.zeros(1, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="low-precision matmul_dtype"):
+        fused_token_logprobs(h16, w16, labels, top_k=2, matmul_dtype=torch.bfloat16)
 
 
 @settings(max_examples=200, deadline=None)

@@ -12,6 +12,14 @@ raises the max (the online softmax of Milakov & Gimelshein, 2018, extended to th
 H = log s - t / s). Backward recomputes each block's logits from the saved [K] log-sum-exp, except
 the last two blocks of a log-probs-only forward over all tokens at once: those are still in the
 forward's two buffers, so backward starts from them instead of recomputing them.
+
+Operand dtype. By default a bf16 / fp16 hidden and W are upcast exactly to float32 a block at a
+time and multiplied in float32. On CUDA that forgoes the tensor cores, so there `matmul_dtype` is
+the inputs' own: the products of bf16 operands are accumulated and returned in float32 (cuBLAS's
+out_dtype), so the logits are not rounded; backward rounds each C x U block of the logits'
+gradient to bf16 before its two matmuls, as a bf16 model's own backward does. Elsewhere (CPU)
+a low-precision matmul_dtype rounds each block's logits to bf16 (torch.mm has no float32 output
+there), like naive bf16 logits.
 """
 
 from __future__ import annotations
@@ -33,6 +41,21 @@ def _scaled(hidden_K_H: Tensor, temperature: float, dtype: torch.dtype) -> Tenso
     """hidden / temperature in dtype: upcast first, so a bf16 input is divided in float32."""
     h_K_H = hidden_K_H.to(dtype)
     return h_K_H / temperature if temperature != 1.0 else h_K_H
+
+
+def _mm(a: Tensor, b: Tensor, out: Tensor | None = None) -> Tensor:
+    """a @ b in float32 (float64 for float64 operands), into `out` when given.
+
+    bf16 / fp16 operands: on CUDA accumulated and returned in float32, never rounded; elsewhere
+    the product is rounded to the operands' dtype, then widened.
+    """
+    wide = out.dtype if out is not None else compute_dtype(a)
+    if a.dtype == wide:
+        return torch.mm(a, b, out=out)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=wide, out=out)
+    product = torch.mm(a, b)
+    return product.to(wide) if out is None else out.copy_(product)
 
 
 def _block_view(flat: Tensor, rows: int, cols: int) -> Tensor:
@@ -95,6 +118,8 @@ class _GradTargets(NamedTuple):
     label_h_K_H: Tensor | None
     """g h / temperature added onto the label rows; None when it is -scaled_h (row_scale = -g)"""
     labels_K: Tensor
+    block_C_U: Tensor | None
+    """flat buffer for a block rounded to a low-precision matmul_dtype; None for float32 operands"""
 
 
 def _add_block_grads(
@@ -102,17 +127,28 @@ def _add_block_grads(
 ) -> None:
     """Add one block's share of dh (into t.acc_K_H) and dW (into gw_U_H, overwritten on the first rows)."""
     s, e = rows
+    if t.block_C_U is not None:  # low-precision operands: the block is rounded once, as a bf16 backward's is
+        x_C_U = _block_view(t.block_C_U, e - s, x_C_U.shape[1]).copy_(x_C_U)
     if t.acc_K_H is not None:
-        t.acc_K_H[s:e].addmm_(x_C_U, w_U_H)
+        if x_C_U.dtype == t.acc_K_H.dtype:
+            t.acc_K_H[s:e].addmm_(x_C_U, w_U_H)
+        else:
+            t.acc_K_H[s:e].add_(_mm(x_C_U, w_U_H))
     if gw_U_H is not None:
         assert t.scaled_h_K_H is not None  # built whenever dW is needed
-        # beta=0 on the first chunk: the block's old contents (uninitialised) are ignored
-        gw_U_H.addmm_(x_C_U.t(), t.scaled_h_K_H[s:e], beta=0.0 if s == 0 else 1.0)
+        scaled_h_C_H = t.scaled_h_K_H[s:e]
+        # the first chunk overwrites the block: its old contents (uninitialised) are ignored
+        if x_C_U.dtype == gw_U_H.dtype:
+            gw_U_H.addmm_(x_C_U.t(), scaled_h_C_H, beta=0.0 if s == 0 else 1.0)
+        elif s == 0:
+            _mm(x_C_U.t(), scaled_h_C_H, out=gw_U_H)
+        else:
+            gw_U_H.add_(_mm(x_C_U.t(), scaled_h_C_H))
         offset_C, inside_C = _in_block(t.labels_K[s:e], vs, vs + gw_U_H.shape[0])
         if t.label_h_K_H is None:  # g h = -(row_scale h) when row_scale = -g
-            gw_U_H.index_add_(0, offset_C, t.scaled_h_K_H[s:e] * inside_C[:, None], alpha=-1.0)
+            gw_U_H.index_add_(0, offset_C, (scaled_h_C_H * inside_C[:, None]).to(gw_U_H.dtype), alpha=-1.0)
         else:
-            gw_U_H.index_add_(0, offset_C, t.label_h_K_H[s:e] * inside_C[:, None])
+            gw_U_H.index_add_(0, offset_C, (t.label_h_K_H[s:e] * inside_C[:, None]).to(gw_U_H.dtype))
 
 
 class FusedTokenLogprobs(torch.autograd.Function):
@@ -132,15 +168,18 @@ class FusedTokenLogprobs(torch.autograd.Function):
         block_shape: tuple[int, int],
         temperature: float,
         with_entropy: bool,
+        matmul_dtype: torch.dtype,
     ) -> tuple[Tensor, Tensor]:
         """Online log-sum-exp (and entropy) over the vocabulary blocks; saves the [K] results (and the last blocks)."""
         ctx.set_materialize_grads(False)
         (n, _), v, device = hidden_K_H.shape, weight_V_H.shape[0], hidden_K_H.device
         dtype = compute_dtype(hidden_K_H, weight_V_H)
         c, u = min(block_shape[0], max(n, 1)), min(block_shape[1], v)
-        h_K_H = _scaled(hidden_K_H, temperature, dtype)
+        # low-precision operands: h and W as they are, the temperature applied to each float32 block
+        native = matmul_dtype != dtype
+        h_K_H = hidden_K_H if native else _scaled(hidden_K_H, temperature, dtype)
         flats = [torch.empty(c * u, dtype=dtype, device=device) for _ in range(2)]
-        low_precision = weight_V_H.dtype != dtype
+        low_precision = weight_V_H.dtype != dtype and not native
         upcast_U_H = torch.empty(u * weight_V_H.shape[1], dtype=dtype, device=device) if low_precision else None
         max_K = torch.full((n,), -torch.inf, dtype=dtype, device=device)
         sum_K = torch.zeros(n, dtype=dtype, device=device)
@@ -153,7 +192,9 @@ class FusedTokenLogprobs(torch.autograd.Function):
             w_U_H = _weight_block(weight_V_H, vs, ve, upcast_U_H)
             flat, aux = (flats[0], flats[1]) if with_entropy else (flats[i % 2], None)
             for s, e in chunks(n, c):
-                x_C_U = torch.mm(h_K_H[s:e], w_U_H.t(), out=_block_view(flat, e - s, ve - vs))
+                x_C_U = _mm(h_K_H[s:e], w_U_H.t(), out=_block_view(flat, e - s, ve - vs))
+                if native and temperature != 1.0:
+                    x_C_U.div_(temperature)
                 run = _Running(max_K[s:e], sum_K[s:e], tilt_K[s:e], picked_K[s:e])
                 aux_C_U = None if aux is None else _block_view(aux, e - s, ve - vs)
                 new_max_C = _absorb_block(x_C_U, aux_C_U, *_in_block(labels_K[s:e], vs, ve), run)
@@ -164,39 +205,46 @@ class FusedTokenLogprobs(torch.autograd.Function):
         entropy_K = log_sum_K - tilt_K / sum_K if with_entropy else tilt_K
         ctx.save_for_backward(hidden_K_H, weight_V_H, labels_K, lse_K, entropy_K)
         ctx.block_shape, ctx.temperature, ctx.with_entropy = (c, u), temperature, with_entropy
+        ctx.matmul_dtype = matmul_dtype
         ctx.kept_blocks = kept if any(ctx.needs_input_grad[:2]) else []
         return picked_K - lse_K, entropy_K
 
     @staticmethod
     def backward(
         ctx: Any, grad_logprobs_K: Tensor | None, grad_entropy_K: Tensor | None
-    ) -> tuple[Tensor | None, Tensor | None, None, None, None, None]:
+    ) -> tuple[Tensor | None, Tensor | None, None, None, None, None, None]:
         """dh = G W / temperature and dW = G.T (h / temperature), block by block from the recomputed logits."""
         hidden_K_H, weight_V_H, labels_K, lse_K, entropy_K = ctx.saved_tensors
         kept, ctx.kept_blocks = ctx.kept_blocks, []  # used once: a second backward recomputes them
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         use_entropy = ctx.with_entropy and grad_entropy_K is not None
         if (grad_logprobs_K is None and not use_entropy) or not (need_h or need_w):
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         (n, hid), v, device, temperature = hidden_K_H.shape, weight_V_H.shape[0], hidden_K_H.device, ctx.temperature
         if n == 0:
             grad_h = torch.zeros_like(hidden_K_H) if need_h else None
-            return grad_h, (torch.zeros_like(weight_V_H) if need_w else None), None, None, None, None
+            return grad_h, (torch.zeros_like(weight_V_H) if need_w else None), None, None, None, None, None
         dtype = compute_dtype(hidden_K_H, weight_V_H)
         c, u = ctx.block_shape
+        native = ctx.matmul_dtype != dtype
         h_K_H = _scaled(hidden_K_H, temperature, dtype)
         g_K = grad_logprobs_K.to(dtype) if grad_logprobs_K is not None else torch.zeros(n, dtype=dtype, device=device)
         # G = row_scale * x + g onehot, with x = p (log-probs only) or p (g + g_H (log p + H)) (with entropy)
         row_scale_K1 = torch.full((n, 1), -1.0, dtype=dtype, device=device) if use_entropy else -g_K[:, None]
+        operand = ctx.matmul_dtype  # the [K, H] operands of dW's matmuls are in it
         targets = _GradTargets(
             acc_K_H=torch.zeros(n, hid, dtype=dtype, device=device) if need_h else None,
-            scaled_h_K_H=h_K_H * row_scale_K1 if need_w else None,
-            label_h_K_H=h_K_H * g_K[:, None] if need_w and use_entropy else None,
+            scaled_h_K_H=(h_K_H * row_scale_K1).to(operand) if need_w else None,
+            label_h_K_H=(h_K_H * g_K[:, None]).to(operand) if need_w and use_entropy else None,
             labels_K=labels_K,
+            block_C_U=torch.empty(c * u, dtype=operand, device=device) if native else None,
         )
+        # the logits' recomputation multiplies h as forward did: unscaled in its own dtype, or h / temperature
+        logits_h_K_H = hidden_K_H if native else h_K_H
+        del h_K_H
         grad_w_V_H = torch.empty_like(weight_V_H) if need_w else None  # every block written by its first chunk
         low_precision = weight_V_H.dtype != dtype
-        upcast_U_H = torch.empty(u * hid, dtype=dtype, device=device) if low_precision else None
+        upcast_U_H = torch.empty(u * hid, dtype=dtype, device=device) if low_precision and not native else None
         # float32 block gradient for a bf16 W: summed over all tokens in float32, rounded to bf16 once
         grad_block = torch.empty(u * hid, dtype=dtype, device=device) if need_w and low_precision else None
 
@@ -224,7 +272,9 @@ class FusedTokenLogprobs(torch.autograd.Function):
             w_U_H = _weight_block(weight_V_H, vs, ve, upcast_U_H)
             gw_U_H = block_grad(vs, ve)
             for s, e in chunks(n, c):
-                x_C_U = torch.mm(h_K_H[s:e], w_U_H.t(), out=_block_view(flat, e - s, ve - vs))
+                x_C_U = _mm(logits_h_K_H[s:e], w_U_H.t(), out=_block_view(flat, e - s, ve - vs))
+                if native and temperature != 1.0:
+                    x_C_U.div_(temperature)
                 x_C_U.sub_(lse_K[s:e, None])  # log p
                 if aux is not None:
                     assert grad_entropy_K is not None  # use_entropy
@@ -242,4 +292,4 @@ class FusedTokenLogprobs(torch.autograd.Function):
             if temperature != 1.0:
                 grad_h_K_H.div_(temperature)
             grad_h_K_H = grad_h_K_H.to(hidden_K_H.dtype)
-        return grad_h_K_H, grad_w_V_H, None, None, None, None
+        return grad_h_K_H, grad_w_V_H, None, None, None, None, None

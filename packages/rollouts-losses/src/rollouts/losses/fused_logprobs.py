@@ -8,13 +8,20 @@ Legend: K flattened tokens, C tokens per block, V vocabulary, U vocabulary rows 
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from rollouts.losses.fused_kernel import FusedTokenLogprobs
-from rollouts.losses.logprobs import check_chunk_size, check_labels
+from rollouts.losses.logprobs import check_chunk_size, check_labels, compute_dtype
 from rollouts.losses.truncated_logprobs import truncated_chunk_size, truncated_token_logprobs, truncation_mask
 
-__all__ = ["FUSED_MEMORY_BUDGET_BYTES", "fused_block_shape", "fused_token_logprobs", "truncation_mask"]
+__all__ = [
+    "FUSED_MEMORY_BUDGET_BYTES",
+    "fused_block_shape",
+    "fused_token_logprobs",
+    "resolve_matmul_dtype",
+    "truncation_mask",
+]
 
 
 FUSED_MEMORY_BUDGET_BYTES = 512 * 2**20
@@ -76,6 +83,25 @@ def _check_shapes(hidden_B_T_H: Tensor, lm_head_weight_V_H: Tensor, labels_B_T: 
     check_labels(labels_B_T, lm_head_weight_V_H.shape[0])
 
 
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def resolve_matmul_dtype(hidden: Tensor, weight: Tensor, matmul_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype `fused_token_logprobs` multiplies h and W in: `matmul_dtype`, checked, or by default
+    the inputs' own when both are bf16 (or both fp16) on CUDA, else the float32 (float64) compute dtype."""
+    wide = compute_dtype(hidden, weight)
+    native = hidden.dtype if hidden.dtype == weight.dtype and hidden.dtype in _LOW_PRECISION else None
+    if matmul_dtype is None:
+        return native if native is not None and hidden.is_cuda else wide
+    if matmul_dtype not in (wide, native):
+        allowed = f"{wide}" + (f" or {native}" if native is not None else "")
+        raise ValueError(
+            f"matmul_dtype must be the compute dtype or, for bf16 / fp16 hidden and weight of one dtype, that dtype: "
+            f"got {matmul_dtype} for hidden {hidden.dtype} and weight {weight.dtype} (allowed: {allowed})"
+        )
+    return matmul_dtype
+
+
 def fused_token_logprobs(
     hidden_B_T_H: Tensor,
     lm_head_weight_V_H: Tensor,
@@ -87,6 +113,7 @@ def fused_token_logprobs(
     return_entropy: bool = False,
     top_k: int = -1,
     top_p: float = 1.0,
+    matmul_dtype: torch.dtype | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """[B, T, H] hidden, [V, H] output projection, [B, T] labels -> [B, T] log p(label) of softmax(h W.T / temperature).
 
@@ -101,19 +128,27 @@ def fused_token_logprobs(
     that was sampled; this path ranks whole rows, so it chunks tokens only (chunk_size, by default
     1/16 of the tokens) and recomputes each chunk in backward (checkpointed). Not with
     return_entropy or vocab_chunk_size.
+
+    `matmul_dtype`: the dtype h and W are multiplied in; the vocabulary-axis arithmetic is float32
+    whatever it is. By default, bf16 (fp16) inputs on CUDA are multiplied as they are, on the
+    tensor cores, with float32 accumulation and float32 logits; elsewhere they are upcast exactly to
+    float32. Pass float32 to upcast on CUDA too (slower), or the inputs' dtype on CPU (the logits
+    are then rounded to it, as naive bf16 logits are).
     """
     for size in (chunk_size, vocab_chunk_size):
         if size is not None:
             check_chunk_size(size)
     _check_shapes(hidden_B_T_H, lm_head_weight_V_H, labels_B_T)
     _check_options(temperature, top_k, top_p)
+    operand_dtype = resolve_matmul_dtype(hidden_B_T_H, lm_head_weight_V_H, matmul_dtype)
+    wide = compute_dtype(hidden_B_T_H, lm_head_weight_V_H)
     (b, t, h), v = hidden_B_T_H.shape, lm_head_weight_V_H.shape[0]
     hidden_K_H, labels_K = hidden_B_T_H.reshape(b * t, h), labels_B_T.reshape(b * t).long()
     if 0 < top_k < v or top_p < 1.0:
-        if return_entropy or vocab_chunk_size is not None:
+        if return_entropy or vocab_chunk_size is not None or (matmul_dtype is not None and matmul_dtype != wide):
             raise ValueError(
-                "return_entropy and vocab_chunk_size are not supported with top_k / top_p truncation "
-                "(the truncated path ranks whole vocabulary rows)"
+                "return_entropy, vocab_chunk_size and a low-precision matmul_dtype are not supported with top_k / "
+                "top_p truncation (the truncated path ranks whole float32 vocabulary rows)"
             )
         c = chunk_size or truncated_chunk_size(b * t, v, FUSED_MEMORY_BUDGET_BYTES)
         logprobs_K = truncated_token_logprobs(
@@ -123,7 +158,7 @@ def fused_token_logprobs(
     auto_c, auto_u = fused_block_shape(b * t, v)
     block_shape = (chunk_size or auto_c, vocab_chunk_size or auto_u)
     fused: tuple[Tensor, Tensor] = FusedTokenLogprobs.apply(
-        hidden_K_H, lm_head_weight_V_H, labels_K, block_shape, float(temperature), return_entropy
+        hidden_K_H, lm_head_weight_V_H, labels_K, block_shape, float(temperature), return_entropy, operand_dtype
     )
     logprobs_K, entropy_K = fused
     if return_entropy:

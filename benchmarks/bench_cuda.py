@@ -1,0 +1,414 @@
+"""On a CUDA GPU: the fused log-prob kernel beside naive, and GRPO training steps with FSDP2 + bf16.
+
+Sections (`--sections`, all by default; each prints a table):
+
+logprobs  `fused_token_logprobs` against naive log_softmax(h @ W.T).gather, forward + backward of
+          sum(g * log p) for a random upstream gradient g, at Qwen2-0.5B's output layer (H=896,
+          V=151936) and Qwen2-7B's (H=3584, V=152064), 1k to 32k tokens. Naive in bf16 is what
+          bf16 models do: a bf16 matmul, the [K, V] logits upcast to float32 for the softmax. Fused
+          runs with its default operands (on CUDA, bf16 inputs multiplied as they are, float32
+          accumulation and logits) and, for bf16, with matmul_dtype=float32 (exact upcast, as on
+          CPU) for comparison.
+          - time: CUDA events around forward + backward, median of `--repeats` after a warm-up;
+          - memory beyond inputs: torch.cuda.max_memory_allocated during the step, less the memory
+            allocated before it and the bytes every variant returns (dh, dW, the [K] log-probs);
+          - error: on the first 256 tokens, max |log p - exact| and ||dh - exact|| / ||exact||,
+            exact being float64 on the same bf16 / float32 inputs.
+train     `rl_step` (advantages, packing into micro-batches of 8192 tokens, forward + backward with
+          the fused log-probs over the response positions, grad-norm clip, AdamW) on a random-init
+          model of Qwen2-0.5B's shape (494M parameters), 64 samples x 1024 tokens (256 prompt +
+          768 response) per step, each variant in its own process:
+          - fsdp2-bf16: FSDP2 (`shard_model`, one rank) with bf16 compute, float32 master weights
+            and gradient reduction (MixedPrecisionPolicy), the library's AdamW;
+          - fsdp2-bf16-fused-adam: the same with torch's fused CUDA AdamW;
+          - fsdp2-fp32: FSDP2 in float32 throughout;
+          - bf16: the unsharded model in bf16 (what `dtype = "bfloat16"` on one device gives).
+          Step time (median of `--steps` after 2 warm-up steps), its forward + backward and
+          optimizer parts, tokens per second, peak GPU memory, and 6 N tokens / time (N the
+          parameter count) as a rough model TFLOP/s.
+
+Measured 2026-11-26 on one NVIDIA H200 (torch 2.11.0+cu130, transformers 5.17):
+
+logprobs: the table in packages/rollouts-losses/README.md ("On a CUDA GPU"): fused at 1.4-1.9x
+naive's time from 4k tokens and 1/10 to 1/60 of its memory; matmul_dtype=float32 7.8-14x.
+
+train (--steps 4):
+                   variant   step ms fwd+bwd ms  optim ms  other ms   tokens/s 6N tok/s TF  peak GiB
+                fsdp2-bf16    1943.5     1830.9     107.8       4.9      33721       100.0     19.15
+     fsdp2-bf16-fused-adam    2081.2     1903.4     165.7      12.1      31489        93.3     19.15
+                fsdp2-fp32    5772.8     5635.0     120.9      17.0      11352        33.7     40.51
+                       bf16    1105.8     1057.2      42.2       6.3      59268       175.7     15.22
+A second machine gave fsdp2-bf16 1620.5 ms and bf16 978.6 ms (--steps 2). Under torch.profiler one
+step kept the GPU busy 0.80 s (FSDP2) and 0.75 s (bf16) of it: the step is bound by the host's
+launches and syncs (about 3,000 kernels per 8k-token micro-batch; FSDP2 adds its per-layer
+casts and copies), not by the GPU's arithmetic.
+
+Run: python benchmarks/bench_cuda.py [--sections logprobs,train] [--repeats 5] [--steps 5] [--quick]
+(`--quick`: small sizes, to check the script itself; on a machine without CUDA it runs the
+same code on the CPU with gloo, which says nothing about speed.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+GIB = 2.0**30
+LOGPROB_SHAPES = {  # (H, V): token counts, by dtype
+    (896, 151936): {torch.bfloat16: (1024, 4096, 16384, 32768), torch.float32: (1024, 4096, 16384)},
+    (3584, 152064): {torch.bfloat16: (4096, 16384, 32768), torch.float32: ()},
+}
+QUICK_SHAPES = {(64, 1000): {torch.bfloat16: (64, 256), torch.float32: (64,)}}
+TRAIN_VARIANTS = ("fsdp2-bf16", "fsdp2-bf16-fused-adam", "fsdp2-fp32", "bf16")
+CHECK_TOKENS = 256
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class _Timer:
+    """Elapsed seconds of a region: CUDA events on a GPU, perf_counter otherwise."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self) -> _Timer:
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            self.seconds = self.start.elapsed_time(self.end) / 1e3
+        else:
+            self.seconds = time.perf_counter() - self.t0
+
+
+# ---------------------------------------------------------------- log-probs
+
+
+def _naive(hidden_K_H: torch.Tensor, weight_V_H: torch.Tensor, labels_K: torch.Tensor) -> torch.Tensor:
+    logits_K_V = hidden_K_H @ weight_V_H.T
+    return torch.log_softmax(logits_K_V.float(), dim=-1).gather(-1, labels_K[:, None]).squeeze(-1)
+
+
+def _fused(matmul_dtype: torch.dtype | None):
+    from rollouts.losses import fused_token_logprobs
+
+    def run(hidden_K_H: torch.Tensor, weight_V_H: torch.Tensor, labels_K: torch.Tensor) -> torch.Tensor:
+        out = fused_token_logprobs(hidden_K_H[None], weight_V_H, labels_K[None], matmul_dtype=matmul_dtype)
+        assert isinstance(out, torch.Tensor)
+        return out[0]
+
+    return run
+
+
+def _exact(hidden_K_H, weight_V_H, labels_K, g_K):
+    """float64 log-probs and dh of the first CHECK_TOKENS tokens (token t's dh depends on token t alone)."""
+    h = hidden_K_H[:CHECK_TOKENS].detach().double().requires_grad_()
+    lp = torch.log_softmax(h @ weight_V_H.detach().double().T, dim=-1).gather(-1, labels_K[:CHECK_TOKENS, None])
+    lp = lp.squeeze(-1)
+    (grad_h,) = torch.autograd.grad((lp * g_K[:CHECK_TOKENS].double()).sum(), [h])
+    return lp.detach(), grad_h
+
+
+def logprob_case(fn, hidden, weight, labels, g, repeats: int, exact) -> dict[str, float]:
+    device = hidden.device
+    times, peak_beyond = [], 0.0
+    lp = None
+    for i in range(repeats + 1):
+        hidden.grad = weight.grad = None
+        lp = None
+        _sync()
+        base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        with _Timer(device) as timer:
+            lp = fn(hidden, weight, labels)
+            (lp * g).sum().backward()
+        if device.type == "cuda":
+            returned = hidden.grad.nbytes + weight.grad.nbytes + lp.nbytes
+            peak_beyond = (torch.cuda.max_memory_allocated() - base - returned) / GIB
+        if i > 0:  # the first is the warm-up
+            times.append(timer.seconds)
+    assert lp is not None and hidden.grad is not None
+    exact_lp, exact_dh = exact
+    lp_err = float((lp[:CHECK_TOKENS].detach().double() - exact_lp).abs().max())
+    dh = hidden.grad[:CHECK_TOKENS].double()
+    dh_err = float((dh - exact_dh).norm() / exact_dh.norm())
+    return {"ms": 1e3 * statistics.median(times), "beyond_gib": peak_beyond, "lp_err": lp_err, "dh_rel": dh_err}
+
+
+def section_logprobs(device: torch.device, repeats: int, quick: bool) -> list[dict]:
+    rows = []
+    print("\n== log-probs: forward + backward of sum(g log p), naive vs fused")
+    print(
+        f"{'H':>5} {'V':>7} {'dtype':>9} {'K':>6} {'variant':>14} {'ms':>9} {'beyond GiB':>11} "
+        f"{'x naive ms':>10} {'x naive mem':>11} {'|lp err|':>9} {'dh rel err':>10}"
+    )
+    for (hid, vocab), by_dtype in (QUICK_SHAPES if quick else LOGPROB_SHAPES).items():
+        for dtype, sizes in by_dtype.items():
+            for k in sizes:
+                gen = torch.Generator(device="cpu").manual_seed(k + hid)
+                hidden = torch.randn(k, hid, generator=gen).to(device, dtype).requires_grad_()
+                weight = (torch.randn(vocab, hid, generator=gen) * hid**-0.5 * 4).to(device, dtype).requires_grad_()
+                labels = torch.randint(0, vocab, (k,), generator=gen).to(device)
+                g = torch.randn(k, generator=gen).to(device)
+                exact = _exact(hidden, weight, labels, g)
+                variants = [("naive", _naive), ("fused", _fused(None))]
+                if dtype != torch.float32:
+                    variants.append(("fused-upcast", _fused(torch.float32)))
+                base = None
+                for name, fn in variants:
+                    try:
+                        r = logprob_case(fn, hidden, weight, labels, g, repeats, exact)
+                    except torch.OutOfMemoryError:
+                        print(f"{hid:>5} {vocab:>7} {str(dtype)[6:]:>9} {k:>6} {name:>14}  out of memory")
+                        torch.cuda.empty_cache()
+                        continue
+                    if name == "naive":
+                        base = r
+                    ratio_t = r["ms"] / base["ms"] if base else float("nan")
+                    ratio_m = r["beyond_gib"] / base["beyond_gib"] if base and base["beyond_gib"] > 0 else float("nan")
+                    print(
+                        f"{hid:>5} {vocab:>7} {str(dtype)[6:]:>9} {k:>6} {name:>14} {r['ms']:9.2f} "
+                        f"{r['beyond_gib']:11.3f} {ratio_t:10.2f} {ratio_m:11.3f} {r['lp_err']:9.1e} {r['dh_rel']:10.1e}",
+                        flush=True,
+                    )
+                    rows.append({"H": hid, "V": vocab, "dtype": str(dtype), "K": k, "variant": name, **r})
+                del hidden, weight, labels, g, exact
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
+# ---------------------------------------------------------------- training steps
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _model(quick: bool):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if quick:
+        config = Qwen2Config(
+            vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=512, tie_word_embeddings=True,
+        )  # fmt: skip
+    else:  # Qwen2-0.5B's shape
+        config = Qwen2Config(
+            vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+            num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6,
+        )  # fmt: skip
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa", torch_dtype=torch.float32)
+
+
+def _batch(vocab: int, samples: int, prompt: int, response: int, group: int):
+    from rollouts.types import LossMask, RolloutBatch, Sample, Status
+
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for i in range(samples):
+        ids = torch.randint(0, vocab, (prompt + response,), generator=gen).tolist()
+        lps = (-torch.rand(response, generator=gen) * 3).tolist()
+        out.append(
+            Sample(
+                tokens=ids, num_prompt_tokens=prompt, loss_mask=LossMask.prompt_response(prompt, response),
+                rollout_logprobs=lps, status=Status.COMPLETED, reward=float(torch.rand(1, generator=gen)),
+                group_index=i // group,
+            )
+        )  # fmt: skip
+    return RolloutBatch(samples=tuple(out), step=1)
+
+
+def train_worker(variant: str, steps: int, quick: bool, profile: str = "") -> dict:
+    """One variant in this process; returns its figures."""
+    import dataclasses
+
+    import rollouts.backends.train as train
+    import rollouts.loops.policy_update as policy_update
+    from rollouts.backends import build_components, build_optimizer, build_scheduler
+    from rollouts.backends.components import TrainingComponents
+    from rollouts.backends.distributed import shard_model
+    from rollouts.loops.step import rl_step
+    from rollouts.types import AlgorithmConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams, TrainingState
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    prompt, response = (32, 96) if quick else (256, 768)
+    samples, group, micro = (16, 4, 512) if quick else (64, 8, 8192)
+    warmup = 2
+    optimizer_config = OptimizerConfig(lr=1e-6, schedule="constant", max_grad_norm=1.0)
+    config = RLConfig(
+        num_steps=warmup + steps,
+        optimizer=optimizer_config,
+        rollout=RolloutConfig(
+            batch_size=samples // group, samples_per_prompt=group, sampling=SamplingParams(max_new_tokens=response)
+        ),
+        algorithm=AlgorithmConfig(advantage_estimator="grpo"),
+        max_tokens_per_micro_batch=micro,
+    )
+    model = _model(quick)
+    num_params = sum(p.numel() for p in model.parameters())
+    if variant.startswith("fsdp2"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+        torch.distributed.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        model = model.to(device)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if "bf16" in variant else None
+        model = shard_model(model, mixed_precision=mp)
+        opt = build_optimizer(model, optimizer_config)
+        if variant.endswith("fused-adam"):
+            opt = torch.optim.AdamW(opt.param_groups, fused=True)
+        components = TrainingComponents(
+            model=model, optimizer=opt, device=device,
+            scheduler=build_scheduler(opt, optimizer_config, num_training_steps=warmup + steps),
+        )  # fmt: skip
+    else:
+        components = build_components(
+            model.to(torch.bfloat16), optimizer_config, num_training_steps=warmup + steps, device=str(device)
+        )
+    parts: dict[str, float] = {}
+
+    def timed(module, name: str, key: str) -> None:
+        fn = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            _sync()
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _sync()
+                parts[key] = parts.get(key, 0.0) + time.perf_counter() - t0
+
+        setattr(module, name, wrapper)
+
+    for module in (train, policy_update):
+        if hasattr(module, "forward_backward"):
+            timed(module, "forward_backward", "forward_backward")
+        if hasattr(module, "optim_step"):
+            timed(module, "optim_step", "optimizer")
+    batch = _batch(model.config.vocab_size, samples, prompt, response, group)
+    tokens = samples * (prompt + response)
+    state, records = TrainingState(), []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(warmup + steps):
+        parts.clear()
+        _sync()
+        t0 = time.perf_counter()
+        state, metrics = rl_step(components, state, dataclasses.replace(batch, step=state.step + 1), config)
+        _sync()
+        total = time.perf_counter() - t0
+        if step >= warmup:
+            records.append({"total": total, **parts})
+        loss = float(metrics.get("loss", float("nan")))
+        if not (loss == loss):
+            raise FloatingPointError(f"{variant}: step {step} loss {loss}")
+    if profile:  # one more step under the profiler: its busiest kernels and ops, to `profile`
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch_profile(activities=activities) as prof:
+            rl_step(components, state, dataclasses.replace(batch, step=state.step + 1), config)
+            _sync()
+        table = prof.key_averages()
+        with open(profile, "w") as f:
+            for key in ("cuda_time_total", "cpu_time_total", "self_cpu_time_total"):
+                f.write(f"== sorted by {key}\n{table.table(sort_by=key, row_limit=30, max_name_column_width=70)}\n")
+    med = {key: statistics.median(r.get(key, 0.0) for r in records) for key in records[0]}
+    peak = torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else float("nan")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return {
+        "variant": variant, "params": num_params, "tokens": tokens, "peak_gib": peak, **med,
+        "tokens_per_s": tokens / med["total"], "tflops": 6 * num_params * tokens / med["total"] / 1e12,
+    }  # fmt: skip
+
+
+def section_train(steps: int, quick: bool, variants: list[str], profile_dir: str) -> list[dict]:
+    print("\n== training steps: rl_step on a Qwen2-0.5B-shaped model" + (" (quick sizes)" if quick else ""))
+    print(
+        f"{'variant':>22} {'step ms':>9} {'fwd+bwd ms':>10} {'optim ms':>9} {'other ms':>9} "
+        f"{'tokens/s':>10} {'6N tok/s TF':>11} {'peak GiB':>9}"
+    )
+    rows = []
+    for variant in variants:
+        cmd = [sys.executable, __file__, "--train-worker", variant, "--steps", str(steps)]
+        cmd += ["--quick"] if quick else []
+        if profile_dir:
+            cmd += ["--profile-dir", os.path.join(profile_dir, f"profile-{variant}.txt")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            print(f"{variant:>22}  failed (rc {proc.returncode}): {proc.stderr.strip().splitlines()[-3:]}")
+            continue
+        r = json.loads(lines[-1])
+        other = r["total"] - r.get("forward_backward", 0.0) - r.get("optimizer", 0.0)
+        print(
+            f"{variant:>22} {1e3 * r['total']:9.1f} {1e3 * r.get('forward_backward', 0):10.1f} "
+            f"{1e3 * r.get('optimizer', 0):9.1f} {1e3 * other:9.1f} {r['tokens_per_s']:10.0f} "
+            f"{r['tflops']:11.1f} {r['peak_gib']:9.2f}",
+            flush=True,
+        )
+        rows.append(r)
+    if rows:
+        r = rows[0]
+        print(f"({r['params'] / 1e6:.0f}M parameters, {r['tokens']} tokens per step, median of {steps} steps)")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sections", default="logprobs,train")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", default="", help="write every figure to this file")
+    parser.add_argument("--train-worker", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--variants", default=",".join(TRAIN_VARIANTS), help="training variants to run")
+    parser.add_argument("--profile-dir", default="", help="write a torch.profiler table of one step per variant here")
+    args = parser.parse_args()
+    if args.train_worker:
+        print(json.dumps(train_worker(args.train_worker, args.steps, args.quick, args.profile_dir)))
+        return
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU (no CUDA: figures say nothing of speed)"
+    print(f"device: {name}; torch {torch.__version__}; load {os.getloadavg()[0]:.2f}")
+    out: dict[str, list] = {}
+    sections = args.sections.split(",")
+    if "logprobs" in sections:
+        out["logprobs"] = section_logprobs(device, args.repeats, args.quick)
+    if "train" in sections:
+        out["train"] = section_train(args.steps, args.quick, args.variants.split(","), args.profile_dir)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
