@@ -25,7 +25,10 @@ train     `rl_step` (advantages, packing into micro-batches of 8192 tokens, forw
           - bf16: the unsharded model in bf16 (what `dtype = "bfloat16"` on one device gives).
           Step time (median of `--steps` after 2 warm-up steps), its forward + backward and
           optimizer parts, tokens per second, peak GPU memory, and 6 N tokens / time (N the
-          parameter count) as a rough model TFLOP/s.
+          parameter count) as a rough model TFLOP/s. `--micro-tokens` sets the micro-batch size.
+grpo      whole GRPO steps on the GPU: the in-process sampler (sharing the trained bf16 model)
+          generates 8 prompts x 8 completions x 128 new tokens from 64-token prompts, then
+          `rl_step` trains on them; generate and train times, median of `--steps` after 1 warm-up.
 
 Measured 2026-11-26 on one NVIDIA H200 (torch 2.11.0+cu130, transformers 5.17):
 
@@ -42,6 +45,19 @@ A second machine gave fsdp2-bf16 1620.5 ms and bf16 978.6 ms (--steps 2). Under 
 step kept the GPU busy 0.80 s (FSDP2) and 0.75 s (bf16) of it: the step is bound by the host's
 launches and syncs (about 3,000 kernels per 8k-token micro-batch; FSDP2 adds its per-layer
 casts and copies), not by the GPU's arithmetic.
+
+train --micro-tokens 32768 (two micro-batches per step, --steps 3, a third machine):
+                   variant   step ms fwd+bwd ms  optim ms  other ms   tokens/s 6N tok/s TF  peak GiB
+                bf16@32768     944.0      914.8      25.4       3.8      69426       205.8     47.16
+          fsdp2-bf16@32768    1016.7      936.3      74.2       6.2      64457       191.1     51.07
+FSDP2's cost is per micro-batch (each gathers every layer in forward and again in backward, and
+reduces the gradients): with 4x fewer micro-batches it falls from 1.65-1.76x the unsharded step to
+1.08x. On one device the library trains unsharded anyway (FSDP2 only under torchrun with more than
+one rank); on several, micro-batches as large as memory allows pay.
+
+grpo (--steps 3, same machine as the line above): generate 1435.6 ms (5706 new tokens/s; 128
+decode steps of 64 rows, about 11 ms each, bound by the host's launches at this model size),
+train 211.4 ms.
 
 Run: python benchmarks/bench_cuda.py [--sections logprobs,train] [--repeats 5] [--steps 5] [--quick]
 (`--quick`: small sizes, to check the script itself; on a machine without CUDA it runs the
@@ -220,7 +236,7 @@ def _model(quick: bool):
             num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6,
         )  # fmt: skip
     torch.manual_seed(0)
-    return Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa", torch_dtype=torch.float32)
+    return Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa", dtype=torch.float32)
 
 
 def _batch(vocab: int, samples: int, prompt: int, response: int, group: int):
@@ -241,7 +257,7 @@ def _batch(vocab: int, samples: int, prompt: int, response: int, group: int):
     return RolloutBatch(samples=tuple(out), step=1)
 
 
-def train_worker(variant: str, steps: int, quick: bool, profile: str = "") -> dict:
+def train_worker(variant: str, steps: int, quick: bool, profile: str = "", micro_tokens: int = 0) -> dict:
     """One variant in this process; returns its figures."""
     import dataclasses
 
@@ -256,6 +272,7 @@ def train_worker(variant: str, steps: int, quick: bool, profile: str = "") -> di
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     prompt, response = (32, 96) if quick else (256, 768)
     samples, group, micro = (16, 4, 512) if quick else (64, 8, 8192)
+    micro = micro_tokens or micro
     warmup = 2
     optimizer_config = OptimizerConfig(lr=1e-6, schedule="constant", max_grad_norm=1.0)
     config = RLConfig(
@@ -345,12 +362,12 @@ def train_worker(variant: str, steps: int, quick: bool, profile: str = "") -> di
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return {
-        "variant": variant, "params": num_params, "tokens": tokens, "peak_gib": peak, **med,
+        "variant": variant, "micro_tokens": micro, "params": num_params, "tokens": tokens, "peak_gib": peak, **med,
         "tokens_per_s": tokens / med["total"], "tflops": 6 * num_params * tokens / med["total"] / 1e12,
     }  # fmt: skip
 
 
-def section_train(steps: int, quick: bool, variants: list[str], profile_dir: str) -> list[dict]:
+def section_train(steps: int, quick: bool, variants: list[str], profile_dir: str, micro_tokens: int) -> list[dict]:
     print("\n== training steps: rl_step on a Qwen2-0.5B-shaped model" + (" (quick sizes)" if quick else ""))
     print(
         f"{'variant':>22} {'step ms':>9} {'fwd+bwd ms':>10} {'optim ms':>9} {'other ms':>9} "
@@ -360,6 +377,7 @@ def section_train(steps: int, quick: bool, variants: list[str], profile_dir: str
     for variant in variants:
         cmd = [sys.executable, __file__, "--train-worker", variant, "--steps", str(steps)]
         cmd += ["--quick"] if quick else []
+        cmd += ["--micro-tokens", str(micro_tokens)] if micro_tokens else []
         if profile_dir:
             cmd += ["--profile-dir", os.path.join(profile_dir, f"profile-{variant}.txt")]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -368,6 +386,7 @@ def section_train(steps: int, quick: bool, variants: list[str], profile_dir: str
             print(f"{variant:>22}  failed (rc {proc.returncode}): {proc.stderr.strip().splitlines()[-3:]}")
             continue
         r = json.loads(lines[-1])
+        variant = f"{variant}@{r['micro_tokens']}" if micro_tokens else variant
         other = r["total"] - r.get("forward_backward", 0.0) - r.get("optimizer", 0.0)
         print(
             f"{variant:>22} {1e3 * r['total']:9.1f} {1e3 * r.get('forward_backward', 0):10.1f} "
@@ -382,19 +401,79 @@ def section_train(steps: int, quick: bool, variants: list[str], profile_dir: str
     return rows
 
 
+def section_grpo(steps: int, quick: bool) -> list[dict]:
+    """Generate with the in-process sampler on the device, then train on what it generated."""
+    import dataclasses
+
+    import trio
+
+    from rollouts.backends import InProcessEngine, build_components
+    from rollouts.loops.step import rl_step
+    from rollouts.types import (
+        AlgorithmConfig,
+        OptimizerConfig,
+        RLConfig,
+        RolloutBatch,
+        RolloutConfig,
+        SamplingParams,
+        TrainingState,
+    )  # fmt: skip
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    prompts_n, group, prompt_len, new = (2, 4, 16, 16) if quick else (8, 8, 64, 128)
+    print(f"\n== GRPO steps: in-process sampler + rl_step, {prompts_n} prompts x {group} x {new} new tokens")
+    model = _model(quick).to(device, torch.bfloat16)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=new, n=group)
+    optimizer = OptimizerConfig(lr=1e-6, schedule="constant", max_grad_norm=1.0)
+    config = RLConfig(
+        num_steps=steps + 1,
+        optimizer=optimizer,
+        rollout=RolloutConfig(batch_size=prompts_n, samples_per_prompt=group, sampling=sampling),
+        algorithm=AlgorithmConfig(advantage_estimator="grpo"),
+    )
+    components = build_components(model, optimizer, num_training_steps=steps + 1, device=str(device))
+    engine = InProcessEngine(model, shares_training_model=True, eos_token_ids=(0,))
+    gen = torch.Generator().manual_seed(2)
+    prompts = [
+        torch.randint(1, model.config.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(prompts_n)
+    ]
+    state, records = TrainingState(), []
+    for step in range(steps + 1):
+        _sync()
+        t0 = time.perf_counter()
+        samples = trio.run(engine.generate, prompts, dataclasses.replace(sampling, seed=step))
+        _sync()
+        t1 = time.perf_counter()
+        rewards = torch.rand(len(samples), generator=gen).tolist()
+        samples = [s.with_reward(r) for s, r in zip(samples, rewards, strict=True)]
+        state, metrics = rl_step(components, state, RolloutBatch(samples=tuple(samples), step=state.step + 1), config)
+        _sync()
+        t2 = time.perf_counter()
+        tokens = sum(len(s.tokens) - s.num_prompt_tokens for s in samples)
+        if step > 0:
+            records.append({"generate": t1 - t0, "train": t2 - t1, "new_tokens": tokens, "loss": metrics.get("loss")})
+    med = {key: statistics.median(float(r[key]) for r in records) for key in ("generate", "train", "new_tokens")}
+    print(
+        f"generate {1e3 * med['generate']:.1f} ms ({med['new_tokens'] / med['generate']:.0f} new tokens/s), "
+        f"train {1e3 * med['train']:.1f} ms, median of {steps} steps; losses {[r['loss'] for r in records]}"
+    )
+    return records
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sections", default="logprobs,train")
+    parser.add_argument("--sections", default="logprobs,train,grpo")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", default="", help="write every figure to this file")
     parser.add_argument("--train-worker", default="", help=argparse.SUPPRESS)
     parser.add_argument("--variants", default=",".join(TRAIN_VARIANTS), help="training variants to run")
+    parser.add_argument("--micro-tokens", type=int, default=0, help="tokens per micro-batch (default 8192)")
     parser.add_argument("--profile-dir", default="", help="write a torch.profiler table of one step per variant here")
     args = parser.parse_args()
     if args.train_worker:
-        print(json.dumps(train_worker(args.train_worker, args.steps, args.quick, args.profile_dir)))
+        print(json.dumps(train_worker(args.train_worker, args.steps, args.quick, args.profile_dir, args.micro_tokens)))
         return
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "CPU (no CUDA: figures say nothing of speed)"
@@ -404,7 +483,11 @@ def main() -> None:
     if "logprobs" in sections:
         out["logprobs"] = section_logprobs(device, args.repeats, args.quick)
     if "train" in sections:
-        out["train"] = section_train(args.steps, args.quick, args.variants.split(","), args.profile_dir)
+        out["train"] = section_train(
+            args.steps, args.quick, args.variants.split(","), args.profile_dir, args.micro_tokens
+        )
+    if "grpo" in sections:
+        out["grpo"] = section_grpo(args.steps, args.quick)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
