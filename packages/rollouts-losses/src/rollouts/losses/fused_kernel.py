@@ -179,8 +179,8 @@ class FusedTokenLogprobs(torch.autograd.Function):
         native = matmul_dtype != dtype
         h_K_H = hidden_K_H if native else _scaled(hidden_K_H, temperature, dtype)
         flats = [torch.empty(c * u, dtype=dtype, device=device) for _ in range(2)]
-        low_precision = weight_V_H.dtype != dtype and not native
-        upcast_U_H = torch.empty(u * weight_V_H.shape[1], dtype=dtype, device=device) if low_precision else None
+        upcast_w = weight_V_H.dtype != dtype and not native  # W's blocks are upcast before each matmul
+        upcast_U_H = torch.empty(u * weight_V_H.shape[1], dtype=dtype, device=device) if upcast_w else None
         max_K = torch.full((n,), -torch.inf, dtype=dtype, device=device)
         sum_K = torch.zeros(n, dtype=dtype, device=device)
         tilt_K = torch.zeros(n if with_entropy else 0, dtype=dtype, device=device)
@@ -244,7 +244,8 @@ class FusedTokenLogprobs(torch.autograd.Function):
         del h_K_H
         grad_w_V_H = torch.empty_like(weight_V_H) if need_w else None  # every block written by its first chunk
         low_precision = weight_V_H.dtype != dtype
-        upcast_U_H = torch.empty(u * hid, dtype=dtype, device=device) if low_precision and not native else None
+        upcast_w = low_precision and not native  # as in forward
+        upcast_U_H = torch.empty(u * hid, dtype=dtype, device=device) if upcast_w else None
         # float32 block gradient for a bf16 W: summed over all tokens in float32, rounded to bf16 once
         grad_block = torch.empty(u * hid, dtype=dtype, device=device) if need_w and low_precision else None
 

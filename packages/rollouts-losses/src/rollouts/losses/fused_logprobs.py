@@ -141,11 +141,10 @@ def fused_token_logprobs(
     _check_shapes(hidden_B_T_H, lm_head_weight_V_H, labels_B_T)
     _check_options(temperature, top_k, top_p)
     operand_dtype = resolve_matmul_dtype(hidden_B_T_H, lm_head_weight_V_H, matmul_dtype)
-    wide = compute_dtype(hidden_B_T_H, lm_head_weight_V_H)
     (b, t, h), v = hidden_B_T_H.shape, lm_head_weight_V_H.shape[0]
     hidden_K_H, labels_K = hidden_B_T_H.reshape(b * t, h), labels_B_T.reshape(b * t).long()
     if 0 < top_k < v or top_p < 1.0:
-        if return_entropy or vocab_chunk_size is not None or (matmul_dtype is not None and matmul_dtype != wide):
+        if return_entropy or vocab_chunk_size is not None or matmul_dtype in _LOW_PRECISION:
             raise ValueError(
                 "return_entropy, vocab_chunk_size and a low-precision matmul_dtype are not supported with top_k / "
                 "top_p truncation (the truncated path ranks whole float32 vocabulary rows)"
