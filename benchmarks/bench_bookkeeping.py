@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from rollouts.data import plan_micro_batches, unpack_values
+from rollouts.data.host_memory import default_pool
 from rollouts.loops.heap import startup_objects_frozen
 from rollouts.losses import group_advantages
 from rollouts.types import LossMask, RolloutBatch, Sample, Status
@@ -100,8 +101,8 @@ def one_step(engine_output, *, prompt: int, group: int) -> tuple[dict[str, float
         unpack_values(list(plan.micro_batches), [mb.loss_mask for mb in plan.micro_batches])
     with clock("send"):  # rank 0: the batch's parts copied once into the tensor it broadcasts
         parts = batch_to_parts(RolloutBatch(samples=tuple(samples)))  # (rollouts.loops.distributed)
-        staging = torch.empty(sum(memoryview(p).nbytes for p in parts), dtype=torch.uint8)
-        view, offset = staging.numpy(), 0
+        view, offset = default_pool.take(sum(memoryview(p).nbytes for p in parts)), 0
+        staging = torch.from_numpy(view)
         for part in parts:
             size = memoryview(part).nbytes
             view[offset : offset + size] = np.frombuffer(part, dtype=np.uint8)

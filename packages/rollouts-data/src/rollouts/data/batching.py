@@ -27,6 +27,7 @@ from typing import Literal
 
 import numpy as np
 
+from rollouts.data.host_memory import HostMemoryPool, carve, default_pool
 from rollouts.types import MicroBatch, Sample
 
 __all__ = [
@@ -120,16 +121,16 @@ def pad_batch(
 _INT_FIELDS = ("input_ids", "position_ids", "segment_ids", "attention_mask")
 
 
-def _arenas(fields: Sequence[str], lengths: Sequence[int]) -> list[dict[str, np.ndarray]]:
+def _arenas(fields: Sequence[str], lengths: Sequence[int], memory: HostMemoryPool) -> list[dict[str, np.ndarray]]:
     """Uninitialised [1, n] arrays for micro-batches of `lengths` tokens: per field, views into one
-    allocation for the whole step. At 1024 x 4096 tokens packing is memory-bound and most of its
-    time was page faults on ~180 MB of fresh per-micro-batch arrays (4 KiB each); one large
-    allocation per field is backed by huge pages where the kernel offers them (numpy advises it),
-    which halves the time. A view keeps its field's step-wide buffer alive."""
+    allocation for the whole step, taken from `memory`. At 1024 x 4096 tokens packing is
+    memory-bound, and on fresh memory most of its time is the kernel faulting in and zeroing
+    ~180 MB of pages; the pool hands back the memory of a previous step's micro-batches once
+    nothing views them. A view keeps the step's whole allocation taken."""
     offsets = list(itertools.accumulate(lengths, initial=0))
-    buffers = {name: np.empty(offsets[-1], dtype=np.int64) for name in _INT_FIELDS}
-    for name in ("loss_mask", *fields):
-        buffers[name] = np.empty(offsets[-1], dtype=np.float32)
+    names = [*_INT_FIELDS, "loss_mask", *fields]
+    dtypes = [np.dtype(np.int64)] * len(_INT_FIELDS) + [np.dtype(np.float32)] * (1 + len(fields))
+    buffers = dict(zip(names, carve(memory, [(offsets[-1], d) for d in dtypes]), strict=True))
     return [
         {name: buffer[a:b].reshape(1, b - a) for name, buffer in buffers.items()}
         for a, b in itertools.pairwise(offsets)
@@ -219,13 +220,20 @@ def best_fit_decreasing(lengths: Sequence[int], *, capacity: int) -> list[list[i
 
 
 def pack_samples(
-    samples: Sequence[Sample], *, max_tokens: int, pad_id: int = 0, pad_to_multiple_of: int = 1
+    samples: Sequence[Sample],
+    *,
+    max_tokens: int,
+    pad_id: int = 0,
+    pad_to_multiple_of: int = 1,
+    memory: HostMemoryPool | None = None,
 ) -> list[MicroBatch[np.ndarray]]:
     """Packed micro-batches ([1, T], T <= max_tokens) filled by best-fit-decreasing.
 
     Each row is its sequences back to back, padded at the tail to a multiple of
     `pad_to_multiple_of` (never beyond max_tokens); position_ids restart at 0 per sequence and
-    cu_seqlens marks the boundaries.
+    cu_seqlens marks the boundaries. The arrays are views into one allocation from `memory`
+    (default: `rollouts.data.host_memory.default_pool`), which is reused for a later step once no
+    array of this one is alive.
     """
     _check_samples(samples)
     if pad_to_multiple_of < 1:
@@ -245,7 +253,7 @@ def pack_samples(
         sizes.append(min(-(-used // pad_to_multiple_of) * pad_to_multiple_of, max_tokens))
     return [
         _pack_one([samples[i] for i in bin_indices], bin_indices, fields, pad_id=pad_id, out=arrays)
-        for bin_indices, arrays in zip(bins, _arenas(fields, sizes), strict=True)
+        for bin_indices, arrays in zip(bins, _arenas(fields, sizes, memory or default_pool), strict=True)
     ]
 
 
@@ -339,18 +347,20 @@ def plan_micro_batches(
     max_tokens: int,
     layout: Literal["packed", "padded"] = "packed",
     pad_id: int = 0,
+    memory: HostMemoryPool | None = None,
 ) -> StepPlan:
     """Split a step's samples into micro-batches of at most `max_tokens` (B * T) tokens each.
 
     sample_indices in every micro-batch index into `samples`; the counts cover the whole step, so
     losses normalized by them and summed over micro-batches equal the loss of one big batch.
+    The packed layout's arrays come from `memory` (see `pack_samples`).
     """
     _check_samples(samples)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
     lengths = [len(s.tokens) for s in samples]
     if layout == "packed":
-        micro_batches = pack_samples(samples, max_tokens=max_tokens, pad_id=pad_id)
+        micro_batches = pack_samples(samples, max_tokens=max_tokens, pad_id=pad_id, memory=memory)
     elif layout == "padded":
         for i, n in enumerate(lengths):
             if n > max_tokens:

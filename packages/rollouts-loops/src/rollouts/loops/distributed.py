@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from rollouts.backends.distributed import close_process_group, collective_device, distributed_ready
+from rollouts.data.host_memory import default_pool
 from rollouts.types import MicroBatch
 
 
@@ -116,8 +117,8 @@ def broadcast_tagged(tag: bytes = b"", *parts: bytes | memoryview) -> tuple[byte
     torch.distributed.broadcast(sizes_tensor, src=0)
     num_tag, num_data = (int(n) for n in sizes_tensor.tolist())
     if rank == 0:
-        staging = torch.empty(num_tag + num_data, dtype=torch.uint8)
-        view, offset = staging.numpy(), 0
+        view, offset = default_pool.take(num_tag + num_data), 0  # a previous step's memory, once free
+        staging = torch.from_numpy(view)
         for part in (tag, *parts):
             size = memoryview(part).nbytes
             view[offset : offset + size] = np.frombuffer(part, dtype=np.uint8)
