@@ -19,10 +19,13 @@ train     `rl_step` (advantages, packing into micro-batches of 8192 tokens, forw
           model of Qwen2-0.5B's shape (494M parameters), 64 samples x 1024 tokens (256 prompt +
           768 response) per step, each variant in its own process:
           - fsdp2-bf16: FSDP2 (`shard_model`, one rank) with bf16 compute, float32 master weights
-            and gradient reduction (MixedPrecisionPolicy), the library's AdamW;
-          - fsdp2-bf16-fused-adam: the same with torch's fused CUDA AdamW;
+            and gradient reduction (MixedPrecisionPolicy), the library's AdamW (`build_optimizer`:
+            torch's multi-tensor kernels for sharded weights on CUDA);
           - fsdp2-fp32: FSDP2 in float32 throughout;
-          - bf16: the unsharded model in bf16 (what `dtype = "bfloat16"` on one device gives).
+          - bf16: the unsharded model in bf16 (what `dtype = "bfloat16"` on one device gives), the
+            library's AdamW (torch's fused kernel for plain weights on CPU or CUDA);
+          - a suffix -loop-adam, -foreach-adam or -fused-adam (e.g. bf16-loop-adam) swaps in that
+            implementation of torch's AdamW; -loop-adam is what the library used before.
           Step time (median of `--steps` after 2 warm-up steps), its forward + backward and
           optimizer parts, tokens per second, peak GPU memory, and 6 N tokens / time (N the
           parameter count) as a rough model TFLOP/s. `--micro-tokens` sets the micro-batch size.
@@ -38,9 +41,11 @@ naive's time from 4k tokens and 1/10 to 1/60 of its memory; matmul_dtype=float32
 train (--steps 4):
                    variant   step ms fwd+bwd ms  optim ms  other ms   tokens/s 6N tok/s TF  peak GiB
                 fsdp2-bf16    1943.5     1830.9     107.8       4.9      33721       100.0     19.15
-     fsdp2-bf16-fused-adam    2081.2     1903.4     165.7      12.1      31489        93.3     19.15
+     fsdp2-bf16-fused-adam    2081.2     1903.4     165.7      12.1      31489        93.3     19.15  (*)
                 fsdp2-fp32    5772.8     5635.0     120.9      17.0      11352        33.7     40.51
                        bf16    1105.8     1057.2      42.2       6.3      59268       175.7     15.22
+(*) Not the fused kernel: the variant rebuilt AdamW from the first optimizer's param groups, which
+carry its fused=None / foreach=False, so this row ran the per-tensor loop too (now fixed).
 A second machine gave fsdp2-bf16 1620.5 ms and bf16 978.6 ms (--steps 2). Under torch.profiler one
 step kept the GPU busy 0.80 s (FSDP2) and 0.75 s (bf16) of it: the step is bound by the host's
 launches and syncs (about 3,000 kernels per 8k-token micro-batch; FSDP2 adds its per-layer
@@ -55,7 +60,19 @@ reduces the gradients): with 4x fewer micro-batches it falls from 1.65-1.76x the
 1.08x. On one device the library trains unsharded anyway (FSDP2 only under torchrun with more than
 one rank); on several, micro-batches as large as memory allows pay.
 
-grpo (--steps 3, same machine as the line above): generate 1435.6 ms (5706 new tokens/s; 128
+The optimizer rows above used the per-tensor AdamW loop (now the -loop-adam variants); the
+library's AdamW is now torch's fused kernel (plain weights) or its foreach kernels (FSDP2), and
+the norm and clipping use the foreach kernels (--steps 3, two more machines):
+                   variant   step ms fwd+bwd ms  optim ms  other ms   tokens/s 6N tok/s TF  peak GiB
+                      bf16     906.1      895.1       8.2       2.8      72326       214.4     15.23
+            bf16-loop-adam     944.0      906.0      30.1       7.9      69427       205.8     15.22
+                fsdp2-bf16    1424.9     1393.9      17.2      13.8      45992       136.3     19.15
+      fsdp2-bf16-loop-adam    1680.6     1568.7     107.0       4.9      38995       115.6     19.15
+and, on the second of them: fsdp2-bf16 optim 26.2 ms, fsdp2-bf16-fused-adam 13.3 ms,
+fsdp2-bf16-loop-adam 78.8 ms (its forward + backward varied 1143-1420 ms between processes: the
+host-bound part is noisy; the optimizer part is the figure to compare).
+
+grpo (--steps 3, the third machine of the 2026-11-26 runs): generate 1435.6 ms (5706 new tokens/s; 128
 decode steps of 64 rows, about 11 ms each, bound by the host's launches at this model size),
 train 211.4 ms.
 
@@ -83,7 +100,8 @@ LOGPROB_SHAPES = {  # (H, V): token counts, by dtype
     (3584, 152064): {torch.bfloat16: (4096, 16384, 32768), torch.float32: ()},
 }
 QUICK_SHAPES = {(64, 1000): {torch.bfloat16: (64, 256), torch.float32: (64,)}}
-TRAIN_VARIANTS = ("fsdp2-bf16", "fsdp2-bf16-fused-adam", "fsdp2-fp32", "bf16")
+TRAIN_VARIANTS = ("fsdp2-bf16", "fsdp2-bf16-loop-adam", "bf16", "bf16-loop-adam", "fsdp2-fp32")
+ADAMW_SUFFIXES = {"-loop-adam": {"foreach": False}, "-foreach-adam": {"foreach": True}, "-fused-adam": {"fused": True}}
 CHECK_TOKENS = 256
 
 
@@ -297,8 +315,6 @@ def train_worker(variant: str, steps: int, quick: bool, profile: str = "", micro
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if "bf16" in variant else None
         model = shard_model(model, mixed_precision=mp)
         opt = build_optimizer(model, optimizer_config)
-        if variant.endswith("fused-adam"):
-            opt = torch.optim.AdamW(opt.param_groups, fused=True)
         components = TrainingComponents(
             model=model, optimizer=opt, device=device,
             scheduler=build_scheduler(opt, optimizer_config, num_training_steps=warmup + steps),
@@ -307,6 +323,16 @@ def train_worker(variant: str, steps: int, quick: bool, profile: str = "", micro
         components = build_components(
             model.to(torch.bfloat16), optimizer_config, num_training_steps=warmup + steps, device=str(device)
         )
+    for suffix, implementation in ADAMW_SUFFIXES.items():
+        if variant.endswith(suffix):  # the same groups and hyperparameters, another implementation
+            groups = [
+                {"params": g["params"], "weight_decay": g["weight_decay"]} for g in components.optimizer.param_groups
+            ]
+            opt = torch.optim.AdamW(
+                groups, lr=optimizer_config.lr, betas=optimizer_config.betas, eps=optimizer_config.eps, **implementation
+            )
+            scheduler = build_scheduler(opt, optimizer_config, num_training_steps=warmup + steps)
+            components = dataclasses.replace(components, optimizer=opt, scheduler=scheduler)
     parts: dict[str, float] = {}
 
     def timed(module, name: str, key: str) -> None:

@@ -65,6 +65,33 @@ def test_exact_resume_is_bit_identical(tmp_path):
             assert torch.equal(sa[key], sb[key]), key
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_fused_cuda_optimizer_resumes_bit_identically(tmp_path):
+    """The fused AdamW keeps its step counts on the GPU: saved and loaded, the next update with the
+    same gradients gives the same bits (the gradients are set, not computed: CUDA's backward may
+    reorder its sums from run to run)."""
+    from helpers import TRAIN_CONFIG_KW
+
+    from rollouts.backends import optim_step
+
+    config = OptimizerConfig(**TRAIN_CONFIG_KW)
+    first = build_components(tiny_model(), config, num_training_steps=8, device="cuda")
+    assert first.optimizer.defaults["fused"] is True
+    state = train_steps(first, TrainingState(), 2)
+    path = save_checkpoint(first, state, tmp_path)
+    resumed = build_components(tiny_model(seed=1), config, num_training_steps=8, device="cuda")
+    loaded_state, _ = load_checkpoint(resumed, path)
+    assert loaded_state == state
+    generator = torch.Generator().manual_seed(0)
+    for p, q in zip(first.model.parameters(), resumed.model.parameters(), strict=True):
+        p.grad = torch.randn(p.shape, generator=generator).to("cuda")
+        q.grad = p.grad.clone()
+    optim_step(first, state, config)
+    optim_step(resumed, loaded_state, config)
+    _assert_bit_identical(_weights(first.model), _weights(resumed.model))
+
+
 def test_checkpoint_is_hf_loadable_and_complete(tmp_path):
     components = fresh_components()
     state = train_steps(components, TrainingState(), 1)

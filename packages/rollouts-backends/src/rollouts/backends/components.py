@@ -135,12 +135,22 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.op
         {"params": no_decay, "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
-    # On CPU the fused kernel updates every tensor in one call (3x faster than the per-tensor loop
-    # on a 1M-parameter model); elsewhere, and for sharded (DTensor) weights, the per-tensor loop.
-    # Either gives the same bits on a rerun, so exact-resume comparisons stay bitwise.
-    fused = all(type(p) is torch.nn.Parameter and p.device.type == "cpu" for _, p in named)
-    kwargs = {"fused": True} if fused else {"foreach": False}
+    kwargs = _adamw_implementation([p for _, p in named])
     return torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, **kwargs)
+
+
+def _adamw_implementation(params: list[torch.Tensor]) -> dict[str, bool]:
+    """Which of torch's AdamW implementations updates `params` fastest: the fused kernel for plain
+    weights on CPU or CUDA (every tensor in one call; on CPU 3x faster than the per-tensor loop on a
+    1M-parameter model), the multi-tensor (foreach) kernels for sharded weights on CUDA, else the
+    per-tensor loop. Each gives the same bits on a rerun, so exact-resume comparisons stay bitwise."""
+    device_types = {p.device.type for p in params}
+    plain = all(type(p) is torch.nn.Parameter for p in params)
+    if plain and len(device_types) == 1 and device_types <= {"cpu", "cuda"}:
+        return {"fused": True}
+    if device_types == {"cuda"}:
+        return {"foreach": True}
+    return {"foreach": False}
 
 
 def lr_multiplier(step: int, *, config: OptimizerConfig, num_training_steps: int) -> float:

@@ -335,13 +335,14 @@ def optim_step(
     max_norm = math.inf if config.max_grad_norm is None else config.max_grad_norm
     # The norm is checked before clipping: clipping by a NaN norm would spread the NaN into
     # every gradient and hide which parameter produced it.
-    total_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=False) if params else None
+    # foreach=None: torch's multi-tensor kernels where the device has them (CUDA), else the loop.
+    total_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=None) if params else None
     grad_norm = float(_full(total_norm)) if total_norm is not None else 0.0
     lr = float(optimizer.param_groups[0]["lr"])
     loss_finite = loss is None or math.isfinite(loss)
     if math.isfinite(grad_norm) and loss_finite:
         if total_norm is not None:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=False)
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=None)
         optimizer.step()
         components.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
