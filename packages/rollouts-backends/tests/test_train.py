@@ -390,3 +390,66 @@ def test_loss_positions_only_equals_the_full_computation(lengths, seed, packed, 
         torch.testing.assert_close(only_ent[on], full_ent[on], atol=1e-6, rtol=1e-5)
     for name in full_g:
         torch.testing.assert_close(only_g[name], full_g[name], atol=1e-6, rtol=1e-4)
+
+
+def _device_layout_rules(batch, *, loss_positions_only):
+    """The layout rules written on torch tensors, as the forward applied them before they moved to
+    the host: a boolean [B, T - 1] mask of the positions whose next token gets a log-prob."""
+    keep_B_T = (batch.position_ids[:, 1:] > 0) & (batch.attention_mask[:, 1:] > 0)
+    if loss_positions_only and bool((keep_B_T & (batch.loss_mask[:, 1:] > 0)).any()):
+        keep_B_T = keep_B_T & (batch.loss_mask[:, 1:] > 0)
+    return keep_B_T
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(2, 12), min_size=1, max_size=5),
+    num_prompt=st.integers(1, 14),
+    layout=st.sampled_from(["packed", "padded"]),
+    loss_positions_only=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_the_host_layout_follows_the_rules_of_the_batch(lengths, num_prompt, layout, loss_positions_only, seed):
+    """The layout the forward reads on the host (so a GPU never waits on it) is what the batch's
+    tensors say: the kept positions, one sequence per row, padding, and the token counts."""
+    from rollouts.backends.train import _host_layout
+
+    seqs = random_sequences(np.random.default_rng(seed), lengths)
+    micro_batch = (packed_batch if layout == "packed" else padded_batch)(seqs, num_prompt=num_prompt)
+    batch = micro_batch_to_torch(micro_batch, torch.device("cpu"))
+    found = _host_layout(micro_batch, loss_positions_only=loss_positions_only)
+    from_tensors = _host_layout(batch, loss_positions_only=loss_positions_only)
+    assert found.kept.tolist() == from_tensors.kept.tolist()
+    assert dataclasses.replace(found, kept=None) == dataclasses.replace(from_tensors, kept=None)
+    keep_B_T = _device_layout_rules(batch, loss_positions_only=loss_positions_only)
+    t = batch.input_ids.shape[1]
+    rows, cols = torch.nonzero(keep_B_T, as_tuple=True)
+    assert found.kept.tolist() == (rows * t + cols).tolist()
+    assert found.one_sequence_per_row == one_sequence_per_row(batch)
+    assert found.all_real == bool((batch.attention_mask != 0).all())
+    assert found.num_loss_tokens == int((batch.loss_mask > 0).sum())
+    assert found.num_real_tokens == int(batch.attention_mask.sum())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_step_on_cuda_matches_the_cpu(seqs):
+    """forward_backward on CUDA (pinned, non-blocking copies; the layout found on the host) gives
+    the CPU's loss, metrics and gradients: float32 throughout, so within float32 rounding of sums
+    over a few hundred terms (rel 1e-4)."""
+    micro_batches = [packed_batch(seqs[:2]), padded_batch(seqs[2:])]
+    results = {}
+    for device in ("cpu", "cuda"):
+        components = build_components(tiny_model(), OptimizerConfig(lr=1e-3), num_training_steps=2, device=device)
+        metrics = forward_backward(components, micro_batches, sft_loss_fn(), num_tokens=20, num_sequences=4)
+        grads = {n: p.grad.detach().cpu() for n, p in components.model.named_parameters()}
+        logprobs = compute_logprobs(components, micro_batches)
+        results[device] = (metrics, grads, logprobs)
+    (cpu_metrics, cpu_grads, cpu_lps), (gpu_metrics, gpu_grads, gpu_lps) = results["cpu"], results["cuda"]
+    assert cpu_metrics.keys() == gpu_metrics.keys()
+    for key in cpu_metrics:
+        assert math.isclose(cpu_metrics[key], gpu_metrics[key], rel_tol=1e-4, abs_tol=1e-6), key
+    for name in cpu_grads:
+        torch.testing.assert_close(gpu_grads[name], cpu_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    for a, b in zip(cpu_lps, gpu_lps, strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)

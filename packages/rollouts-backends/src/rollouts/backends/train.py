@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,17 +52,90 @@ def micro_batch_to_torch(micro_batch: MicroBatch[np.ndarray], device: torch.devi
     if len(shape) != 2 or shape[1] < 2:
         raise ValueError(f"micro-batch input_ids must be [B, T] with T >= 2, got shape {shape}")
 
+    device = torch.device(device)
+    pinned = device.type == "cuda"
+
     def to_torch(name: str, value: np.ndarray) -> torch.Tensor:
         array = np.asarray(value)
         if name in _INT_FIELDS:
             if not np.issubdtype(array.dtype, np.integer):
                 raise TypeError(f"micro-batch {name!r} must be an integer array, got {array.dtype}")
-            return torch.as_tensor(array, dtype=torch.long, device=device)
-        if np.issubdtype(array.dtype, np.floating):
-            return torch.as_tensor(array, dtype=torch.float32, device=device)
-        return torch.as_tensor(array, device=device)
+            dtype: torch.dtype | None = torch.long
+        elif np.issubdtype(array.dtype, np.floating):
+            dtype = torch.float32
+        else:
+            dtype = None
+        if not pinned:
+            return torch.as_tensor(array, dtype=dtype, device=device)
+        # Through page-locked memory (torch's caching host allocator), without waiting: a copy
+        # from pageable memory waits for every kernel queued before it, so each micro-batch
+        # would drain the GPU's queue before its forward could be queued.
+        host = torch.as_tensor(array, dtype=dtype).pin_memory()
+        return host.to(device, non_blocking=True)
 
     return micro_batch.map(to_torch)
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """What the forward needs to know of a micro-batch's layout, found on the host: on a GPU each
+    of these read from device tensors would wait for the queued kernels (several per micro-batch)."""
+
+    one_sequence_per_row: bool
+    all_real: bool
+    """No padding anywhere."""
+    kept: np.ndarray
+    """[K] int64: the flat index b * T + t of every position t (of [B, T - 1]) whose next token gets
+    a log-prob, row-major; the token predicted is at b * T + t + 1."""
+    num_loss_tokens: int
+    num_real_tokens: int
+
+
+def _layout(
+    position_ids: np.ndarray,
+    attention_mask: np.ndarray,
+    segment_ids: np.ndarray,
+    loss_mask: np.ndarray,
+    *,
+    loss_positions_only: bool,
+) -> _Layout:
+    real_B_T = segment_ids >= 0
+    t = position_ids.shape[1]
+    one_per_row = bool(
+        (real_B_T[:, 1:] <= real_B_T[:, :-1]).all()
+        and ((segment_ids == segment_ids[:, :1]) | ~real_B_T).all()
+        and ((position_ids == np.arange(t)) | ~real_B_T).all()
+    )
+    # Token t + 1 is predicted from position t of the same sequence: no prediction at a sequence
+    # start (position 0, which in packed rows follows another sequence's last token) or padding.
+    keep_B_T = (position_ids[:, 1:] > 0) & (attention_mask[:, 1:] > 0)
+    if loss_positions_only:
+        on_loss = keep_B_T & (loss_mask[:, 1:] > 0)
+        if on_loss.any():
+            keep_B_T = on_loss
+    rows, cols = np.nonzero(keep_B_T)
+    return _Layout(
+        one_sequence_per_row=one_per_row,
+        all_real=bool((attention_mask != 0).all()),
+        kept=(rows * t + cols).astype(np.int64),
+        num_loss_tokens=int((loss_mask > 0).sum()),
+        num_real_tokens=int(attention_mask.sum()),
+    )
+
+
+def _host_layout(micro_batch: MicroBatch[Any], *, loss_positions_only: bool) -> _Layout:
+    """The layout of a numpy micro-batch, or of a torch one (copied to the host first)."""
+
+    def host(array: Any) -> np.ndarray:
+        return array.detach().cpu().numpy() if isinstance(array, torch.Tensor) else np.asarray(array)
+
+    return _layout(
+        host(micro_batch.position_ids),
+        host(micro_batch.attention_mask),
+        host(micro_batch.segment_ids),
+        host(micro_batch.loss_mask),
+        loss_positions_only=loss_positions_only,
+    )
 
 
 def attention_mask_4d(segment_ids_B_T: torch.Tensor, *, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -104,15 +178,18 @@ def one_sequence_per_row(batch: MicroBatch[torch.Tensor]) -> bool:
     return prefix and one_segment and counted
 
 
-def _model_inputs(model: torch.nn.Module, batch: MicroBatch[torch.Tensor]) -> dict[str, Any]:
+def _model_inputs(
+    model: torch.nn.Module, batch: MicroBatch[torch.Tensor], layout: _Layout | None = None
+) -> dict[str, Any]:
     impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    if not packed_only(model) and one_sequence_per_row(batch):
+    one_per_row = layout.one_sequence_per_row if layout is not None else one_sequence_per_row(batch)
+    if not packed_only(model) and one_per_row:
         # Positions 0..T-1 on padding too: position ids restarting at 0 would read as packing. One
         # row of them, broadcast over the batch: the rotary angles are computed once, not per row.
         positions_1_T = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None]
         return {"input_ids": batch.input_ids, "position_ids": positions_1_T, "attention_mask": None}
     if packed_only(model):
-        if bool((batch.attention_mask == 0).any()):
+        if not (layout.all_real if layout is not None else bool((batch.attention_mask != 0).all())):
             raise ValueError(f"attn_implementation {impl!r} needs the packed layout without padding")
         mask = None
     elif impl == "sdpa":
@@ -122,7 +199,9 @@ def _model_inputs(model: torch.nn.Module, batch: MicroBatch[torch.Tensor]) -> di
     return {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "attention_mask": mask}
 
 
-def _final_hidden(model: torch.nn.Module, batch: MicroBatch[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _final_hidden(
+    model: torch.nn.Module, batch: MicroBatch[torch.Tensor], layout: _Layout | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, T, H] last hidden state (after the final norm) and [V, H] output projection weight.
 
     The full forward runs (so FSDP's hooks gather and later reduce every parameter) but the
@@ -144,7 +223,7 @@ def _final_hidden(model: torch.nn.Module, batch: MicroBatch[torch.Tensor]) -> tu
     ]
     try:
         no_positions = torch.empty(0, dtype=torch.long, device=batch.input_ids.device)
-        model(**_model_inputs(model, batch), use_cache=False, logits_to_keep=no_positions)
+        model(**_model_inputs(model, batch, layout), use_cache=False, logits_to_keep=no_positions)
     finally:
         for handle in handles:
             handle.remove()
@@ -169,14 +248,30 @@ def token_logprobs_of_model(
     `loss_positions_only`: the output layer runs only for tokens the loss mask covers (the others
     read 0): prompts carry no loss, so a loss needs nothing else and skips their logits.
     """
-    hidden_B_T_H, weight_V_H = _final_hidden(model, batch)
-    # Token t is predicted from position t-1 of the same sequence: no prediction at a sequence
-    # start (position 0, which in packed rows follows another sequence's last token) or padding.
-    keep_B_T = (batch.position_ids[:, 1:] > 0) & (batch.attention_mask[:, 1:] > 0)
-    if loss_positions_only and bool((keep_B_T & (batch.loss_mask[:, 1:] > 0)).any()):
-        keep_B_T = keep_B_T & (batch.loss_mask[:, 1:] > 0)
-    hidden_1_K_H = hidden_B_T_H[:, :-1][keep_B_T][None]
-    labels_1_K = batch.input_ids[:, 1:][keep_B_T][None]
+    layout = _host_layout(batch, loss_positions_only=loss_positions_only)
+    return _token_logprobs(
+        model, batch, layout, temperature=temperature, with_entropy=with_entropy, top_k=top_k, top_p=top_p
+    )
+
+
+def _token_logprobs(
+    model: torch.nn.Module,
+    batch: MicroBatch[torch.Tensor],
+    layout: _Layout,
+    *,
+    temperature: float,
+    with_entropy: bool,
+    top_k: int,
+    top_p: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs_of_model` given the batch's layout, with no wait on the device."""
+    hidden_B_T_H, weight_V_H = _final_hidden(model, batch, layout)
+    b, t, h = hidden_B_T_H.shape
+    kept_K = torch.from_numpy(layout.kept)
+    if kept_K.device != hidden_B_T_H.device:
+        kept_K = kept_K.pin_memory().to(hidden_B_T_H.device, non_blocking=True)
+    hidden_1_K_H = hidden_B_T_H.reshape(b * t, h).index_select(0, kept_K)[None]
+    labels_1_K = batch.input_ids.reshape(b * t).index_select(0, kept_K + 1)[None]
     truncated = top_k > 0 or top_p < 1.0
     result = fused_token_logprobs(
         hidden_1_K_H,
@@ -194,14 +289,13 @@ def token_logprobs_of_model(
         )
     else:
         logprobs_1_K, entropy_1_K = result if with_entropy else (result, None)
-    logprobs_B_T = _scatter_kept(logprobs_1_K, keep_B_T)
-    return logprobs_B_T, None if entropy_1_K is None else _scatter_kept(entropy_1_K, keep_B_T)
+    logprobs_B_T = _scatter_kept(logprobs_1_K, kept_K, b, t)
+    return logprobs_B_T, None if entropy_1_K is None else _scatter_kept(entropy_1_K, kept_K, b, t)
 
 
-def _scatter_kept(values_1_K: torch.Tensor, keep_B_T: torch.Tensor) -> torch.Tensor:
-    """[B, T]: 0 at position 0, values_1_K at the kept positions t + 1 (row-major order), 0 elsewhere."""
-    out_B_T = values_1_K.new_zeros(keep_B_T.shape).masked_scatter(keep_B_T, values_1_K[0])
-    return torch.cat([values_1_K.new_zeros(keep_B_T.shape[0], 1), out_B_T], dim=1)
+def _scatter_kept(values_1_K: torch.Tensor, kept_K: torch.Tensor, b: int, t: int) -> torch.Tensor:
+    """[B, T]: values_1_K at the predicted positions (kept_K + 1, flat), 0 elsewhere."""
+    return values_1_K.new_zeros(b * t).index_copy(0, kept_K + 1, values_1_K[0]).view(b, t)
 
 
 def forward_backward(
@@ -239,14 +333,9 @@ def forward_backward(
     num_loss = 0
     for micro_batch in micro_batches:
         batch = micro_batch_to_torch(micro_batch, components.device)
-        logprobs_B_T, entropy_B_T = token_logprobs_of_model(
-            model,
-            batch,
-            temperature=temperature,
-            with_entropy=with_entropy,
-            top_k=top_k,
-            top_p=top_p,
-            loss_positions_only=True,
+        layout = _host_layout(micro_batch, loss_positions_only=True)
+        logprobs_B_T, entropy_B_T = _token_logprobs(
+            model, batch, layout, temperature=temperature, with_entropy=with_entropy, top_k=top_k, top_p=top_p
         )
         kwargs: dict[str, Any] = {"num_tokens": num_tokens, "num_sequences": num_sequences}
         if with_entropy:
@@ -256,13 +345,12 @@ def forward_backward(
         # scaling by the rank count turns that average into the sum the step needs.
         (loss * num_ranks if num_ranks > 1 else loss).backward()
         loss_total += float(loss.detach())
-        mb_loss_tokens = int((batch.loss_mask > 0).sum())
-        weight = float(max(mb_loss_tokens, 1))
+        weight = float(max(layout.num_loss_tokens, 1))
         for key, value in metrics.items():
             weighted[key] = weighted.get(key, 0.0) + weight * float(value)
         weight_total += weight
-        num_real += int(batch.attention_mask.sum())
-        num_loss += mb_loss_tokens
+        num_real += layout.num_real_tokens
+        num_loss += layout.num_loss_tokens
     out = {key: value / weight_total for key, value in weighted.items()}
     out.update(
         loss=loss_total,
@@ -290,7 +378,10 @@ def compute_logprobs(
         out = []
         for micro_batch in micro_batches:
             batch = micro_batch_to_torch(micro_batch, components.device)
-            logprobs_B_T, _ = token_logprobs_of_model(model, batch, temperature=temperature, top_k=top_k, top_p=top_p)
+            layout = _host_layout(micro_batch, loss_positions_only=False)
+            logprobs_B_T, _ = _token_logprobs(
+                model, batch, layout, temperature=temperature, with_entropy=False, top_k=top_k, top_p=top_p
+            )
             out.append(logprobs_B_T.float().cpu().numpy())
         return out
     finally:
