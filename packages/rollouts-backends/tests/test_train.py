@@ -394,11 +394,19 @@ def test_loss_positions_only_equals_the_full_computation(lengths, seed, packed, 
 
 def _device_layout_rules(batch, *, loss_positions_only):
     """The layout rules written on torch tensors, as the forward applied them before they moved to
-    the host: a boolean [B, T - 1] mask of the positions whose next token gets a log-prob."""
+    the host: a boolean [B, T - 1] mask of the positions whose next token gets a log-prob, and
+    whether each row holds one sequence from position 0."""
     keep_B_T = (batch.position_ids[:, 1:] > 0) & (batch.attention_mask[:, 1:] > 0)
     if loss_positions_only and bool((keep_B_T & (batch.loss_mask[:, 1:] > 0)).any()):
         keep_B_T = keep_B_T & (batch.loss_mask[:, 1:] > 0)
-    return keep_B_T
+    real_B_T = batch.segment_ids >= 0
+    positions_T = torch.arange(batch.input_ids.shape[1])
+    one_per_row = (
+        bool((real_B_T[:, 1:] <= real_B_T[:, :-1]).all())
+        and bool(((batch.segment_ids == batch.segment_ids[:, :1]) | ~real_B_T).all())
+        and bool(((batch.position_ids == positions_T) | ~real_B_T).all())
+    )
+    return keep_B_T, one_per_row
 
 
 @settings(max_examples=40, deadline=None)
@@ -421,11 +429,11 @@ def test_the_host_layout_follows_the_rules_of_the_batch(lengths, num_prompt, lay
     from_tensors = _host_layout(batch, loss_positions_only=loss_positions_only)
     assert found.kept.tolist() == from_tensors.kept.tolist()
     assert dataclasses.replace(found, kept=None) == dataclasses.replace(from_tensors, kept=None)
-    keep_B_T = _device_layout_rules(batch, loss_positions_only=loss_positions_only)
+    keep_B_T, one_per_row = _device_layout_rules(batch, loss_positions_only=loss_positions_only)
     t = batch.input_ids.shape[1]
     rows, cols = torch.nonzero(keep_B_T, as_tuple=True)
     assert found.kept.tolist() == (rows * t + cols).tolist()
-    assert found.one_sequence_per_row == one_sequence_per_row(batch)
+    assert found.one_sequence_per_row == one_per_row == one_sequence_per_row(batch)
     assert found.all_real == bool((batch.attention_mask != 0).all())
     assert found.num_loss_tokens == int((batch.loss_mask > 0).sum())
     assert found.num_real_tokens == int(batch.attention_mask.sum())

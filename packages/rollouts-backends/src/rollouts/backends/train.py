@@ -99,13 +99,7 @@ def _layout(
     *,
     loss_positions_only: bool,
 ) -> _Layout:
-    real_B_T = segment_ids >= 0
     t = position_ids.shape[1]
-    one_per_row = bool(
-        (real_B_T[:, 1:] <= real_B_T[:, :-1]).all()
-        and ((segment_ids == segment_ids[:, :1]) | ~real_B_T).all()
-        and ((position_ids == np.arange(t)) | ~real_B_T).all()
-    )
     # Token t + 1 is predicted from position t of the same sequence: no prediction at a sequence
     # start (position 0, which in packed rows follows another sequence's last token) or padding.
     keep_B_T = (position_ids[:, 1:] > 0) & (attention_mask[:, 1:] > 0)
@@ -115,7 +109,7 @@ def _layout(
             keep_B_T = on_loss
     rows, cols = np.nonzero(keep_B_T)
     return _Layout(
-        one_sequence_per_row=one_per_row,
+        one_sequence_per_row=_one_sequence_per_row(position_ids, segment_ids),
         all_real=bool((attention_mask != 0).all()),
         kept=(rows * t + cols).astype(np.int64),
         num_loss_tokens=int((loss_mask > 0).sum()),
@@ -123,17 +117,26 @@ def _layout(
     )
 
 
+def _one_sequence_per_row(position_ids: np.ndarray, segment_ids: np.ndarray) -> bool:
+    real_B_T = segment_ids >= 0
+    return bool(
+        (real_B_T[:, 1:] <= real_B_T[:, :-1]).all()
+        and ((segment_ids == segment_ids[:, :1]) | ~real_B_T).all()
+        and ((position_ids == np.arange(position_ids.shape[1])) | ~real_B_T).all()
+    )
+
+
+def _host(array: Any) -> np.ndarray:
+    return array.detach().cpu().numpy() if isinstance(array, torch.Tensor) else np.asarray(array)
+
+
 def _host_layout(micro_batch: MicroBatch[Any], *, loss_positions_only: bool) -> _Layout:
     """The layout of a numpy micro-batch, or of a torch one (copied to the host first)."""
-
-    def host(array: Any) -> np.ndarray:
-        return array.detach().cpu().numpy() if isinstance(array, torch.Tensor) else np.asarray(array)
-
     return _layout(
-        host(micro_batch.position_ids),
-        host(micro_batch.attention_mask),
-        host(micro_batch.segment_ids),
-        host(micro_batch.loss_mask),
+        _host(micro_batch.position_ids),
+        _host(micro_batch.attention_mask),
+        _host(micro_batch.segment_ids),
+        _host(micro_batch.loss_mask),
         loss_positions_only=loss_positions_only,
     )
 
@@ -170,26 +173,22 @@ def one_sequence_per_row(batch: MicroBatch[torch.Tensor]) -> bool:
     Plain causal attention is then exact for every real token (a real token sees no padding, which
     comes after it), so no [B, 1, T, T] mask is needed and SDPA takes its causal kernel.
     """
-    real_B_T = batch.segment_ids >= 0
-    positions_T = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)
-    prefix = bool((real_B_T[:, 1:] <= real_B_T[:, :-1]).all())
-    one_segment = bool(((batch.segment_ids == batch.segment_ids[:, :1]) | ~real_B_T).all())
-    counted = bool(((batch.position_ids == positions_T) | ~real_B_T).all())
-    return prefix and one_segment and counted
+    return _one_sequence_per_row(_host(batch.position_ids), _host(batch.segment_ids))
 
 
 def _model_inputs(
     model: torch.nn.Module, batch: MicroBatch[torch.Tensor], layout: _Layout | None = None
 ) -> dict[str, Any]:
     impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    one_per_row = layout.one_sequence_per_row if layout is not None else one_sequence_per_row(batch)
-    if not packed_only(model) and one_per_row:
+    if layout is None:
+        layout = _host_layout(batch, loss_positions_only=False)
+    if not packed_only(model) and layout.one_sequence_per_row:
         # Positions 0..T-1 on padding too: position ids restarting at 0 would read as packing. One
         # row of them, broadcast over the batch: the rotary angles are computed once, not per row.
         positions_1_T = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None]
         return {"input_ids": batch.input_ids, "position_ids": positions_1_T, "attention_mask": None}
     if packed_only(model):
-        if not (layout.all_real if layout is not None else bool((batch.attention_mask != 0).all())):
+        if not layout.all_real:
             raise ValueError(f"attn_implementation {impl!r} needs the packed layout without padding")
         mask = None
     elif impl == "sdpa":
