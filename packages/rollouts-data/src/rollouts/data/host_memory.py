@@ -68,8 +68,9 @@ class HostMemoryPool:
             raw = np.empty(size + _ALIGN, dtype=np.uint8)  # numpy asks for huge pages
             start = -raw.__array_interface__["data"][0] % _ALIGN
             block = raw[start : start + size]
-        # The lease is what every array handed out holds (numpy keeps the object it was made from as
-        # the base of every view); when the last one goes, the lease goes, and the block is free.
+        # Every array handed out holds the lease through its chain of bases (a view keeps its base
+        # alive, and the first array's base is the lease); when the last one goes, the lease goes,
+        # and its finalizer returns the block.
         lease: Any = (ctypes.c_char * block.nbytes).from_buffer(block)  # type: ignore[arg-type]
         weakref.finalize(lease, self._give_back, block).atexit = False
         out: np.ndarray = np.frombuffer(lease, dtype=np.uint8, count=nbytes)
