@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from rollouts.data import plan_micro_batches, unpack_values
-from rollouts.data.host_memory import default_pool
+from rollouts.loops.distributed import staged
 from rollouts.loops.heap import startup_objects_frozen
 from rollouts.losses import group_advantages
 from rollouts.types import LossMask, RolloutBatch, Sample, Status
@@ -100,13 +100,7 @@ def one_step(engine_output, *, prompt: int, group: int) -> tuple[dict[str, float
     with clock("unpack"):
         unpack_values(list(plan.micro_batches), [mb.loss_mask for mb in plan.micro_batches])
     with clock("send"):  # rank 0: the batch's parts copied once into the tensor it broadcasts
-        parts = batch_to_parts(RolloutBatch(samples=tuple(samples)))  # (rollouts.loops.distributed)
-        view, offset = default_pool.take(sum(memoryview(p).nbytes for p in parts)), 0
-        staging = torch.from_numpy(view)
-        for part in parts:
-            size = memoryview(part).nbytes
-            view[offset : offset + size] = np.frombuffer(part, dtype=np.uint8)
-            offset += size
+        staging = torch.from_numpy(staged(*batch_to_parts(RolloutBatch(samples=tuple(samples)))))
     with clock("receive"):  # the other ranks: the received tensor's bytes, then the batch
         batch_from_bytes(staging.numpy().tobytes())
     return _totals(clock.wall), _totals(clock.cpu)

@@ -102,6 +102,17 @@ def broadcast_bytes(data: bytes = b"") -> bytes:
     return bytes(broadcast_tagged()[1])
 
 
+def staged(*parts: bytes | memoryview) -> np.ndarray:
+    """`parts` back to back in one uint8 array of host memory reused from an earlier step once
+    nothing views it (rollouts.data.host_memory): what rank 0 broadcasts, copied once."""
+    view, offset = default_pool.take(sum(memoryview(p).nbytes for p in parts)), 0
+    for part in parts:
+        size = memoryview(part).nbytes
+        view[offset : offset + size] = np.frombuffer(part, dtype=np.uint8)
+        offset += size
+    return view
+
+
 def broadcast_tagged(tag: bytes = b"", *parts: bytes | memoryview) -> tuple[bytes, memoryview]:
     """Rank 0's tag and parts (joined) on every rank; other ranks pass nothing. What
     `broadcast_bytes` does, with a short tag in front in the same message, and the data in parts
@@ -117,13 +128,8 @@ def broadcast_tagged(tag: bytes = b"", *parts: bytes | memoryview) -> tuple[byte
     torch.distributed.broadcast(sizes_tensor, src=0)
     num_tag, num_data = (int(n) for n in sizes_tensor.tolist())
     if rank == 0:
-        view, offset = default_pool.take(num_tag + num_data), 0  # a previous step's memory, once free
-        staging = torch.from_numpy(view)
-        for part in (tag, *parts):
-            size = memoryview(part).nbytes
-            view[offset : offset + size] = np.frombuffer(part, dtype=np.uint8)
-            offset += size
-        buffer = staging.to(device)
+        view = staged(tag, *parts)
+        buffer = torch.from_numpy(view).to(device)
         received = view
     else:
         buffer = torch.empty(num_tag + num_data, dtype=torch.uint8, device=device)
