@@ -25,7 +25,8 @@ train     `rl_step` (advantages, packing into micro-batches of 8192 tokens, forw
           - bf16: the unsharded model in bf16 (what `dtype = "bfloat16"` on one device gives), the
             library's AdamW (torch's fused kernel for plain weights on CPU or CUDA);
           - a suffix -loop-adam, -foreach-adam or -fused-adam (e.g. bf16-loop-adam) swaps in that
-            implementation of torch's AdamW; -loop-adam is what the library used before.
+            implementation of torch's AdamW; -loop-adam is the AdamW the library used before (the norm
+            and clipping stay the library's).
           Step time (median of `--steps` after 2 warm-up steps), its forward + backward and
           optimizer parts, tokens per second, peak GPU memory, and 6 N tokens / time (N the
           parameter count) as a rough model TFLOP/s. `--micro-tokens` sets the micro-batch size.

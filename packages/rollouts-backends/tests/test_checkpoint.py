@@ -65,6 +65,33 @@ def test_exact_resume_is_bit_identical(tmp_path):
             assert torch.equal(sa[key], sb[key]), key
 
 
+def test_a_resumed_optimizer_keeps_this_runs_implementation(tmp_path):
+    """A checkpoint saved by another AdamW implementation (the per-tensor loop, as older versions
+    and other devices used) resumes into the one this run chose (the fused kernel on CPU), with its
+    moments, and steps on."""
+    import dataclasses
+
+    from helpers import TRAIN_CONFIG_KW
+
+    from rollouts.backends import build_scheduler
+
+    config = OptimizerConfig(**TRAIN_CONFIG_KW)
+    saver = fresh_components()
+    groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in saver.optimizer.param_groups]
+    loop = torch.optim.AdamW(groups, lr=config.lr, betas=config.betas, eps=config.eps, foreach=False)
+    saver = dataclasses.replace(saver, optimizer=loop, scheduler=build_scheduler(loop, config, num_training_steps=8))
+    state = train_steps(saver, TrainingState(), 2)
+    path = save_checkpoint(saver, state, tmp_path)
+    resumed = fresh_components(seed=1)
+    loaded_state, _ = load_checkpoint(resumed, path)
+    for group in resumed.optimizer.param_groups:
+        assert group["fused"] is True and group["foreach"] is None
+    for (_, saved), (_, loaded) in zip(saver.optimizer.state.items(), resumed.optimizer.state.items(), strict=True):
+        for key in saved:
+            assert torch.equal(saved[key], loaded[key]), key
+    assert train_steps(resumed, loaded_state, 1).step == 3
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_fused_cuda_optimizer_resumes_bit_identically(tmp_path):
@@ -83,6 +110,7 @@ def test_the_fused_cuda_optimizer_resumes_bit_identically(tmp_path):
     resumed = build_components(tiny_model(seed=1), config, num_training_steps=8, device="cuda")
     loaded_state, _ = load_checkpoint(resumed, path)
     assert loaded_state == state
+    assert all(group["fused"] is True for group in resumed.optimizer.param_groups)
     generator = torch.Generator().manual_seed(0)
     for p, q in zip(first.model.parameters(), resumed.model.parameters(), strict=True):
         p.grad = torch.randn(p.shape, generator=generator).to("cuda")

@@ -59,13 +59,47 @@ def test_free_memory_is_bounded_and_clear_gives_it_back():
     assert nothing.free_bytes == 0
 
 
-def test_the_smallest_free_allocation_that_fits_is_used():
+def test_memory_is_reused_only_within_its_size_class():
+    """A small array never takes (and holds) a step's large block: allocations are powers of two
+    from 1 MiB, and a free one serves requests of its own class only."""
     pool = HostMemoryPool()
     small, big = pool.take(1 << 20), pool.take(4 << 20)
     small_address, big_address = _address(small), _address(big)
     del small, big
-    assert _address(pool.take(3 << 20)) == big_address
-    assert _address(pool.take(1000)) == small_address
+    tiny = pool.take(1000)
+    assert _address(tiny) == small_address
+    assert _address(pool.take((3 << 20) + 1)) == big_address  # 4 MiB class
+    assert pool.allocations == 2
+    pool.take(100)  # the 1 MiB block is taken (tiny is alive): a new one, not the 4 MiB block
+    assert pool.allocations == 3
+
+
+def test_a_collection_inside_the_pool_never_deadlocks():
+    """The last view of an array may die in a garbage collection that starts anywhere, inside the
+    pool's own locked section included: returning its memory must not wait for that lock."""
+    pool = HostMemoryPool()
+    finished = threading.Event()
+
+    def churn() -> None:
+        thresholds = gc.get_threshold()
+        try:
+            for threshold in range(1, 12):  # collections start at every point of take, in turn
+                gc.set_threshold(threshold, 1, 1)
+                for i in range(400):
+                    block = pool.take(10)
+                    cycle: list = [block]
+                    cycle.append(cycle)  # only the collector frees it
+                    del block, cycle
+                    _ = [[] for _ in range(i % 13)]
+                    pool.take(10)
+        finally:
+            gc.set_threshold(*thresholds)
+        finished.set()
+
+    worker = threading.Thread(target=churn, daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert finished.is_set(), "the pool deadlocked on its own lock"
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "8"])

@@ -155,6 +155,9 @@ def _local_layout_matches(components: TrainingComponents, layout: Mapping[str, A
     return True
 
 
+_IMPLEMENTATION_KEYS = ("fused", "foreach")
+
+
 def load_optimizer_state(components: TrainingComponents, path: Path, record: Mapping[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -164,6 +167,11 @@ def load_optimizer_state(components: TrainingComponents, path: Path, record: Map
 
     files = record["files"]
     groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else dict(g) for g in record["optimizer_param_groups"]]
+    # Which implementation steps the optimizer (fused, foreach) is this run's choice for its weights
+    # and device, not the saver's: torch takes every group setting from the loaded groups, so a
+    # checkpoint from another device or an older version would pin its own.
+    for group, mine in zip(groups, components.optimizer.param_groups, strict=False):
+        group.update({key: mine[key] for key in _IMPLEMENTATION_KEYS if key in mine})
     shard_files = sorted(n for n in files if n.startswith("optimizer-rank"))
     if "optimizer.safetensors" in files:
         verify_files(components, path, files, ["optimizer.safetensors"])

@@ -10,13 +10,17 @@ step's arrays are dead by the time the next step packs, so their memory can be w
 when nothing views it any more (every numpy view, slice, `reshape` or `torch.from_numpy` of it
 keeps it taken), never earlier: the arrays hold a lease object whose finalizer returns the memory.
 So reuse needs no call from the user and can never hand out memory that is still visible. The pool
-keeps at most `max_free_bytes` of returned memory (the most recently returned first), so what it
-holds between steps is bounded; `clear()` gives it all back.
+keeps at most `max_free_bytes` of returned memory (the most recently returned first; trimmed
+whenever it is next used: `take`, `free_bytes`, `clear`), so what it holds between steps is
+bounded; `clear()` gives it all back. Memory is reused only for a request
+of its own size class (powers of two from 1 MiB), so a small array kept long never holds a step's
+large block.
 """
 
 from __future__ import annotations
 
 import ctypes
+import queue
 import threading
 import weakref
 from typing import Any
@@ -49,6 +53,10 @@ class HostMemoryPool:
         self.max_free_bytes = max_free_bytes
         self._free: list[np.ndarray] = []
         """Returned allocations, the most recently returned last."""
+        self._returned: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        """Blocks whose lease has gone, not yet moved to `_free`. A finalizer runs wherever the last
+        view dies, a garbage collection inside this pool's own locked section included, so it only
+        puts the block here (SimpleQueue.put is safe there) and never takes the lock."""
         self._lock = threading.Lock()
         self.allocations = 0
         """How many times the pool had nothing free that fit and allocated (reuse shows as no growth)."""
@@ -58,13 +66,17 @@ class HostMemoryPool:
         array sees. It returns to the pool when it and every view of it are gone."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
             raise ValueError(f"nbytes must be an int >= 0, got {nbytes!r}")
+        size = _size_class(nbytes)
+        block: np.ndarray | None = None
         with self._lock:
-            fits = [i for i, block in enumerate(self._free) if block.nbytes >= nbytes]
-            block = self._free.pop(min(fits, key=lambda i: self._free[i].nbytes)) if fits else None
-            if block is None:
+            self._take_returned()
+            for i in range(len(self._free) - 1, -1, -1):  # the most recently returned of its class
+                if self._free[i].nbytes == size:
+                    block = self._free.pop(i)
+                    break
+            else:
                 self.allocations += 1
         if block is None:
-            size = _size_class(nbytes)
             raw = np.empty(size + _ALIGN, dtype=np.uint8)  # numpy asks for huge pages
             start = -raw.__array_interface__["data"][0] % _ALIGN
             block = raw[start : start + size]
@@ -72,26 +84,32 @@ class HostMemoryPool:
         # alive, and the first array's base is the lease); when the last one goes, the lease goes,
         # and its finalizer returns the block.
         lease: Any = (ctypes.c_char * block.nbytes).from_buffer(block)  # type: ignore[arg-type]
-        weakref.finalize(lease, self._give_back, block).atexit = False
+        weakref.finalize(lease, self._returned.put, block).atexit = False
         out: np.ndarray = np.frombuffer(lease, dtype=np.uint8, count=nbytes)
         return out
 
-    def _give_back(self, block: np.ndarray) -> None:
-        with self._lock:
-            self._free.append(block)
-            held = sum(b.nbytes for b in self._free)
-            while held > self.max_free_bytes:  # drop the longest-unused first
-                held -= self._free.pop(0).nbytes
+    def _take_returned(self) -> None:
+        """Move returned blocks to the free list and trim it to the bound (under the lock)."""
+        while True:
+            try:
+                self._free.append(self._returned.get_nowait())
+            except queue.Empty:
+                break
+        held = sum(b.nbytes for b in self._free)
+        while held > self.max_free_bytes:  # drop the longest-unused first
+            held -= self._free.pop(0).nbytes
 
     @property
     def free_bytes(self) -> int:
         """Bytes held for reuse (allocated, viewed by no array)."""
         with self._lock:
+            self._take_returned()
             return sum(b.nbytes for b in self._free)
 
     def clear(self) -> None:
         """Give every free allocation back to the system (taken memory returns as it is freed)."""
         with self._lock:
+            self._take_returned()
             self._free.clear()
 
 
