@@ -33,7 +33,7 @@ _ALIGN = 64
 """Every carved array starts on a cache line (and so on any dtype's alignment)."""
 
 
-def aligned(nbytes: int) -> int:
+def _aligned(nbytes: int) -> int:
     """`nbytes` rounded up to the alignment every carved array starts on."""
     return -(-nbytes // _ALIGN) * _ALIGN
 
@@ -114,16 +114,17 @@ class HostMemoryPool:
 
 
 default_pool = HostMemoryPool()
-"""The pool packing (`rollouts.data.pack_samples`) takes its arrays from unless given another."""
+"""The pool packing (`rollouts.data.pack_samples`) takes its arrays from unless given another, and
+rollouts.loops' broadcast staging its buffer."""
 
 
 def carve(pool: HostMemoryPool, specs: list[tuple[int, np.dtype]]) -> list[np.ndarray]:
     """One allocation from `pool` cut into 1-D arrays of (length, dtype) each, 64-byte aligned;
     every one keeps the whole allocation taken."""
-    sizes = [aligned(n * np.dtype(dtype).itemsize) for n, dtype in specs]
-    block = pool.take(sum(sizes))
+    nbytes = [n * np.dtype(dtype).itemsize for n, dtype in specs]
+    block = pool.take(sum(_aligned(b) for b in nbytes))
     out, offset = [], 0
-    for (n, dtype), size in zip(specs, sizes, strict=True):
-        out.append(block[offset : offset + n * np.dtype(dtype).itemsize].view(dtype))
-        offset += size
+    for (_, dtype), size in zip(specs, nbytes, strict=True):
+        out.append(block[offset : offset + size].view(dtype))
+        offset += _aligned(size)
     return out
