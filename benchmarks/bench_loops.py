@@ -35,7 +35,7 @@ import tempfile
 import torch
 
 from rollouts.backends import InProcessEngine, ProcessEngine, build_components
-from rollouts.data import DataBuffer
+from rollouts.data import DataBuffer, prompt_encoder
 from rollouts.loops.app.demo import DemoConfig, demo_model
 from rollouts.loops.app.tasks import addition_problems, exact_answer_reward
 from rollouts.loops.app.tiny import build_tokenizer
@@ -76,9 +76,6 @@ def run(
     )
     engine = CoalescingEngine(inner, max_prompts_per_call=demo.rl_prompts_per_step, adaptive=adaptive)
 
-    def encode(record):
-        return tokenizer.encode(record["prompt"], add_special_tokens=False)
-
     with tempfile.TemporaryDirectory() as run_dir, contextlib.closing(inner) if process else contextlib.nullcontext():
         _, history = run_rl_training(
             components,
@@ -86,7 +83,7 @@ def run(
             engine,
             config,
             reward=exact_answer_reward,
-            encode_prompt=encode,
+            encode_prompt=prompt_encoder(tokenizer, chat=False),  # as the demo encodes
             logger=NullLogger(),
             run_dir=run_dir,
             engine_shares_model=False,

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rollouts.data import prompt_encoder
 from rollouts.loops.app.config import ConfigError, RLRun, SFTRun
 from rollouts.loops.app.run_setup import (
     answer_fields,
@@ -61,18 +62,6 @@ def cmd_sft(run: SFTRun, source: str) -> Path:
         release_run(out, rank)
     print(f"sft: finished at step {state.step}; checkpoints in {out / CHECKPOINTS_DIR}", file=sys.stderr)
     return out / CHECKPOINTS_DIR
-
-
-def _encoder(tokenizer):
-    def encode(record: Any) -> list[int]:
-        prompt = record["prompt"] if isinstance(record, dict) else record
-        if isinstance(prompt, str) and not getattr(tokenizer, "chat_template", None):
-            return tokenizer.encode(prompt, add_special_tokens=False)
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-
-    return encode
 
 
 def _builtin_reward(name: str, answer_key: str) -> Any:
@@ -285,7 +274,7 @@ def cmd_rl(run: RLRun, source: str) -> Path:
                 DataBuffer(records, seed=run.rl.seed),
                 engine,
                 run.rl,
-                encode_prompt=_encoder(tokenizer),
+                encode_prompt=prompt_encoder(tokenizer),
                 logger=logger,
                 run_dir=out,
                 engine_shares_model=shares,
@@ -331,7 +320,9 @@ def cmd_eval(run: RLRun, source: str, checkpoint: str) -> dict[str, float]:
     reward = resolve_hooks(run, source)["reward"]
     tokenizer = run_tokenizer(run)
     engine = InProcessEngine(load_hf_model(checkpoint, device=run.model.device), tokenizer=tokenizer)
-    groups = trio.run(evaluate_groups, engine, evaluation.records, _encoder(tokenizer), reward, evaluation.sampling)
+    groups = trio.run(
+        evaluate_groups, engine, evaluation.records, prompt_encoder(tokenizer), reward, evaluation.sampling
+    )
     metrics = {**group_metrics(groups), "num_eval": float(len(groups))}
     print(json.dumps(metrics))
     return metrics

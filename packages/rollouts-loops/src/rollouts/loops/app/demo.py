@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from rollouts.backends import InProcessEngine, build_components, export_weights
-from rollouts.data import DataBuffer, tokenize_conversation
+from rollouts.data import DataBuffer, prompt_encoder, tokenize_conversation
 from rollouts.loops import ConsoleLogger, JsonlLogger, MultiLogger, evaluate, run_rl_training, run_sft_training
 from rollouts.loops.algorithms import ALGORITHMS
 from rollouts.loops.app.tasks import addition_problems, as_conversation, exact_answer_reward, sloppy_teacher
@@ -133,13 +133,6 @@ def _first_last(history: list[dict[str, float]], key: str, span: int = 3) -> tup
     return (sum(values[:span]) / span, sum(values[-span:]) / span)
 
 
-def _encode(tokenizer):
-    def encode(record: dict[str, Any]) -> list[int]:
-        return tokenizer.encode(record["prompt"], add_special_tokens=False)
-
-    return encode
-
-
 def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) -> dict[str, Any]:
     """Run the whole demo into `out_dir`; returns the summary also written to summary.json."""
     start = time.perf_counter()
@@ -168,7 +161,7 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
         f"task: {config.digits}-digit addition, {len(train_records)} train / {len(eval_records)} held-out problems"
     )
 
-    encode = _encode(tokenizer)
+    encode = prompt_encoder(tokenizer, chat=False)
     engine = InProcessEngine(model, shares_training_model=True, tokenizer=tokenizer)
     greedy = SamplingParams(temperature=0.0, max_new_tokens=config.digits + 3, stop_token_ids=(tokenizer.eos_token_id,))
 
