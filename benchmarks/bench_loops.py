@@ -31,6 +31,7 @@ import copy
 import os
 import statistics
 import tempfile
+from typing import Any
 
 import torch
 
@@ -42,11 +43,19 @@ from rollouts.loops.app.tiny import build_tokenizer
 from rollouts.loops.engines import CoalescingEngine
 from rollouts.loops.loggers import NullLogger
 from rollouts.loops.rl import run_rl_training
+from rollouts.loops.rollout_process import RolloutProcess
 from rollouts.types import AlgorithmConfig, CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams
 
 
 def run(
-    mode_overlap: bool, *, steps: int, demo: DemoConfig, adaptive: bool = True, process: bool = False, threads: int = 1
+    mode_overlap: bool,
+    *,
+    steps: int,
+    demo: DemoConfig,
+    adaptive: bool = True,
+    process: bool = False,
+    rollouts_too: bool = False,
+    threads: int = 1,
 ) -> list[dict[str, float]]:
     records = addition_problems(4000, digits=demo.digits, seed=0)
     tokenizer = build_tokenizer((r["prompt"] + r["answer"] for r in records), vocab_size=32)
@@ -69,14 +78,21 @@ def run(
         max_tokens_per_micro_batch=4096,
     )
     components = build_components(model, config.optimizer, num_training_steps=steps)
-    inner = (
-        ProcessEngine.from_model(model, tokenizer=tokenizer, num_threads=threads)
-        if process
-        else InProcessEngine(copy.deepcopy(model), shares_training_model=False, tokenizer=tokenizer)
-    )
-    engine = CoalescingEngine(inner, max_prompts_per_call=demo.rl_prompts_per_step, adaptive=adaptive)
+    if rollouts_too:  # the engine process runs the rollout manager too: it batches the groups itself
+        inner: Any = RolloutProcess.from_model(
+            model, tokenizer=tokenizer, num_threads=threads, max_prompts_per_call=demo.rl_prompts_per_step
+        )
+        engine = inner
+    else:
+        inner = (
+            ProcessEngine.from_model(model, tokenizer=tokenizer, num_threads=threads)
+            if process
+            else InProcessEngine(copy.deepcopy(model), shares_training_model=False, tokenizer=tokenizer)
+        )
+        engine = CoalescingEngine(inner, max_prompts_per_call=demo.rl_prompts_per_step, adaptive=adaptive)
 
-    with tempfile.TemporaryDirectory() as run_dir, contextlib.closing(inner) if process else contextlib.nullcontext():
+    closing = contextlib.closing(inner) if process or rollouts_too else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory() as run_dir, closing:
         _, history = run_rl_training(
             components,
             DataBuffer(records, seed=0),
@@ -109,19 +125,27 @@ def main() -> None:
         f"{args.steps} steps (first dropped), torch threads {args.threads}"
     )
     keys = ("generate_s", "train_s", "sync_s", "generate_wait_s", "step_time_s")
-    modes = {  # name -> (overlap, process engine)
-        "synchronous": (False, False),
-        "overlapped": (True, False),
-        "synchronous, process engine": (False, True),
-        "overlapped, process engine": (True, True),
+    modes = {  # name -> (overlap, engine: in process, engine process, rollout process)
+        "synchronous": (False, "in process"),
+        "overlapped": (True, "in process"),
+        "synchronous, process engine": (False, "process"),
+        "overlapped, process engine": (True, "process"),
+        "overlapped, rollout process": (True, "rollouts"),
     }
     steps_of: dict[str, list[dict[str, float]]] = {name: [] for name in modes}
     per_repeat: dict[str, list[float]] = {name: [] for name in modes}
     loads: list[float] = []
     for _ in range(args.repeats):
         medians = {}
-        for name, (overlap, process) in modes.items():
-            history = run(overlap, steps=args.steps, demo=demo, process=process, threads=args.threads)
+        for name, (overlap, where) in modes.items():
+            history = run(
+                overlap,
+                steps=args.steps,
+                demo=demo,
+                process=where == "process",
+                rollouts_too=where == "rollouts",
+                threads=args.threads,
+            )
             steps_of[name] += history
             medians[name] = {k: statistics.median(h[k] for h in history) for k in keys}
         bound = max(medians["synchronous"]["generate_s"], medians["synchronous"]["train_s"])

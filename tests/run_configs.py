@@ -1,6 +1,22 @@
-"""The `rollouts rl` TOML the end-to-end tests share: the tiny model on 2-digit addition, 3 GRPO steps."""
+"""The `rollouts rl` TOML the end-to-end tests share: the tiny model on 2-digit addition, 3 GRPO steps;
+and `child_processes`, which the engine process tests check their reaping with."""
 
+import os
 from pathlib import Path
+
+
+def child_processes(module: bytes) -> list[int]:
+    """Pids of this process's children whose command line names `module` (an engine worker's)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue  # not a process, or one that exited while we looked
+        if ppid == os.getpid() and module in command:
+            pids.append(int(entry.name))
+    return pids
 
 
 def rl_toml(inputs: Path, out: Path, model: Path, extra: str = "") -> Path:

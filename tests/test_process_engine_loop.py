@@ -3,12 +3,10 @@ a run file (`[engine] kind = "process"`): it trains, syncs every step and reaps 
 
 import dataclasses
 import json
-import os
-from pathlib import Path
 
 import pytest
 import trio
-from run_configs import rl_toml, tiny_rl_config
+from run_configs import child_processes, rl_toml, tiny_rl_config
 
 from rollouts.backends import InProcessEngine, ProcessEngine, build_components, load_hf_model
 from rollouts.data import DataBuffer
@@ -20,20 +18,6 @@ from rollouts.loops.engines import CoalescingEngine
 from rollouts.loops.loggers import NullLogger, read_jsonl
 from rollouts.loops.rl import run_rl_training
 from rollouts.types import SamplingParams
-
-
-def _engine_processes() -> list[int]:
-    """Pids of this process's children that run the engine worker."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            command = (entry / "cmdline").read_bytes()
-        except (OSError, ValueError, IndexError):
-            continue  # not a process, or one that exited while we looked
-        if ppid == os.getpid() and b"rollouts.backends.engine_worker" in command:
-            pids.append(int(entry.name))
-    return pids
 
 
 def starts_with_seven(sample, record):
@@ -73,7 +57,7 @@ def test_an_overlapped_run_trains_against_an_engine_process(tiny_run_inputs, tmp
         prompts = [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in records[:3]]
         reference = InProcessEngine(components.model, tokenizer=tokenizer, weight_version=3)
         assert trio.run(inner.generate, prompts, params) == trio.run(reference.generate, prompts, params)
-    assert inner._child.process.returncode == 0 and not _engine_processes()
+    assert inner._child.process.returncode == 0 and not child_processes(b"rollouts.backends.engine_worker")
 
 
 def test_rollouts_rl_with_an_engine_process_runs_overlapped_and_reaps_it(tiny_run_inputs, tmp_path):
@@ -81,7 +65,7 @@ def test_rollouts_rl_with_an_engine_process_runs_overlapped_and_reaps_it(tiny_ru
     assert main(["rl", "--config", str(rl), "--set", "rl.overlap=true"]) == 0
     records = read_jsonl(tmp_path / "proc" / "metrics_rl.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["weight_version"] == 3.0
-    assert not _engine_processes()
+    assert not child_processes(b"rollouts.backends.engine_worker")
 
 
 def test_the_engine_kind_process_is_validated_and_round_trips(tmp_path):

@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import mmap
 import os
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from rollouts.backends.engine_wire import decode_frame, encode_frame
 from rollouts.backends.export import load_model_weights, storage_key
 from rollouts.backends.inprocess_engine import config_eos, load_weights_dir, sample_prompts
 from rollouts.backends.model_files import load_tokenizer
-from rollouts.types import RolloutBatch, SamplingParams, from_dict
+from rollouts.types import RolloutBatch, Sample, SamplingParams, from_dict
 from rollouts.types.wire import batch_to_bytes
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,18 +47,23 @@ class _Worker:
     def aborted(self) -> bool:
         return self.control[0] != 0
 
-    def generate(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        params = from_dict(SamplingParams, header["params"])
-        samples = sample_prompts(
+    def sample(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int | None] | None
+    ) -> list[Sample]:
+        """`params.n` Samples per prompt from this process's model, as the weight version it serves."""
+        return sample_prompts(
             self.model,
-            header["prompts"],
+            prompts,
             params,
             eos=self.eos,
-            seeds=header.get("seeds"),
+            seeds=seeds,
             weight_version=self.weight_version,
             should_abort=self.aborted,
             tokenizer=self.tokenizer,  # decoded here: the trainer's process has enough to do
         )
+
+    def generate(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        samples = self.sample(header["prompts"], from_dict(SamplingParams, header["params"]), header.get("seeds"))
         return {"ok": True}, batch_to_bytes(RolloutBatch(samples=tuple(samples)))
 
     def load_shared(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
@@ -130,7 +136,7 @@ def _read_exact(fd: int, num_bytes: int) -> bytes | None:
     return b"".join(parts)
 
 
-def _read_request(fd: int) -> tuple[dict[str, Any], bytes] | None:
+def read_request(fd: int) -> tuple[dict[str, Any], bytes] | None:
     prefix = _read_exact(fd, 16)
     if prefix is None:
         return None
@@ -138,44 +144,63 @@ def _read_request(fd: int) -> tuple[dict[str, Any], bytes] | None:
     return decode_frame(prefix + (rest or b""))
 
 
-def _write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
 
 
+Handler = Callable[[dict[str, Any]], tuple[dict[str, Any], bytes]]
+"""One request op: its header -> (answer header, answer body)."""
+
+
+def handlers_of(worker: _Worker) -> dict[str, Handler]:
+    """The engine's request ops, by name."""
+    return {"generate": worker.generate, "update": worker.update, "load_shared": worker.load_shared}
+
+
+def answer(handlers: Mapping[str, Handler], header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    """The answer to one request: its handler's, or the error it raised (the process serves on)."""
+    try:
+        handler = handlers.get(header.get("op", ""))
+        if handler is None:
+            raise ValueError(f"unknown engine request op {header.get('op')!r}; known: {sorted(handlers)}")
+        return handler(header)
+    except Exception as e:  # answered to the caller, who raises it
+        return {"ok": False, "error_type": type(e).__name__, "error": str(e)}, b""
+
+
 def serve(worker: _Worker, requests_fd: int, answers_fd: int) -> None:
     """Answer requests until the pipe closes or a "close" request comes."""
-    handlers = {"generate": worker.generate, "update": worker.update, "load_shared": worker.load_shared}
-    while (request := _read_request(requests_fd)) is not None:
+    handlers = handlers_of(worker)
+    while (request := read_request(requests_fd)) is not None:
         header, _ = request
         if header.get("op") == "close":
             return
-        try:
-            handler = handlers.get(header.get("op", ""))
-            if handler is None:
-                raise ValueError(f"unknown engine request op {header.get('op')!r}; known: {sorted(handlers)}")
-            answer, body = handler(header)
-        except Exception as e:  # answered to the caller, who raises it; this process serves on
-            answer, body = {"ok": False, "error_type": type(e).__name__, "error": str(e)}, b""
-        _write_all(answers_fd, encode_frame(answer, body))
+        write_all(answers_fd, encode_frame(*answer(handlers, header)))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--requests-fd", type=int, required=True)
-    parser.add_argument("--answers-fd", type=int, required=True)
-    parser.add_argument("--control", required=True)
-    parser.add_argument("--weights", required=True)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
-    parser.add_argument("--attn", default="sdpa")
-    parser.add_argument("--weight-version", type=int, default=None)
-    parser.add_argument("--eos", type=int, nargs="*", default=[])
-    parser.add_argument("--tokenizer-dir", default="")
-    args = parser.parse_args(argv)
+def parser() -> argparse.ArgumentParser:
+    """The engine process's command line (ProcessEngine builds it)."""
+    out = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    out.add_argument("--model-dir", required=True)
+    out.add_argument("--requests-fd", type=int, required=True)
+    out.add_argument("--answers-fd", type=int, required=True)
+    out.add_argument("--control", required=True)
+    out.add_argument("--weights", required=True)
+    out.add_argument("--threads", type=int, default=1)
+    out.add_argument("--device", default="cpu")
+    out.add_argument("--dtype", choices=sorted(_DTYPES), default="float32")
+    out.add_argument("--attn", default="sdpa")
+    out.add_argument("--weight-version", type=int, default=None)
+    out.add_argument("--eos", type=int, nargs="*", default=[])
+    out.add_argument("--tokenizer-dir", default="")
+    return out
+
+
+def start_worker(args: argparse.Namespace) -> _Worker:
+    """Load the model (and tokenizer) as `args` say and tell the parent it is ready, with the
+    layout of its weights."""
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
 
@@ -195,8 +220,13 @@ def main(argv: list[str] | None = None) -> None:
         weights_file=args.weights,
     )
     ready = {"ok": True, "ready": True, "pid": os.getpid(), "weights": weight_layout(model)}
-    _write_all(args.answers_fd, encode_frame(ready))
-    serve(worker, args.requests_fd, args.answers_fd)
+    write_all(args.answers_fd, encode_frame(ready))
+    return worker
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    serve(start_worker(args), args.requests_fd, args.answers_fd)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import time
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import safetensors.torch
 import torch
@@ -130,6 +130,9 @@ class ProcessEngine:
     for the same weights, tokenizer and seed.
     """
 
+    _worker_module = "rollouts.backends.engine_worker"
+    """What the engine process runs (`python -m`); a subclass may serve more requests."""
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -165,7 +168,7 @@ class ProcessEngine:
         args += ["--eos", *map(str, eos_token_ids)] if eos_token_ids else []
         args += [] if weight_version is None else ["--weight-version", str(weight_version)]
         args += [] if tokenizer_dir is None else ["--tokenizer-dir", str(tokenizer_dir)]
-        self._child = _start(Path(model_dir), args, owned_dir=_owned_dir)
+        self._child = _start(Path(model_dir), args, owned_dir=_owned_dir, module=self._worker_module)
         self._reaper = weakref.finalize(self, self._child.reap)  # at close, or when dropped unclosed
         try:
             answer, _ = read_frame(self._child.answers_fd, deadline=time.monotonic() + start_timeout_s)
@@ -181,7 +184,7 @@ class ProcessEngine:
             raise self._broken(f"did not start ({e})", kill=True) from e
 
     @classmethod
-    def from_model(cls, model: torch.nn.Module, *, tokenizer: Any = None, **kwargs: Any) -> ProcessEngine:
+    def from_model(cls, model: torch.nn.Module, *, tokenizer: Any = None, **kwargs: Any) -> Self:
         """An engine over a copy of `model`'s current weights (a plain HF model) and `tokenizer` (a
         transformers tokenizer; responses are decoded with it), written to a temporary directory the
         engine deletes when closed; `dtype` and `attn_implementation` follow the model's. Other
@@ -330,11 +333,12 @@ class ProcessEngine:
 
     # ------------------------------------------------------------ one request
 
-    def _call(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        """Send `request`, return the answer; the engine's own errors come back as ValueError or
-        TypeError (a bad request) or RuntimeError, a dead or hung process as EngineProcessError."""
+    def _call(self, request: dict[str, Any], body: bytes = b"") -> tuple[dict[str, Any], bytes]:
+        """Send `request` (with `body`), return the answer; the engine's own errors come back as
+        ValueError or TypeError (a bad request) or RuntimeError, a dead or hung process as
+        EngineProcessError."""
         with self._held():
-            answer, body = self._exchange(request)
+            answer, body = self._exchange(request, body)
         if not answer.get("ok"):
             error_type = {"ValueError": ValueError, "TypeError": TypeError}.get(
                 str(answer.get("error_type")), RuntimeError
@@ -342,11 +346,11 @@ class ProcessEngine:
             raise error_type(f"{self._name}: {answer.get('error_type')}: {answer.get('error')}")
         return answer, body
 
-    def _exchange(self, request: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    def _exchange(self, request: dict[str, Any], body: bytes = b"") -> tuple[dict[str, Any], bytes]:
         """Write `request`, read its answer, within timeout_s (the caller holds the pipes)."""
         deadline = time.monotonic() + self._timeout_s
         with self._guard(request["op"]):
-            write_frame(self._child.requests_fd, encode_frame(request), deadline=deadline)
+            write_frame(self._child.requests_fd, encode_frame(request, body), deadline=deadline)
             return read_frame(self._child.answers_fd, deadline=deadline)
 
     @contextlib.contextmanager
@@ -408,8 +412,8 @@ class ProcessEngine:
         return self._error
 
 
-def _start(model_dir: Path, args: list[str], *, owned_dir: Path | None) -> _Child:
-    """Start the engine process: its pipes, its abort flag file and its stderr file."""
+def _start(model_dir: Path, args: list[str], *, owned_dir: Path | None, module: str) -> _Child:
+    """Start the engine process (`python -m module`): its pipes, its abort flag file and its stderr file."""
     shm = _SHM_DIR if os.access(_SHM_DIR, os.W_OK) else None
     fd, control_name = tempfile.mkstemp(prefix="rollouts-engine-control-", dir=shm)
     os.write(fd, b"\0" * mmap.PAGESIZE)
@@ -420,7 +424,7 @@ def _start(model_dir: Path, args: list[str], *, owned_dir: Path | None) -> _Chil
     fd, stderr_name = tempfile.mkstemp(prefix="rollouts-engine-stderr-")
     requests_r, requests_w = os.pipe()
     answers_r, answers_w = os.pipe()
-    command = [sys.executable, "-m", "rollouts.backends.engine_worker", "--model-dir", str(model_dir)]
+    command = [sys.executable, "-m", module, "--model-dir", str(model_dir)]
     command += ["--requests-fd", str(requests_r), "--answers-fd", str(answers_w), "--control", control_name]
     command += ["--weights", weights_name, *args]
     try:

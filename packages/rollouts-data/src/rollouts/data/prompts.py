@@ -16,29 +16,38 @@ whose two paths disagree (a wrapper that normalizes, splits special tokens, ...)
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["prompt_encoder"]
+__all__ = ["TokenizerEncoder", "prompt_encoder"]
 
 
-def prompt_encoder(tokenizer: Any, *, field: str = "prompt", chat: bool | None = None) -> Callable[[Any], list[int]]:
+def prompt_encoder(tokenizer: Any, *, field: str = "prompt", chat: bool | None = None) -> TokenizerEncoder:
     """An encoder of prompt records: `record[field]` for a mapping, else the record itself. A str is
     encoded as text, or with `chat` (default: where the tokenizer has a chat template) as one user
     turn through the chat template; a sequence of {"role", "content"} messages always goes through
     the chat template, with the generation prompt.
 
     TypeError at the first record that is neither."""
-    if not callable(getattr(tokenizer, "encode", None)):
-        raise TypeError(f"prompt_encoder needs a tokenizer with encode(), got {type(tokenizer).__name__}")
-    if chat is None:
-        chat = bool(getattr(tokenizer, "chat_template", None))
-    text = _TextEncoder(tokenizer)
+    return TokenizerEncoder(tokenizer, field=field, chat=chat)
 
-    def encode(record: Any) -> list[int]:
-        prompt = record[field] if isinstance(record, Mapping) else record
-        if isinstance(prompt, str) and not chat:
-            return text(prompt)
+
+class TokenizerEncoder:
+    """What `prompt_encoder` returns: a callable record -> ids, which says how it encodes (`field`,
+    `chat`), so another process can build the same encoder over its copy of the tokenizer."""
+
+    def __init__(self, tokenizer: Any, *, field: str = "prompt", chat: bool | None = None) -> None:
+        if not callable(getattr(tokenizer, "encode", None)):
+            raise TypeError(f"prompt_encoder needs a tokenizer with encode(), got {type(tokenizer).__name__}")
+        self.tokenizer = tokenizer
+        self.field = field
+        self.chat = bool(getattr(tokenizer, "chat_template", None)) if chat is None else chat
+        self._text = _TextEncoder(tokenizer)
+
+    def __call__(self, record: Any) -> list[int]:
+        prompt = record[self.field] if isinstance(record, Mapping) else record
+        if isinstance(prompt, str) and not self.chat:
+            return self._text(prompt)
         if isinstance(prompt, str):
             messages: list[Any] = [{"role": "user", "content": prompt}]
         elif isinstance(prompt, Sequence) and all(isinstance(m, Mapping) for m in prompt):
@@ -47,12 +56,10 @@ def prompt_encoder(tokenizer: Any, *, field: str = "prompt", chat: bool | None =
             raise TypeError(
                 f"a prompt must be a str or a sequence of message mappings, got {type(prompt).__name__}: {prompt!r:.80}"
             )
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return [int(t) for t in ids]
-
-    return encode
 
 
 class _TextEncoder:

@@ -52,6 +52,8 @@ _EXPORTS = {
     # engines, run directories, processes
     "CoalescingEngine": "engines",
     "remote_engine": "engines",
+    "RolloutProcess": "rollout_process",
+    "RemoteRolloutManager": "rollout_process",
     "resume_if_possible": "run_dir",
     "CHECKPOINTS_DIR": "run_dir",
     "WEIGHTS_DIR": "run_dir",

@@ -23,6 +23,7 @@ from rollouts.backends.lora import syncs_adapter
 from rollouts.backends.lora_files import save_adapter
 from rollouts.data import AsyncRolloutManager
 from rollouts.loops.distributed import broadcast_tagged, rank_world
+from rollouts.loops.rollout_process import RemoteRolloutManager
 from rollouts.loops.run_dir import ADAPTER_DIR, WEIGHTS_DIR
 from rollouts.types import InferenceEngine, RolloutBatch, TrainingState
 from rollouts.types.wire import batch_from_bytes, batch_to_parts
@@ -51,7 +52,7 @@ class BatchSource:
     def __init__(
         self,
         nursery: trio.Nursery,
-        manager: AsyncRolloutManager | None,
+        manager: AsyncRolloutManager | RemoteRolloutManager | None,
         lock: trio.Lock,
         ahead: RolloutBatch | None,
         *,
@@ -67,7 +68,9 @@ class BatchSource:
         if manager is not None:
             nursery.start_soon(self._produce, manager, lock, requests_rx)
 
-    async def _produce(self, manager: AsyncRolloutManager, lock: trio.Lock, requests: Any) -> None:
+    async def _produce(
+        self, manager: AsyncRolloutManager | RemoteRolloutManager, lock: trio.Lock, requests: Any
+    ) -> None:
         async for step, train_version in requests:
             async with lock if self._hold_lock else contextlib.nullcontext():
                 start = time.perf_counter()

@@ -25,6 +25,7 @@ from rollouts.loops.kl_control import KL_CONTROLLER_KEY
 from rollouts.loops.per_token import AdvantageFn
 from rollouts.loops.reference import saved_models
 from rollouts.loops.rollout_fns import RolloutContext, RolloutFn, rollout_manager, single_turn_rollout
+from rollouts.loops.rollout_process import RemoteRolloutManager, RolloutProcess, remote_rollout_manager
 from rollouts.loops.run_dir import CHECKPOINTS_DIR, resume_if_possible
 from rollouts.loops.scoring import Reward
 from rollouts.losses import KLControllerState, LossFn
@@ -76,7 +77,7 @@ class Run:
 
 async def restore(
     run: Run, lock: trio.Lock
-) -> tuple[TrainingState, dict[str, Any], AsyncRolloutManager | None, RolloutBatch | None]:
+) -> tuple[TrainingState, dict[str, Any], AsyncRolloutManager | RemoteRolloutManager | None, RolloutBatch | None]:
     """(state, the checkpoint's extra, rank 0's rollout manager, the batch generated ahead) of a
     resumed run, or of a fresh one; a resumed run's engine then serves the restored weights."""
     state, extra, resumed = resume_if_possible(
@@ -125,13 +126,14 @@ async def sync_run_engine(
     )
 
 
-def _manager(run: Run, extra: dict[str, Any]) -> AsyncRolloutManager | None:
+def _manager(run: Run, extra: dict[str, Any]) -> AsyncRolloutManager | RemoteRolloutManager | None:
     """Rank 0's rollout manager, restored from a checkpoint's extra; None on other ranks."""
     if run.context is None or rank_world()[0] != 0:
         return None
-    manager = rollout_manager(
-        run.buffer, run.config, run.hooks.rollout, run.context, run.hooks.reward, run.hooks.filter_fn
-    )
+    args = (run.buffer, run.config, run.hooks.rollout, run.context, run.hooks.reward, run.hooks.filter_fn)
+    engine = run.context.engine
+    # A RolloutProcess runs the manager in its engine process: the trainer's process receives batches.
+    manager = remote_rollout_manager(engine, *args) if isinstance(engine, RolloutProcess) else rollout_manager(*args)
     if "buffer" in extra:
         run.buffer.load_state_dict(extra["buffer"])
     if "manager" in extra:
@@ -142,7 +144,7 @@ def _manager(run: Run, extra: dict[str, Any]) -> AsyncRolloutManager | None:
 async def save_run_checkpoint(
     run: Run,
     state: TrainingState,
-    manager: AsyncRolloutManager | None,
+    manager: AsyncRolloutManager | RemoteRolloutManager | None,
     batches: BatchSource,
     kl_state: KLControllerState | None,
 ) -> None:
@@ -157,7 +159,8 @@ async def save_run_checkpoint(
         extra["pending_batch"] = [s.to_dict() for s in ahead.samples]
         extra["pending_batch_metadata"] = shared_metadata(ahead)
     if manager is not None:
-        extra.update(buffer=run.buffer.state_dict(), manager=manager.state_dict())
+        manager_state = manager.state_dict()  # first: a RemoteRolloutManager brings run.buffer to its position
+        extra.update(buffer=run.buffer.state_dict(), manager=manager_state)
     if kl_state is not None:
         extra[KL_CONTROLLER_KEY] = {"coef": kl_state.coef}
     if run.critic is not None:  # first: a published policy step always has its critic

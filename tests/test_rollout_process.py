@@ -1,0 +1,135 @@
+"""RolloutProcess: the rollout manager in the engine process. A seeded overlapped run through it
+trains exactly as one whose manager runs in the trainer (ProcessEngine), resumes as if never
+stopped, reaps its process, and refuses what it cannot run before any work."""
+
+import dataclasses
+import json
+
+import pytest
+from run_configs import child_processes, tiny_rl_config
+
+from rollouts.backends import ProcessEngine, build_components, load_hf_model
+from rollouts.data import DataBuffer, prompt_encoder
+from rollouts.loops.algorithms import ALGORITHMS
+from rollouts.loops.engines import CoalescingEngine
+from rollouts.loops.loggers import NullLogger
+from rollouts.loops.plugins import PluginError
+from rollouts.loops.rl import run_rl_training
+from rollouts.loops.rollout_process import RolloutProcess
+from rollouts.types import CheckpointConfig
+
+
+def starts_with_seven(sample, record):
+    """Imported by name in the rollout process (from this file, through the trainer's sys.path)."""
+    return 1.0 if sample.response.startswith("7") else 0.0
+
+
+def _inputs(tiny_run_inputs):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_run_inputs / "model"), local_files_only=True)
+    records = [json.loads(line) for line in (tiny_run_inputs / "prompts.jsonl").read_text().splitlines()]
+    return tokenizer, records
+
+
+class _Crash(Exception):
+    pass
+
+
+def _crash_at(step):
+    def on_step(state, metrics):
+        if state.step == step:
+            raise _Crash
+
+    return on_step
+
+
+def _run(tiny_run_inputs, run_dir, *, rollout_process: bool, steps: int, resume=False, on_step=None):
+    """`steps` of a seeded overlapped GRPO run (checkpoint every 2 steps), with the rollout manager in
+    the engine process or in this one; the per-step metrics, timings left out."""
+    tokenizer, records = _inputs(tiny_run_inputs)
+    config = tiny_rl_config(tokenizer, algorithm=ALGORITHMS["grpo"], steps=steps, lr=1e-2, prompts=4, n=4, seed=5)
+    config = dataclasses.replace(
+        config, overlap=True, checkpoint=CheckpointConfig(every_steps=2, keep_last=2, save_optimizer=True)
+    )
+    components = build_components(load_hf_model(tiny_run_inputs / "model"), config.optimizer, num_training_steps=steps)
+    model_dir = tiny_run_inputs / "model"
+    if rollout_process:
+        inner = RolloutProcess(model_dir, tokenizer_dir=model_dir, max_prompts_per_call=4)
+        engine = inner
+    else:
+        inner = ProcessEngine(model_dir, tokenizer_dir=model_dir)
+        engine = CoalescingEngine(inner, max_prompts_per_call=4)
+    with inner:
+        _, history = run_rl_training(
+            components,
+            DataBuffer(records, seed=0),
+            engine,
+            config,
+            reward=starts_with_seven,
+            encode_prompt=prompt_encoder(tokenizer, chat=False),
+            logger=NullLogger(),
+            run_dir=run_dir,
+            resume=resume,
+            on_step=on_step,
+        )
+    return [{k: v for k, v in h.items() if not k.endswith("_s")} for h in history]
+
+
+def test_a_run_with_its_rollouts_in_the_engine_process_trains_as_one_without(tiny_run_inputs, tmp_path):
+    here = _run(tiny_run_inputs, tmp_path / "here", rollout_process=False, steps=4)
+    there = _run(tiny_run_inputs, tmp_path / "there", rollout_process=True, steps=4)
+    assert len(there) == 4 and there == here  # same samples, rewards, losses: the same manager, elsewhere
+    assert max(h["staleness_max"] for h in there) <= 1.0  # generated one step ahead
+    assert not child_processes(b"rollouts.loops.rollout_worker")  # reaped
+
+
+def test_a_run_with_its_rollouts_in_the_engine_process_resumes_as_if_never_stopped(tiny_run_inputs, tmp_path):
+    straight = _run(tiny_run_inputs, tmp_path / "straight", rollout_process=True, steps=4)
+    with pytest.raises(_Crash):  # after step 3, so the last checkpoint is step 2's
+        _run(tiny_run_inputs, tmp_path / "stopped", rollout_process=True, steps=4, on_step=_crash_at(3))
+    # The checkpoint at step 2 holds the batch generated ahead and the remote buffer and manager after it.
+    rest = _run(tiny_run_inputs, tmp_path / "stopped", rollout_process=True, steps=4, resume=True)
+    assert rest == straight[2:]
+    assert not child_processes(b"rollouts.loops.rollout_worker")
+
+
+def _refused(tiny_run_inputs, engine, run_dir, **changes):
+    tokenizer, records = _inputs(tiny_run_inputs)
+    config = tiny_rl_config(tokenizer, algorithm=ALGORITHMS["grpo"], steps=1, lr=1e-2, prompts=2, n=2)
+    if "rollout" in changes:
+        rollout = dataclasses.replace(config.rollout, **changes.pop("rollout"))
+        config = dataclasses.replace(config, rollout=rollout, overlap=True)
+    kwargs = {
+        "reward": starts_with_seven,
+        "encode_prompt": prompt_encoder(tokenizer, chat=False),
+        "buffer": DataBuffer(records, seed=0),
+    } | changes
+    run_rl_training(
+        build_components(load_hf_model(tiny_run_inputs / "model"), config.optimizer, num_training_steps=1),
+        kwargs.pop("buffer"),
+        engine,
+        config,
+        logger=NullLogger(),
+        run_dir=run_dir,
+        resume=False,
+        **kwargs,
+    )
+
+
+def test_what_a_rollout_process_cannot_run_is_refused_naming_it(tiny_run_inputs, tmp_path):
+    tokenizer, records = _inputs(tiny_run_inputs)
+    model_dir = tiny_run_inputs / "model"
+    with RolloutProcess(model_dir, tokenizer_dir=model_dir) as engine:  # refused before it is configured
+        with pytest.raises(PluginError, match="reward: .* has no import path"):
+            _refused(tiny_run_inputs, engine, tmp_path / "a", reward=lambda sample, record: 0.0)
+        with pytest.raises(PluginError, match="encode_prompt: .* has no import path"):
+            _refused(tiny_run_inputs, engine, tmp_path / "b", encode_prompt=lambda r: tokenizer.encode(r["prompt"]))
+        with pytest.raises(ValueError, match="prompt record 1 is not JSON"):
+            bad = DataBuffer([records[0], {"prompt": "1+2=", "x": {1, 2}}])
+            _refused(tiny_run_inputs, engine, tmp_path / "c", buffer=bad)
+        with pytest.raises(ValueError, match="does not take rl.rollout.partial"):
+            _refused(tiny_run_inputs, engine, tmp_path / "d", rollout={"partial": True})
+        with pytest.raises(RuntimeError, match="no rollout manager yet"):
+            engine.generate_batch_blocking(0, 0)
+    assert not child_processes(b"rollouts.loops.rollout_worker")
