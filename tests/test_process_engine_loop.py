@@ -76,7 +76,8 @@ def test_the_engine_kind_process_is_validated_and_round_trips(tmp_path):
     (tmp_path / "again.toml").write_text(to_toml(run))
     assert load_run(RLRun, tmp_path / "again.toml", []) == run
     with pytest.raises(
-        ConfigError, match=r"engine\.kind must be one of 'inprocess', 'process', 'vllm', 'sglang', got 'proces'"
+        ConfigError,
+        match=r"engine\.kind must be one of 'inprocess', 'process', 'rollout_process', 'vllm', 'sglang', got 'proces'",
     ):
         load_run(RLRun, path, ["engine.kind=proces"])
     with pytest.raises(ConfigError, match=r"EngineSpec\.urls must be empty for kind='process'"):

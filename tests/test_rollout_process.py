@@ -6,13 +6,14 @@ import dataclasses
 import json
 
 import pytest
-from run_configs import child_processes, tiny_rl_config
+from run_configs import child_processes, rl_toml, tiny_rl_config
 
 from rollouts.backends import ProcessEngine, build_components, load_hf_model
 from rollouts.data import DataBuffer, prompt_encoder
 from rollouts.loops.algorithms import ALGORITHMS
+from rollouts.loops.app.cli import main
 from rollouts.loops.engines import CoalescingEngine
-from rollouts.loops.loggers import NullLogger
+from rollouts.loops.loggers import NullLogger, read_jsonl
 from rollouts.loops.plugins import PluginError
 from rollouts.loops.rl import run_rl_training
 from rollouts.loops.rollout_process import RolloutProcess
@@ -91,6 +92,16 @@ def test_a_run_with_its_rollouts_in_the_engine_process_resumes_as_if_never_stopp
     # The checkpoint at step 2 holds the batch generated ahead and the remote buffer and manager after it.
     rest = _run(tiny_run_inputs, tmp_path / "stopped", rollout_process=True, steps=4, resume=True)
     assert rest == straight[2:]
+    assert not child_processes(b"rollouts.loops.rollout_worker")
+
+
+def test_rollouts_rl_with_a_rollout_process_trains_overlapped_and_reaps_it(tiny_run_inputs, tmp_path):
+    extra = '[engine]\nkind = "rollout_process"'
+    rl = rl_toml(tiny_run_inputs, tmp_path / "proc", tiny_run_inputs / "model", extra=extra)
+    assert main(["rl", "--config", str(rl), "--set", "rl.overlap=true"]) == 0
+    records = read_jsonl(tmp_path / "proc" / "metrics_rl.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["weight_version"] == 3.0
+    assert all(r["num_trained"] == r["num_samples"] > 0 for r in records)
     assert not child_processes(b"rollouts.loops.rollout_worker")
 
 

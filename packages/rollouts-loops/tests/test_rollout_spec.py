@@ -44,8 +44,16 @@ def test_a_function_of_the_script_being_run_goes_by_its_file(monkeypatch, tmp_pa
     assert function_path(reward, key="reward") == f"{tmp_path / 'train.py'}:reward"
     other = types.FunctionType(reward.__code__, {}, "reward")
     other.__module__, other.__qualname__ = "__main__", "reward"  # named as the script's, but not it
-    with pytest.raises(PluginError, match="not importable from the script being run"):
+    with pytest.raises(PluginError, match="not importable from the file it was defined in"):
         function_path(other, key="reward")
+
+
+def test_a_function_of_a_plugin_file_goes_by_its_file(tmp_path):
+    plugin = tmp_path / "my_reward.py"
+    plugin.write_text("def reward(sample, record):\n    return 1.0\n")
+    fn = load_object(f"{plugin}:reward", key="reward.fn")  # as a run file's [reward] fn loads it
+    path = function_path(fn, key="reward")
+    assert path == f"{plugin}:reward" and load_object(path, key="reward") is fn
 
 
 def test_what_has_no_import_path_is_refused_naming_the_key():

@@ -15,6 +15,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+PLUGIN_MODULE_PREFIX = "_rollouts_plugin_"
+"""The start of the module name a "path/to/file.py:name" plugin file is loaded under."""
+
 
 class PluginError(ValueError):
     """A function named in a config cannot be used; the message names the key and the reason."""
@@ -44,7 +47,7 @@ def _load_file(path: Path, *, key: str, spec: str) -> Any:
     if not path.is_file():
         raise PluginError(f"{key} {spec!r}: no such file {str(path)!r}")
     # A unique module name per file: two plugin files both called reward.py must not collide.
-    name = f"_rollouts_plugin_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
+    name = f"{PLUGIN_MODULE_PREFIX}{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
     if name in sys.modules:
         return sys.modules[name]
     module_spec = importlib.util.spec_from_file_location(name, path)

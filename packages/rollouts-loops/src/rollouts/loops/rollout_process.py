@@ -34,7 +34,7 @@ import trio
 from rollouts.backends import ProcessEngine
 from rollouts.data import DataBuffer
 from rollouts.data.prompts import TokenizerEncoder
-from rollouts.loops.plugins import PluginError, load_object
+from rollouts.loops.plugins import PLUGIN_MODULE_PREFIX, PluginError, load_object
 from rollouts.loops.rollout_fns import RolloutContext, RolloutFn, single_turn_rollout
 from rollouts.loops.scoring import Reward
 from rollouts.types import FilterFn, RLConfig, RolloutBatch
@@ -168,11 +168,11 @@ def function_path(fn: Callable[..., Any] | str, *, key: str) -> str:
             f"{key}: {fn!r} has no import path (a lambda, closure, method or partial): the rollout process "
             "imports it by name, so define it at a module's top level"
         )
-    if module == "__main__":
-        main = sys.modules["__main__"]
-        file = getattr(main, "__file__", None)
-        if file is None or getattr(main, name, None) is not fn:
-            raise PluginError(f"{key}: {fn!r} is not importable from the script being run; define it in a module")
+    if module == "__main__" or module.startswith(PLUGIN_MODULE_PREFIX):  # the script run, a plugin file
+        loaded = sys.modules.get(module)
+        file = getattr(loaded, "__file__", None)
+        if file is None or getattr(loaded, name, None) is not fn:
+            raise PluginError(f"{key}: {fn!r} is not importable from the file it was defined in; define it in a module")
         return f"{file}:{name}"
     if load_object(f"{module}:{name}", key=key) is not fn:
         raise PluginError(f"{key}: {module}:{name} is not {fn!r}: the rollout process would import another object")

@@ -64,7 +64,17 @@ def cmd_sft(run: SFTRun, source: str) -> Path:
     return out / CHECKPOINTS_DIR
 
 
+def math_answer(sample: Any, record: Any) -> float:
+    """The "math_answer" reward of a run whose data.answer_key is "answer" (importable by name, as a
+    RolloutProcess needs)."""
+    from rollouts.losses import math_answer_reward
+
+    return math_answer_reward(sample, answer_key="answer")
+
+
 def _builtin_reward(name: str, answer_key: str) -> Any:
+    """The reward `name` names; with the default answer key a module-level function, so that a
+    RolloutProcess (`[engine] kind = "rollout_process"`) imports it by name."""
     from rollouts.loops.app.tasks import exact_answer_reward
     from rollouts.losses import math_answer_reward
 
@@ -73,11 +83,15 @@ def _builtin_reward(name: str, answer_key: str) -> Any:
 
         return environment_reward
     if name == "math_answer":
+        if answer_key == "answer":
+            return math_answer
 
-        def math_answer(sample: Any, record: Any) -> float:
+        def math_answer_of(sample: Any, record: Any) -> float:
             return math_answer_reward(sample, answer_key=answer_key)
 
-        return math_answer
+        return math_answer_of
+    if answer_key == "answer":
+        return exact_answer_reward
 
     def exact_match(sample: Any, record: Any) -> float:
         return exact_answer_reward(sample, record, answer_key=answer_key)
@@ -161,17 +175,22 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
     rank, world = rank_world()
     if rank != 0:
         return None
-    if run.engine.kind == "process":  # starts from the run's model; restore() syncs a resumed run's weights
-        engine = ProcessEngine(
-            run.model.path,
-            tokenizer_dir=run.model.tokenizer_path or run.model.path,
-            num_threads=run.engine.num_threads,
-            device=run.model.device,
-            dtype=run.model.dtype,
-            attn_implementation=run.model.attn_implementation,
-            timeout_s=run.engine.timeout_s,
+    if run.engine.kind in ("process", "rollout_process"):  # from the run's model; restore() syncs a resumed run
+        options = {
+            "tokenizer_dir": run.model.tokenizer_path or run.model.path,
+            "num_threads": run.engine.num_threads,
+            "device": run.model.device,
+            "dtype": run.model.dtype,
+            "attn_implementation": run.model.attn_implementation,
+            "timeout_s": run.engine.timeout_s,
+        }
+        if run.engine.kind == "rollout_process":  # the rollout manager runs there too, batching its groups
+            from rollouts.loops.rollout_process import RolloutProcess
+
+            return RolloutProcess(run.model.path, max_prompts_per_call=run.rl.rollout.batch_size, **options)
+        return CoalescingEngine(
+            ProcessEngine(run.model.path, **options), max_prompts_per_call=run.rl.rollout.batch_size
         )
-        return CoalescingEngine(engine, max_prompts_per_call=run.rl.rollout.batch_size)
     if run.engine.kind != "inprocess":
         return remote_engine(
             run.engine.kind,

@@ -25,7 +25,7 @@ from rollouts.loops.algorithms import ALGORITHMS, preset_dicts
 from rollouts.loops.app.toml_out import NONE
 from rollouts.types import LoraConfig, RLConfig, SFTConfig, check_fields, from_dict, require
 
-EngineKind = Literal["inprocess", "process", "vllm", "sglang"]
+EngineKind = Literal["inprocess", "process", "rollout_process", "vllm", "sglang"]
 
 
 class ConfigError(ValueError):
@@ -75,7 +75,9 @@ class EngineSpec:
 
     kind: EngineKind = "inprocess"
     """"inprocess": the in-process sampler; "process": the same sampler in a process of its own (runs
-    beside training instead of sharing its interpreter: for rl.overlap); "vllm" / "sglang": servers."""
+    beside training instead of sharing its interpreter: for rl.overlap); "rollout_process": that
+    process runs the rollout manager too (rollouts.loops.RolloutProcess: the reward and hooks by
+    import path, no rl.rollout.partial); "vllm" / "sglang": servers."""
     urls: tuple[str, ...] = ()
     """Server base URLs for vllm / sglang (several spread the load)."""
     api_key_env: str = ""
@@ -90,7 +92,7 @@ class EngineSpec:
     (the engines must see the trainer's filesystem at that path); "http" sends the weights in request
     bodies, chunked (no shared disk; vLLM started with the worker extension: `rollouts engine vllm`)."""
     num_threads: int = 1
-    """Torch threads of the engine process (kind = "process")."""
+    """Torch threads of the engine process (kind = "process" or "rollout_process")."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -101,7 +103,7 @@ class EngineSpec:
         if self.sync == "http":
             require(self.kind == "vllm", "EngineSpec.sync", self.sync, "be 'disk' unless kind='vllm'")
         require(self.num_threads >= 1, "EngineSpec.num_threads", self.num_threads, "be >= 1")
-        if self.kind in ("inprocess", "process"):
+        if self.kind in ("inprocess", "process", "rollout_process"):
             require(not self.urls, "EngineSpec.urls", self.urls, f"be empty for kind={self.kind!r}")
         else:
             require(
