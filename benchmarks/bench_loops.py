@@ -1,10 +1,12 @@
 """RL step time split into generate / train / sync, synchronous vs overlapped, on the demo workload.
 
 Workload: the demo's model (Qwen2, hidden 128, 2 layers, head_dim 32) on 3-digit addition, GRPO,
-32 prompts x 8 samples per step, in-process sampler: in the trainer's process (InProcessEngine) or
-in an engine process of its own (ProcessEngine, whose generation runs beside training instead of
-sharing its interpreter lock). Every mode uses an engine with its own copy of the weights (overlap
-needs one), so synchronous and overlapped differ only in scheduling. Reports per-step medians
+32 prompts x 8 samples per step, in-process sampler: in the trainer's process (InProcessEngine), in
+an engine process of its own (ProcessEngine, whose generation runs beside training instead of
+sharing its interpreter lock), or in an engine process that runs the rollout manager too
+(RolloutProcess: the trainer's process only receives each step's batch). Every mode uses an engine
+with its own copy of the weights (overlap needs one), so synchronous and overlapped differ only in
+scheduling. Prompts are encoded as the demo encodes them (`rollouts.data.prompt_encoder`). Reports per-step medians
 over the measured steps (the first step is warm-up) and the overlap efficiency:
 a mode's step time / max(generate, train) of the synchronous in-process run (1.0 is perfect
 overlap). The process engine needs a core of its own: on a machine whose other work takes a core,
