@@ -167,7 +167,12 @@ def answer(handlers: Mapping[str, Handler], header: dict[str, Any]) -> tuple[dic
             raise ValueError(f"unknown engine request op {header.get('op')!r}; known: {sorted(handlers)}")
         return handler(header)
     except Exception as e:  # answered to the caller, who raises it
-        return {"ok": False, "error_type": type(e).__name__, "error": str(e)}, b""
+        return error_answer(e)
+
+
+def error_answer(error: Exception) -> tuple[dict[str, Any], bytes]:
+    """The answer that hands `error` (its type and text) to the caller, who raises it."""
+    return {"ok": False, "error_type": type(error).__name__, "error": str(error)}, b""
 
 
 def serve(worker: _Worker, requests_fd: int, answers_fd: int) -> None:

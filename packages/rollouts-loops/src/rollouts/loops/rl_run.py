@@ -159,8 +159,7 @@ async def save_run_checkpoint(
         extra["pending_batch"] = [s.to_dict() for s in ahead.samples]
         extra["pending_batch_metadata"] = shared_metadata(ahead)
     if manager is not None:
-        manager_state = manager.state_dict()  # first: a RemoteRolloutManager brings run.buffer to its position
-        extra.update(buffer=run.buffer.state_dict(), manager=manager_state)
+        extra.update(buffer=run.buffer.state_dict(), manager=manager.state_dict())
     if kl_state is not None:
         extra[KL_CONTROLLER_KEY] = {"coef": kl_state.coef}
     if run.critic is not None:  # first: a published policy step always has its critic

@@ -10,8 +10,8 @@ the rollout manager; the trainer sends a step number and receives the finished R
 `run_rl_training` does this by itself when its engine is a RolloutProcess: it sends the rollout
 spec (what `rollout_spec` builds: the config, the reward, rollout function and filter named by
 import path, how prompts are encoded, the buffer's state) and the prompt records (as JSON lines),
-and drives the remote manager (`RemoteRolloutManager`) as it drives a local one: a batch per step,
-its state in checkpoints (the trainer's DataBuffer follows the remote one's position).
+and drives the remote manager (`RemoteRolloutManager`) as it drives a local one: a batch per step
+(after which the trainer's DataBuffer stands where the remote one does), its state in checkpoints.
 
 What must be true for that: the reward, rollout and filter functions are importable by name
 (defined at a module's top level, or in the script being run); the prompts are encoded by
@@ -63,10 +63,11 @@ class RolloutProcess(ProcessEngine):
         prompt records (JSON lines); a new configuration replaces the old."""
         self._call({"op": "rollouts_configure", "spec": spec}, records)
 
-    def generate_batch_blocking(self, step: int, train_version: int | None) -> RolloutBatch:
-        """The rollout manager's batch for `step` (blocks; see AsyncRolloutManager.generate_batch)."""
-        _, body = self._call({"op": "rollouts_batch", "step": step, "train_version": train_version})
-        return batch_from_bytes(body)
+    def generate_batch_blocking(self, step: int, train_version: int | None) -> tuple[RolloutBatch, dict[str, Any]]:
+        """The rollout manager's batch for `step` (blocks; see AsyncRolloutManager.generate_batch),
+        and the state of its DataBuffer after it."""
+        answer, body = self._call({"op": "rollouts_batch", "step": step, "train_version": train_version})
+        return batch_from_bytes(body), answer["buffer"]
 
     def rollout_state(self) -> dict[str, Any]:
         """{"buffer": the remote DataBuffer's state_dict, "manager": the manager's state_dict}."""
@@ -80,19 +81,20 @@ class RolloutProcess(ProcessEngine):
 
 class RemoteRolloutManager:
     """The rollout manager of a RolloutProcess, driven as the loop drives AsyncRolloutManager:
-    `generate_batch`, `state_dict`, `load_state_dict`. `buffer` (the trainer's) is kept at the
-    remote buffer's position: `state_dict` loads it, `load_state_dict` sends it."""
+    `generate_batch`, `state_dict`, `load_state_dict`. `buffer` (the trainer's) moves as a local
+    manager would move it: each batch brings it to the remote buffer's position after that batch,
+    and `load_state_dict` sends its position along."""
 
     def __init__(self, engine: RolloutProcess, buffer: DataBuffer) -> None:
         self._engine, self._buffer = engine, buffer
 
     async def generate_batch(self, *, step: int, train_version: int | None = None) -> RolloutBatch:
-        return await trio.to_thread.run_sync(self._engine.generate_batch_blocking, step, train_version)
+        batch, buffer = await trio.to_thread.run_sync(self._engine.generate_batch_blocking, step, train_version)
+        self._buffer.load_state_dict(buffer)
+        return batch
 
     def state_dict(self) -> dict[str, Any]:
-        state = self._engine.rollout_state()
-        self._buffer.load_state_dict(state["buffer"])
-        return state["manager"]  # type: ignore[no-any-return]
+        return self._engine.rollout_state()["manager"]  # type: ignore[no-any-return]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._engine.load_rollout_state({"buffer": self._buffer.state_dict(), "manager": state})
@@ -109,9 +111,15 @@ def remote_rollout_manager(
 ) -> RemoteRolloutManager:
     """`rollout_manager`'s counterpart: the same manager, built and run in `engine`'s process."""
     spec = rollout_spec(
-        config, rollout, ctx, reward, filter_fn, buffer, max_prompts_per_call=engine.max_prompts_per_call
+        config,
+        rollout,
+        ctx,
+        reward,
+        filter_fn,
+        buffer,
+        max_prompts_per_call=engine.max_prompts_per_call,
+        engine_name=engine.name,
     )
-    spec["engine_name"] = engine.name
     engine.configure_rollouts(spec, records_to_jsonl(buffer))
     return RemoteRolloutManager(engine, buffer)
 
@@ -125,6 +133,7 @@ def rollout_spec(
     buffer: DataBuffer,
     *,
     max_prompts_per_call: int,
+    engine_name: str = "rollout-process",
 ) -> dict[str, Any]:
     """The JSON the engine process builds the rollout manager from; ValueError naming what cannot go."""
     if config.rollout.partial:
@@ -151,6 +160,7 @@ def rollout_spec(
         "vocab_size": ctx.vocab_size,
         "buffer": buffer.state_dict(),
         "max_prompts_per_call": max_prompts_per_call,
+        "engine_name": engine_name,
         "sys_path": list(sys.path),  # where this process imports from (as multiprocessing's spawn passes it on)
     }
 

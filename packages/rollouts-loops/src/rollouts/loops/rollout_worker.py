@@ -24,7 +24,15 @@ from typing import Any
 import trio
 
 from rollouts.backends.engine_wire import encode_frame
-from rollouts.backends.engine_worker import answer, handlers_of, parser, read_request, start_worker, write_all
+from rollouts.backends.engine_worker import (
+    answer,
+    error_answer,
+    handlers_of,
+    parser,
+    read_request,
+    start_worker,
+    write_all,
+)
 from rollouts.data import AsyncRolloutManager, DataBuffer, prompt_encoder
 from rollouts.loops.engines import CoalescingEngine
 from rollouts.loops.plugins import load_object
@@ -71,8 +79,7 @@ class _Rollouts:
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
-        self.buffer: DataBuffer | None = None
-        self.manager: AsyncRolloutManager | None = None
+        self.configured: tuple[AsyncRolloutManager, DataBuffer] | None = None
 
     def configure(self, spec: dict[str, Any], records: bytes) -> tuple[dict[str, Any], bytes]:
         sys.path.extend(p for p in spec["sys_path"] if p not in sys.path)  # the functions import as in the trainer
@@ -99,7 +106,7 @@ class _Rollouts:
             max_sample_tokens=config.max_tokens_per_micro_batch,
         )
         reward = spec["reward"]
-        self.manager = rollout_manager(
+        manager = rollout_manager(
             buffer,
             config,
             single_turn_rollout if spec["rollout"] is None else load_object(spec["rollout"], key="rollout"),
@@ -112,30 +119,29 @@ class _Rollouts:
             ),
             None if spec["filter_fn"] is None else load_object(spec["filter_fn"], key="filter_fn"),
         )
-        self.buffer = buffer
+        self.configured = manager, buffer
         return {"ok": True}, b""
 
     async def batch(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        manager = self._configured()
+        """The step's batch, and the buffer's position after it (the trainer's buffer follows it)."""
+        manager, buffer = self._configured()
         batch = await manager.generate_batch(step=header["step"], train_version=header["train_version"])
-        return {"ok": True}, batch_to_bytes(batch)
+        return {"ok": True, "buffer": buffer.state_dict()}, batch_to_bytes(batch)
 
     def state(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        manager = self._configured()
-        assert self.buffer is not None
-        return {"ok": True, "state": {"buffer": self.buffer.state_dict(), "manager": manager.state_dict()}}, b""
+        manager, buffer = self._configured()
+        return {"ok": True, "state": {"buffer": buffer.state_dict(), "manager": manager.state_dict()}}, b""
 
     def load_state(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        manager = self._configured()
-        assert self.buffer is not None
-        self.buffer.load_state_dict(header["state"]["buffer"])
+        manager, buffer = self._configured()
+        buffer.load_state_dict(header["state"]["buffer"])
         manager.load_state_dict(header["state"]["manager"])
         return {"ok": True}, b""
 
-    def _configured(self) -> AsyncRolloutManager:
-        if self.manager is None:
+    def _configured(self) -> tuple[AsyncRolloutManager, DataBuffer]:
+        if self.configured is None:
             raise RuntimeError("the rollout process has no rollout manager yet (no rollouts_configure request)")
-        return self.manager
+        return self.configured
 
 
 async def serve(worker: Any, requests_fd: int, answers_fd: int) -> None:
@@ -155,7 +161,7 @@ async def serve(worker: Any, requests_fd: int, answers_fd: int) -> None:
             else:
                 reply = answer(handlers, header)
         except Exception as e:  # answered to the caller, who raises it; this process serves on
-            reply = {"ok": False, "error_type": type(e).__name__, "error": str(e)}, b""
+            reply = error_answer(e)
         write_all(answers_fd, encode_frame(*reply))
 
 
