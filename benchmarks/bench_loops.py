@@ -55,10 +55,11 @@ def run(
     steps: int,
     demo: DemoConfig,
     adaptive: bool = True,
-    process: bool = False,
-    rollouts_too: bool = False,
+    where: str = "in process",
     threads: int = 1,
 ) -> list[dict[str, float]]:
+    """One run's per-step metrics (the first dropped); `where` the sampler runs: "in process", "process"
+    (an engine process) or "rollouts" (an engine process running the rollout manager too)."""
     records = addition_problems(4000, digits=demo.digits, seed=0)
     tokenizer = build_tokenizer((r["prompt"] + r["answer"] for r in records), vocab_size=32)
     model = demo_model(demo, len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -80,7 +81,7 @@ def run(
         max_tokens_per_micro_batch=4096,
     )
     components = build_components(model, config.optimizer, num_training_steps=steps)
-    if rollouts_too:  # the engine process runs the rollout manager too: it batches the groups itself
+    if where == "rollouts":  # the engine process runs the rollout manager too: it batches the groups itself
         inner: Any = RolloutProcess.from_model(
             model, tokenizer=tokenizer, num_threads=threads, max_prompts_per_call=demo.rl_prompts_per_step
         )
@@ -88,12 +89,12 @@ def run(
     else:
         inner = (
             ProcessEngine.from_model(model, tokenizer=tokenizer, num_threads=threads)
-            if process
+            if where == "process"
             else InProcessEngine(copy.deepcopy(model), shares_training_model=False, tokenizer=tokenizer)
         )
         engine = CoalescingEngine(inner, max_prompts_per_call=demo.rl_prompts_per_step, adaptive=adaptive)
 
-    closing = contextlib.closing(inner) if process or rollouts_too else contextlib.nullcontext()
+    closing = contextlib.closing(inner) if where != "in process" else contextlib.nullcontext()
     with tempfile.TemporaryDirectory() as run_dir, closing:
         _, history = run_rl_training(
             components,
@@ -140,14 +141,7 @@ def main() -> None:
     for _ in range(args.repeats):
         medians = {}
         for name, (overlap, where) in modes.items():
-            history = run(
-                overlap,
-                steps=args.steps,
-                demo=demo,
-                process=where == "process",
-                rollouts_too=where == "rollouts",
-                threads=args.threads,
-            )
+            history = run(overlap, steps=args.steps, demo=demo, where=where, threads=args.threads)
             steps_of[name] += history
             medians[name] = {k: statistics.median(h[k] for h in history) for k in keys}
         bound = max(medians["synchronous"]["generate_s"], medians["synchronous"]["train_s"])

@@ -69,14 +69,14 @@ class RolloutProcess(ProcessEngine):
         answer, body = self._call({"op": "rollouts_batch", "step": step, "train_version": train_version})
         return batch_from_bytes(body), answer["buffer"]
 
-    def rollout_state(self) -> dict[str, Any]:
-        """{"buffer": the remote DataBuffer's state_dict, "manager": the manager's state_dict}."""
+    def manager_state(self) -> dict[str, Any]:
+        """The remote rollout manager's state_dict (its buffer's position comes with each batch)."""
         answer, _ = self._call({"op": "rollouts_state"})
         return answer["state"]  # type: ignore[no-any-return]
 
-    def load_rollout_state(self, state: dict[str, Any]) -> None:
-        """Restore what `rollout_state` returned."""
-        self._call({"op": "rollouts_load_state", "state": state})
+    def load_rollout_state(self, buffer: dict[str, Any], manager: dict[str, Any]) -> None:
+        """Restore the remote DataBuffer's and rollout manager's state_dicts."""
+        self._call({"op": "rollouts_load_state", "buffer": buffer, "manager": manager})
 
 
 class RemoteRolloutManager:
@@ -94,10 +94,10 @@ class RemoteRolloutManager:
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return self._engine.rollout_state()["manager"]  # type: ignore[no-any-return]
+        return self._engine.manager_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._engine.load_rollout_state({"buffer": self._buffer.state_dict(), "manager": state})
+        self._engine.load_rollout_state(self._buffer.state_dict(), state)
 
 
 def remote_rollout_manager(

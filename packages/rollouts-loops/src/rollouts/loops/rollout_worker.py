@@ -8,7 +8,8 @@ process only receives each step's finished batch. Requests beside the engine's:
   prompt records as JSON lines in the body; builds the DataBuffer and the rollout manager, over a
   CoalescingEngine of this process's own sampler;
 - "rollouts_batch": {"step", "train_version"} -> that step's RolloutBatch (rollouts.types.wire bytes);
-- "rollouts_state" -> {"state": {"buffer", "manager"}}; "rollouts_load_state": {"state": ...}.
+- "rollouts_state" -> {"state": the manager's state_dict}; "rollouts_load_state": {"buffer", "manager"}
+  (state_dicts). The buffer's position also comes with each batch ({"buffer": ...}).
 
 One request at a time, in order: a weight load sent after a batch request waits for that batch,
 as the loop's engine lock has a sync wait for the generation in flight.
@@ -129,13 +130,13 @@ class _Rollouts:
         return {"ok": True, "buffer": buffer.state_dict()}, batch_to_bytes(batch)
 
     def state(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-        manager, buffer = self._configured()
-        return {"ok": True, "state": {"buffer": buffer.state_dict(), "manager": manager.state_dict()}}, b""
+        manager, _ = self._configured()
+        return {"ok": True, "state": manager.state_dict()}, b""
 
     def load_state(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
         manager, buffer = self._configured()
-        buffer.load_state_dict(header["state"]["buffer"])
-        manager.load_state_dict(header["state"]["manager"])
+        buffer.load_state_dict(header["buffer"])
+        manager.load_state_dict(header["manager"])
         return {"ok": True}, b""
 
     def _configured(self) -> tuple[AsyncRolloutManager, DataBuffer]:
