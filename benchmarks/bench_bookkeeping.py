@@ -14,7 +14,7 @@ run receive, advantage, pack, unpack. The step's bookkeeping is the larger of th
 Also prints the bytes a Sample's per-token storage (token ids + loss mask + rollout log-probs)
 takes per token. Medians of --repeats runs after one warm-up step (the process's first large
 allocations are slower), with the objects alive at startup frozen out of Python's full
-collections, as the loops do (rollouts.loops.heap).
+collections, as the loops do (rollouts.loops.run.heap).
 
     OMP_NUM_THREADS=1 uv run python benchmarks/bench_bookkeeping.py [--samples 1024] [--tokens 4096]
 """
@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from rollouts.data import plan_micro_batches, unpack_values
-from rollouts.loops.distributed import staged
-from rollouts.loops.heap import startup_objects_frozen
+from rollouts.loops.run.distributed import staged
+from rollouts.loops.run.heap import startup_objects_frozen
 from rollouts.losses import group_advantages
 from rollouts.types import LossMask, RolloutBatch, Sample, Status
 from rollouts.types.wire import batch_from_bytes, batch_to_parts

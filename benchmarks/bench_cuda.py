@@ -280,12 +280,12 @@ def train_worker(variant: str, steps: int, quick: bool, profile: str = "", micro
     """One variant in this process; returns its figures."""
     import dataclasses
 
-    import rollouts.backends.train as train
-    import rollouts.loops.policy_update as policy_update
+    import rollouts.backends.train.step as train
+    import rollouts.loops.rl.update as policy_update
     from rollouts.backends import build_components, build_optimizer, build_scheduler
-    from rollouts.backends.components import TrainingComponents
-    from rollouts.backends.distributed import shard_model
-    from rollouts.loops.step import rl_step
+    from rollouts.backends.train.components import TrainingComponents
+    from rollouts.backends.train.distributed import shard_model
+    from rollouts.loops.rl.step import rl_step
     from rollouts.types import AlgorithmConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams, TrainingState
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -435,7 +435,7 @@ def section_grpo(steps: int, quick: bool) -> list[dict]:
     import trio
 
     from rollouts.backends import InProcessEngine, build_components
-    from rollouts.loops.step import rl_step
+    from rollouts.loops.rl.step import rl_step
     from rollouts.types import (
         AlgorithmConfig,
         OptimizerConfig,

@@ -40,12 +40,12 @@ import torch
 from rollouts.backends import InProcessEngine, ProcessEngine, build_components
 from rollouts.data import DataBuffer, prompt_encoder
 from rollouts.loops.app.demo import DemoConfig, demo_model
-from rollouts.loops.app.tasks import addition_problems, exact_answer_reward
-from rollouts.loops.app.tiny import build_tokenizer
-from rollouts.loops.engines import CoalescingEngine
-from rollouts.loops.loggers import NullLogger
-from rollouts.loops.rl import run_rl_training
-from rollouts.loops.rollout_process import RolloutProcess
+from rollouts.loops.engines.coalescing import CoalescingEngine
+from rollouts.loops.engines.rollout_process import RolloutProcess
+from rollouts.loops.recipes.addition import addition_problems, exact_answer_reward
+from rollouts.loops.recipes.tiny import build_tokenizer
+from rollouts.loops.rl.loop import run_rl_training
+from rollouts.loops.run.loggers import NullLogger
 from rollouts.types import AlgorithmConfig, CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams
 
 

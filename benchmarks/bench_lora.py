@@ -26,7 +26,7 @@ import trio
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rollouts.backends import build_components, forward_backward, optim_step
-from rollouts.loops.generation import sync_engine
+from rollouts.loops.rl.generation import sync_engine
 from rollouts.losses import sft_loss_fn
 from rollouts.sync import VLLMEngine
 from rollouts.sync.launch import launch_vllm_server

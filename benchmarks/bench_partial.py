@@ -45,9 +45,9 @@ import trio
 
 from rollouts.backends import build_components
 from rollouts.data import DataBuffer
-from rollouts.loops.app.tiny import build_tiny_model
-from rollouts.loops.loggers import NullLogger
-from rollouts.loops.rl import run_rl_training
+from rollouts.loops.recipes.tiny import build_tiny_model
+from rollouts.loops.rl.loop import run_rl_training
+from rollouts.loops.run.loggers import NullLogger
 from rollouts.types import (
     CheckpointConfig,
     OptimizerConfig,

@@ -58,7 +58,7 @@ LR = 1e-4
 
 def build_model_dir(directory: Path) -> int:
     """Write the tiny model and tokenizer to `directory`; returns the parameter count."""
-    from rollouts.loops.app.tiny import build_tiny_model, build_tokenizer, save_model
+    from rollouts.loops.recipes.tiny import build_tiny_model, build_tokenizer, save_model
 
     corpus = [f"{a} plus {b} is {a + b}. The cat sat on mat number {a * b}." for a in range(60) for b in range(40)]
     tokenizer = build_tokenizer(corpus, vocab_size=64)
@@ -131,8 +131,8 @@ class _PhaseTimer:
 
 
 def _ours_timer() -> _PhaseTimer:
-    import rollouts.backends.train as train
-    import rollouts.loops.policy_update as policy_update
+    import rollouts.backends.train.step as train
+    import rollouts.loops.rl.update as policy_update
     import rollouts.loops.sft as sft
 
     timer = _PhaseTimer()
@@ -149,7 +149,7 @@ def ours_grpo(directory: Path, *, warmup: int, steps: int) -> list[dict[str, flo
     import trio
 
     from rollouts.backends import InProcessEngine, build_components
-    from rollouts.loops.step import rl_step
+    from rollouts.loops.rl.step import rl_step
     from rollouts.types import AlgorithmConfig, OptimizerConfig, RLConfig, RolloutBatch, RolloutConfig, SamplingParams
 
     model, tokenizer = _load(directory)

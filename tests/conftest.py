@@ -12,8 +12,8 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_run_inputs(tmp_path_factory):
     """A tiny local model directory plus SFT conversations and RL prompts for 2-digit addition."""
-    from rollouts.loops.app.tasks import addition_problems, as_conversation
-    from rollouts.loops.app.tiny import build_tiny_model, build_tokenizer, save_model
+    from rollouts.loops.recipes.addition import addition_problems, as_conversation
+    from rollouts.loops.recipes.tiny import build_tiny_model, build_tokenizer, save_model
 
     root = tmp_path_factory.mktemp("tiny_run")
     records = addition_problems(400, digits=2, seed=0)

@@ -7,9 +7,9 @@ import dataclasses
 import numpy as np
 
 from rollouts.backends import build_components
-from rollouts.backends.distributed import shard_model
+from rollouts.backends.train.distributed import shard_model
 from rollouts.loops.algorithms import ALGORITHMS
-from rollouts.loops.app.tiny import build_tiny_model
+from rollouts.loops.recipes.tiny import build_tiny_model
 from rollouts.types import (
     AlgorithmConfig,
     CriticConfig,
@@ -74,7 +74,7 @@ def critic(*, sharded: bool):
     """A critic from the same starting model, its head made visible (it starts at zero)."""
     import torch
 
-    from rollouts.backends.value import ValueModel
+    from rollouts.backends.train.value import ValueModel
 
     model = ValueModel(
         build_tiny_model(

@@ -13,7 +13,7 @@ from run_configs import rl_toml, sft_toml
 from safetensors.numpy import load_file
 
 from rollouts.loops.app.cli import main
-from rollouts.loops.loggers import read_jsonl
+from rollouts.loops.run.loggers import read_jsonl
 
 _KILL_WAIT_S = 240  # bound on waiting for the run to reach the checkpoint we kill it after
 

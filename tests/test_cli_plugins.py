@@ -7,7 +7,7 @@ import pytest
 from run_configs import rl_toml
 
 from rollouts.loops.app.cli import main
-from rollouts.loops.loggers import read_jsonl
+from rollouts.loops.run.loggers import read_jsonl
 
 _USER_CODE = '''
 import trio

@@ -3,7 +3,7 @@
 import json
 
 from rollouts.loops.app.cli import main
-from rollouts.loops.loggers import read_jsonl
+from rollouts.loops.run.loggers import read_jsonl
 
 
 def test_quick_demo_writes_summary_plot_metrics_and_a_loadable_model(tmp_path, capsys):

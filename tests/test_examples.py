@@ -9,7 +9,7 @@ import pytest
 
 from rollouts.loops.app.cli import main
 from rollouts.loops.app.config import RLRun, SFTRun, load_run
-from rollouts.loops.loggers import read_jsonl
+from rollouts.loops.run.loggers import read_jsonl
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 TOMLS = sorted(p.name for p in EXAMPLES.glob("*.toml"))

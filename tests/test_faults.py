@@ -10,9 +10,9 @@ import pytest
 
 from rollouts.backends import InProcessEngine, build_components, load_hf_model
 from rollouts.data import DataBuffer
-from rollouts.loops.loggers import NullLogger
-from rollouts.loops.rl import run_rl_training
-from rollouts.loops.rollout_fns import single_turn_rollout
+from rollouts.loops.rl.loop import run_rl_training
+from rollouts.loops.rollouts.functions import single_turn_rollout
+from rollouts.loops.run.loggers import NullLogger
 from rollouts.types import CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams
 
 
@@ -75,7 +75,7 @@ def test_token_ids_outside_the_vocabulary_are_an_error_naming_the_engine(tiny_ru
 def test_one_prompt_too_long_for_a_micro_batch_fails_only_its_group_and_says_why(tiny_run_inputs, tmp_path):
     from transformers import AutoTokenizer
 
-    from rollouts.loops.engines import CoalescingEngine
+    from rollouts.loops.engines.coalescing import CoalescingEngine
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_run_inputs / "model"), local_files_only=True)
     model = load_hf_model(tiny_run_inputs / "model")

@@ -11,8 +11,8 @@ import torch
 import trio
 
 from rollouts.backends import build_components
-from rollouts.backends.lora import syncs_adapter
-from rollouts.loops.generation import sync_engine
+from rollouts.backends.train.lora import syncs_adapter
+from rollouts.loops.rl.generation import sync_engine
 from rollouts.sync import VLLMEngine
 from rollouts.sync.launch import launch_vllm_server
 from rollouts.sync.testing import find_vllm_python, vllm_unavailable_reason

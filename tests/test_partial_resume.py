@@ -118,12 +118,12 @@ class Crash(Exception):
 def run(run_dir, monkeypatch, *, max_staleness, crash_at=None, resume=False):
     """The loop for STEPS steps (resumed from `run_dir` if `resume`); training is recorded, not done.
     Returns (per-step trained samples, per-step metrics, the engine)."""
-    import rollouts.loops.step as step_module
+    import rollouts.loops.rl.step as step_module
     from rollouts.backends import build_components
     from rollouts.data import DataBuffer
-    from rollouts.loops.app.tiny import build_tiny_model
-    from rollouts.loops.loggers import NullLogger
-    from rollouts.loops.rl import run_rl_training
+    from rollouts.loops.recipes.tiny import build_tiny_model
+    from rollouts.loops.rl.loop import run_rl_training
+    from rollouts.loops.run.loggers import NullLogger
 
     engine, trained, first_step = GatedEngine(), {}, []
 

@@ -12,7 +12,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rollouts.backends import InProcessEngine
-from rollouts.loops.rollout_fns import single_turn_rollout
+from rollouts.loops.rollouts.functions import single_turn_rollout
 from rollouts.sync.partial import continue_partials, token_versions
 from rollouts.types import SamplingParams, Status
 
@@ -78,15 +78,15 @@ def _partial_run(tmp_path, monkeypatch, *, num_steps, partial=True):
     (per-step metrics, per-step trained samples, fresh generate calls per prompt id)."""
     import threading
 
-    import rollouts.backends.inprocess_engine as inprocess
-    import rollouts.loops.step as step_module
+    import rollouts.backends.sampling.engine as inprocess
+    import rollouts.loops.rl.step as step_module
     from rollouts.backends import build_components
     from rollouts.data import DataBuffer
-    from rollouts.loops.app.tiny import build_tiny_model
-    from rollouts.loops.engines import CoalescingEngine
+    from rollouts.loops.engines.coalescing import CoalescingEngine
     from rollouts.loops.evaluation import Evaluation
-    from rollouts.loops.loggers import NullLogger
-    from rollouts.loops.rl import run_rl_training
+    from rollouts.loops.recipes.tiny import build_tiny_model
+    from rollouts.loops.rl.loop import run_rl_training
+    from rollouts.loops.run.loggers import NullLogger
     from rollouts.types import OptimizerConfig, RLConfig, RolloutConfig
 
     mid = {b: threading.Event() for b in range(num_steps)}  # batch b reached the middle of its generation
@@ -189,7 +189,7 @@ def test_a_sync_mid_generation_aborts_it_and_the_loop_continues_the_partial_samp
 
 
 def test_partial_rollouts_are_refused_where_a_response_cannot_be_continued():
-    from rollouts.loops.rollout_fns import check_partial_rollouts, tool_rollout
+    from rollouts.loops.rollouts.functions import check_partial_rollouts, tool_rollout
     from rollouts.types import AlgorithmConfig, RLConfig, RolloutConfig
 
     with pytest.raises(ValueError, match="rollout.partial"):

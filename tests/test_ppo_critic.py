@@ -9,7 +9,7 @@ import torch
 from test_rl_loop import _run, starts_with_seven
 
 from rollouts.loops.algorithms import ALGORITHMS
-from rollouts.loops.critic import default_critic
+from rollouts.loops.rl.critic import default_critic
 from rollouts.types import CriticConfig, OptimizerConfig
 
 
@@ -25,7 +25,7 @@ def test_ppo_with_a_critic_raises_a_toy_reward(tiny_run_inputs, tmp_path):
 
 
 def test_a_resumed_ppo_run_continues_with_the_critic_it_saved(tiny_run_inputs, tmp_path, monkeypatch):
-    import rollouts.loops.critic as critic_module
+    import rollouts.loops.rl.critic as critic_module
 
     algorithm = ALGORITHMS["ppo"]
     _run(tiny_run_inputs, tmp_path, algorithm=algorithm, steps=2, lr=1e-2, reward=starts_with_seven)
@@ -39,7 +39,7 @@ def test_a_resumed_ppo_run_continues_with_the_critic_it_saved(tiny_run_inputs, t
         load(critic, path)
         loaded.update({k: v.detach().clone() for k, v in critic.model.state_dict().items()})
 
-    monkeypatch.setattr("rollouts.loops.rl_run.load_critic", recording_load)
+    monkeypatch.setattr("rollouts.loops.rl.state.load_critic", recording_load)
     _run(tiny_run_inputs, tmp_path, algorithm=algorithm, steps=3, lr=1e-2, reward=starts_with_seven, resume=True)
     assert loaded and all(torch.equal(loaded[k], v) for k, v in saved.items())
 

@@ -14,9 +14,9 @@ from rollouts.loops.algorithms import ALGORITHMS
 from rollouts.loops.app.cli import main
 from rollouts.loops.app.config import ConfigError, RLRun, load_run
 from rollouts.loops.app.toml_out import to_toml
-from rollouts.loops.engines import CoalescingEngine
-from rollouts.loops.loggers import NullLogger, read_jsonl
-from rollouts.loops.rl import run_rl_training
+from rollouts.loops.engines.coalescing import CoalescingEngine
+from rollouts.loops.rl.loop import run_rl_training
+from rollouts.loops.run.loggers import NullLogger, read_jsonl
 from rollouts.types import SamplingParams
 
 
@@ -57,7 +57,7 @@ def test_an_overlapped_run_trains_against_an_engine_process(tiny_run_inputs, tmp
         prompts = [tokenizer.encode(r["prompt"], add_special_tokens=False) for r in records[:3]]
         reference = InProcessEngine(components.model, tokenizer=tokenizer, weight_version=3)
         assert trio.run(inner.generate, prompts, params) == trio.run(reference.generate, prompts, params)
-    assert inner._child.process.returncode == 0 and not child_processes(b"rollouts.backends.engine_worker")
+    assert inner._child.process.returncode == 0 and not child_processes(b"rollouts.backends.engine_process.worker")
 
 
 def test_rollouts_rl_with_an_engine_process_runs_overlapped_and_reaps_it(tiny_run_inputs, tmp_path):
@@ -65,7 +65,7 @@ def test_rollouts_rl_with_an_engine_process_runs_overlapped_and_reaps_it(tiny_ru
     assert main(["rl", "--config", str(rl), "--set", "rl.overlap=true"]) == 0
     records = read_jsonl(tmp_path / "proc" / "metrics_rl.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["weight_version"] == 3.0
-    assert not child_processes(b"rollouts.backends.engine_worker")
+    assert not child_processes(b"rollouts.backends.engine_process.worker")
 
 
 def test_the_engine_kind_process_is_validated_and_round_trips(tmp_path):

@@ -13,9 +13,9 @@ from test_rl_loop import _setup
 from rollouts.backends import InProcessEngine, build_components
 from rollouts.data import DataBuffer
 from rollouts.loops.algorithms import ALGORITHMS
-from rollouts.loops.engines import CoalescingEngine
-from rollouts.loops.loggers import NullLogger
-from rollouts.loops.rl import run_rl_training
+from rollouts.loops.engines.coalescing import CoalescingEngine
+from rollouts.loops.rl.loop import run_rl_training
+from rollouts.loops.run.loggers import NullLogger
 from rollouts.types import ReferenceConfig, RLConfig
 
 KL = dataclasses.replace(ALGORITHMS["grpo"], kl_coef=0.05, kl_placement="loss", kl_kind="k3")

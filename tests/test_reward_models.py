@@ -13,13 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
 
-from rollouts.loops.reward_models import (
+from rollouts.loops.rollouts.reward_models import (
     ClassifierRewardModel,
     check_reward_model_dir,
     reward_model_reward,
     weighted_reward,
 )
-from rollouts.loops.scoring import Reward, score_group
+from rollouts.loops.rollouts.scoring import Reward, score_group
 from rollouts.types import Sample
 
 # float32 on both sides, the same ids and the same last-token pooling: only summation order differs.
@@ -131,7 +131,7 @@ def test_rollouts_rl_adds_a_reward_model_to_the_verifier_by_weight(tiny_run_inpu
     from run_configs import rl_toml
 
     from rollouts.loops.app.cli import main
-    from rollouts.loops.loggers import read_jsonl
+    from rollouts.loops.run.loggers import read_jsonl
 
     extra = f'[[reward.models]]\npath = "{reward_model_dir}"\nweight = 0.5\n'
     config = rl_toml(tiny_run_inputs, tmp_path / "rm", tiny_run_inputs / "model", extra=extra)

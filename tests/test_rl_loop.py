@@ -10,9 +10,9 @@ from run_configs import tiny_rl_config
 from rollouts.backends import InProcessEngine, build_components, load_hf_model
 from rollouts.data import DataBuffer
 from rollouts.loops.algorithms import ALGORITHMS, ROLLOUT_IMPLIED
-from rollouts.loops.engines import CoalescingEngine
-from rollouts.loops.loggers import NullLogger
-from rollouts.loops.rl import run_rl_training
+from rollouts.loops.engines.coalescing import CoalescingEngine
+from rollouts.loops.rl.loop import run_rl_training
+from rollouts.loops.run.loggers import NullLogger
 from rollouts.types import CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams
 
 
@@ -89,7 +89,7 @@ def test_every_preset_runs_two_steps(tiny_run_inputs, tmp_path, name):
 
 def test_a_resumed_run_keeps_the_starting_model_as_its_kl_reference(tiny_run_inputs, tmp_path, monkeypatch):
     """The reference is the model the run started from, not the checkpoint a resume loads."""
-    import rollouts.loops.step as rl
+    import rollouts.loops.rl.step as rl
 
     algorithm = ALGORITHMS["reinforce_pp"]  # KL in the reward
     _run(tiny_run_inputs, tmp_path, algorithm=algorithm, steps=1, lr=1e-2, reward=starts_with_seven, prompts=4, n=4)
@@ -156,8 +156,8 @@ class _EchoEngine:
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_a_resumed_run_trains_the_same_prompts_as_an_uninterrupted_one(tmp_path, monkeypatch, overlap):
     """Every checkpoint holds the batch generated ahead of it together with the buffer after it."""
-    import rollouts.loops.step as rl
-    from rollouts.loops.app.tiny import build_tiny_model
+    import rollouts.loops.rl.step as rl
+    from rollouts.loops.recipes.tiny import build_tiny_model
 
     class Crash(Exception):
         pass
@@ -293,7 +293,7 @@ def test_overlap_corrects_for_the_older_policy_by_default_and_drops_samples_too_
     """In overlap mode samples come from a policy up to max_staleness versions old: truncated
     importance weights against their rollout log-probs are applied unless turned off, and samples
     older than that are dropped (not trained), counted in num_too_stale."""
-    from rollouts.loops.step import rl_step
+    from rollouts.loops.rl.step import rl_step
     from rollouts.types import TrainingState
 
     _, model, _ = _setup(tiny_run_inputs)
@@ -338,7 +338,7 @@ class _ForgetfulEngine(InProcessEngine):
 def test_the_sync_probe_catches_weights_that_did_not_arrive(tiny_run_inputs, tmp_path, engine_cls):
     import copy
 
-    from rollouts.loops.probe import SyncProbeError
+    from rollouts.loops.rl.probe import SyncProbeError
 
     tokenizer, model, records = _setup(tiny_run_inputs)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=(tokenizer.eos_token_id,))
@@ -380,7 +380,7 @@ def test_the_sync_probe_catches_weights_that_did_not_arrive(tiny_run_inputs, tmp
 def test_log_probs_of_another_distribution_are_refused_when_the_loss_weighs_by_them():
     """Truncated sampling and an engine reporting the full softmax (vLLM's default raw_logprobs):
     importance weights against those log-probs would be biased (TRL#6789), so the step refuses."""
-    from rollouts.loops.step import check_logprobs_distribution
+    from rollouts.loops.rl.step import check_logprobs_distribution
     from rollouts.types import Sample
 
     def samples(of):

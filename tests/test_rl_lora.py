@@ -9,12 +9,12 @@ import torch
 from run_configs import tiny_rl_config
 
 from rollouts.backends import InProcessEngine, build_components, load_hf_model
-from rollouts.backends.lora import AdapterDisabled
+from rollouts.backends.train.lora import AdapterDisabled
 from rollouts.data import DataBuffer
 from rollouts.loops.algorithms import ALGORITHMS
-from rollouts.loops.engines import CoalescingEngine
-from rollouts.loops.loggers import NullLogger
-from rollouts.loops.rl import run_rl_training
+from rollouts.loops.engines.coalescing import CoalescingEngine
+from rollouts.loops.rl.loop import run_rl_training
+from rollouts.loops.run.loggers import NullLogger
 from rollouts.types import LoraConfig, MicroBatch, OptimizerConfig
 
 LORA = LoraConfig(rank=8, alpha=16.0)
@@ -59,7 +59,7 @@ def test_grpo_with_a_lora_adapter_raises_a_toy_reward_and_leaves_the_base_weight
 
 
 def test_the_kl_reference_of_a_lora_run_is_the_adapter_switched_off(tiny_run_inputs, tmp_path, monkeypatch):
-    import rollouts.loops.step as rl
+    import rollouts.loops.rl.step as rl
 
     seen = []
     update = rl.rl_update
@@ -114,7 +114,7 @@ def test_rollouts_export_writes_the_adapter_or_the_merged_model(tiny_run_inputs,
         torch.testing.assert_close(adapter(input_ids=ids).logits, expected, rtol=0, atol=1e-6)
     assert (tmp_path / "merged" / "tokenizer.json").is_file()
     # the adapter on another base model: refused, naming it
-    from rollouts.loops.app.tiny import save_model
+    from rollouts.loops.recipes.tiny import save_model
 
     other = tmp_path / "other"
 
@@ -138,8 +138,8 @@ def test_an_inprocess_engine_with_its_own_copy_gets_the_adapter_or_the_merged_we
     import trio
 
     from rollouts.backends import compute_logprobs
-    from rollouts.backends.lora import has_lora, merged_copy
-    from rollouts.loops.generation import sync_engine
+    from rollouts.backends.train.lora import has_lora, merged_copy
+    from rollouts.loops.rl.generation import sync_engine
     from rollouts.types import TrainingState
 
     for sync in ("adapter", "merged"):
@@ -181,7 +181,7 @@ def test_adapter_sync_is_refused_where_the_engine_cannot_load_it(tmp_path):
     import trio
 
     from rollouts.loops.app.config import ConfigError, RLRun, build_run
-    from rollouts.loops.engines import SendWeights
+    from rollouts.loops.engines.coalescing import SendWeights
     from rollouts.sync import VLLMEngine
 
     for engine in ({"kind": "sglang", "urls": ["http://x"]}, {"kind": "vllm", "urls": ["http://x"], "sync": "http"}):

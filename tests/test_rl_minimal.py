@@ -1,4 +1,4 @@
-"""The one-file GRPO recipe (`python -m rollouts.loops.rl_minimal`): it learns, syncs its engine
+"""The one-file GRPO recipe (`python -m rollouts.loops.recipes.grpo_minimal`): it learns, syncs its engine
 through disk every step, and a resumed run ends with the same weights as an uninterrupted one."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollouts.backends import latest_checkpoint, read_weights
-from rollouts.loops.rl_minimal import GRPOLoss, group_baseline, main
+from rollouts.loops.recipes.grpo_minimal import GRPOLoss, group_baseline, main
 from rollouts.types import MicroBatch
 
 
@@ -48,7 +48,7 @@ def test_the_recipe_runs_as_a_module(tmp_path):
         [
             sys.executable,
             "-m",
-            "rollouts.loops.rl_minimal",
+            "rollouts.loops.recipes.grpo_minimal",
             "--out",
             str(tmp_path),
             "--steps",

@@ -12,7 +12,7 @@ import trio
 from run_configs import rl_toml
 
 from rollouts.loops.app.cli import main
-from rollouts.loops.loggers import read_jsonl
+from rollouts.loops.run.loggers import read_jsonl
 from rollouts.sync import VLLMEngine
 from rollouts.sync.testing import find_vllm_python, reference_greedy, vllm_unavailable_reason
 from rollouts.types import SamplingParams

@@ -12,11 +12,11 @@ from rollouts.backends import ProcessEngine, build_components, load_hf_model
 from rollouts.data import DataBuffer, prompt_encoder
 from rollouts.loops.algorithms import ALGORITHMS
 from rollouts.loops.app.cli import main
-from rollouts.loops.engines import CoalescingEngine
-from rollouts.loops.loggers import NullLogger, read_jsonl
+from rollouts.loops.engines.coalescing import CoalescingEngine
+from rollouts.loops.engines.rollout_process import RolloutProcess
 from rollouts.loops.plugins import PluginError
-from rollouts.loops.rl import run_rl_training
-from rollouts.loops.rollout_process import RolloutProcess
+from rollouts.loops.rl.loop import run_rl_training
+from rollouts.loops.run.loggers import NullLogger, read_jsonl
 from rollouts.types import CheckpointConfig
 
 
@@ -82,7 +82,7 @@ def test_a_run_with_its_rollouts_in_the_engine_process_trains_as_one_without(tin
     there = _run(tiny_run_inputs, tmp_path / "there", rollout_process=True, steps=4)
     assert len(there) == 4 and there == here  # same samples, rewards, losses: the same manager, elsewhere
     assert max(h["staleness_max"] for h in there) <= 1.0  # generated one step ahead
-    assert not child_processes(b"rollouts.loops.rollout_worker")  # reaped
+    assert not child_processes(b"rollouts.loops.engines.rollout_worker")  # reaped
 
 
 def test_a_run_with_its_rollouts_in_the_engine_process_resumes_as_if_never_stopped(tiny_run_inputs, tmp_path):
@@ -92,7 +92,7 @@ def test_a_run_with_its_rollouts_in_the_engine_process_resumes_as_if_never_stopp
     # The checkpoint at step 2 holds the batch generated ahead and the remote buffer and manager after it.
     rest = _run(tiny_run_inputs, tmp_path / "stopped", rollout_process=True, steps=4, resume=True)
     assert rest == straight[2:]
-    assert not child_processes(b"rollouts.loops.rollout_worker")
+    assert not child_processes(b"rollouts.loops.engines.rollout_worker")
 
 
 def test_rollouts_rl_with_a_rollout_process_trains_overlapped_and_reaps_it(tiny_run_inputs, tmp_path):
@@ -102,7 +102,7 @@ def test_rollouts_rl_with_a_rollout_process_trains_overlapped_and_reaps_it(tiny_
     records = read_jsonl(tmp_path / "proc" / "metrics_rl.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3] and records[-1]["weight_version"] == 3.0
     assert all(r["num_trained"] == r["num_samples"] > 0 for r in records)
-    assert not child_processes(b"rollouts.loops.rollout_worker")
+    assert not child_processes(b"rollouts.loops.engines.rollout_worker")
 
 
 def _refused(tiny_run_inputs, engine, run_dir, **changes):
@@ -143,4 +143,4 @@ def test_what_a_rollout_process_cannot_run_is_refused_naming_it(tiny_run_inputs,
             _refused(tiny_run_inputs, engine, tmp_path / "d", rollout={"partial": True})
         with pytest.raises(RuntimeError, match="no rollout manager yet"):
             engine.generate_batch_blocking(0, 0)
-    assert not child_processes(b"rollouts.loops.rollout_worker")
+    assert not child_processes(b"rollouts.loops.engines.rollout_worker")

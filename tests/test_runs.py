@@ -82,7 +82,7 @@ def _hold(run_dir):
     import sys
 
     code = (
-        "import sys\nfrom rollouts.loops.run_dir import acquire_run_dir\n"
+        "import sys\nfrom rollouts.loops.run.run_dir import acquire_run_dir\n"
         f"acquire_run_dir({str(run_dir)!r})\nprint('held', flush=True)\nsys.stdin.read()\n"
     )
     holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -109,7 +109,7 @@ def test_a_second_run_on_a_directory_in_use_is_refused_with_the_holders_pid(tiny
 
 
 def test_the_run_directory_lock_is_reentrant_in_one_process_and_released(tmp_path):
-    from rollouts.loops.run_dir import RunDirInUse, lock_run_dir
+    from rollouts.loops.run.run_dir import RunDirInUse, lock_run_dir
 
     with lock_run_dir(tmp_path / "d"), lock_run_dir(tmp_path / "d"):  # the CLI holds it, then the loop
         pass

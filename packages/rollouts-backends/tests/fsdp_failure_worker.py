@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from fsdp_worker import sharded_components
 
-import rollouts.backends.checkpoint as ck
+import rollouts.backends.checkpoint.save_load as ck
 from rollouts.backends import CheckpointWriter, latest_checkpoint, save_checkpoint
-from rollouts.backends.distributed import close_process_group
+from rollouts.backends.train.distributed import close_process_group
 from rollouts.types import TrainingState
 
 

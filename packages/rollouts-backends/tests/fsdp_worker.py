@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from helpers import TRAIN_CONFIG_KW, packed_batch, tiny_model
 
-import rollouts.backends.optimizer_state as optimizer_state
+import rollouts.backends.checkpoint.optimizer_state as optimizer_state
 from rollouts.backends import (
     CheckpointWriter,
     build_components,
@@ -32,7 +32,7 @@ from rollouts.backends import (
     save_checkpoint,
     shard_model,
 )
-from rollouts.backends.distributed import close_process_group
+from rollouts.backends.train.distributed import close_process_group
 from rollouts.losses import sft_loss_fn
 from rollouts.types import OptimizerConfig, TrainingState
 

@@ -20,8 +20,8 @@ from helpers import TRAIN_CONFIG_KW, packed_batch, tiny_model
 from safetensors.torch import save_file
 
 from rollouts.backends import build_components, compute_logprobs, load_checkpoint, save_checkpoint, shard_model
-from rollouts.backends.distributed import close_process_group
-from rollouts.backends.lora import adapter_state_dict, apply_lora, reference_components
+from rollouts.backends.train.distributed import close_process_group
+from rollouts.backends.train.lora import adapter_state_dict, apply_lora, reference_components
 from rollouts.types import LoraConfig, OptimizerConfig, TrainingState
 
 LORA = LoraConfig(rank=4, alpha=8.0)

@@ -291,7 +291,7 @@ def test_load_hf_model_and_build_components_from_a_checkpoint(tmp_path):
     dim=st.integers(0, 1),
 )
 def test_optimizer_shards_join_back_to_the_full_tensor(tmp_path_factory, rows, cols, count, dim):
-    from rollouts.backends.optimizer_state import join_shards
+    from rollouts.backends.checkpoint.optimizer_state import join_shards
 
     directory = tmp_path_factory.mktemp("shards")
     full = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
@@ -316,7 +316,7 @@ def test_optimizer_shards_join_back_to_the_full_tensor(tmp_path_factory, rows, c
 def _held_fsync(monkeypatch):
     """Make the checkpoint's flush wait for the returned event: a background publish stays in flight
     until the test sets it (an event, not a sleep)."""
-    import rollouts.backends.checkpoint as ck
+    import rollouts.backends.checkpoint.save_load as ck
 
     release, fsync = threading.Event(), ck.fsync_path
 
@@ -350,7 +350,7 @@ def test_a_background_save_returns_early_and_publishes_what_it_was_given(tmp_pat
 
 
 def test_a_failed_background_publish_is_reported_once_and_never_published(tmp_path, monkeypatch):
-    import rollouts.backends.checkpoint as ck
+    import rollouts.backends.checkpoint.save_load as ck
 
     components = fresh_components()
     state = train_steps(components, TrainingState(), 1)
@@ -408,7 +408,7 @@ def test_interpreter_exit_waits_for_a_background_publish(tmp_path):
 
     script = (
         f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
-        "import rollouts.backends.checkpoint as ck\n"
+        "import rollouts.backends.checkpoint.save_load as ck\n"
         "from helpers import fresh_components\n"
         "from rollouts.backends import CheckpointWriter, save_checkpoint\n"
         "from rollouts.types import TrainingState\n"
@@ -435,7 +435,7 @@ def test_retention_never_deletes_the_checkpoint_just_written(tmp_path):
 
 
 def test_re_saving_a_step_swaps_directories_in_one_step(tmp_path, monkeypatch):
-    import rollouts.backends.durable as durable
+    import rollouts.backends.checkpoint.durable as durable
 
     components = fresh_components()
     save_checkpoint(components, TrainingState(step=1), tmp_path, extra={"v": 1})
@@ -454,7 +454,7 @@ def test_an_export_leaves_the_weights_the_last_one_replaced_to_the_writer(tmp_pa
     # Exports back to back (a sync every step): the weights one export swaps out are deleted on the
     # writer's thread, which may still be at it when the next export starts; that export must not
     # touch them (it once reused their temporary name and deleted them under the writer's feet).
-    import rollouts.backends.export as export_module
+    import rollouts.backends.checkpoint.export as export_module
 
     release, published, seen = threading.Event(), [0], []
     delete_dirs, publish_dir = export_module.delete_dirs, export_module.publish_dir

@@ -7,8 +7,9 @@ import pytest
 import torch
 from helpers import tiny_model
 
-import rollouts.backends.components as components_module
-from rollouts.backends import build_components, cpu_memory, retain_freed_cpu_memory
+import rollouts.backends.train.components as components_module
+from rollouts.backends import build_components, retain_freed_cpu_memory
+from rollouts.backends.train import cpu_memory
 from rollouts.types import OptimizerConfig
 
 glibc = pytest.mark.skipif(

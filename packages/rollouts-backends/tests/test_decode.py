@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from rollouts.backends import generate
-from rollouts.backends.decode import fast_decoder
+from rollouts.backends.sampling.decode import fast_decoder
 
 
 def _llama(seed: int = 0) -> LlamaForCausalLM:
@@ -124,7 +124,7 @@ def test_bfloat16_decoding_is_bit_identical_to_the_hf_forward():
 @given(biases=st.lists(st.booleans(), min_size=1, max_size=3), seed=st.integers(0, 2**16))
 def test_stacked_projections_give_each_projection_its_own_columns(biases, seed):
     """One matmul over the stacked weights: each projection's columns, bias or none, as if run alone."""
-    from rollouts.backends.decode import _stacked
+    from rollouts.backends.sampling.decode import _stacked
 
     torch.manual_seed(seed)
     projections = [torch.nn.Linear(16, 8 * (i + 1), bias=b) for i, b in enumerate(biases)]

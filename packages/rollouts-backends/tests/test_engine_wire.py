@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollouts.backends.engine_wire import ChildGone, decode_frame, encode_frame, read_frame, write_frame
+from rollouts.backends.engine_process.wire import ChildGone, decode_frame, encode_frame, read_frame, write_frame
 
 _PIPE_TIMEOUT_S = 30.0  # the pipe's other end is this test: data is there at once; this only bounds a bug
 

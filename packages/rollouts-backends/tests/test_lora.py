@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from test_fsdp import _REL_TOL, _WEIGHT_ATOL, _torchrun
 
 from rollouts.backends import build_components, compute_logprobs, forward_backward, load_hf_model, optim_step
-from rollouts.backends.lora import (
+from rollouts.backends.train.lora import (
     AdapterDisabled,
     adapter_state_dict,
     apply_lora,

@@ -8,7 +8,7 @@ from helpers import TRAIN_CONFIG_KW, VOCAB, tiny_model, train_steps
 from transformers import AutoModelForCausalLM
 
 from rollouts.backends import build_components, export_weights, latest_checkpoint, load_checkpoint, save_checkpoint
-from rollouts.backends.lora_files import load_adapter_dir, save_adapter
+from rollouts.backends.checkpoint.lora_files import load_adapter_dir, save_adapter
 from rollouts.types import LoraConfig, OptimizerConfig, TrainingState
 
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))

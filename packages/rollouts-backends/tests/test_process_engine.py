@@ -13,7 +13,7 @@ import trio
 from helpers import tiny_model
 
 from rollouts.backends import EngineProcessError, InProcessEngine, ProcessEngine
-from rollouts.backends.export import model_tensors
+from rollouts.backends.checkpoint.export import model_tensors
 from rollouts.types import InferenceEngine, SamplingParams, Status
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]

@@ -1,4 +1,4 @@
-"""The streaming safetensors writer of checkpoints and exports (rollouts.backends.durable.write_tensors)
+"""The streaming safetensors writer of checkpoints and exports (rollouts.backends.checkpoint.durable.write_tensors)
 writes files safetensors' own reader loads bit for bit."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import safetensors
 import safetensors.torch
 import torch
 
-from rollouts.backends import durable
+from rollouts.backends.checkpoint import durable
 
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16, torch.int8, torch.bool, torch.float64]
 SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (5, 3), (2, 3, 4)]

@@ -25,7 +25,7 @@ from rollouts.backends import (
     lr_multiplier,
     optim_step,
 )
-from rollouts.backends.train import micro_batch_to_torch, one_sequence_per_row, token_logprobs_of_model
+from rollouts.backends.train.step import micro_batch_to_torch, one_sequence_per_row, token_logprobs_of_model
 from rollouts.losses import loss_fn_from_config, sft_loss_fn
 from rollouts.types import AlgorithmConfig, OptimizerConfig, TrainingState
 
@@ -225,7 +225,7 @@ def test_optimizer_is_fused_and_matches_the_per_tensor_adamw(device):
 
 def test_the_optimizer_implementation_follows_the_weights():
     """Fused for plain weights on one CPU or CUDA device, else foreach on CUDA, else the loop."""
-    from rollouts.backends.components import _adamw_implementation
+    from rollouts.backends.train.components import _adamw_implementation
 
     plain = torch.nn.Parameter(torch.zeros(2))
     assert _adamw_implementation([plain]) == {"fused": True}
@@ -421,7 +421,7 @@ def _device_layout_rules(batch, *, loss_positions_only):
 def test_the_host_layout_follows_the_rules_of_the_batch(lengths, num_prompt, layout, loss_positions_only, seed):
     """The layout the forward reads on the host (so a GPU never waits on it) is what the batch's
     tensors say: the kept positions, one sequence per row, padding, and the token counts."""
-    from rollouts.backends.train import _host_layout
+    from rollouts.backends.train.step import _host_layout
 
     seqs = random_sequences(np.random.default_rng(seed), lengths)
     micro_batch = (packed_batch if layout == "packed" else padded_batch)(seqs, num_prompt=num_prompt)

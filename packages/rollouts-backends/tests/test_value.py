@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollouts.backends import optim_step
-from rollouts.backends.value import ValueModel, build_critic, compute_values, critic_forward_backward
+from rollouts.backends.train.value import ValueModel, build_critic, compute_values, critic_forward_backward
 from rollouts.types import OptimizerConfig, TrainingState
 
 

@@ -9,7 +9,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollouts.loops.engines import CoalescingEngine
+from rollouts.loops.engines.coalescing import CoalescingEngine
 from rollouts.types import Sample, SamplingParams, Status
 
 
@@ -208,7 +208,7 @@ class HangingReload:
 
 
 def test_a_single_remote_engine_gets_sync_timeout_s_on_its_reload():
-    from rollouts.loops.engines import BoundedSync
+    from rollouts.loops.engines.coalescing import BoundedSync
     from rollouts.sync import WeightSyncError
 
     inner = HangingReload()
@@ -225,7 +225,7 @@ def test_a_single_remote_engine_gets_sync_timeout_s_on_its_reload():
 
 
 def test_remote_engine_bounds_a_single_url_by_sync_timeout_s():
-    from rollouts.loops.engines import BoundedSync, remote_engine
+    from rollouts.loops.engines.coalescing import BoundedSync, remote_engine
 
     engine = remote_engine(
         "vllm", ["http://127.0.0.1:1"], api_key_env="", timeout_s=5.0, max_retries=0, sync_timeout_s=7.0
@@ -234,7 +234,7 @@ def test_remote_engine_bounds_a_single_url_by_sync_timeout_s():
 
 
 def test_remote_engine_for_partial_rollouts_keeps_aborted_responses_and_refuses_sglang():
-    from rollouts.loops.engines import remote_engine
+    from rollouts.loops.engines.coalescing import remote_engine
 
     common = {"api_key_env": "", "timeout_s": 5.0, "max_retries": 0, "sync_timeout_s": 7.0}
     engine = remote_engine("vllm", ["http://127.0.0.1:1"], partial=True, **common)

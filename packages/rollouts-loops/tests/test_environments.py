@@ -5,8 +5,8 @@ import math
 import pytest
 import trio
 
-from rollouts.loops.environments import CalculatorEnv, environment_reward, environment_rollout, safe_arithmetic
-from rollouts.loops.rollout_fns import RolloutContext
+from rollouts.loops.rollouts.environments import CalculatorEnv, environment_reward, environment_rollout, safe_arithmetic
+from rollouts.loops.rollouts.functions import RolloutContext
 from rollouts.types import EnvStep, Sample, SamplingParams, Status
 
 
@@ -155,7 +155,7 @@ class AsyncGuessClient(GuessClient):
 
 @pytest.mark.parametrize("client", [GuessClient, AsyncGuessClient])
 def test_an_openenv_style_client_runs_as_an_environment(client):
-    from rollouts.loops.environments import OpenEnvAdapter
+    from rollouts.loops.rollouts.environments import OpenEnvAdapter
 
     def make_env():
         return OpenEnvAdapter(
@@ -172,7 +172,7 @@ def test_an_openenv_style_client_runs_as_an_environment(client):
 
 
 def test_an_openenv_result_without_done_is_named():
-    from rollouts.loops.environments import OpenEnvAdapter
+    from rollouts.loops.rollouts.environments import OpenEnvAdapter
 
     class Broken(GuessClient):
         def step(self, action):

@@ -4,7 +4,7 @@ import gc
 
 import pytest
 
-from rollouts.loops.heap import startup_objects_frozen
+from rollouts.loops.run.heap import startup_objects_frozen
 
 
 class _Node:

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollouts.backends import micro_batch_to_torch, packed_only
-from rollouts.backends.train import _model_inputs, one_sequence_per_row
+from rollouts.backends.train.step import _model_inputs, one_sequence_per_row
 from rollouts.data import plan_micro_batches
-from rollouts.loops.app.tiny import build_tiny_model
 from rollouts.loops.micro_batches import attention_pair_cost, choose_layout, plan_shard
+from rollouts.loops.recipes.tiny import build_tiny_model
 from rollouts.types import Sample
 
 

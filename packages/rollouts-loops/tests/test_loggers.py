@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollouts.loops.loggers import ConsoleLogger, JsonlLogger, MultiLogger, read_jsonl, repair_torn_tail
+from rollouts.loops.run.loggers import ConsoleLogger, JsonlLogger, MultiLogger, read_jsonl, repair_torn_tail
 from rollouts.types import MetricsLogger
 
 
@@ -148,7 +148,7 @@ def test_console_and_multi_logger(tmp_path):
 
 def test_tensorboard_logger_writes_event_files(tmp_path):
     pytest.importorskip("tensorboard", reason="the tensorboard extra is not installed")
-    from rollouts.loops.loggers import TensorboardLogger
+    from rollouts.loops.run.loggers import TensorboardLogger
 
     logger = TensorboardLogger(tmp_path / "tb")
     assert isinstance(logger, MetricsLogger)
@@ -164,7 +164,7 @@ def test_tensorboard_logger_writes_event_files(tmp_path):
 
 def test_wandb_logger_runs_offline(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="the wandb extra is not installed")
-    from rollouts.loops.loggers import WandbLogger
+    from rollouts.loops.run.loggers import WandbLogger
 
     monkeypatch.setenv("WANDB_MODE", "offline")  # never the network
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))

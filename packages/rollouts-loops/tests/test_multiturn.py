@@ -5,7 +5,7 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollouts.loops.multiturn import run_tool_rollout
+from rollouts.loops.rollouts.multiturn import run_tool_rollout
 from rollouts.types import Sample, SamplingParams, Status
 
 TOOL = 9  # token id of the word "tool" in the fake tokenizer: a turn containing it calls the tool

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollouts.loops.algorithms import ALGORITHMS
-from rollouts.loops.per_token import token_advantages
-from rollouts.loops.rollout_fns import GREEDY_REWARD_KEY, RolloutContext, group_generator
-from rollouts.loops.scoring import Reward
+from rollouts.loops.rl.per_token import token_advantages
+from rollouts.loops.rollouts.functions import GREEDY_REWARD_KEY, RolloutContext, group_generator
+from rollouts.loops.rollouts.scoring import Reward
 from rollouts.types import LossMask, Sample, SamplingParams
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rollouts.backends import build_components, save_checkpoint
-from rollouts.loops.app.tiny import build_tiny_model
-from rollouts.loops.run_dir import CHECKPOINTS_DIR, resume_if_possible
+from rollouts.loops.recipes.tiny import build_tiny_model
+from rollouts.loops.run.run_dir import CHECKPOINTS_DIR, resume_if_possible
 from rollouts.types import OptimizerConfig, TrainingState
 
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollouts.loops.plugins import PluginError, load_object, resolve_function
-from rollouts.loops.scoring import (
+from rollouts.loops.rollouts.scoring import (
     REWARD_ERROR_KEY,
     Reward,
     RewardError,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rollouts.backends import build_components
-from rollouts.loops.app.tiny import build_tiny_model
+from rollouts.loops.recipes.tiny import build_tiny_model
 from rollouts.loops.sft import sft_step
 from rollouts.types import OptimizerConfig, Sample, SFTConfig, TrainingState
 from rollouts.types.configs import LossAggregation

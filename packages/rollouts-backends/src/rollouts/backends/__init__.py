@@ -1,14 +1,20 @@
 """rollouts-backends: training as functions, crash-safe checkpoints, FSDP2, in-process sampling."""
 
-from rollouts.backends.checkpoint import load_checkpoint, save_checkpoint
-from rollouts.backends.checkpoint_dirs import (
+from rollouts.backends.checkpoint.dirs import (
     has_optimizer_state,
     latest_checkpoint,
     step_checkpoints,
     sweep_temporary,
     verify_checkpoint,
 )
-from rollouts.backends.components import (
+from rollouts.backends.checkpoint.export import export_weights, load_model_weights, read_weights
+from rollouts.backends.checkpoint.model_files import load_tokenizer, resolve_model_dir
+from rollouts.backends.checkpoint.save_load import load_checkpoint, save_checkpoint
+from rollouts.backends.checkpoint.writer import CheckpointWriter
+from rollouts.backends.engine_process.client import EngineProcessError, ProcessEngine
+from rollouts.backends.sampling.engine import InProcessEngine
+from rollouts.backends.sampling.sampler import generate, sample_next_tokens
+from rollouts.backends.train.components import (
     TrainingComponents,
     build_components,
     build_optimizer,
@@ -17,14 +23,9 @@ from rollouts.backends.components import (
     load_hf_model,
     lr_multiplier,
 )
-from rollouts.backends.cpu_memory import retain_freed_cpu_memory
-from rollouts.backends.distributed import shard_model, transformer_blocks
-from rollouts.backends.export import export_weights, load_model_weights, read_weights
-from rollouts.backends.inprocess_engine import InProcessEngine
-from rollouts.backends.model_files import load_tokenizer, resolve_model_dir
-from rollouts.backends.process_engine import EngineProcessError, ProcessEngine
-from rollouts.backends.sampler import generate, sample_next_tokens
-from rollouts.backends.train import (
+from rollouts.backends.train.cpu_memory import retain_freed_cpu_memory
+from rollouts.backends.train.distributed import shard_model, transformer_blocks
+from rollouts.backends.train.step import (
     NonFiniteError,
     attention_mask_4d,
     compute_logprobs,
@@ -34,7 +35,6 @@ from rollouts.backends.train import (
     packed_only,
     token_logprobs_of_model,
 )
-from rollouts.backends.writer import CheckpointWriter
 
 
 def _version() -> str:

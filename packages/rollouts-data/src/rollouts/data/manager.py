@@ -70,7 +70,7 @@ __all__ = ["AsyncRolloutManager", "ContinueFn", "request_seed"]
 ContinueFn = Callable[..., Awaitable[Sequence[Sample]]]
 """(prompt, group) -> the group with its partial samples continued (and scored once none is
 partial); may take a `seed` keyword like a GenerateFn. The loops build it from an engine
-(rollouts.loops.rollout_fns.group_continuer), since continuing needs one."""
+(rollouts.loops.rollouts.functions.group_continuer), since continuing needs one."""
 
 _Item = tuple[int | None, Any, tuple[Sample, ...] | None]
 """A request to make: (position in the data stream, prompt, the partial group to continue or None)."""

@@ -16,8 +16,8 @@ from typing import Any
 
 import trio
 
-from rollouts.loops.rollout_fns import PromptEncoder, record_metadata
-from rollouts.loops.scoring import Reward, score_group
+from rollouts.loops.rollouts.functions import PromptEncoder, record_metadata
+from rollouts.loops.rollouts.scoring import Reward, score_group
 from rollouts.types import InferenceEngine, Sample, SamplingParams
 
 _EVAL_CHUNK_PROMPTS = 256  # prompts per generate call: bounds memory of the in-process sampler

@@ -14,7 +14,7 @@ import numpy as np
 
 from rollouts.backends import TrainingComponents, packed_only
 from rollouts.data import plan_micro_batches
-from rollouts.loops.distributed import global_counts, rank_world, same_count_on_every_rank
+from rollouts.loops.run.distributed import global_counts, rank_world, same_count_on_every_rank
 from rollouts.types import MicroBatch, Sample
 
 _PADDED_MIN_FILL = 0.9

@@ -16,10 +16,10 @@ from typing import Any
 
 from rollouts.backends import CheckpointWriter, TrainingComponents, forward_backward, optim_step, save_checkpoint
 from rollouts.data import DataBuffer
-from rollouts.loops.distributed import global_sum, rank_world
-from rollouts.loops.heap import startup_objects_frozen
 from rollouts.loops.micro_batches import plan_shard
-from rollouts.loops.run_dir import CHECKPOINTS_DIR, lock_run_dir, resume_if_possible, sweep_run_dir
+from rollouts.loops.run.distributed import global_sum, rank_world
+from rollouts.loops.run.heap import startup_objects_frozen
+from rollouts.loops.run.run_dir import CHECKPOINTS_DIR, lock_run_dir, resume_if_possible, sweep_run_dir
 from rollouts.losses import sft_loss_fn
 from rollouts.types import MetricsLogger, Sample, SFTConfig, TrainingState
 

@@ -23,7 +23,7 @@ from rollouts.loops.app.run_setup import (
     run_tokenizer,
     sharded_model,
 )
-from rollouts.loops.distributed import init_distributed
+from rollouts.loops.run.distributed import init_distributed
 
 
 def cmd_sft(run: SFTRun, source: str) -> Path:
@@ -75,7 +75,7 @@ def math_answer(sample: Any, record: Any) -> float:
 def _builtin_reward(name: str, answer_key: str) -> Any:
     """The reward `name` names; with the default answer key a module-level function, so that a
     RolloutProcess (`[engine] kind = "rollout_process"`) imports it by name."""
-    from rollouts.loops.app.tasks import exact_answer_reward
+    from rollouts.loops.recipes.addition import exact_answer_reward
     from rollouts.losses import math_answer_reward
 
     if name == "environment":
@@ -133,7 +133,7 @@ def _with_reward_models(verifier: Any, spec: Any, source: str) -> Any:
     """`verifier` weighted by reward.weight plus each [[reward.models]] score by its weight; every
     model directory checked (and loaded, for those scored in process) before any work."""
     from rollouts.backends import load_tokenizer
-    from rollouts.loops.reward_models import (
+    from rollouts.loops.rollouts.reward_models import (
         ClassifierRewardModel,
         chat_encoder,
         check_reward_model_dir,
@@ -170,7 +170,7 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
 
     from rollouts.backends import InProcessEngine, ProcessEngine, load_hf_model
     from rollouts.loops import CoalescingEngine, remote_engine
-    from rollouts.loops.distributed import rank_world
+    from rollouts.loops.run.distributed import rank_world
 
     rank, world = rank_world()
     if rank != 0:
@@ -185,7 +185,7 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
             "timeout_s": run.engine.timeout_s,
         }
         if run.engine.kind == "rollout_process":  # the rollout manager runs there too, batching its groups
-            from rollouts.loops.rollout_process import RolloutProcess
+            from rollouts.loops.engines.rollout_process import RolloutProcess
 
             return RolloutProcess(run.model.path, max_prompts_per_call=run.rl.rollout.batch_size, **options)
         return CoalescingEngine(
@@ -205,7 +205,7 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
     if shares:
         model = components.model
     elif world == 1 and run.model.lora.enabled and run.model.lora.sync == "merged":
-        from rollouts.backends.lora import merged_copy
+        from rollouts.backends.train.lora import merged_copy
 
         model = merged_copy(components.model)  # the engine's copy: merged weights, no adapter
     elif world == 1:
@@ -213,7 +213,7 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
     else:  # the trained model is sharded: rank 0 samples from a full copy of its own
         model = load_hf_model(run.model.path, device=components.device)
         if run.model.lora.enabled and run.model.lora.sync == "adapter":
-            from rollouts.backends.lora import apply_lora
+            from rollouts.backends.train.lora import apply_lora
 
             model = apply_lora(model, run.model.lora)
     return CoalescingEngine(
@@ -268,7 +268,7 @@ def cmd_rl(run: RLRun, source: str) -> Path:
         shares = run.engine.kind == "inprocess" and not run.rl.overlap and world == 1
         critic = None
         if run.rl.algorithm.advantage_estimator == "gae":  # PPO's critic: from [rl.critic] path or the policy's model
-            from rollouts.backends.value import build_critic
+            from rollouts.backends.train.value import build_critic
 
             critic = build_critic(
                 run.rl.critic.path or run.model.path,
@@ -279,7 +279,7 @@ def cmd_rl(run: RLRun, source: str) -> Path:
             )
         ref_components = None
         if run.rl.algorithm.needs_reference and run.model.lora.enabled:
-            from rollouts.backends.lora import reference_components
+            from rollouts.backends.train.lora import reference_components
 
             ref_components = reference_components(components)  # the base: the adapter switched off
         elif world > 1 and run.rl.algorithm.needs_reference:

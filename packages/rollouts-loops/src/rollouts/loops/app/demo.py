@@ -26,8 +26,8 @@ from rollouts.backends import InProcessEngine, build_components, export_weights
 from rollouts.data import DataBuffer, prompt_encoder, tokenize_conversation
 from rollouts.loops import ConsoleLogger, JsonlLogger, MultiLogger, evaluate, run_rl_training, run_sft_training
 from rollouts.loops.algorithms import ALGORITHMS
-from rollouts.loops.app.tasks import addition_problems, as_conversation, exact_answer_reward, sloppy_teacher
-from rollouts.loops.app.tiny import build_tiny_model, build_tokenizer, save_model
+from rollouts.loops.recipes.addition import addition_problems, as_conversation, exact_answer_reward, sloppy_teacher
+from rollouts.loops.recipes.tiny import build_tiny_model, build_tokenizer, save_model
 from rollouts.types import (
     CheckpointConfig,
     LoraConfig,

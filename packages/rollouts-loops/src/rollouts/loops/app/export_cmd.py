@@ -45,7 +45,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, merge: bool = 
     import torch
 
     from rollouts.backends import build_components, export_weights, load_checkpoint, verify_checkpoint
-    from rollouts.backends.lora_files import ADAPTER_CONFIG, save_adapter
+    from rollouts.backends.checkpoint.lora_files import ADAPTER_CONFIG, save_adapter
     from rollouts.types import LoraConfig, OptimizerConfig
 
     checkpoint, out = Path(checkpoint), Path(out)

@@ -27,7 +27,7 @@ def write_resolved(run: Any, out: Path) -> None:
 
 def default_out_dir(command: str) -> str:
     """runs/<command>-<date>-<time>, the same on every rank (rank 0's clock, broadcast)."""
-    from rollouts.loops.distributed import broadcast_json, rank_world
+    from rollouts.loops.run.distributed import broadcast_json, rank_world
 
     name = str(Path(f"runs/{command}-{datetime.now():%Y%m%d-%H%M%S}").absolute()) if rank_world()[0] == 0 else None
     return broadcast_json(name)
@@ -48,8 +48,8 @@ def model_fingerprint(path: str) -> str:
 
 def prepare_run(run: Any, command: str, source: str) -> tuple[Any, bool]:
     """The run with its out_dir decided, and whether it resumes (announced); a refused resume is a ConfigError."""
-    from rollouts.loops.distributed import broadcast_json, rank_world
-    from rollouts.loops.run_dir import RunDirInUse, acquire_run_dir, check_resume, file_fingerprint, release_run_dir
+    from rollouts.loops.run.distributed import broadcast_json, rank_world
+    from rollouts.loops.run.run_dir import RunDirInUse, acquire_run_dir, check_resume, file_fingerprint, release_run_dir
 
     run = dataclasses.replace(
         run, run=dataclasses.replace(run.run, out_dir=run.run.out_dir or default_out_dir(command))
@@ -96,7 +96,7 @@ def answer_fields(run: Any) -> tuple[str, ...]:
 
 
 def release_run(out: Path, rank: int) -> None:
-    from rollouts.loops.run_dir import release_run_dir
+    from rollouts.loops.run.run_dir import release_run_dir
 
     if rank == 0:
         release_run_dir(out)
@@ -121,10 +121,10 @@ def run_components(run: Any, optimizer, num_training_steps: int):
     import torch
 
     from rollouts.backends import build_components, build_optimizer, build_scheduler
-    from rollouts.backends.components import TrainingComponents
+    from rollouts.backends.train.components import TrainingComponents
 
     dtype = getattr(torch, _DTYPES[run.model.dtype])
-    from rollouts.loops.distributed import init_distributed
+    from rollouts.loops.run.distributed import init_distributed
 
     rank, world = init_distributed()
     device = run.model.device
@@ -141,7 +141,7 @@ def run_components(run: Any, optimizer, num_training_steps: int):
             lora=run.model.lora,
         )
         if run.model.gradient_checkpointing:  # as under torchrun: recompute each layer in backward
-            from rollouts.backends.distributed import enable_activation_checkpointing
+            from rollouts.backends.train.distributed import enable_activation_checkpointing
 
             enable_activation_checkpointing(components.model)
         return components
@@ -160,7 +160,7 @@ def sharded_model(run: Any, device: Any):
     import torch
 
     from rollouts.backends import load_hf_model
-    from rollouts.backends.distributed import shard_model
+    from rollouts.backends.train.distributed import shard_model
 
     model = load_hf_model(
         run.model.path,
@@ -169,7 +169,7 @@ def sharded_model(run: Any, device: Any):
         attn_implementation=run.model.attn_implementation,
     )
     if run.model.lora.enabled:  # the adapter goes in before sharding; only its weights train
-        from rollouts.backends.lora import apply_lora
+        from rollouts.backends.train.lora import apply_lora
 
         model = apply_lora(model, run.model.lora)
     return shard_model(model, activation_checkpointing=run.model.gradient_checkpointing)

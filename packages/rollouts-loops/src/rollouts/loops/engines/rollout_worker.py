@@ -1,0 +1,176 @@
+"""The engine process behind RolloutProcess: `python -m rollouts.loops.engines.rollout_worker ...`.
+
+It is ProcessEngine's engine process (rollouts.backends.engine_process.worker: the same command line, the
+same requests, answered the same way) that also runs the run's rollout manager, so the trainer's
+process only receives each step's finished batch. Requests beside the engine's:
+
+- "rollouts_configure": the header's "spec" (what `rollout_process.rollout_spec` writes) and the
+  prompt records as JSON lines in the body; builds the DataBuffer and the rollout manager, over a
+  CoalescingEngine of this process's own sampler;
+- "rollouts_batch": {"step", "train_version"} -> that step's RolloutBatch (rollouts.types.wire bytes);
+- "rollouts_state" -> {"state": the manager's state_dict}; "rollouts_load_state": {"buffer", "manager"}
+  (state_dicts). The buffer's position also comes with each batch ({"buffer": ...}).
+
+One request at a time, in order: a weight load sent after a batch request waits for that batch,
+as the loop's engine lock has a sync wait for the generation in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+
+from rollouts.backends.engine_process.wire import encode_frame
+from rollouts.backends.engine_process.worker import (
+    answer,
+    error_answer,
+    handlers_of,
+    parser,
+    read_request,
+    start_worker,
+    write_all,
+)
+from rollouts.data import AsyncRolloutManager, DataBuffer, prompt_encoder
+from rollouts.loops.engines.coalescing import CoalescingEngine
+from rollouts.loops.engines.rollout_process import records_from_jsonl
+from rollouts.loops.plugins import load_object
+from rollouts.loops.rollouts.functions import RolloutContext, rollout_manager, single_turn_rollout
+from rollouts.loops.rollouts.scoring import Reward
+from rollouts.types import RLConfig, Sample, SamplingParams, from_dict
+from rollouts.types.wire import batch_to_bytes
+
+
+class _LocalEngine:
+    """This process's sampler, as the rollout manager's InferenceEngine (blocking calls, as
+    InProcessEngine's: the CoalescingEngine around it runs them in a worker thread)."""
+
+    def __init__(self, worker: Any, name: str) -> None:
+        self._worker, self._name = worker, name
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    async def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seeds: Sequence[int | None] | None = None
+    ) -> list[Sample]:
+        return self._worker.sample(prompts, params, seeds)  # type: ignore[no-any-return]
+
+    async def generate_seeded(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int | None]
+    ) -> list[Sample]:
+        return await self.generate(prompts, params, seeds=seeds)
+
+    async def weight_version(self) -> int | None:
+        return self._worker.weight_version  # type: ignore[no-any-return]
+
+    async def health(self) -> bool:
+        return True
+
+    async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
+        raise RuntimeError("the rollout process's weights are loaded through its own requests, not the manager's")
+
+
+class _Rollouts:
+    """The rollout manager this process runs, once configured."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+        self.configured: tuple[AsyncRolloutManager, DataBuffer] | None = None
+
+    def configure(self, spec: dict[str, Any], records: bytes) -> tuple[dict[str, Any], bytes]:
+        sys.path.extend(p for p in spec["sys_path"] if p not in sys.path)  # the functions import as in the trainer
+        config = from_dict(RLConfig, spec["config"])
+        prompts = records_from_jsonl(records)
+        buffer = DataBuffer(prompts, seed=spec["buffer"]["seed"], shuffle=spec["buffer"]["shuffle"])
+        buffer.load_state_dict(spec["buffer"])
+        encode = spec["encode"]
+        if "fn" in encode:
+            encode_prompt = load_object(encode["fn"], key="encode_prompt")
+        else:
+            if self.worker.tokenizer is None:
+                raise ValueError("the prompt encoder needs the tokenizer: start the RolloutProcess with tokenizer=")
+            encode_prompt = prompt_encoder(self.worker.tokenizer, field=encode["field"], chat=encode["chat"])
+        engine = CoalescingEngine(
+            _LocalEngine(self.worker, spec["engine_name"]), max_prompts_per_call=spec["max_prompts_per_call"]
+        )
+        context = RolloutContext(
+            engine=engine,
+            sampling=dataclasses.replace(config.rollout.sampling, n=config.rollout.samples_per_prompt),
+            encode_prompt=encode_prompt,
+            tokenizer=self.worker.tokenizer,
+            vocab_size=spec["vocab_size"],
+            max_sample_tokens=config.max_tokens_per_micro_batch,
+        )
+        reward = spec["reward"]
+        manager = rollout_manager(
+            buffer,
+            config,
+            single_turn_rollout if spec["rollout"] is None else load_object(spec["rollout"], key="rollout"),
+            context,
+            Reward(
+                fn=load_object(reward["fn"], key="reward"),
+                batched=reward["batched"],
+                on_error=reward["on_error"],
+                timeout_s=reward["timeout_s"],
+            ),
+            None if spec["filter_fn"] is None else load_object(spec["filter_fn"], key="filter_fn"),
+        )
+        self.configured = manager, buffer
+        return {"ok": True}, b""
+
+    async def batch(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        """The step's batch, and the buffer's position after it (the trainer's buffer follows it)."""
+        manager, buffer = self._configured()
+        batch = await manager.generate_batch(step=header["step"], train_version=header["train_version"])
+        return {"ok": True, "buffer": buffer.state_dict()}, batch_to_bytes(batch)
+
+    def state(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        manager, _ = self._configured()
+        return {"ok": True, "state": manager.state_dict()}, b""
+
+    def load_state(self, header: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        manager, buffer = self._configured()
+        buffer.load_state_dict(header["buffer"])
+        manager.load_state_dict(header["manager"])
+        return {"ok": True}, b""
+
+    def _configured(self) -> tuple[AsyncRolloutManager, DataBuffer]:
+        if self.configured is None:
+            raise RuntimeError("the rollout process has no rollout manager yet (no rollouts_configure request)")
+        return self.configured
+
+
+async def serve(worker: Any, requests_fd: int, answers_fd: int) -> None:
+    """Answer requests, the engine's and the rollout manager's, until the pipe closes or "close"."""
+    rollouts = _Rollouts(worker)
+    handlers = {**handlers_of(worker), "rollouts_state": rollouts.state, "rollouts_load_state": rollouts.load_state}
+    while (request := await trio.to_thread.run_sync(read_request, requests_fd)) is not None:
+        header, body = request
+        op = header.get("op")
+        if op == "close":
+            return
+        try:
+            if op == "rollouts_configure":
+                reply = rollouts.configure(header["spec"], body)
+            elif op == "rollouts_batch":
+                reply = await rollouts.batch(header)
+            else:
+                reply = answer(handlers, header)
+        except Exception as e:  # answered to the caller, who raises it; this process serves on
+            reply = error_answer(e)
+        write_all(answers_fd, encode_frame(*reply))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    worker = start_worker(args)
+    trio.run(serve, worker, args.requests_fd, args.answers_fd)
+
+
+if __name__ == "__main__":
+    main()

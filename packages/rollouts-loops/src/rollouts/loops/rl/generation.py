@@ -1,0 +1,215 @@
+"""The generation side of the SPMD RL loop: rank 0's rollout producer, the broadcast of each step's
+batch to the other ranks, and the engine sync (export on every rank, load on rank 0).
+
+Collectives run in worker threads so rank 0's event loop keeps generating while it waits; their
+order is the same on every rank because only the loop's one consumer task calls them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import trio
+
+from rollouts.backends import CheckpointWriter, TrainingComponents, export_weights
+from rollouts.backends.checkpoint.export import model_tensors
+from rollouts.backends.checkpoint.lora_files import save_adapter
+from rollouts.backends.train.lora import syncs_adapter
+from rollouts.data import AsyncRolloutManager
+from rollouts.loops.engines.rollout_process import RemoteRolloutManager
+from rollouts.loops.run.distributed import broadcast_tagged, rank_world
+from rollouts.loops.run.run_dir import ADAPTER_DIR, WEIGHTS_DIR
+from rollouts.types import InferenceEngine, RolloutBatch, TrainingState
+from rollouts.types.wire import batch_from_bytes, batch_to_parts
+
+_SHARED_METADATA = ("errors", "groups_requested", "groups_partial", "groups_restarted", "num_rounds", "generate_s")
+"""The batch metadata the other ranks receive (what every rank logs or raises on)."""
+
+
+def shared_metadata(batch: RolloutBatch) -> dict[str, Any]:
+    """The batch metadata every rank receives (and a checkpoint keeps with a batch generated ahead)."""
+    metadata = {k: v for k, v in batch.metadata.items() if k in _SHARED_METADATA}
+    if "errors" in metadata:
+        metadata["errors"] = [str(e) for e in metadata["errors"]]
+    return metadata
+
+
+def _shared(batch: RolloutBatch) -> RolloutBatch:
+    """The batch every rank trains on: rank 0's, with only the metadata the others receive."""
+    return dataclasses.replace(batch, metadata=shared_metadata(batch))
+
+
+class BatchSource:
+    """Rank 0: a producer task generating one batch per request into a channel. Every rank: `next`
+    returns the step's batch, broadcast from rank 0 (a generation error is raised on every rank)."""
+
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        manager: AsyncRolloutManager | RemoteRolloutManager | None,
+        lock: trio.Lock,
+        ahead: RolloutBatch | None,
+        *,
+        hold_lock: bool = True,
+    ) -> None:
+        """`hold_lock`: generate a batch holding the engine lock, so a sync waits for it; without it
+        (partial rollouts) a sync pauses the manager instead (`sync_engine(manager=...)`)."""
+        self.ahead = ahead
+        self._hold_lock = hold_lock
+        self._outstanding = False
+        self._requests, requests_rx = trio.open_memory_channel[tuple[int, int]](1)
+        self._results_tx, self._results = trio.open_memory_channel[Any](1)
+        if manager is not None:
+            nursery.start_soon(self._produce, manager, lock, requests_rx)
+
+    async def _produce(
+        self, manager: AsyncRolloutManager | RemoteRolloutManager, lock: trio.Lock, requests: Any
+    ) -> None:
+        async for step, train_version in requests:
+            async with lock if self._hold_lock else contextlib.nullcontext():
+                start = time.perf_counter()
+                try:
+                    batch = await manager.generate_batch(step=step, train_version=train_version)
+                    seconds = time.perf_counter() - start  # logged as generate_s
+                    result: Any = (dataclasses.replace(batch, metadata={**batch.metadata, "generate_s": seconds}),)
+                except Exception as error:  # handed to the consumer, which raises it
+                    result = error
+            await self._results_tx.send(result)
+
+    async def request(self, step: int, train_version: int) -> None:
+        """Have rank 0 generate step `step`'s batch, to be trained at weight version `train_version`
+        (the rollout manager restarts partial groups too stale for it)."""
+        if self.ahead is None and not self._outstanding:
+            self._outstanding = True
+            if rank_world()[0] == 0:
+                await self._requests.send((step, train_version))
+
+    async def wait_ahead(self) -> RolloutBatch | None:
+        """The batch generated ahead (overlap), received so a checkpoint can hold it; None if none."""
+        if self.ahead is None and self._outstanding:
+            self.ahead = await self._receive()
+        return self.ahead
+
+    async def next(self, step: int, train_version: int) -> tuple[RolloutBatch, float]:
+        await self.request(step, train_version)
+        if self.ahead is not None:
+            batch, self.ahead = self.ahead, None
+            return batch, 0.0
+        start = time.perf_counter()
+        return await self._receive(), time.perf_counter() - start
+
+    async def _receive(self) -> RolloutBatch:
+        self._outstanding = False
+        rank, world = rank_world()
+        if rank == 0:
+            result = await self._results.receive()
+            if world == 1:
+                if isinstance(result, Exception):
+                    raise result
+                return result[0]
+            # A tag says which: b"E" and an error's text, or b"B" and the batch (rollouts.types.wire,
+            # which round-trips exactly: rank 0 keeps its own copy, equal to what the others decode).
+            shared = None if isinstance(result, Exception) else _shared(result[0])
+            tag, parts = (
+                (b"E", [f"{type(result).__name__}: {result}".encode()])
+                if shared is None
+                else (b"B", await trio.to_thread.run_sync(batch_to_parts, shared))
+            )
+        else:
+            tag, parts, shared = b"", [], None
+        tag, received = await trio.to_thread.run_sync(broadcast_tagged, tag, *parts)
+        if tag == b"E":
+            raise RuntimeError(f"generation on rank 0 failed: {bytes(received).decode()}")
+        if shared is not None:
+            return shared
+        return await trio.to_thread.run_sync(batch_from_bytes, received)
+
+
+@contextlib.asynccontextmanager
+async def engine_alone(engine: Any, lock: trio.Lock, manager: AsyncRolloutManager | None) -> AsyncIterator[None]:
+    """The engine to one caller (evaluation, the sync probe): the lock, not mid-sync; with partial
+    rollouts (`manager`: the producer generates without the lock) also the manager paused, its
+    responses in flight cut short by the engine's abort() (continued afterwards) and the engine
+    resumed for the caller, so that no abort (a sync's, a first_n cut) reaches the caller's requests."""
+    async with lock:
+        if manager is None:
+            yield
+            return
+        abort, resume = (getattr(engine, name, None) for name in ("abort", "resume"))
+        async with manager.paused(abort if callable(abort) else None):
+            if callable(resume):
+                resume()
+            yield
+
+
+def direct_loader(
+    engine: InferenceEngine | None, components: TrainingComponents, *, shares_model: bool
+) -> Callable[[Mapping[str, torch.Tensor], int], Awaitable[None]] | None:
+    """The engine's `load_weights`, where a sync can hand it the model's tensors directly: a
+    single-process run (under torchrun the weights are gathered by the export) whose engine has
+    its own copy of the weights and which syncs full weights (not a LoRA adapter alone)."""
+    load = getattr(engine, "load_weights", None)
+    if not callable(load) or shares_model or rank_world()[1] > 1 or syncs_adapter(components.model):
+        return None
+    return load  # type: ignore[no-any-return]
+
+
+async def sync_engine(
+    components: TrainingComponents,
+    engine: InferenceEngine | None,
+    state: TrainingState,
+    run_dir: Path,
+    *,
+    shares_model: bool,
+    lock: trio.Lock,
+    version: int | None = None,
+    writer: CheckpointWriter | None = None,
+    manager: AsyncRolloutManager | None = None,
+) -> tuple[TrainingState, dict[str, float]]:
+    """Export the weights (every rank; not when the engine samples from the training model itself)
+    and load them into the engine (rank 0) as `version` (default: the next one). A LoRA model with
+    sync 'adapter' exports its adapter alone (engines load it as a runtime LoRA adapter); with
+    'merged', the merged full weights. The previous export is deleted on `writer`'s thread if given.
+    With `manager` (partial rollouts: the producer generates without the lock), the load runs
+    inside `manager.paused`: the engine's abort() cuts the responses in flight short, they come
+    back partial, and the manager continues them under the new weights after the load.
+
+    An engine with `load_weights(tensors, version)` (the in-process engine with its own copy, the
+    engine process: `direct_loader`) takes the weights straight from the model instead, in a
+    single-process run: nothing is exported, and the export directory is not written."""
+    version = state.weight_version + 1 if version is None else version
+    start = time.perf_counter()
+    direct = direct_loader(engine, components, shares_model=shares_model)
+    if direct is not None:
+        await _load(engine, lock, manager, lambda: direct(model_tensors(components.model), version))
+        return state.with_weight_version(version), {"sync_export_s": 0.0, "sync_s": time.perf_counter() - start}
+    path = run_dir / WEIGHTS_DIR
+    if not shares_model and syncs_adapter(components.model):  # LoRA: the adapter alone, in PEFT's format
+        path = run_dir / ADAPTER_DIR
+        await trio.to_thread.run_sync(save_adapter, components.model, path)
+    elif not shares_model:
+        await trio.to_thread.run_sync(lambda: export_weights(components, path, writer=writer))
+    export_s = time.perf_counter() - start
+    if engine is not None and rank_world()[0] == 0:
+        await _load(engine, lock, manager, lambda: engine.update_weights_from_disk(str(path.resolve()), version))
+    return state.with_weight_version(version), {"sync_export_s": export_s, "sync_s": time.perf_counter() - start}
+
+
+async def _load(
+    engine: Any, lock: trio.Lock, manager: AsyncRolloutManager | None, load: Callable[[], Awaitable[None]]
+) -> None:
+    """`load()` the engine's new weights, never mid-generation: under the lock (the producer holds
+    it while generating), and with `manager` (partial rollouts) paused, the responses in flight cut
+    short by the engine's abort() and the engine resumed after the load."""
+    abort, resume = (getattr(engine, name, None) for name in ("abort", "resume"))
+    held: Any = contextlib.nullcontext() if manager is None else manager.paused(abort if callable(abort) else None)
+    async with lock, held:
+        await load()
+        if manager is not None and callable(resume):
+            resume()

@@ -1,0 +1,1 @@
+"""A run's surroundings: its directory, metrics loggers, ranks under torchrun, and the startup heap."""
