@@ -26,6 +26,7 @@ from partial_fakes import (
 )
 
 from rollouts.data import AsyncRolloutManager, DataBuffer
+from rollouts.data.manager import TailCut
 from rollouts.types import Status
 
 
@@ -220,8 +221,7 @@ async def test_first_n_cuts_the_tail_short_and_carries_it_as_partial_groups():
         engine.generate,
         reward_fn=lambda s: s.metadata["r"],
         continue_fn=engine.continue_group,
-        interrupt=engine.abort,
-        resume=engine.resume,
+        tail_cut=TailCut(interrupt=engine.abort, resume=engine.resume),
     )
     batch = await manager.generate_batch(step=0)  # 0 and 2 finish; the slow 1 and 3 are cut short
     md = batch.metadata

@@ -83,7 +83,7 @@ def test_first_n_returns_the_fastest_groups_and_requeues_the_tail():
         else:  # at 4 s prompt 5 fills the batch; 6 (due at 5 s), 4, 1 and 7 are aborted and re-queued
             assert prompt_ids(batch) == [0, 2, 3, 5] and manager.num_carried_over_groups == 0
             assert md["groups_aborted"] == 4 and manager.num_pending_prompts == 4
-            assert sorted(p for _, p in manager._pending_prompts) == [1, 4, 6, 7]
+            assert sorted(p for _, p in manager.queue.pending) == [1, 4, 6, 7]
 
 
 @settings(max_examples=40, deadline=None)
@@ -110,8 +110,8 @@ def test_first_n_never_loses_or_repeats_a_prompt(delays, batch_size, factor):
         # a step lasts until its batch_size-th fastest request (of those it ran) finished, never longer
         assert elapsed <= max(delays[p % 12] for p in prompt_ids(batch)) + 1e-9
     waiting = set(calls) - set(trained)
-    carried = [s.metadata["prompt_id"] for g in manager._carry for s in g[:1]]
-    requeued = [p for _, p in manager._pending_prompts]
+    carried = [s.metadata["prompt_id"] for g in manager.queue.carry for s in g[:1]]
+    requeued = [p for _, p in manager.queue.pending]
     # what was drawn and not trained waits, once, in the carry-over cache or the queue
     assert sorted(carried + requeued) == sorted(waiting)
 

@@ -1,6 +1,6 @@
 """The rollout manager's parts that hold no state of its own: per-request seeds, whether a
-generate function takes one, the first-N tail of a round, the staleness of a partial group, a step's
-batch put together, and a saved partial group checked (rollouts.data.manager)."""
+generate function takes one, the first-N tail of a round, the staleness of a partial group, and
+its saved state written and checked (rollouts.data.manager)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any
 
 import anyio
 
-from rollouts.data.rollout import Transformed, assign_groups, convert_to_batch, is_partial
-from rollouts.types import RolloutBatch, Sample, thaw
+from rollouts.data.rollout import Transformed, is_partial
+from rollouts.types import Sample, thaw
 
-__all__ = ["FirstN", "dump_state", "parse_state", "request_seed", "split_stale", "takes_seed", "to_batch", "too_stale"]
+__all__ = ["FirstN", "dump_state", "parse_state", "request_seed", "takes_seed", "too_stale"]
 
 
 def request_seed(seed: int, position: int) -> int:
@@ -47,43 +47,6 @@ def too_stale(group: tuple[Sample, ...], train_version: int | None, max_stalenes
         return False
     known = [s.weight_version for s in group if s.weight_version is not None]
     return bool(known) and train_version - min(known) > max_staleness
-
-
-def split_stale(
-    entries: list[tuple[int | None, Any, tuple[Sample, ...]]], train_version: int | None, max_staleness: int | None
-) -> tuple[list[tuple[int | None, Any, tuple[Sample, ...]]], list[tuple[int | None, Any, tuple[Sample, ...]]]]:
-    """(the rest, the stale) of (position, prompt, group) entries: stale where the group is too stale
-    for `train_version` and its prompt is known (not None), so that it can be generated again."""
-    stale = [e for e in entries if e[1] is not None and too_stale(e[2], train_version, max_staleness)]
-    return [e for e in entries if all(e is not x for x in stale)], stale
-
-
-def to_batch(
-    kept: list[tuple[Sample, ...]],
-    filtered: list[tuple[str, tuple[Sample, ...]]],
-    counts: Mapping[str, int],
-    extra: Mapping[str, Any],
-    *,
-    epoch: int,
-    step: int,
-    carry: list[tuple[Sample, ...]],
-    group_size: int,
-) -> RolloutBatch:
-    """A step's RolloutBatch: the kept groups' samples, with the counts (as groups_<name>), the
-    filter reasons and `extra` in its metadata."""
-    filter_reasons: dict[str, int] = {}
-    for reason, g in filtered:
-        filter_reasons[reason] = filter_reasons.get(reason, 0) + len(g)
-    return convert_to_batch(
-        [s for g in assign_groups(kept) for s in g],
-        epoch=epoch,
-        step=step,
-        num_filtered=sum(len(g) for _, g in filtered),
-        num_failed=counts["failed"] * group_size,
-        num_carried_over=sum(len(g) for g in carry),
-        filter_reasons=filter_reasons,
-        metadata={**{f"groups_{k}": v for k, v in counts.items()}, **extra},
-    )
 
 
 class FirstN:

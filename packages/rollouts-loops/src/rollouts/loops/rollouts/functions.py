@@ -19,6 +19,7 @@ import numpy as np
 import trio
 
 from rollouts.data import AsyncRolloutManager, DataBuffer
+from rollouts.data.manager import TailCut
 from rollouts.loops.rollouts.multiturn import ToolExecutor, ToolParser, run_tool_rollout
 from rollouts.loops.rollouts.scoring import REWARD_ERROR_KEY, Reward, score_group
 from rollouts.sync.partial import PARTIAL, continue_partials
@@ -251,22 +252,22 @@ def rollout_manager(
         source=ctx.engine.name,
         continue_fn=group_continuer(ctx, reward) if config.rollout.partial else None,
         max_staleness=config.max_staleness,  # a partial group carried past it is restarted, not trained stale
-        **tail_controls(ctx.engine, config),
+        tail_cut=tail_controls(ctx.engine, config),
     )
 
 
-def tail_controls(engine: InferenceEngine, config: RLConfig) -> dict[str, Callable[[], object]]:
+def tail_controls(engine: InferenceEngine, config: RLConfig) -> TailCut | None:
     """The manager's interrupt and resume for partial rollouts with tail 'first_n': the engine's
     abort() and resume(), which it must have; none otherwise."""
     if not (config.rollout.partial and config.rollout.tail == "first_n"):
-        return {}
+        return None
     abort, resume = getattr(engine, "abort", None), getattr(engine, "resume", None)
     if not (callable(abort) and callable(resume)):
         raise ValueError(
             f"rl.rollout.partial with tail 'first_n' cuts the tail short with the engine's abort() and "
             f"resume(); engine {engine.name} ({type(engine).__name__}) has no such methods"
         )
-    return {"interrupt": abort, "resume": resume}
+    return TailCut(interrupt=abort, resume=resume)
 
 
 def group_continuer(
