@@ -19,13 +19,15 @@ import shutil
 import sys
 import uuid
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import safetensors.torch
 import torch
+
+from rollouts.backends.train.components import model_attr
 
 __all__ = [
     "ATOMIC_EXCHANGE",
@@ -106,10 +108,10 @@ def write_json(path: Path, obj: Any, *, sync: bool = True) -> dict[str, int]:
 
 
 def write_config(path: Path, model: torch.nn.Module, *, sync: bool = True) -> dict[str, int]:
-    return write_bytes(path, model.config.to_json_string(use_diff=False).encode(), sync=sync)
+    return write_bytes(path, model_attr(model, "config").to_json_string(use_diff=False).encode(), sync=sync)
 
 
-def _libc_function(name: str, argtypes: list[Any]) -> Any:
+def _libc_function(name: str, argtypes: list[Any]) -> Callable[..., int] | None:
     """A Linux libc function with its argument types, or None where it is unavailable."""
     if not sys.platform.startswith("linux"):
         return None
@@ -120,7 +122,7 @@ def _libc_function(name: str, argtypes: list[Any]) -> Any:
         return None
     fn.argtypes = argtypes
     fn.restype = ctypes.c_int
-    return fn
+    return cast("Callable[..., int]", fn)
 
 
 _sync_file_range = _libc_function("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
@@ -152,7 +154,7 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")
 
 
 def _safetensors_header(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> tuple[bytes, list[str]]:

@@ -10,7 +10,7 @@ import os
 import tempfile
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import safetensors.torch
 import torch
@@ -37,7 +37,7 @@ _DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 
 def storage_key(tensor: torch.Tensor) -> tuple[int, int]:
     """Where `tensor`'s data starts: tied weights (lm_head = embeddings) share one key."""
-    return tensor.untyped_storage().data_ptr(), tensor.storage_offset()
+    return tensor.untyped_storage().data_ptr(), int(tensor.storage_offset())  # (an int but for symbolic shapes)
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -48,7 +48,8 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             get_model_state_dict,
         )
 
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = cast("dict[str, torch.Tensor]", full)  # a model's state dict holds tensors only
     else:
         state = model.state_dict()
     out: dict[str, torch.Tensor] = {}
@@ -84,7 +85,8 @@ def load_model_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor])
             set_model_state_dict,
         )
 
-        set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True, strict=False))
+        # (a copy typed as the dict of torch's wider value type it declares)
+        set_model_state_dict(model, dict(tensors), options=StateDictOptions(full_state_dict=True, strict=False))
         return
     result = model.load_state_dict(tensors, strict=False)
     own = model.state_dict()

@@ -7,9 +7,9 @@ file's metadata. Loading on the same layout reads only the rank's own file; on a
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import safetensors
 import safetensors.torch
@@ -18,6 +18,9 @@ import torch
 from rollouts.backends.checkpoint.dirs import verify_files
 from rollouts.backends.train.components import TrainingComponents
 from rollouts.backends.train.distributed import all_ok, global_rank, is_distributed
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import OptimizerStateType
 
 __all__ = [
     "full_optimizer_state",
@@ -40,11 +43,15 @@ def full_optimizer_state(components: TrainingComponents) -> tuple[dict[str, torc
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_optimizer_state_dict(components.model, components.optimizer, options=options)
-    tensors = {}
+    tensors = {flat: torch.as_tensor(value).detach().to("cpu").contiguous() for flat, value in _flat_entries(state)}
+    return tensors, _json_param_groups(state)
+
+
+def _flat_entries(state: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """(flat key '<param name>::<key>', value) for each entry of an optimizer state dict's per-parameter state."""
     for name, entries in state.get("state", {}).items():
         for key, value in entries.items():
-            tensors[f"{name}{_KEY_SEP}{key}"] = torch.as_tensor(value).detach().to("cpu").contiguous()
-    return tensors, _json_param_groups(state)
+            yield f"{name}{_KEY_SEP}{key}", value
 
 
 def _json_param_groups(state: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -72,7 +79,7 @@ def _shard_info(tensor: Any) -> dict[str, Any] | None:
         raise ValueError("this rank is not part of the optimizer state's device mesh")
     return {
         "shape": list(tensor.shape),
-        "dim": placement.dim,
+        "dim": cast(Shard, placement).dim,  # exactly Shard, checked above
         "index": coordinate[mesh_dim],
         "count": mesh.size(mesh_dim),
     }
@@ -87,14 +94,12 @@ def sharded_optimizer_state(
     state = get_optimizer_state_dict(components.model, components.optimizer)
     tensors: dict[str, torch.Tensor] = {}
     layout: dict[str, Any] = {}
-    for name, entries in state.get("state", {}).items():
-        for key, value in entries.items():
-            flat = f"{name}{_KEY_SEP}{key}"
-            info = _shard_info(value)
-            if info is not None:
-                layout[flat] = info
-                value = value.to_local()
-            tensors[flat] = torch.as_tensor(value).detach().to("cpu").contiguous()
+    for flat, value in _flat_entries(state):
+        info = _shard_info(value)
+        if info is not None:
+            layout[flat] = info
+            value = value.to_local()
+        tensors[flat] = torch.as_tensor(value).detach().to("cpu").contiguous()
     return tensors, layout, _json_param_groups(state)
 
 
@@ -135,12 +140,13 @@ def join_shards(shard_files: list[Path]) -> dict[str, torch.Tensor]:
     return full
 
 
-def _unflatten_optimizer(flat: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    state: dict[str, dict[str, Any]] = {}
+def _optimizer_state_dict(flat: Mapping[str, Any], groups: list[dict[str, Any]]) -> OptimizerStateType:
+    """torch's optimizer state dict from flat tensors '<param name>::<key>' and the param groups."""
+    state: dict[str, Any] = {}
     for key, tensor in flat.items():
         name, entry = key.rsplit(_KEY_SEP, 1)
         state.setdefault(name, {})[entry] = tensor
-    return state
+    return {"state": state, "param_groups": groups}
 
 
 def _local_layout_matches(components: TrainingComponents, layout: Mapping[str, Any]) -> bool:
@@ -187,7 +193,8 @@ def load_optimizer_state(components: TrainingComponents, path: Path, record: Map
                 local: dict[str, Any] = {}
                 for key, tensor in tensors.items():
                     if key in layout:
-                        param = params[key.rsplit(_KEY_SEP, 1)[0]]
+                        # sharded: _local_layout_matches found its device mesh
+                        param = cast(DTensor, params[key.rsplit(_KEY_SEP, 1)[0]])
                         tensor = DTensor.from_local(
                             tensor.to(param.to_local().device),
                             param.device_mesh,
@@ -200,7 +207,7 @@ def load_optimizer_state(components: TrainingComponents, path: Path, record: Map
                 set_optimizer_state_dict(
                     components.model,
                     components.optimizer,
-                    {"state": _unflatten_optimizer(local), "param_groups": groups},
+                    _optimizer_state_dict(local, groups),
                 )
                 return
         verify_files(components, path, files, shard_files)
@@ -210,6 +217,6 @@ def load_optimizer_state(components: TrainingComponents, path: Path, record: Map
     set_optimizer_state_dict(
         components.model,
         components.optimizer,
-        {"state": _unflatten_optimizer(flat), "param_groups": groups},
+        _optimizer_state_dict(flat, groups),
         options=StateDictOptions(full_state_dict=True),
     )

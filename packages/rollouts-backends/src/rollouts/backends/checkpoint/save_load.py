@@ -74,6 +74,8 @@ def _gather_file_records(record: Mapping[str, int]) -> list[dict[str, int]]:
 
 def _rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
+    if isinstance(np_state, dict):  # the legacy global generator is always MT19937, whose state is a tuple
+        raise TypeError(f"numpy's global random state is not MT19937's tuple: {sorted(np_state)}")
     py_state = random.getstate()
     out: dict[str, Any] = {
         "torch": torch.get_rng_state().tolist(),

@@ -11,6 +11,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,6 +25,8 @@ __all__ = [
     "build_scheduler",
     "load_hf_model",
     "lr_multiplier",
+    "model_attr",
+    "set_model_attr",
 ]
 
 _NO_DECAY_NAME_PARTS = ("norm", "bias")
@@ -39,6 +42,19 @@ class TrainingComponents:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     device: torch.device
+
+
+def model_attr(model: torch.nn.Module, name: str) -> Any:
+    """`model.<name>` for an attribute a transformers model (or rollouts) adds to a Module: `config`,
+    `base_model`, `get_output_embeddings`, ... torch types every attribute it does not declare as
+    `Tensor | Module` (a parameter, buffer or submodule); these are neither, so they are read as Any."""
+    return getattr(model, name)
+
+
+def set_model_attr(model: torch.nn.Module, name: str, value: object) -> None:
+    """Set a plain (not tensor, not submodule) attribute on a Module, which torch's `__setattr__`
+    is typed to refuse."""
+    setattr(model, name, value)
 
 
 def check_model_dir(path: str | Path, *, tokenizer: bool = False) -> None:
@@ -113,7 +129,7 @@ def load_hf_model(
 
     path = Path(path)
     check_model_dir(path)
-    model = AutoModelForCausalLM.from_pretrained(
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
     )
     return model.to(torch.device(device))

@@ -19,6 +19,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from rollouts.backends.train.components import model_attr
+
 __all__ = [
     "all_ok",
     "close_process_group",
@@ -82,7 +84,7 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     if enable is not None:  # transformers >= 5.x; the older name is deprecated there
         enable(activation_checkpointing_kwargs=kwargs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]
+        model_attr(model, "gradient_checkpointing_enable")(gradient_checkpointing_kwargs=kwargs)
 
 
 def shard_model(
@@ -102,7 +104,7 @@ def shard_model(
         raise ValueError("shard_model needs torch.distributed initialized (launch with torchrun, init_process_group)")
     if activation_checkpointing:
         enable_activation_checkpointing(model)
-    kwargs: dict = {"reshard_after_forward": reshard_after_forward}
+    kwargs: dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
     if mesh is not None:
         kwargs["mesh"] = mesh
     if mixed_precision is not None:
@@ -119,7 +121,7 @@ def shard_model(
 def data_parallel_size(model: torch.nn.Module) -> int:
     """How many ranks share (and average) the model's gradients: 1 unless sharded."""
     for param in model.parameters():
-        mesh = getattr(param, "device_mesh", None)
+        mesh: DeviceMesh | None = getattr(param, "device_mesh", None)  # a DTensor shard's
         if mesh is not None:
             return mesh.size()
     return 1

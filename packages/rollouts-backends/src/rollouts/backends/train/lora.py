@@ -16,12 +16,15 @@ import hashlib
 import json
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from rollouts.backends.train.components import TrainingComponents
+from rollouts.backends.train.components import TrainingComponents, model_attr, set_model_attr
 from rollouts.types import LoraConfig
+
+if TYPE_CHECKING:
+    from peft.tuners.lora import LoraLayer
 
 __all__ = [
     "AdapterDisabled",
@@ -65,7 +68,7 @@ def _matches(full_name: str, target: str) -> bool:
 def _targets(model: torch.nn.Module, config: LoraConfig) -> dict[str, torch.nn.Linear]:
     """Linear layers that get an adapter; errors name a target that matches nothing and a rank too large."""
     linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    out_proj = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out_proj = model_attr(model, "get_output_embeddings")() if hasattr(model, "get_output_embeddings") else None
     chosen: dict[str, torch.nn.Linear] = {}
     for target in config.target_modules:
         found = {n: m for n, m in linears.items() if _matches(n, target)}
@@ -126,14 +129,15 @@ def apply_lora(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
     for name, param in model.named_parameters():
         param.requires_grad_(".lora_" in name)
     for layer in lora_layers(model).values():  # the adapter in the model's dtype and device
-        layer.to(device=device, dtype=dtype)
-    model.rollouts_lora_config = peft_config  # read by adapter checkpoints and sync
-    model.rollouts_lora = config  # its sync mode is read by the loops' weight sync
-    model.rollouts_base_fingerprint = base_fingerprint(model)  # before sharding: every weight is whole here
+        cast(torch.nn.Module, layer).to(device=device, dtype=dtype)  # PEFT's layers are Modules and LoraLayers
+    set_model_attr(model, "rollouts_lora_config", peft_config)  # read by adapter checkpoints and sync
+    set_model_attr(model, "rollouts_lora", config)  # its sync mode is read by the loops' weight sync
+    # before sharding: every weight is whole here
+    set_model_attr(model, "rollouts_base_fingerprint", base_fingerprint(model))
     return model
 
 
-def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+def lora_layers(model: torch.nn.Module) -> dict[str, LoraLayer]:
     """Module name -> PEFT LoRA layer, in model order (empty without an adapter)."""
     try:
         from peft.tuners.lora import LoraLayer
@@ -173,6 +177,8 @@ class AdapterDisabled(torch.nn.Module):
     treat it as the model itself; train/eval apply to the wrapped model for the call only.
     """
 
+    _wrapped: torch.nn.Module
+
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         if not has_lora(model):
@@ -185,14 +191,16 @@ class AdapterDisabled(torch.nn.Module):
 
     @property
     def config(self) -> Any:
-        return self._wrapped.config
+        return model_attr(self._wrapped, "config")
 
     @property
     def base_model(self) -> torch.nn.Module:
-        return self._wrapped.base_model
+        base: torch.nn.Module = model_attr(self._wrapped, "base_model")
+        return base
 
     def get_output_embeddings(self) -> torch.nn.Module:
-        return self._wrapped.get_output_embeddings()
+        embeddings: torch.nn.Module = model_attr(self._wrapped, "get_output_embeddings")()
+        return embeddings
 
     def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]:
         return self._wrapped.parameters(recurse)
@@ -263,7 +271,8 @@ def adapter_config_dict(model: torch.nn.Module) -> dict[str, Any]:
     out = {}
     for key, value in config.to_dict().items():
         out[key] = sorted(value) if isinstance(value, (set, frozenset)) else value
-    return json.loads(json.dumps(out, default=str))
+    plain: dict[str, Any] = json.loads(json.dumps(out, default=str))
+    return plain
 
 
 def _module_key(peft_name: str) -> str:
@@ -304,7 +313,8 @@ def load_adapter_tensors(
     if any(hasattr(p, "full_tensor") for p in params.values()):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(model, wanted, options=StateDictOptions(full_state_dict=True, strict=False))
+        # (a copy typed as the dict of torch's wider value type it declares)
+        set_model_state_dict(model, dict(wanted), options=StateDictOptions(full_state_dict=True, strict=False))
         return
     with torch.no_grad():
         for name, tensor in wanted.items():
@@ -343,7 +353,9 @@ def merged_copy(model: torch.nn.Module) -> torch.nn.Module:
 
     first = next(model.parameters())
     state = {n: t.detach() for n, t in model.state_dict().items()}
-    plain = AutoModelForCausalLM.from_config(model.config, dtype=first.dtype)
+    plain: torch.nn.Module = AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
+        model_attr(model, "config"), dtype=first.dtype
+    )
     plain.load_state_dict(merge_lora_tensors(model, state), strict=True)
     return plain.to(first.device).eval()
 

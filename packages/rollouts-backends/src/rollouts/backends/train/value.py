@@ -17,7 +17,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollouts.backends.train.components import TrainingComponents, build_optimizer, build_scheduler, load_hf_model
+from rollouts.backends.train.components import (
+    TrainingComponents,
+    build_optimizer,
+    build_scheduler,
+    load_hf_model,
+    model_attr,
+)
 from rollouts.backends.train.distributed import data_parallel_size
 from rollouts.backends.train.step import _model_inputs, micro_batch_to_torch
 from rollouts.losses import value_loss
@@ -37,8 +43,8 @@ class ValueModel(torch.nn.Module):
         if backbone is None or not hasattr(causal_lm, "config"):
             raise ValueError(f"{type(causal_lm).__name__} has no backbone `{prefix}` to put a value head on")
         self.backbone = backbone
-        self.config = causal_lm.config
-        self.head = torch.nn.Linear(causal_lm.config.hidden_size, 1, dtype=next(backbone.parameters()).dtype)
+        self.config = model_attr(causal_lm, "config")
+        self.head = torch.nn.Linear(self.config.hidden_size, 1, dtype=next(backbone.parameters()).dtype)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
         self._no_split_modules = getattr(causal_lm, "_no_split_modules", None)  # FSDP2 sharding units
@@ -115,7 +121,7 @@ def critic_forward_backward(
         loss, metrics = value_loss(
             values_B_T, old, returns, batch.loss_mask, clip_range=clip_range, num_tokens=num_tokens
         )
-        (loss * num_ranks if num_ranks > 1 else loss).backward()
+        (loss * num_ranks if num_ranks > 1 else loss).backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         total += float(loss.detach())
         tokens = float(max(int((batch.loss_mask > 0).sum()), 1))
         weighted += tokens * float(metrics.get("vf_clip_frac", 0.0))

@@ -315,7 +315,7 @@ def _parse_value(text: str) -> Any:
 
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """A deep copy of `data` with each 'a.b.c=value' override set (tables created as needed)."""
-    out = json.loads(json.dumps(data))
+    out: dict[str, Any] = json.loads(json.dumps(data))
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from rollouts.loops import read_jsonl
 
@@ -19,7 +20,7 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 """(panel title, metric keys plotted in it)."""
 
 
-def _series(records: Sequence[dict], key: str) -> tuple[list[float], list[float]]:
+def _series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
     xs, ys = [], []
     for r in records:
         value = r.get(key)

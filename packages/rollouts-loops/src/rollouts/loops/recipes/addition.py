@@ -54,7 +54,8 @@ def addition_problems(
     if num > 10 ** (2 * digits) - len(exclude):
         raise ValueError(f"cannot draw {num} distinct {digits}-digit problems (only {10 ** (2 * digits)} exist)")
     rng = random.Random(seed)
-    seen, out = set(exclude), []
+    seen = set(exclude)
+    out: list[dict[str, str]] = []
     while len(out) < num:
         record = addition_problem(
             rng.randrange(10**digits), rng.randrange(10**digits), digits=digits, reverse_answer=reverse_answer

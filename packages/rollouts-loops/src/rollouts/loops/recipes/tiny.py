@@ -9,8 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+from rollouts.backends.train.components import model_attr
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD, EOS = "<|pad|>", "<|endoftext|>"  # EOS named as in Qwen2, whose tokenizer class adds it otherwise
 
@@ -26,7 +32,7 @@ CHAT_TEMPLATE = (
 """A minimal chat template: the user's text is the prompt, the assistant's answer ends with EOS."""
 
 
-def build_tokenizer(corpus: Iterable[str], *, vocab_size: int = 64):
+def build_tokenizer(corpus: Iterable[str], *, vocab_size: int = 64) -> PreTrainedTokenizerFast:
     """A transformers fast tokenizer: BPE over `corpus` with single-digit tokens and PAD/EOS specials."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -41,7 +47,9 @@ def build_tokenizer(corpus: Iterable[str], *, vocab_size: int = 64):
     core.decoder = decoders.BPEDecoder()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, EOS], show_progress=False)
     core.train_from_iterator(corpus, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, eos_token=EOS)
+    tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers leaves __init__ unannotated
+        tokenizer_object=core, pad_token=PAD, eos_token=EOS
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -83,13 +91,13 @@ def build_tiny_model(
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model: torch.nn.Module = Qwen2ForCausalLM(config)
     return model.float()
 
 
-def save_model(model: torch.nn.Module, tokenizer, directory: str | Path) -> Path:
+def save_model(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, directory: str | Path) -> Path:
     """Write an HF-format model directory (config.json, model.safetensors, tokenizer files)."""
     directory = Path(directory)
-    model.save_pretrained(str(directory), safe_serialization=True)
+    model_attr(model, "save_pretrained")(str(directory), safe_serialization=True)
     tokenizer.save_pretrained(str(directory))
     return directory
