@@ -1,5 +1,7 @@
 """rollouts-sync: inference-engine clients (vLLM, SGLang) over HTTP and parallel weight sync (no torch)."""
 
+import importlib.metadata
+
 from rollouts.sync._common import is_adapter_dir
 from rollouts.sync._http import EngineError, RetryPolicy
 from rollouts.sync.pool import EnginePool, NoHealthyEngineError
@@ -9,11 +11,9 @@ from rollouts.sync.weight_sync import EngineFailure, SyncResult, WeightSyncError
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
-        return version("rollouts-sync")  # written once, in pyproject.toml
-    except PackageNotFoundError:  # a source tree that was never installed
+        return importlib.metadata.version("rollouts-sync")  # written once, in pyproject.toml
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
         return "0+unknown"
 
 
