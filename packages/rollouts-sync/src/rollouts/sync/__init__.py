@@ -3,7 +3,7 @@
 import importlib.metadata
 
 from rollouts.sync._common import is_adapter_dir
-from rollouts.sync._http import EngineError, RetryPolicy
+from rollouts.sync._http import DEFAULT_HTTP, EngineError, HTTPOptions, RetryPolicy
 from rollouts.sync.pool import EnginePool, NoHealthyEngineError
 from rollouts.sync.sglang import SGLangEngine
 from rollouts.sync.vllm import WORKER_EXTENSION_CLS, VLLMEngine
@@ -20,10 +20,12 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = [
+    "DEFAULT_HTTP",
     "WORKER_EXTENSION_CLS",
     "EngineError",
     "EngineFailure",
     "EnginePool",
+    "HTTPOptions",
     "NoHealthyEngineError",
     "RetryPolicy",
     "SGLangEngine",
