@@ -187,6 +187,7 @@ def gspo_loss(
     ratio_B_T = torch.exp(torch.clamp(log_ratio_B_T, -MAX_LOG_RATIO, MAX_LOG_RATIO))
     adv_B_T = advantages_B_T.detach()
     loss_B_T = torch.maximum(-adv_B_T * ratio_B_T, -adv_B_T * torch.clamp(ratio_B_T, 1.0 - eps_low, 1.0 + eps_high))
+    # the paper's sequence mean, unless the reduction names a mode
     loss = reduction.apply(_weighted(loss_B_T, is_weights), mask_B_T, "seq-mean-token-mean")
     ratio = ratio_B_T.detach()
     has_tokens_S = (sequence_sums(selected_B_T, segment_ids_B_T) > 0) & sequence_present(mask_B_T, segment_ids_B_T)

@@ -99,6 +99,7 @@ def sapo_loss(
     adv_B_T = advantages_B_T.detach()
     tau_B_T = torch.where(adv_B_T > 0, tau_pos, tau_neg).to(ratio_B_T.dtype)
     gate_B_T = torch.sigmoid(tau_B_T * (ratio_B_T - 1.0)) * (SAPO_GATE_SCALE / tau_B_T)
+    # verl's sequence mean, unless the reduction names a mode
     loss = reduction.apply(_weighted(-adv_B_T * gate_B_T, is_weights), mask_B_T, "seq-mean-token-mean")
     return loss, metrics_to_floats(
         pg_loss=loss,
@@ -146,6 +147,7 @@ def gmpo_loss(
     seq_adv_S = safe_divide(sequence_sums(adv_B_T * selected_B_T, segment_ids_B_T), length_S)
     loss_S = -seq_adv_S * torch.exp(seq_log_ratio_S)
     loss_B_T = to_tokens(loss_S, segment_ids_B_T, logprobs_B_T.shape)
+    # verl's batch mean of sequences, unless the reduction names a mode
     loss = reduction.apply(_weighted(loss_B_T, is_weights), mask_B_T, "seq-mean-token-mean")
     was_clipped_B_T = (log_ratio_B_T != clipped_B_T).detach()
     return loss, metrics_to_floats(
