@@ -28,8 +28,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from rollouts.backends import build_components, forward_backward, optim_step
 from rollouts.loops.rl.generation import sync_engine
 from rollouts.losses import sft_loss_fn
-from rollouts.sync import VLLMEngine
-from rollouts.sync.launch import launch_vllm_server
+from rollouts.sync import HTTPOptions, VLLMEngine
+from rollouts.sync.launch import VLLMServeOptions, launch_vllm_server
 from rollouts.sync.testing import build_tiny_model, find_vllm_python, vllm_unavailable_reason
 from rollouts.types import LoraConfig, MicroBatch, OptimizerConfig, TrainingState
 
@@ -100,7 +100,7 @@ def step_seconds() -> tuple[float, float]:
 def sync_costs(model_dir: Path, url: str, lora: LoraConfig, work: Path, *, first_version: int) -> tuple[int, float]:
     """(bytes written per sync, median seconds per sync) for `lora.sync` ('adapter' or 'merged')."""
     components = build_components(model_dir, OptimizerConfig(), num_training_steps=1, lora=lora)
-    engine = VLLMEngine(url, timeout_s=300.0)
+    engine = VLLMEngine(url, http=HTTPOptions(timeout_s=300.0))
     state, times = TrainingState(weight_version=first_version - 1), []
 
     async def one(state: TrainingState) -> TrainingState:
@@ -132,12 +132,9 @@ def main() -> None:
         _model().save_pretrained(str(model_dir), safe_serialization=True)
         with launch_vllm_server(
             model_dir,
+            options=VLLMServeOptions(dtype="float32", max_model_len=256, enforce_eager=True, max_lora_rank=LORA.rank),
             python=python,
-            dtype="float32",
-            max_model_len=256,
-            enforce_eager=True,
             env={"VLLM_CPU_KVCACHE_SPACE": "1"},
-            max_lora_rank=LORA.rank,
         ) as server:
             full_bytes, full_s = sync_costs(
                 model_dir, server.url, LoraConfig(rank=8, sync="merged"), tmp / "full", first_version=1

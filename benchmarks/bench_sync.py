@@ -22,7 +22,7 @@ import numpy as np
 import trio
 from safetensors.numpy import load_file, save_file
 
-from rollouts.sync import VLLMEngine, sync_weights_to_engines
+from rollouts.sync import HTTPOptions, VLLMEngine, sync_weights_to_engines
 from rollouts.sync.fake_server import FakeEngineState, serve_fake_engine
 from rollouts.sync.testing import build_tiny_model, find_vllm_python, launch_vllm_server, vllm_unavailable_reason
 
@@ -67,7 +67,7 @@ async def e2e(url: str, model_dir: Path, tmp: Path) -> list[tuple[float, float, 
     weights = load_file(str(model_dir / "model.safetensors"))
     rng = np.random.default_rng(0)
     rows = []
-    async with VLLMEngine(url, timeout_s=120.0) as engine:
+    async with VLLMEngine(url, http=HTTPOptions(timeout_s=120.0)) as engine:
         for version in range(1, NUM_REPEATS + 1):
             out = tmp / f"v{version}"
             t0 = time.perf_counter()

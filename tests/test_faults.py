@@ -194,7 +194,7 @@ def _fake_vllm_in_a_thread(state):
 def test_engine_failures_reach_the_user_with_engine_url_status_and_message(tiny_run_inputs, tmp_path, fault):
     """An engine answering HTTP 500, or never answering, ended as 'N steps in a row produced no
     trainable sample (failed: 16)' with no URL, status or cause."""
-    from rollouts.sync import VLLMEngine
+    from rollouts.sync import HTTPOptions, RetryPolicy, VLLMEngine
     from rollouts.sync.fake_server import FakeEngineState, Fault
 
     model = load_hf_model(tiny_run_inputs / "model")
@@ -215,7 +215,7 @@ def test_engine_failures_reach_the_user_with_engine_url_status_and_message(tiny_
         checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
     )
     with _fake_vllm_in_a_thread(state) as url:
-        engine = VLLMEngine(url, max_retries=0, timeout_s=30.0)
+        engine = VLLMEngine(url, http=HTTPOptions(timeout_s=30.0, retry=RetryPolicy(max_retries=0)))
         with pytest.raises(RuntimeError, match="steps in a row produced no trainable sample") as caught:
             run_rl_training(
                 build_components(model, config.optimizer, num_training_steps=8),

@@ -13,8 +13,8 @@ import trio
 from rollouts.backends import build_components
 from rollouts.backends.train.lora import syncs_adapter
 from rollouts.loops.rl.generation import sync_engine
-from rollouts.sync import VLLMEngine
-from rollouts.sync.launch import launch_vllm_server
+from rollouts.sync import HTTPOptions, VLLMEngine
+from rollouts.sync.launch import VLLMServeOptions, launch_vllm_server
 from rollouts.sync.testing import find_vllm_python, vllm_unavailable_reason
 from rollouts.types import LoraConfig, OptimizerConfig, SamplingParams, TrainingState
 
@@ -34,12 +34,9 @@ def lora_server(tiny_run_inputs):
         pytest.skip(f"vLLM CPU server unavailable: {reason}")
     with launch_vllm_server(
         tiny_run_inputs / "model",
+        options=VLLMServeOptions(dtype="float32", max_model_len=64, enforce_eager=True, max_lora_rank=8),
         python=find_vllm_python(),
-        dtype="float32",
-        max_model_len=64,
-        enforce_eager=True,
         env={"VLLM_CPU_KVCACHE_SPACE": "1", **{k: v for k, v in os.environ.items() if k.startswith("OMP_")}},
-        max_lora_rank=8,
     ) as server:
         yield server
 
@@ -91,7 +88,7 @@ def _served(url):
 
 
 def test_adapter_sync_serves_the_trained_adapter_and_replaces_the_old_one(tiny_run_inputs, lora_server, tmp_path):
-    engine = VLLMEngine(lora_server.url, timeout_s=120.0)
+    engine = VLLMEngine(lora_server.url, http=HTTPOptions(timeout_s=120.0))
     first = _components(tiny_run_inputs, sync="adapter", seed=1)
     assert syncs_adapter(first.model)
     samples = trio.run(_sync_and_generate, first, engine, tmp_path, 1)
@@ -109,7 +106,7 @@ def test_adapter_sync_serves_the_trained_adapter_and_replaces_the_old_one(tiny_r
 def test_an_adapter_above_the_servers_max_rank_is_refused_with_the_fix(tiny_run_inputs, lora_server, tmp_path):
     from rollouts.sync import EngineError
 
-    engine = VLLMEngine(lora_server.url, timeout_s=120.0)
+    engine = VLLMEngine(lora_server.url, http=HTTPOptions(timeout_s=120.0))
     components = build_components(
         tiny_run_inputs / "model", OptimizerConfig(), num_training_steps=1, lora=LoraConfig(rank=16)
     )
@@ -124,7 +121,7 @@ def test_merged_sync_serves_the_same_policy_as_full_weights(tiny_run_inputs, lor
 
 
 def _merged(tiny_run_inputs, lora_server, tmp_path):
-    engine = VLLMEngine(lora_server.url, timeout_s=120.0)
+    engine = VLLMEngine(lora_server.url, http=HTTPOptions(timeout_s=120.0))
     components = _components(tiny_run_inputs, sync="merged", seed=3)
     samples = trio.run(_sync_and_generate, components, engine, tmp_path, 3)
     assert engine.adapter is None and (tmp_path / "weights" / "model.safetensors").is_file()

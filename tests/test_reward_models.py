@@ -100,7 +100,7 @@ def test_a_weighted_reward_adds_a_verifier_and_a_reward_model(reward_model_dir):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_in_process_and_vllm_score_the_same_within_1e_4(reward_model_dir):
-    from rollouts.sync.launch import launch_vllm_server
+    from rollouts.sync.launch import VLLMServeOptions, launch_vllm_server
     from rollouts.sync.reward_client import VLLMRewardModel
     from rollouts.sync.testing import find_vllm_python, vllm_unavailable_reason
 
@@ -110,12 +110,14 @@ def test_in_process_and_vllm_score_the_same_within_1e_4(reward_model_dir):
     local = ClassifierRewardModel.load(reward_model_dir).score(_sequences())
     with launch_vllm_server(
         reward_model_dir,
+        options=VLLMServeOptions(
+            dtype="float32",
+            max_model_len=64,
+            enforce_eager=True,
+            worker_extension=False,
+            extra_args=["--runner", "pooling"],
+        ),
         python=find_vllm_python(),
-        dtype="float32",
-        max_model_len=64,
-        enforce_eager=True,
-        worker_extension=False,
-        extra_args=["--runner", "pooling"],
         env={"VLLM_CPU_KVCACHE_SPACE": "1", **{k: v for k, v in os.environ.items() if k.startswith("OMP_")}},
     ) as server:
 

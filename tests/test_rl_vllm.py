@@ -13,7 +13,7 @@ from run_configs import rl_toml
 
 from rollouts.loops.app.cli import main
 from rollouts.loops.run.loggers import read_jsonl
-from rollouts.sync import VLLMEngine
+from rollouts.sync import HTTPOptions, VLLMEngine
 from rollouts.sync.testing import find_vllm_python, reference_greedy, vllm_unavailable_reason
 from rollouts.types import SamplingParams
 
@@ -48,7 +48,7 @@ def vllm_for_tiny_model(tiny_run_inputs, tmp_path_factory):
 
 
 async def _served_version(url):
-    async with VLLMEngine(url, timeout_s=30.0) as engine:
+    async with VLLMEngine(url, http=HTTPOptions(timeout_s=30.0)) as engine:
         return await engine.weight_version()
 
 
@@ -77,7 +77,7 @@ sync = "{sync}"
     params = SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=True)
 
     async def served():
-        async with VLLMEngine(vllm_for_tiny_model.url, timeout_s=60.0) as engine:
+        async with VLLMEngine(vllm_for_tiny_model.url, http=HTTPOptions(timeout_s=60.0)) as engine:
             return (await engine.generate([prompt], params))[0]
 
     sample = trio.run(served)
@@ -98,7 +98,7 @@ def test_vllm_and_the_trainer_describe_the_same_truncated_distribution(tiny_run_
     params = SamplingParams(n=4, max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=20, seed=7, logprobs=True)
 
     async def sample():
-        async with VLLMEngine(vllm_for_tiny_model.url, timeout_s=60.0) as engine:
+        async with VLLMEngine(vllm_for_tiny_model.url, http=HTTPOptions(timeout_s=60.0)) as engine:
             version = (await engine.weight_version() or 0) + 1
             await engine.update_weights_from_disk(str(model_dir), version)  # the weights the trainer loads
             return await engine.generate([[3, 4, 5, 6], [7, 8]], params)
@@ -142,7 +142,7 @@ def test_vllm_responses_aborted_by_a_sync_are_kept_and_continued(tiny_run_inputs
     params = SamplingParams(n=8, max_new_tokens=budget, temperature=1.0, seed=1, logprobs=True)
 
     async def run():
-        async with VLLMEngine(url, timeout_s=60.0, keep_partial=True, pause_mode="abort") as engine:
+        async with VLLMEngine(url, http=HTTPOptions(timeout_s=60.0), keep_partial=True, pause_mode="abort") as engine:
             version = (await engine.weight_version() or 0) + 1
             await engine.update_weights_from_disk(model_dir, version)
             for _ in range(5):  # a batch done before the sync reached it has nothing to abort: again

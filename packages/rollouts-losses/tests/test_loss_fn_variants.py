@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from losses_layouts import micro_batch, packed, padded, random_seqs
 
 from rollouts.losses import (
+    Reduction,
     dppo_loss,
     gmpo_loss,
     kl_cov_loss,
@@ -82,8 +83,7 @@ def _direct(loss, cfg, batch, **kw):
         kw.pop("old", batch["old_logprobs"]),
         batch["advantages"],
         batch["loss_mask"],
-        mode=cfg.loss_aggregation,
-        segment_ids_B_T=batch["segment_ids"],
+        reduction=Reduction(mode=cfg.loss_aggregation, segment_ids_B_T=batch["segment_ids"]),
         **kw,
     )
     return value, torch.autograd.grad(value, logp)[0][batch["segment_ids"] >= 0]

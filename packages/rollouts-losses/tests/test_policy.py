@@ -6,7 +6,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from losses_layouts import packed, padded, random_seqs
 
-from rollouts.losses import cispo_loss, gspo_loss, pg_loss, ppo_clip_loss, sft_loss, value_loss
+from rollouts.losses import Reduction, cispo_loss, gspo_loss, pg_loss, ppo_clip_loss, sft_loss, value_loss
 
 
 def _batch(seed, b=3, t=6):
@@ -51,7 +51,7 @@ def test_ppo_matches_naive(eps_low, eps_high, c):
 def test_ppo_is_weights_scale_each_token():
     logp, old, adv, mask = _batch(1)
     w = torch.rand(logp.shape, dtype=torch.float64)
-    ours, _ = ppo_clip_loss(logp, old, adv, mask, is_weights=w, mode="token-sum")
+    ours, _ = ppo_clip_loss(logp, old, adv, mask, is_weights=w, reduction=Reduction(mode="token-sum"))
     ratio = torch.exp(logp - old)
     ref = (torch.max(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)) * w * mask).sum()
     torch.testing.assert_close(ours, ref)
@@ -95,7 +95,7 @@ def test_gspo_packed_equals_padded(seed, lengths, pad):
             layout["loss_mask"],
             eps_low=0.05,
             eps_high=0.1,
-            segment_ids_B_T=layout["segment_ids"],
+            reduction=Reduction(segment_ids_B_T=layout["segment_ids"]),
         )
         (grad,) = torch.autograd.grad(loss, logp)
         seg = layout["segment_ids"]
@@ -111,7 +111,7 @@ def test_cispo_and_pg_match_naive():
     ref = (-w * adv * logp * mask).sum() / mask.sum()
     torch.testing.assert_close(ours, ref)
     torch.testing.assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(ref, logp)[0])
-    ours, _ = pg_loss(logp, adv, mask, mode="seq-mean-token-sum")
+    ours, _ = pg_loss(logp, adv, mask, reduction=Reduction(mode="seq-mean-token-sum"))
     torch.testing.assert_close(ours, (-adv * logp * mask).sum(-1).mean())
 
 
@@ -135,10 +135,10 @@ def test_sft_and_value_loss_match_naive():
 
 
 def _all_losses(logp, old, adv, mask, mode="token-mean"):
-    yield ppo_clip_loss(logp, old, adv, mask, dual_clip_c=3.0, mode=mode)[0]
-    yield gspo_loss(logp, old, adv, mask, mode=mode)[0]
-    yield cispo_loss(logp, old, adv, mask, mode=mode)[0]
-    yield pg_loss(logp, adv, mask, mode=mode)[0]
+    yield ppo_clip_loss(logp, old, adv, mask, dual_clip_c=3.0, reduction=Reduction(mode=mode))[0]
+    yield gspo_loss(logp, old, adv, mask, reduction=Reduction(mode=mode))[0]
+    yield cispo_loss(logp, old, adv, mask, reduction=Reduction(mode=mode))[0]
+    yield pg_loss(logp, adv, mask, reduction=Reduction(mode=mode))[0]
 
 
 _logp = st.floats(-20.0, 0.0, allow_nan=False, width=32)
@@ -273,7 +273,7 @@ def test_value_loss_matches_verl_compute_value_loss(seed, clip, mode):
     v = (2 * torch.randn(b, t, generator=g, dtype=torch.float64)).requires_grad_()
     old_v = v.detach() + torch.randn(b, t, generator=g, dtype=torch.float64)
     ret = 2 * torch.randn(b, t, generator=g, dtype=torch.float64)
-    ours, metrics = value_loss(v, old_v, ret, mask, clip_range=clip, mode=mode)
+    ours, metrics = value_loss(v, old_v, ret, mask, clip_range=clip, reduction=Reduction(mode=mode))
     (grad_ours,) = torch.autograd.grad(ours, v)
     ref, ref_clipfrac = _verl_compute_value_loss(v, ret, old_v, mask, clip, mode)
     (grad_ref,) = torch.autograd.grad(ref, v)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from losses_layouts import packed, padded, random_seqs
 
-from rollouts.losses import clip_cov_loss, dppo_loss, gmpo_loss, kl_cov_loss, sapo_loss
+from rollouts.losses import ClipCovPick, Reduction, clip_cov_loss, dppo_loss, gmpo_loss, kl_cov_loss, sapo_loss
 
 # float64 throughout: ours and the loops sum the same terms in different orders, so they agree to
 # ~1e-15 relative; torch.testing's float64 default (rtol 1e-7, atol 1e-7) is far looser than that.
@@ -87,12 +87,13 @@ def _layouts(seqs):
     return {"padded": padded(seqs), "packed": packed(seqs, pad=3)}
 
 
-def _ours(fn, batch, **kw):
+def _ours(fn, batch, *, mode=None, num_tokens=None, num_sequences=None, **kw):
     """(loss, per-token grads of log-probs) of one of our losses on a layout."""
     logp = batch["logprobs"].clone().requires_grad_()
-    loss, metrics = fn(
-        logp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"], segment_ids_B_T=batch["segment_ids"], **kw
+    reduction = Reduction(
+        mode=mode, segment_ids_B_T=batch["segment_ids"], num_tokens=num_tokens, num_sequences=num_sequences
     )
+    loss, metrics = fn(logp, batch["old_logprobs"], batch["advantages"], batch["loss_mask"], reduction=reduction, **kw)
     (grad,) = torch.autograd.grad(loss, logp, allow_unused=True)
     return loss, (torch.zeros_like(logp) if grad is None else grad), metrics
 
@@ -244,7 +245,7 @@ def test_clip_cov_with_every_eligible_token_picked_matches_naive(layout):
     assert eligible  # the fixture picks something
     ref, ref_grads = _clip_cov_naive(seqs, 0.2, bounds, lambda k, i: (k, i) in eligible)
     batch = _layouts(seqs)[layout]
-    loss, grad, _ = _ours(clip_cov_loss, batch, cov_fraction=1.0, cov_bounds=bounds)
+    loss, grad, _ = _ours(clip_cov_loss, batch, pick=ClipCovPick(cov_fraction=1.0, cov_bounds=bounds))
     torch.testing.assert_close(loss, ref)
     for ours_g, ref_g in zip(_per_seq(grad, batch, seqs), ref_grads, strict=True):
         torch.testing.assert_close(ours_g, ref_g)
@@ -256,13 +257,19 @@ def test_clip_cov_picks_the_fraction_among_eligible_tokens_reproducibly():
     eligible, n = _eligible(seqs, 0.2, bounds)
     batch = padded(seqs)
     runs = [
-        _ours(clip_cov_loss, batch, cov_fraction=0.1, cov_bounds=bounds, generator=torch.Generator().manual_seed(7))
+        _ours(
+            clip_cov_loss,
+            batch,
+            pick=ClipCovPick(cov_fraction=0.1, cov_bounds=bounds, generator=torch.Generator().manual_seed(7)),
+        )
         for _ in range(2)
     ]
     assert runs[0][2]["cov_picked_frac"] == pytest.approx(min(max(1, int(0.1 * n)), len(eligible)) / n)
     torch.testing.assert_close(runs[0][1], runs[1][1])  # same generator seed, same picks
     # a token's gradient vanishes only where it was picked: every picked token is eligible
-    ppo_grad = _ours(clip_cov_loss, batch, cov_fraction=1.0, cov_bounds=(1e6, 2e6))[1]  # nothing eligible
+    ppo_grad = _ours(clip_cov_loss, batch, pick=ClipCovPick(cov_fraction=1.0, cov_bounds=(1e6, 2e6)))[
+        1
+    ]  # nothing eligible
     zeroed = (runs[0][1] == 0) & (ppo_grad != 0)
     picked = {(k, i) for k in range(len(seqs)) for i in range(len(seqs[k]["logprobs"])) if zeroed[k, i]}
     assert picked and picked <= eligible
@@ -273,7 +280,7 @@ def test_sapo_on_policy_gradient_is_the_policy_gradient():
     logp = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
     mask = torch.ones(1, 2, dtype=torch.float64)
-    loss, _ = sapo_loss(logp, logp.detach(), adv, mask, mode="token-sum")
+    loss, _ = sapo_loss(logp, logp.detach(), adv, mask, reduction=Reduction(mode="token-sum"))
     (grad,) = torch.autograd.grad(loss, logp)
     torch.testing.assert_close(grad, -adv)
 
@@ -340,7 +347,7 @@ def test_micro_batches_with_step_counts_add_up_to_the_whole_step(seed, lengths, 
         (sapo_loss, {"tau_pos": 0.0}, "tau_pos"),
         (gmpo_loss, {"eps_low": -0.1}, "eps_low"),
         (dppo_loss, {"divergence": "js"}, "divergence"),
-        (clip_cov_loss, {"cov_bounds": (5.0, 1.0)}, "cov_bounds"),
+        (clip_cov_loss, {"pick": ClipCovPick(cov_bounds=(5.0, 1.0))}, "cov_bounds"),
         (kl_cov_loss, {"cov_fraction": 0.0}, "cov_fraction"),
         (kl_cov_loss, {"kl_coef": -1.0}, "kl_coef"),
     ],

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from rollouts.sync import EngineError, RetryPolicy, SGLangEngine, VLLMEngine
+from rollouts.sync import EngineError, HTTPOptions, RetryPolicy, SGLangEngine, VLLMEngine
 from rollouts.sync.fake_server import FakeEngineState, serve_fake_engine
 from rollouts.types import InferenceEngine, SamplingParams, Status
 
@@ -31,7 +31,7 @@ async def test_generate_prompt_major_with_logprobs(engine_cls, tmp_path):
     params = SamplingParams(n=2, max_new_tokens=5, temperature=0.0, logprobs=True)
 
     state = FakeEngineState()
-    async with serve_fake_engine(state) as server, engine_cls(server.url, retry=FAST_RETRY) as engine:
+    async with serve_fake_engine(state) as server, engine_cls(server.url, http=HTTPOptions(retry=FAST_RETRY)) as engine:
         assert isinstance(engine, InferenceEngine)
         samples = await engine.generate(prompts, params)
     assert len(samples) == 6
@@ -51,7 +51,7 @@ async def test_generate_prompt_major_with_logprobs(engine_cls, tmp_path):
 @pytest.mark.anyio
 async def test_stop_token_completes_and_no_logprobs(engine_cls):
     state = FakeEngineState()
-    async with serve_fake_engine(state) as server, engine_cls(server.url, retry=FAST_RETRY) as engine:
+    async with serve_fake_engine(state) as server, engine_cls(server.url, http=HTTPOptions(retry=FAST_RETRY)) as engine:
         first = state.greedy([7, 7], 3)[0]
         stop = first[1]
         samples = await engine.generate(
@@ -98,7 +98,7 @@ async def test_update_weights_from_disk_changes_tokens_and_version(engine_cls, t
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
 
     state = FakeEngineState()
-    async with serve_fake_engine(state) as server, engine_cls(server.url, retry=FAST_RETRY) as engine:
+    async with serve_fake_engine(state) as server, engine_cls(server.url, http=HTTPOptions(retry=FAST_RETRY)) as engine:
         assert await engine.weight_version() is None  # "default" before any update
         await engine.update_weights_from_disk(str(tmp_path / "v1"), 1)
         before = (await engine.generate([[3, 4]], params))[0]
@@ -133,7 +133,7 @@ async def test_update_weights_from_disk_changes_tokens_and_version(engine_cls, t
 @pytest.mark.anyio
 async def test_failed_update_resumes_and_names_the_error(engine_cls, tmp_path):
     state = FakeEngineState()
-    async with serve_fake_engine(state) as server, engine_cls(server.url, retry=FAST_RETRY) as engine:
+    async with serve_fake_engine(state) as server, engine_cls(server.url, http=HTTPOptions(retry=FAST_RETRY)) as engine:
         with pytest.raises(EngineError) as info:
             await engine.update_weights_from_disk(str(tmp_path / "missing"), 1)
         assert server.url in str(info.value)
@@ -147,7 +147,7 @@ async def test_update_from_tensors_partial(tmp_path):
     full = write_checkpoint(tmp_path / "v1", seed=1)
 
     state = FakeEngineState()
-    async with serve_fake_engine(state) as server, VLLMEngine(server.url, retry=FAST_RETRY) as engine:
+    async with serve_fake_engine(state) as server, VLLMEngine(server.url, http=HTTPOptions(retry=FAST_RETRY)) as engine:
         await engine.update_weights_from_disk(str(tmp_path / "v1"), 1)
         new_w2 = np.full((4, 3), 0.5, np.float32)
         await engine.update_weights_from_tensors({"w2": new_w2}, 2, chunk_bytes=1)
@@ -166,11 +166,11 @@ async def test_api_key_only_in_authorization_header(engine_cls, caplog):
     async def main():
         state = FakeEngineState(api_key=secret)
         async with serve_fake_engine(state) as server:
-            async with engine_cls(server.url, api_key=secret, retry=FAST_RETRY) as engine:
+            async with engine_cls(server.url, api_key=secret, http=HTTPOptions(retry=FAST_RETRY)) as engine:
                 assert secret not in repr(engine) and secret not in engine.name
                 assert await engine.health()
                 await engine.generate([[1]], SamplingParams(max_new_tokens=2))
-            async with engine_cls(server.url, api_key="wrong", retry=FAST_RETRY) as bad:
+            async with engine_cls(server.url, api_key="wrong", http=HTTPOptions(retry=FAST_RETRY)) as bad:
                 with pytest.raises(EngineError) as info:
                     await bad.generate([[1]], SamplingParams(max_new_tokens=2))
                 assert info.value.status == 401

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from rollouts.sync import RetryPolicy, VLLMEngine
+from rollouts.sync import HTTPOptions, RetryPolicy, VLLMEngine
 from rollouts.sync._common import make_sample
 from rollouts.sync.fake_server import FakeEngineState, serve_fake_engine
 from rollouts.sync.partial import (
@@ -52,7 +52,7 @@ async def test_vllm_response_continued_across_a_sync_keeps_each_tokens_logprob(t
     state = FakeEngineState()
     async with (
         serve_fake_engine(state) as server,
-        VLLMEngine(server.url, retry=FAST_RETRY, keep_partial=True) as engine,
+        VLLMEngine(server.url, http=HTTPOptions(retry=FAST_RETRY), keep_partial=True) as engine,
     ):
         await engine.update_weights_from_disk(str(tmp_path / "v0"), 0)
         state.abort_after_tokens = cut
@@ -76,7 +76,7 @@ async def test_vllm_response_continued_across_a_sync_keeps_each_tokens_logprob(t
 @pytest.mark.anyio
 async def test_an_aborted_choice_fails_the_request_unless_partials_are_kept():
     state = FakeEngineState(abort_after_tokens=2)
-    async with serve_fake_engine(state) as server, VLLMEngine(server.url, retry=FAST_RETRY) as engine:
+    async with serve_fake_engine(state) as server, VLLMEngine(server.url, http=HTTPOptions(retry=FAST_RETRY)) as engine:
         with pytest.raises(Exception, match="finish_reason='abort'"):
             await engine.generate([[1]], SamplingParams(max_new_tokens=5, temperature=0.0))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from rollouts.sync import EngineError, EnginePool, NoHealthyEngineError, RetryPolicy, VLLMEngine
+from rollouts.sync import EngineError, EnginePool, HTTPOptions, NoHealthyEngineError, RetryPolicy, VLLMEngine
 from rollouts.sync.fake_server import FakeEngineState, Fault, serve_fake_engine
 from rollouts.types import InferenceEngine, Sample, SamplingParams
 
@@ -113,8 +113,8 @@ async def test_failover_on_dead_engine_and_no_failover_on_4xx():
     async with serve_fake_engine(FakeEngineState()) as live, serve_fake_engine(FakeEngineState()) as dead:
         dead.stop()
         engines = [
-            VLLMEngine(dead.url, model="fake-model", retry=NO_RETRY),
-            VLLMEngine(live.url, model="fake-model", retry=NO_RETRY),
+            VLLMEngine(dead.url, model="fake-model", http=HTTPOptions(retry=NO_RETRY)),
+            VLLMEngine(live.url, model="fake-model", http=HTTPOptions(retry=NO_RETRY)),
         ]
         pool = EnginePool(engines)
         samples = await pool.generate([[1, 2]], PARAMS)

@@ -16,6 +16,7 @@ from safetensors.numpy import save_file
 from rollouts.sync import (
     EngineError,
     EnginePool,
+    HTTPOptions,
     RetryPolicy,
     SGLangEngine,
     VLLMEngine,
@@ -71,7 +72,7 @@ async def test_transient_5xx_and_drops_are_retried(engine_cls, ckpt):
         Fault(kind="status", path="/pause", status=503, times=2),
         Fault(kind="drop", path="/collective_rpc" if engine_cls is VLLMEngine else "/update_weights", times=1),
     ]
-    async with serve_fake_engine(state) as server, engine_cls(server.url, retry=FAST_RETRY) as engine:
+    async with serve_fake_engine(state) as server, engine_cls(server.url, http=HTTPOptions(retry=FAST_RETRY)) as engine:
         result = await sync_weights_to_engines([engine], ckpt, 3, timeout_s=10.0)
         assert result.updated == (server.url,) and await engine.weight_version() == 3
     assert all(f.times == 0 for f in state.faults)
@@ -81,7 +82,7 @@ async def test_transient_5xx_and_drops_are_retried(engine_cls, ckpt):
 async def test_4xx_is_not_retried(ckpt):
     state = FakeEngineState()
     state.faults.append(Fault(kind="status", path="/pause", status=400, text="bad pause mode", times=5))
-    async with serve_fake_engine(state) as server, VLLMEngine(server.url, retry=FAST_RETRY) as engine:
+    async with serve_fake_engine(state) as server, VLLMEngine(server.url, http=HTTPOptions(retry=FAST_RETRY)) as engine:
         with pytest.raises(WeightSyncError) as info:
             await sync_weights_to_engines([engine], ckpt, 1, timeout_s=10.0)
     assert state.faults[0].times == 4  # exactly one attempt
@@ -101,7 +102,10 @@ async def test_mixed_pool_error_names_failed_and_updated_engines(ckpt):
         serve_fake_engine(gone) as s_gone,
     ):
         s_gone.stop()  # an engine that never comes back: connection refused on every attempt
-        engines = [VLLMEngine(s.url, retry=FAST_RETRY, timeout_s=0.5) for s in (s_good, s_flaky, s_slow, s_gone)]
+        engines = [
+            VLLMEngine(s.url, http=HTTPOptions(retry=FAST_RETRY, timeout_s=0.5))
+            for s in (s_good, s_flaky, s_slow, s_gone)
+        ]
         start = time.perf_counter()
         with pytest.raises(WeightSyncError) as info:
             await sync_weights_to_engines(engines, ckpt, 7, timeout_s=3.0)
@@ -126,7 +130,7 @@ async def test_mixed_pool_error_names_failed_and_updated_engines(ckpt):
 async def test_overall_timeout_bounds_a_hanging_engine(ckpt):
     state = FakeEngineState(reload_delay_s=60.0)
     async with serve_fake_engine(state) as server:
-        engine = VLLMEngine(server.url, retry=FAST_RETRY, timeout_s=100.0)
+        engine = VLLMEngine(server.url, http=HTTPOptions(retry=FAST_RETRY, timeout_s=100.0))
         start = time.perf_counter()
         with pytest.raises(WeightSyncError, match="timeout_s=1.0"):
             await sync_weights_to_engines([engine], ckpt, 1, timeout_s=1.0)
@@ -142,7 +146,7 @@ async def test_a_deadline_during_the_pause_still_resumes_the_engine(engine_cls, 
 
     state = FakeEngineState(generate_delay_s=1.5)
     async with serve_fake_engine(state) as server:
-        engine = engine_cls(server.url, retry=FAST_RETRY, timeout_s=10.0)
+        engine = engine_cls(server.url, http=HTTPOptions(retry=FAST_RETRY, timeout_s=10.0))
         params = SamplingParams(max_new_tokens=2)
         async with anyio.create_task_group() as nursery:
             nursery.start_soon(engine.generate, [[1, 2]], params)
@@ -165,7 +169,7 @@ async def test_a_lost_resume_is_retried_and_a_resume_that_never_lands_fails_the_
 
     state = FakeEngineState()
     async with serve_fake_engine(state) as server:
-        engine = engine_cls(server.url, retry=FAST_RETRY, timeout_s=5.0)
+        engine = engine_cls(server.url, http=HTTPOptions(retry=FAST_RETRY, timeout_s=5.0))
         state.faults.append(Fault(kind="drop", path=resume, times=1))
         await engine.update_weights_from_disk(ckpt, 1)  # the second attempt lands
         assert not state.paused and await engine.weight_version() == 1
@@ -182,7 +186,9 @@ async def test_generate_timeout_error_says_what_happened():
     state.faults.append(Fault(kind="delay", path="/v1/completions", delay_s=5.0, times=99))
     async with serve_fake_engine(state) as server:
         async with VLLMEngine(
-            server.url, model="fake-model", timeout_s=0.2, retry=RetryPolicy(max_retries=1, backoff_base_s=0.01)
+            server.url,
+            model="fake-model",
+            http=HTTPOptions(timeout_s=0.2, retry=RetryPolicy(max_retries=1, backoff_base_s=0.01)),
         ) as engine:
             from rollouts.types import SamplingParams
 
@@ -207,6 +213,6 @@ async def test_sync_rejects_bad_arguments(ckpt):
         with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds > 0"):
             await sync_weights_to_engines([engine], ckpt, 1, timeout_s=bad)
         with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds > 0"):
-            VLLMEngine("http://127.0.0.1:1", timeout_s=bad)
+            VLLMEngine("http://127.0.0.1:1", http=HTTPOptions(timeout_s=bad))
         with pytest.raises(ValueError, match="sync_timeout_s must be a finite number of seconds > 0"):
             EnginePool([engine], sync_timeout_s=bad)

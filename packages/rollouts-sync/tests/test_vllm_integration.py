@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from rollouts.sync import VLLMEngine, sync_weights_to_engines
+from rollouts.sync import HTTPOptions, VLLMEngine, sync_weights_to_engines
 from rollouts.sync.testing import reference_greedy
 from rollouts.types import SamplingParams, Status
 
@@ -53,7 +53,7 @@ async def test_generate_sync_from_disk_and_from_tensors(vllm_server, vllm_python
         only=("lm_head.weight", "model.layers.1.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.bias"),
     )
 
-    async with VLLMEngine(vllm_server.url, timeout_s=120.0) as engine:
+    async with VLLMEngine(vllm_server.url, http=HTTPOptions(timeout_s=120.0)) as engine:
         assert await engine.health()
         samples = await engine.generate(
             [PROMPT, PROMPT[:2]], SamplingParams(n=2, max_new_tokens=4, temperature=1.0, seed=3)

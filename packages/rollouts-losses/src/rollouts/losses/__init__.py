@@ -1,5 +1,7 @@
 """rollouts-losses: the pure torch math of post-training (log-probs, losses, advantages, KL, rewards)."""
 
+import importlib.metadata
+
 from rollouts.losses.advantages import (
     broadcast_to_tokens,
     gae_advantages,
@@ -12,7 +14,7 @@ from rollouts.losses.advantages import (
     rloo_advantages,
     sample_advantages,
 )
-from rollouts.losses.aggregate import AGGREGATION_MODES, Aggregation, aggregate
+from rollouts.losses.aggregate import AGGREGATION_MODES, DEFAULT_REDUCTION, Aggregation, Reduction, aggregate
 from rollouts.losses.correction import (
     high_entropy_mask,
     off_policy_diagnostics,
@@ -24,7 +26,7 @@ from rollouts.losses.kl import KL_KINDS, KLControllerState, adaptive_kl_update, 
 from rollouts.losses.logprobs import token_entropy, token_logprobs
 from rollouts.losses.loss_fn import LossFn, PolicyLossFn, SFTLossFn, loss_fn_from_config, sft_loss_fn
 from rollouts.losses.policy import cispo_loss, gspo_loss, pg_loss, ppo_clip_loss, sft_loss, value_loss
-from rollouts.losses.policy_variants import clip_cov_loss, dppo_loss, gmpo_loss, kl_cov_loss, sapo_loss
+from rollouts.losses.policy_variants import ClipCovPick, clip_cov_loss, dppo_loss, gmpo_loss, kl_cov_loss, sapo_loss
 from rollouts.losses.rewards import (
     clip_rewards,
     combine_rewards,
@@ -38,11 +40,9 @@ from rollouts.losses.rewards import (
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
-        return version("rollouts-losses")  # written once, in pyproject.toml
-    except PackageNotFoundError:  # a source tree that was never installed
+        return importlib.metadata.version("rollouts-losses")  # written once, in pyproject.toml
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
         return "0+unknown"
 
 
@@ -50,11 +50,14 @@ __version__ = _version()
 
 __all__ = [
     "AGGREGATION_MODES",
+    "DEFAULT_REDUCTION",
     "Aggregation",
+    "ClipCovPick",
     "KLControllerState",
     "KL_KINDS",
     "LossFn",
     "PolicyLossFn",
+    "Reduction",
     "SFTLossFn",
     "adaptive_kl_update",
     "aggregate",

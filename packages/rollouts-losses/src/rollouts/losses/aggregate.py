@@ -27,6 +27,7 @@ sequences would have padded to): give the constant (the generation limit) to kee
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import get_args
 
 import torch
@@ -34,7 +35,7 @@ from torch import Tensor
 
 from rollouts.types.configs import LossAggregation
 
-__all__ = ["AGGREGATION_MODES", "Aggregation", "aggregate"]
+__all__ = ["AGGREGATION_MODES", "DEFAULT_REDUCTION", "Aggregation", "Reduction", "aggregate"]
 
 Aggregation = LossAggregation
 AGGREGATION_MODES: tuple[str, ...] = get_args(Aggregation)
@@ -154,3 +155,39 @@ def masked_mean(x_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
     """Mean of x over tokens where mask > 0 (0 when there are none); for metrics."""
     selected = mask_B_T > 0
     return safe_divide(torch.where(selected, x_B_T, 0.0).sum(), selected.sum().to(x_B_T.dtype))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reduction:
+    """How a loss reduces its per-token values to a scalar: the options of `aggregate`, as one value.
+
+    Every loss takes one; the default (`DEFAULT_REDUCTION`) is the loss's own mode on padded rows
+    with this batch's own denominators.
+    """
+
+    mode: Aggregation | None = None
+    """How to reduce (see the module docstring); None: the loss's own default mode."""
+    norm_constant: float | None = None
+    """Divisor for seq-mean-token-sum-norm (None: the padded length, or the longest packed sequence)."""
+    segment_ids_B_T: Tensor | None = None
+    """[B, T] each token's sequence index on packed rows, -1 on padding; None: one sequence per row."""
+    num_tokens: int | None = None
+    """The step-wide count of loss tokens (None: this batch's own)."""
+    num_sequences: int | None = None
+    """The step-wide count of sequences with a loss token (None: this batch's own)."""
+
+    def apply(self, loss_B_T: Tensor, mask_B_T: Tensor, default_mode: Aggregation = "token-mean") -> Tensor:
+        """`aggregate` of [B, T] loss and mask with these options; mode None reduces by default_mode."""
+        return aggregate(
+            loss_B_T,
+            mask_B_T,
+            default_mode if self.mode is None else self.mode,
+            norm_constant=self.norm_constant,
+            segment_ids_B_T=self.segment_ids_B_T,
+            num_tokens=self.num_tokens,
+            num_sequences=self.num_sequences,
+        )
+
+
+DEFAULT_REDUCTION = Reduction()
+"""The loss's own mode, padded rows, this batch's own denominators."""

@@ -17,12 +17,12 @@ step's micro-batches, each backpropagated, add up to the loss of the step as one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, TypedDict, runtime_checkable
+from typing import Literal, Protocol, TypedDict, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from rollouts.losses.aggregate import AGGREGATION_MODES, Aggregation, aggregate, check_mode, masked_mean
+from rollouts.losses.aggregate import AGGREGATION_MODES, Aggregation, Reduction, check_mode, masked_mean
 from rollouts.losses.correction import (
     high_entropy_mask,
     off_policy_diagnostics,
@@ -31,7 +31,7 @@ from rollouts.losses.correction import (
 )
 from rollouts.losses.kl import importance_weights, kl_penalty
 from rollouts.losses.policy import cispo_loss, gspo_loss, metrics_to_floats, pg_loss, ppo_clip_loss, sft_loss
-from rollouts.losses.policy_variants import clip_cov_loss, dppo_loss, gmpo_loss, kl_cov_loss, sapo_loss
+from rollouts.losses.policy_variants import ClipCovPick, clip_cov_loss, dppo_loss, gmpo_loss, kl_cov_loss, sapo_loss
 from rollouts.types.configs import AlgorithmConfig
 from rollouts.types.micro_batch import MicroBatch
 
@@ -54,16 +54,6 @@ class LossFn(Protocol):
         num_sequences: int,
         entropy_B_T: Tensor | None = None,
     ) -> tuple[Tensor, dict[str, float]]: ...
-
-
-class _Aggregation(TypedDict):
-    """The aggregation keywords every loss takes (rollouts.losses.aggregate)."""
-
-    mode: Aggregation
-    norm_constant: float | None
-    segment_ids_B_T: Tensor | None
-    num_tokens: int | None
-    num_sequences: int | None
 
 
 class _Clip(TypedDict):
@@ -106,11 +96,13 @@ class SFTLossFn:
         loss, metrics = sft_loss(
             logprobs_B_T,
             _require(batch, "loss_mask", "every loss needs"),
-            mode=self.mode,
-            norm_constant=self.norm_constant,
-            segment_ids_B_T=batch.segment_ids,
-            num_tokens=num_tokens,
-            num_sequences=num_sequences,
+            reduction=Reduction(
+                mode=self.mode,
+                norm_constant=self.norm_constant,
+                segment_ids_B_T=batch.segment_ids,
+                num_tokens=num_tokens,
+                num_sequences=num_sequences,
+            ),
         )
         if entropy_B_T is not None:
             metrics |= metrics_to_floats(entropy=masked_mean(entropy_B_T.detach(), batch.loss_mask))
@@ -198,7 +190,7 @@ def _policy_loss(
     old_B_T: Tensor,
     batch: MicroBatch[Tensor],
     is_weights: Tensor | None,
-    agg: _Aggregation,
+    reduction: Reduction,
 ) -> tuple[Tensor, dict[str, float]]:
     """The configured policy loss on one micro-batch."""
     advantages_B_T = _require(batch, "advantages", "every policy loss needs")
@@ -206,22 +198,24 @@ def _policy_loss(
     clip = _Clip(eps_low=cfg.eps_low, eps_high=cfg.eps_high)
     loss = cfg.policy_loss
     if loss == "ppo_clip":
-        return ppo_clip_loss(*args, dual_clip_c=cfg.dual_clip_c, is_weights=is_weights, **clip, **agg)
+        return ppo_clip_loss(*args, dual_clip_c=cfg.dual_clip_c, is_weights=is_weights, reduction=reduction, **clip)
     if loss in ("gspo", "cispo", "gmpo"):
         fn = {"gspo": gspo_loss, "cispo": cispo_loss, "gmpo": gmpo_loss}[loss]
-        return fn(*args, is_weights=is_weights, **clip, **agg)
+        return fn(*args, is_weights=is_weights, reduction=reduction, **clip)
     if loss == "sapo":
-        return sapo_loss(*args, tau_pos=cfg.sapo_tau_pos, tau_neg=cfg.sapo_tau_neg, is_weights=is_weights, **agg)
+        tau_pos, tau_neg = cfg.sapo_tau_pos, cfg.sapo_tau_neg
+        return sapo_loss(*args, tau_pos=tau_pos, tau_neg=tau_neg, is_weights=is_weights, reduction=reduction)
     if loss in ("dppo_tv", "dppo_kl"):
-        return dppo_loss(*args, divergence="tv" if loss == "dppo_tv" else "kl", is_weights=is_weights, **clip, **agg)
+        divergence: Literal["tv", "kl"] = "tv" if loss == "dppo_tv" else "kl"
+        return dppo_loss(*args, divergence=divergence, is_weights=is_weights, reduction=reduction, **clip)
     if loss == "clip_cov":
-        return clip_cov_loss(
-            *args, cov_fraction=cfg.cov_fraction, cov_bounds=cfg.clip_cov_bounds, is_weights=is_weights, **clip, **agg
-        )
+        pick = ClipCovPick(cov_fraction=cfg.cov_fraction, cov_bounds=cfg.clip_cov_bounds)
+        return clip_cov_loss(*args, pick=pick, is_weights=is_weights, reduction=reduction, **clip)
     if loss == "kl_cov":
-        return kl_cov_loss(*args, cov_fraction=cfg.cov_fraction, kl_coef=cfg.kl_cov_coef, is_weights=is_weights, **agg)
+        fraction, coef = cfg.cov_fraction, cfg.kl_cov_coef
+        return kl_cov_loss(*args, cov_fraction=fraction, kl_coef=coef, is_weights=is_weights, reduction=reduction)
     assert loss == "pg", loss
-    return pg_loss(logprobs_B_T, advantages_B_T, batch.loss_mask, is_weights=is_weights, **agg)
+    return pg_loss(logprobs_B_T, advantages_B_T, batch.loss_mask, is_weights=is_weights, reduction=reduction)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -251,7 +245,7 @@ class PolicyLossFn:
         _require(batch, "advantages", "policy losses need")
         old_B_T = batch.old_logprobs
         old_B_T = logprobs_B_T.detach() if old_B_T is None else old_B_T
-        agg = _Aggregation(
+        reduction = Reduction(
             mode=cfg.loss_aggregation,
             norm_constant=cfg.norm_constant,
             segment_ids_B_T=batch.segment_ids,
@@ -262,19 +256,19 @@ class PolicyLossFn:
         ratio_base_B_T = old_B_T
         if cfg.policy_loss in ("dppo_tv", "dppo_kl") and batch.rollout_logprobs is not None:
             ratio_base_B_T = batch.rollout_logprobs
-        loss, pg_metrics = _policy_loss(cfg, logprobs_B_T, ratio_base_B_T, batch, is_weights, agg)
+        loss, pg_metrics = _policy_loss(cfg, logprobs_B_T, ratio_base_B_T, batch, is_weights, reduction)
         metrics |= pg_metrics
         if cfg.log_ratio_sq_coef > 0.0:
             selected_B_T = mask_B_T > 0
             log_ratio_B_T = torch.where(selected_B_T, logprobs_B_T, 0.0) - torch.where(
                 selected_B_T, ratio_base_B_T.detach(), 0.0
             )
-            loss = loss + cfg.log_ratio_sq_coef * aggregate(log_ratio_B_T.square(), mask_B_T, **agg)
+            loss = loss + cfg.log_ratio_sq_coef * reduction.apply(log_ratio_B_T.square(), mask_B_T)
         ref_B_T = batch.ref_logprobs
         if cfg.kl_placement == "loss" and cfg.kl_coef > 0.0:
             ref_B_T = _require(batch, "ref_logprobs", f"the KL in the loss needs (kl_coef={cfg.kl_coef})")
             kl_B_T = kl_penalty(logprobs_B_T, ref_B_T, kind=cfg.kl_kind)
-            loss = loss + cfg.kl_coef * aggregate(kl_B_T, mask_B_T, **agg)
+            loss = loss + cfg.kl_coef * reduction.apply(kl_B_T, mask_B_T)
             metrics |= metrics_to_floats(kl=masked_mean(kl_B_T.detach(), mask_B_T))
         elif ref_B_T is not None:
             metrics |= metrics_to_floats(
@@ -286,7 +280,7 @@ class PolicyLossFn:
                     f"entropy_coef ({cfg.entropy_coef}) > 0 needs entropy_B_T: the trainer must compute it "
                     "when loss_fn.needs_entropy is True"
                 )
-            loss = loss - cfg.entropy_coef * aggregate(entropy_B_T, mask_B_T, **agg)
+            loss = loss - cfg.entropy_coef * reduction.apply(entropy_B_T, mask_B_T)
         if entropy_B_T is not None:
             metrics |= metrics_to_floats(entropy=masked_mean(entropy_B_T.detach(), mask_B_T))
         return loss, {"loss": float(loss.detach())} | metrics

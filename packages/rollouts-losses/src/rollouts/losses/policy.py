@@ -2,8 +2,9 @@
 
 Legend: B rows, T tokens per row. Every per-token tensor is [B, T] and aligned with input_ids.
 Every loss returns `(scalar loss, metrics)` with metrics as plain floats (means over loss tokens).
-Every loss reduces with `aggregate` and takes its options: mode, norm_constant, segment_ids_B_T
-(packed rows), num_tokens and num_sequences (step-wide denominators for micro-batches).
+Every loss takes a `Reduction` (aggregate.py): the mode, norm_constant, segment_ids_B_T (packed
+rows), num_tokens and num_sequences (step-wide denominators for micro-batches). Its mode None is
+the loss's own default: seq-mean-token-mean for GSPO, token-mean for the others.
 
 Departures from the papers:
 - The log-ratio log(pi / pi_old) is clamped to +-20 before exp() (as verl does).
@@ -19,8 +20,8 @@ import torch
 from torch import Tensor
 
 from rollouts.losses.aggregate import (
-    Aggregation,
-    aggregate,
+    DEFAULT_REDUCTION,
+    Reduction,
     check_same_shape,
     masked_mean,
     safe_divide,
@@ -84,23 +85,11 @@ def sft_loss(
     logprobs_B_T: Tensor,
     loss_mask_B_T: Tensor,
     *,
-    mode: Aggregation = "token-mean",
-    norm_constant: float | None = None,
-    segment_ids_B_T: Tensor | None = None,
-    num_tokens: int | None = None,
-    num_sequences: int | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] log-probs and loss mask -> masked negative log-likelihood, reduced by mode."""
     check_same_shape(logprobs_B_T=logprobs_B_T, loss_mask_B_T=loss_mask_B_T)
-    loss = aggregate(
-        -logprobs_B_T,
-        loss_mask_B_T,
-        mode,
-        norm_constant=norm_constant,
-        segment_ids_B_T=segment_ids_B_T,
-        num_tokens=num_tokens,
-        num_sequences=num_sequences,
-    )
+    loss = reduction.apply(-logprobs_B_T, loss_mask_B_T)
     nll = masked_mean(-logprobs_B_T.detach(), loss_mask_B_T)
     return loss, metrics_to_floats(nll=nll, num_loss_tokens=(loss_mask_B_T > 0).sum())
 
@@ -114,12 +103,8 @@ def ppo_clip_loss(
     eps_low: float = 0.2,
     eps_high: float = 0.2,
     dual_clip_c: float | None = None,
-    mode: Aggregation = "token-mean",
     is_weights: Tensor | None = None,
-    norm_constant: float | None = None,
-    segment_ids_B_T: Tensor | None = None,
-    num_tokens: int | None = None,
-    num_sequences: int | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] -> PPO clipped surrogate max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), dual-clipped at -A c where A < 0."""
     check_same_shape(
@@ -148,15 +133,7 @@ def ppo_clip_loss(
     if dual_clip_c is not None:
         loss_B_T = torch.where(negative, torch.minimum(loss_B_T, -adv_B_T * dual_clip_c), loss_B_T)
         metrics["dual_clip_frac"] = masked_mean((negative & (ratio_B_T > dual_clip_c)).float(), mask_B_T)
-    loss = aggregate(
-        _weighted(loss_B_T, is_weights),
-        mask_B_T,
-        mode,
-        norm_constant=norm_constant,
-        segment_ids_B_T=segment_ids_B_T,
-        num_tokens=num_tokens,
-        num_sequences=num_sequences,
-    )
+    loss = reduction.apply(_weighted(loss_B_T, is_weights), mask_B_T)
     ratio = ratio_B_T.detach()
     ratio_min, ratio_max = _masked_extremes(ratio, mask_B_T, empty=1.0)
     return loss, metrics_to_floats(
@@ -179,12 +156,8 @@ def gspo_loss(
     *,
     eps_low: float = 3e-4,
     eps_high: float = 4e-4,
-    mode: Aggregation = "seq-mean-token-mean",
     is_weights: Tensor | None = None,
-    norm_constant: float | None = None,
-    segment_ids_B_T: Tensor | None = None,
-    num_tokens: int | None = None,
-    num_sequences: int | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] -> GSPO: PPO clip on the sequence ratio s_i = exp(mean_t log r_t), per token as sg(s_i) r_t / sg(r_t).
 
@@ -196,9 +169,10 @@ def gspo_loss(
         advantages_B_T=advantages_B_T,
         mask_B_T=mask_B_T,
         is_weights=is_weights,
-        segment_ids_B_T=segment_ids_B_T,
+        segment_ids_B_T=reduction.segment_ids_B_T,
     )
     _check_eps(eps_low, eps_high)
+    segment_ids_B_T = reduction.segment_ids_B_T
     logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(
         mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T
     )
@@ -213,15 +187,8 @@ def gspo_loss(
     ratio_B_T = torch.exp(torch.clamp(log_ratio_B_T, -MAX_LOG_RATIO, MAX_LOG_RATIO))
     adv_B_T = advantages_B_T.detach()
     loss_B_T = torch.maximum(-adv_B_T * ratio_B_T, -adv_B_T * torch.clamp(ratio_B_T, 1.0 - eps_low, 1.0 + eps_high))
-    loss = aggregate(
-        _weighted(loss_B_T, is_weights),
-        mask_B_T,
-        mode,
-        norm_constant=norm_constant,
-        segment_ids_B_T=segment_ids_B_T,
-        num_tokens=num_tokens,
-        num_sequences=num_sequences,
-    )
+    # the paper's sequence mean, unless the reduction names a mode
+    loss = reduction.apply(_weighted(loss_B_T, is_weights), mask_B_T, "seq-mean-token-mean")
     ratio = ratio_B_T.detach()
     has_tokens_S = (sequence_sums(selected_B_T, segment_ids_B_T) > 0) & sequence_present(mask_B_T, segment_ids_B_T)
     seq_ratio_S = torch.exp(torch.clamp(seq_log_ratio_S, -MAX_LOG_RATIO, MAX_LOG_RATIO))
@@ -242,12 +209,8 @@ def cispo_loss(
     *,
     eps_low: float = 0.2,
     eps_high: float = 0.2,
-    mode: Aggregation = "token-mean",
     is_weights: Tensor | None = None,
-    norm_constant: float | None = None,
-    segment_ids_B_T: Tensor | None = None,
-    num_tokens: int | None = None,
-    num_sequences: int | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] -> CISPO: -sg(clamp(r, 1 - eps_low, 1 + eps_high)) A log p (clip the weight, keep every token's gradient)."""
     check_same_shape(
@@ -265,15 +228,7 @@ def cispo_loss(
     ratio_B_T = torch.exp(log_ratio_B_T)
     weight_B_T = torch.clamp(ratio_B_T, 1.0 - eps_low, 1.0 + eps_high)
     loss_B_T = -weight_B_T * advantages_B_T.detach() * logprobs_B_T
-    loss = aggregate(
-        _weighted(loss_B_T, is_weights),
-        mask_B_T,
-        mode,
-        norm_constant=norm_constant,
-        segment_ids_B_T=segment_ids_B_T,
-        num_tokens=num_tokens,
-        num_sequences=num_sequences,
-    )
+    loss = reduction.apply(_weighted(loss_B_T, is_weights), mask_B_T)
     return loss, metrics_to_floats(
         pg_loss=loss,
         clip_frac_low=masked_mean((ratio_B_T < 1.0 - eps_low).float(), mask_B_T),
@@ -288,26 +243,14 @@ def pg_loss(
     advantages_B_T: Tensor,
     mask_B_T: Tensor,
     *,
-    mode: Aggregation = "token-mean",
     is_weights: Tensor | None = None,
-    norm_constant: float | None = None,
-    segment_ids_B_T: Tensor | None = None,
-    num_tokens: int | None = None,
-    num_sequences: int | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] -> vanilla policy gradient (REINFORCE / on-policy GRPO without a ratio): -A log p."""
     check_same_shape(logprobs_B_T=logprobs_B_T, advantages_B_T=advantages_B_T, mask_B_T=mask_B_T, is_weights=is_weights)
     logprobs_B_T, advantages_B_T = _zero_unselected(mask_B_T, logprobs_B_T, advantages_B_T)
     loss_B_T = -advantages_B_T.detach() * logprobs_B_T
-    loss = aggregate(
-        _weighted(loss_B_T, is_weights),
-        mask_B_T,
-        mode,
-        norm_constant=norm_constant,
-        segment_ids_B_T=segment_ids_B_T,
-        num_tokens=num_tokens,
-        num_sequences=num_sequences,
-    )
+    loss = reduction.apply(_weighted(loss_B_T, is_weights), mask_B_T)
     return loss, metrics_to_floats(pg_loss=loss)
 
 
@@ -318,11 +261,7 @@ def value_loss(
     mask_B_T: Tensor,
     *,
     clip_range: float | None = 0.2,
-    mode: Aggregation = "token-mean",
-    norm_constant: float | None = None,
-    segment_ids_B_T: Tensor | None = None,
-    num_tokens: int | None = None,
-    num_sequences: int | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] -> clipped critic loss 0.5 max((v - R)^2, (v_old + clip(v - v_old, +-clip_range) - R)^2)."""
     check_same_shape(values_B_T=values_B_T, old_values_B_T=old_values_B_T, returns_B_T=returns_B_T, mask_B_T=mask_B_T)
@@ -339,15 +278,7 @@ def value_loss(
         clipped_B_T = (torch.clamp(values_B_T, old - clip_range, old + clip_range) - returns) ** 2
         loss_B_T = torch.maximum(unclipped_B_T, clipped_B_T)
         clip_frac = masked_mean((clipped_B_T > unclipped_B_T).float(), mask_B_T)
-    loss = 0.5 * aggregate(
-        loss_B_T,
-        mask_B_T,
-        mode,
-        norm_constant=norm_constant,
-        segment_ids_B_T=segment_ids_B_T,
-        num_tokens=num_tokens,
-        num_sequences=num_sequences,
-    )
+    loss = 0.5 * reduction.apply(loss_B_T, mask_B_T)
     return loss, metrics_to_floats(
         vf_loss=loss, vf_clip_frac=clip_frac, value_mean=masked_mean(values_B_T.detach(), mask_B_T)
     )

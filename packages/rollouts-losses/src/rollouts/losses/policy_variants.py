@@ -1,9 +1,9 @@
 """Policy losses of 2025-26: SAPO, GMPO, DPPO (binary TV and binary KL), Clip-Cov and KL-Cov.
 
 Legend: B rows, T tokens per row, S sequences (on packed rows, bins indexed by segment id).
-Every loss takes [B, T] log-probs, old log-probs, advantages and mask, and the aggregation options
-of `policy.py` (mode, norm_constant, segment_ids_B_T, num_tokens, num_sequences); it zeroes
-masked-out inputs before any arithmetic and returns `(scalar loss, float metrics)`.
+Every loss takes [B, T] log-probs, old log-probs, advantages and mask, and a `Reduction` as the
+losses of `policy.py` do (its mode None: seq-mean-token-mean for SAPO and GMPO, token-mean for the
+others); it zeroes masked-out inputs before any arithmetic and returns `(scalar loss, float metrics)`.
 
 Each is written from its paper and checked against a peer's formula (files read on the dates given):
 - SAPO (Gao et al. 2025, arXiv 2511.20347): -A f(r), the soft gate f(r) = (4 / tau) sigmoid(tau (r - 1)),
@@ -26,19 +26,21 @@ Each is written from its paper and checked against a peer's formula (files read 
   a random cov_fraction of the tokens with covariance in (low, high) that PPO's clip left alone;
   KL-Cov adds coef |log r| on the top cov_fraction tokens by covariance (the surrogate is unclipped).
   verl `compute_policy_loss_clip_cov` / `compute_policy_loss_kl_cov` (2026-01-29). Both pick among
-  this micro-batch's tokens, as verl does; Clip-Cov's draw uses `generator` (None: torch's global RNG).
+  this micro-batch's tokens, as verl does; Clip-Cov's options are one `ClipCovPick` (fraction, bounds,
+  the draw's generator).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from rollouts.losses.aggregate import (
-    Aggregation,
-    aggregate,
+    DEFAULT_REDUCTION,
+    Reduction,
     check_same_shape,
     masked_mean,
     safe_divide,
@@ -47,7 +49,15 @@ from rollouts.losses.aggregate import (
 )
 from rollouts.losses.policy import MAX_LOG_RATIO, _check_eps, _weighted, _zero_unselected, metrics_to_floats
 
-__all__ = ["clip_cov_loss", "dppo_loss", "gmpo_loss", "kl_cov_loss", "sapo_loss"]
+__all__ = [
+    "DEFAULT_CLIP_COV_PICK",
+    "ClipCovPick",
+    "clip_cov_loss",
+    "dppo_loss",
+    "gmpo_loss",
+    "kl_cov_loss",
+    "sapo_loss",
+]
 
 BINARY_KL_EPS = 1e-8
 """Added inside log(1 - p) of the binary KL (Stable-RL's 1e-8): a token of probability 1 would give log 0."""
@@ -60,11 +70,6 @@ def _log_ratio(logprobs_B_T: Tensor, old_logprobs_B_T: Tensor) -> Tensor:
     return torch.clamp(logprobs_B_T - old_logprobs_B_T.detach(), -MAX_LOG_RATIO, MAX_LOG_RATIO)
 
 
-def _reduce(loss_B_T: Tensor, mask_B_T: Tensor, is_weights: Tensor | None, agg: dict[str, Any]) -> Tensor:
-    """aggregate() of the (IS-weighted) per-token loss with the caller's aggregation options."""
-    return aggregate(_weighted(loss_B_T, is_weights), mask_B_T, agg.pop("mode"), **agg)
-
-
 def sapo_loss(
     logprobs_B_T: Tensor,
     old_logprobs_B_T: Tensor,
@@ -73,12 +78,8 @@ def sapo_loss(
     *,
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
-    mode: Aggregation = "seq-mean-token-mean",
     is_weights: Tensor | None = None,
-    norm_constant: float | None = None,
-    segment_ids_B_T: Tensor | None = None,
-    num_tokens: int | None = None,
-    num_sequences: int | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] -> SAPO: -A (4 / tau) sigmoid(tau (r - 1)), tau = tau_pos where A > 0, else tau_neg."""
     check_same_shape(
@@ -98,14 +99,8 @@ def sapo_loss(
     adv_B_T = advantages_B_T.detach()
     tau_B_T = torch.where(adv_B_T > 0, tau_pos, tau_neg).to(ratio_B_T.dtype)
     gate_B_T = torch.sigmoid(tau_B_T * (ratio_B_T - 1.0)) * (SAPO_GATE_SCALE / tau_B_T)
-    agg = {
-        "mode": mode,
-        "norm_constant": norm_constant,
-        "segment_ids_B_T": segment_ids_B_T,
-        "num_tokens": num_tokens,
-        "num_sequences": num_sequences,
-    }
-    loss = _reduce(-adv_B_T * gate_B_T, mask_B_T, is_weights, agg)
+    # verl's sequence mean, unless the reduction names a mode
+    loss = reduction.apply(_weighted(-adv_B_T * gate_B_T, is_weights), mask_B_T, "seq-mean-token-mean")
     return loss, metrics_to_floats(
         pg_loss=loss,
         approx_kl=masked_mean(-log_ratio_B_T.detach(), mask_B_T),
@@ -122,12 +117,8 @@ def gmpo_loss(
     *,
     eps_low: float = 0.4,
     eps_high: float = 0.4,
-    mode: Aggregation = "seq-mean-token-mean",
     is_weights: Tensor | None = None,
-    norm_constant: float | None = None,
-    segment_ids_B_T: Tensor | None = None,
-    num_tokens: int | None = None,
-    num_sequences: int | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] -> GMPO: -mean_t(A) exp(mean_t sgn(A) min(sgn(A) log r, sgn(A) clip(log r, -eps_low, eps_high))),
     per sequence, on every token of it. eps are log-space bounds (the paper's 0.4: ratios in (e^-0.4, e^0.4))."""
@@ -137,10 +128,11 @@ def gmpo_loss(
         advantages_B_T=advantages_B_T,
         mask_B_T=mask_B_T,
         is_weights=is_weights,
-        segment_ids_B_T=segment_ids_B_T,
+        segment_ids_B_T=reduction.segment_ids_B_T,
     )
     if not (eps_low >= 0 and eps_high >= 0):
         raise ValueError(f"eps_low ({eps_low!r}) and eps_high ({eps_high!r}) must be >= 0 (log-ratio clip bounds)")
+    segment_ids_B_T = reduction.segment_ids_B_T
     logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(
         mask_B_T, logprobs_B_T, old_logprobs_B_T, advantages_B_T
     )
@@ -154,14 +146,9 @@ def gmpo_loss(
     seq_log_ratio_S = safe_divide(sequence_sums(pessimistic_B_T * selected_B_T, segment_ids_B_T), length_S)
     seq_adv_S = safe_divide(sequence_sums(adv_B_T * selected_B_T, segment_ids_B_T), length_S)
     loss_S = -seq_adv_S * torch.exp(seq_log_ratio_S)
-    agg = {
-        "mode": mode,
-        "norm_constant": norm_constant,
-        "segment_ids_B_T": segment_ids_B_T,
-        "num_tokens": num_tokens,
-        "num_sequences": num_sequences,
-    }
-    loss = _reduce(to_tokens(loss_S, segment_ids_B_T, logprobs_B_T.shape), mask_B_T, is_weights, agg)
+    loss_B_T = to_tokens(loss_S, segment_ids_B_T, logprobs_B_T.shape)
+    # verl's batch mean of sequences, unless the reduction names a mode
+    loss = reduction.apply(_weighted(loss_B_T, is_weights), mask_B_T, "seq-mean-token-mean")
     was_clipped_B_T = (log_ratio_B_T != clipped_B_T).detach()
     return loss, metrics_to_floats(
         pg_loss=loss,
@@ -208,12 +195,8 @@ def dppo_loss(
     divergence: Literal["tv", "kl"] = "tv",
     eps_low: float = 0.2,
     eps_high: float = 0.2,
-    mode: Aggregation = "token-mean",
     is_weights: Tensor | None = None,
-    norm_constant: float | None = None,
-    segment_ids_B_T: Tensor | None = None,
-    num_tokens: int | None = None,
-    num_sequences: int | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] -> DPPO: -A r on tokens inside the trust region (binary TV or binary KL to pi_old), 0 outside.
 
@@ -237,14 +220,7 @@ def dppo_loss(
     log_ratio_B_T = _log_ratio(logprobs_B_T, old_B_T)
     ratio_B_T = torch.exp(log_ratio_B_T)
     loss_B_T = torch.where(outside_B_T, 0.0, -adv_B_T * ratio_B_T)
-    agg = {
-        "mode": mode,
-        "norm_constant": norm_constant,
-        "segment_ids_B_T": segment_ids_B_T,
-        "num_tokens": num_tokens,
-        "num_sequences": num_sequences,
-    }
-    loss = _reduce(loss_B_T, mask_B_T, is_weights, agg)
+    loss = reduction.apply(_weighted(loss_B_T, is_weights), mask_B_T)
     return loss, metrics_to_floats(
         pg_loss=loss,
         masked_frac_high=masked_mean((outside_B_T & (adv_B_T > 0)).float(), mask_B_T),
@@ -282,6 +258,23 @@ def _top_k_mask(scores_B_T: Tensor, eligible_B_T: Tensor, k: int) -> Tensor:
     return picked_N.reshape(scores_B_T.shape)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClipCovPick:
+    """Which tokens Clip-Cov detaches: a random cov_fraction of the unclipped loss tokens whose covariance
+    lies in cov_bounds, drawn from generator. Checked by `clip_cov_loss`."""
+
+    cov_fraction: float = 2e-4
+    """The fraction of the loss tokens to pick, in (0, 1] (at least one token when there are any)."""
+    cov_bounds: tuple[float, float] = (1.0, 5.0)
+    """(low, high): a token is eligible when low < covariance < high."""
+    generator: torch.Generator | None = None
+    """The random draw's generator (None: torch's global RNG)."""
+
+
+DEFAULT_CLIP_COV_PICK = ClipCovPick()
+"""verl's defaults: 2e-4 of the tokens, covariance in (1, 5), torch's global RNG."""
+
+
 def clip_cov_loss(
     logprobs_B_T: Tensor,
     old_logprobs_B_T: Tensor,
@@ -290,18 +283,12 @@ def clip_cov_loss(
     *,
     eps_low: float = 0.2,
     eps_high: float = 0.2,
-    cov_fraction: float = 2e-4,
-    cov_bounds: tuple[float, float] = (1.0, 5.0),
-    generator: torch.Generator | None = None,
-    mode: Aggregation = "token-mean",
+    pick: ClipCovPick = DEFAULT_CLIP_COV_PICK,
     is_weights: Tensor | None = None,
-    norm_constant: float | None = None,
-    segment_ids_B_T: Tensor | None = None,
-    num_tokens: int | None = None,
-    num_sequences: int | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
 ) -> tuple[Tensor, dict[str, float]]:
-    """[B, T] -> PPO clip, with the loss of a random cov_fraction of unclipped tokens whose covariance lies in
-    cov_bounds set to 0 (their gradient detached)."""
+    """[B, T] -> PPO clip, with the loss of a random pick.cov_fraction of unclipped tokens whose covariance lies
+    in pick.cov_bounds set to 0 (their gradient detached)."""
     check_same_shape(
         logprobs_B_T=logprobs_B_T,
         old_logprobs_B_T=old_logprobs_B_T,
@@ -310,6 +297,7 @@ def clip_cov_loss(
         is_weights=is_weights,
     )
     _check_eps(eps_low, eps_high)
+    cov_bounds, generator = pick.cov_bounds, pick.generator
     if not cov_bounds[0] < cov_bounds[1]:
         raise ValueError(f"cov_bounds must be (low, high) with low < high, got {cov_bounds!r}")
     logprobs_B_T, old_logprobs_B_T, advantages_B_T = _zero_unselected(
@@ -325,16 +313,9 @@ def clip_cov_loss(
     ).detach()
     draw_device = generator.device if generator is not None else mask_B_T.device
     draws_B_T = torch.rand(mask_B_T.shape, generator=generator, device=draw_device).to(mask_B_T.device)
-    picked_B_T = _top_k_mask(draws_B_T, eligible_B_T, _num_picked(mask_B_T, cov_fraction))
+    picked_B_T = _top_k_mask(draws_B_T, eligible_B_T, _num_picked(mask_B_T, pick.cov_fraction))
     loss_B_T = torch.where(picked_B_T, 0.0, torch.maximum(unclipped_B_T, clipped_B_T))
-    agg = {
-        "mode": mode,
-        "norm_constant": norm_constant,
-        "segment_ids_B_T": segment_ids_B_T,
-        "num_tokens": num_tokens,
-        "num_sequences": num_sequences,
-    }
-    loss = _reduce(loss_B_T, mask_B_T, is_weights, agg)
+    loss = reduction.apply(_weighted(loss_B_T, is_weights), mask_B_T)
     return loss, metrics_to_floats(
         pg_loss=loss,
         cov_picked_frac=masked_mean(picked_B_T.float(), mask_B_T),
@@ -350,12 +331,8 @@ def kl_cov_loss(
     *,
     cov_fraction: float = 2e-4,
     kl_coef: float = 1.0,
-    mode: Aggregation = "token-mean",
     is_weights: Tensor | None = None,
-    norm_constant: float | None = None,
-    segment_ids_B_T: Tensor | None = None,
-    num_tokens: int | None = None,
-    num_sequences: int | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] -> -A r, plus kl_coef |log r| on the top cov_fraction of loss tokens by covariance."""
     check_same_shape(
@@ -375,14 +352,7 @@ def kl_cov_loss(
     cov_B_T = token_covariance(logprobs_B_T, adv_B_T, mask_B_T)
     picked_B_T = _top_k_mask(cov_B_T, mask_B_T > 0, _num_picked(mask_B_T, cov_fraction))
     loss_B_T = -adv_B_T * torch.exp(log_ratio_B_T) + torch.where(picked_B_T, kl_coef * log_ratio_B_T.abs(), 0.0)
-    agg = {
-        "mode": mode,
-        "norm_constant": norm_constant,
-        "segment_ids_B_T": segment_ids_B_T,
-        "num_tokens": num_tokens,
-        "num_sequences": num_sequences,
-    }
-    loss = _reduce(loss_B_T, mask_B_T, is_weights, agg)
+    loss = reduction.apply(_weighted(loss_B_T, is_weights), mask_B_T)
     return loss, metrics_to_floats(
         pg_loss=loss,
         cov_picked_frac=masked_mean(picked_B_T.float(), mask_B_T),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from rollouts.losses.logprobs import chunks, compute_dtype
 
@@ -74,8 +75,6 @@ def truncated_token_logprobs(
 ) -> Tensor:
     """[K] log-probs under the truncated, renormalised distribution, chunk by chunk; each chunk's
     logits are recomputed in backward (checkpointed), so memory stays at one chunk's."""
-    from torch.utils.checkpoint import checkpoint
-
     out = []
     for s, e in chunks(hidden_K_H.shape[0], chunk_size):
         out.append(

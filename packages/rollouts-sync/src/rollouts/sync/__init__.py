@@ -1,7 +1,9 @@
 """rollouts-sync: inference-engine clients (vLLM, SGLang) over HTTP and parallel weight sync (no torch)."""
 
+import importlib.metadata
+
 from rollouts.sync._common import is_adapter_dir
-from rollouts.sync._http import EngineError, RetryPolicy
+from rollouts.sync._http import DEFAULT_HTTP, EngineError, HTTPOptions, RetryPolicy
 from rollouts.sync.pool import EnginePool, NoHealthyEngineError
 from rollouts.sync.sglang import SGLangEngine
 from rollouts.sync.vllm import WORKER_EXTENSION_CLS, VLLMEngine
@@ -9,21 +11,21 @@ from rollouts.sync.weight_sync import EngineFailure, SyncResult, WeightSyncError
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
-        return version("rollouts-sync")  # written once, in pyproject.toml
-    except PackageNotFoundError:  # a source tree that was never installed
+        return importlib.metadata.version("rollouts-sync")  # written once, in pyproject.toml
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
         return "0+unknown"
 
 
 __version__ = _version()
 
 __all__ = [
+    "DEFAULT_HTTP",
     "WORKER_EXTENSION_CLS",
     "EngineError",
     "EngineFailure",
     "EnginePool",
+    "HTTPOptions",
     "NoHealthyEngineError",
     "RetryPolicy",
     "SGLangEngine",

@@ -52,6 +52,30 @@ class RetryPolicy:
 _RESUME_RETRY = RetryPolicy(max_retries=3, backoff_base_s=0.1, backoff_max_s=1.0)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HTTPOptions:
+    """How an engine client talks to its server: the bound on each attempt, the retries, the pool."""
+
+    timeout_s: float = 120.0
+    """Bound on one attempt of one call (connect, read, write and pool alike)."""
+    retry: RetryPolicy = RetryPolicy()
+    """How many times and how patiently a failed call is retried."""
+    max_connections: int = 64
+    """Connections kept open to the server (concurrent requests beyond it wait for one)."""
+    seed: int | None = None
+    """Seed of the retry waits' jitter (None: a fresh seed)."""
+
+    def __post_init__(self) -> None:
+        check_seconds("timeout_s", self.timeout_s)
+        count = self.max_connections
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"HTTPOptions.max_connections must be an int >= 1, got {count!r}")
+
+
+DEFAULT_HTTP = HTTPOptions()
+"""120 s per attempt, 3 retries with capped exponential backoff, 64 connections."""
+
+
 def backoff_s(policy: RetryPolicy, retry_index: int, rng: random.Random) -> float:
     """Seconds to wait before retry number `retry_index` (0-based): capped exponential with jitter."""
     base_s = min(policy.backoff_max_s, policy.backoff_base_s * (2.0**retry_index))
@@ -165,22 +189,14 @@ class HTTPEngineBase:
     WEIGHT_VERSION_PATH: str
     HEALTH_PATH: str
 
-    def __init__(
-        self,
-        base_url: str,
-        *,
-        api_key: str | None,
-        timeout_s: float,
-        max_retries: int,
-        max_connections: int,
-        retry: RetryPolicy | None,
-        seed: int | None,
-    ) -> None:
+    def __init__(self, base_url: str, *, api_key: str | None, http: HTTPOptions) -> None:
         self._base_url = base_url.rstrip("/")
-        self._client = make_client(base_url, api_key=api_key, timeout_s=timeout_s, max_connections=max_connections)
-        self.timeout_s = timeout_s
-        self.retry = retry if retry is not None else RetryPolicy(max_retries=max_retries)
-        self._rng = random.Random(seed)
+        self._client = make_client(
+            base_url, api_key=api_key, timeout_s=http.timeout_s, max_connections=http.max_connections
+        )
+        self.timeout_s = http.timeout_s
+        self.retry = http.retry
+        self._rng = random.Random(http.seed)
         self._weight_version: int | None = None
 
     def __repr__(self) -> str:

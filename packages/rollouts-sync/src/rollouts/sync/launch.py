@@ -5,6 +5,10 @@ syncs weights with or without a shared disk.
     with launch_vllm_server("/models/qwen", python="/opt/vllm/bin/python") as server:
         engine = VLLMEngine(server.url)
 
+    options = VLLMServeOptions(dtype="float32", max_model_len=256, enforce_eager=True)
+    with launch_vllm_server("/models/qwen", options=options, env={"VLLM_CPU_KVCACHE_SPACE": "1"}) as server:
+        ...
+
 `rollouts engine vllm --model DIR` (rollouts-loops) runs this from the command line. The server is
 started in its own process group and stopped with it (SIGTERM, then SIGKILL); start-up is bounded.
 """
@@ -26,7 +30,15 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["EXTENSION_MODULE", "VLLMServer", "free_port", "launch_vllm_server", "vllm_server_command"]
+__all__ = [
+    "DEFAULT_SERVE_OPTIONS",
+    "EXTENSION_MODULE",
+    "VLLMServeOptions",
+    "VLLMServer",
+    "free_port",
+    "launch_vllm_server",
+    "vllm_server_command",
+]
 
 EXTENSION_MODULE = "rollouts_worker_extension"
 """The worker extension's module name in the server's environment: the launcher copies
@@ -35,6 +47,40 @@ the server's PYTHONPATH, so nothing else of this environment leaks into vLLM's."
 _EXTENSION_SOURCE = Path(__file__).with_name("worker_extension.py")
 _POLL_INTERVAL_S = 1.0
 _STOP_GRACE_S = 15.0  # SIGTERM first, SIGKILL after this
+_MAX_LORAS = 2  # the adapter being replaced and its successor, both loaded during a sync
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VLLMServeOptions:
+    """What the vLLM server serves and how: the options of its command line."""
+
+    dtype: str = "auto"
+    """The weights' and activations' dtype (vLLM's --dtype)."""
+    max_model_len: int | None = None
+    """Longest prompt + response in tokens (None: the model's own limit)."""
+    enforce_eager: bool = False
+    """No CUDA graphs (faster start-up, slower decoding; needed on CPU)."""
+    worker_extension: bool = True
+    """Load rollouts' worker extension, which takes weights in request bodies (off for a reward model)."""
+    logprobs_mode: str = "processed_logprobs"
+    """"processed_logprobs": the log-probs returned are those of the distribution the tokens were
+    drawn from (after temperature, top-k and top-p), which is what the trainer computes for its
+    importance ratios; "raw_logprobs" is vLLM's default (the full softmax)."""
+    max_lora_rank: int | None = None
+    """Serve LoRA adapters up to this rank, loaded at run time as adapter syncs do (None: no LoRA)."""
+    extra_args: Sequence[str] = ()
+    """More vLLM arguments, appended as they are (kept as a tuple)."""
+
+    def __post_init__(self) -> None:
+        rank = self.max_lora_rank
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+            raise ValueError(f"max_lora_rank must be an int >= 1 or None, got {rank!r}")
+        # a list given for extra_args is kept as a tuple, so the value stays frozen
+        object.__setattr__(self, "extra_args", tuple(self.extra_args))
+
+
+DEFAULT_SERVE_OPTIONS = VLLMServeOptions()
+"""The model's dtype and length, CUDA graphs, the worker extension, processed log-probs, no LoRA."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,18 +108,10 @@ def vllm_server_command(
     python: str,
     host: str,
     port: int,
-    dtype: str = "auto",
-    max_model_len: int | None = None,
-    enforce_eager: bool = False,
-    worker_extension: bool = True,
-    logprobs_mode: str = "processed_logprobs",
-    extra_args: Sequence[str] = (),
+    options: VLLMServeOptions = DEFAULT_SERVE_OPTIONS,
 ) -> list[str]:
-    """The command line of vLLM's OpenAI server for `model_dir` with what rollouts' clients need.
-
-    `logprobs_mode` "processed_logprobs": the log-probs returned are those of the distribution
-    the tokens were drawn from (after temperature, top-k and top-p), which is what the trainer
-    computes for its importance ratios; "raw_logprobs" is vLLM's default (the full softmax)."""
+    """The command line of vLLM's OpenAI server for `model_dir` with what rollouts' clients need."""
+    rank = options.max_lora_rank
     return [
         python,
         "-m",
@@ -85,13 +123,18 @@ def vllm_server_command(
         "--port",
         str(port),
         "--dtype",
-        dtype,
-        *(["--max-model-len", str(max_model_len)] if max_model_len is not None else []),
-        *(["--enforce-eager"] if enforce_eager else []),
-        *(["--worker-extension-cls", f"{EXTENSION_MODULE}.SafetensorsWeightLoader"] if worker_extension else []),
+        options.dtype,
+        *(["--max-model-len", str(options.max_model_len)] if options.max_model_len is not None else []),
+        *(["--enforce-eager"] if options.enforce_eager else []),
+        *(
+            ["--worker-extension-cls", f"{EXTENSION_MODULE}.SafetensorsWeightLoader"]
+            if options.worker_extension
+            else []
+        ),
         "--logprobs-mode",
-        logprobs_mode,
-        *extra_args,
+        options.logprobs_mode,
+        *(["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(_MAX_LORAS)] if rank else []),
+        *options.extra_args,
     ]
 
 
@@ -119,57 +162,38 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 def launch_vllm_server(
     model_dir: str | os.PathLike[str],
     *,
+    options: VLLMServeOptions = DEFAULT_SERVE_OPTIONS,
     python: str | None = None,
     host: str = "127.0.0.1",
     port: int | None = None,
-    dtype: str = "auto",
-    max_model_len: int | None = None,
-    enforce_eager: bool = False,
     startup_timeout_s: float = 600.0,
-    worker_extension: bool = True,
     api_key: str | None = None,
     env: Mapping[str, str] | None = None,
-    extra_args: Sequence[str] = (),
     log_path: str | os.PathLike[str] | None = None,
-    max_lora_rank: int | None = None,
 ) -> Iterator[VLLMServer]:
     """Start a vLLM server for `model_dir`; yields once /health answers; stops it on exit.
 
-    `python`: the interpreter of an environment with vLLM (default: this one). `env`: extra
-    environment variables for the server. `max_lora_rank`: serve LoRA adapters up to that rank,
-    loaded at run time (--enable-lora, VLLM_ALLOW_RUNTIME_LORA_UPDATING=1) as adapter syncs do.
-    Raises RuntimeError with the log's tail when the server
-    exits or is not healthy within `startup_timeout_s`.
+    `options`: what the server serves (its command line). `python`: the interpreter of an
+    environment with vLLM (default: this one). `env`: extra environment variables for the server.
+    Raises RuntimeError with the log's tail when the server exits or is not healthy within
+    `startup_timeout_s`.
     """
     model_dir = Path(model_dir).absolute()
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"model directory {str(model_dir)!r} has no config.json")
     if not startup_timeout_s > 0:
         raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s}")
-    if max_lora_rank is not None and (isinstance(max_lora_rank, bool) or max_lora_rank < 1):
-        raise ValueError(f"max_lora_rank must be an int >= 1 or None, got {max_lora_rank!r}")
-    lora_args = ["--enable-lora", "--max-lora-rank", str(max_lora_rank), "--max-loras", "2"] if max_lora_rank else []
     python = python or sys.executable
     port = port if port is not None else free_port(host)
     with tempfile.TemporaryDirectory(prefix="rollouts-vllm-") as extension_dir:
         shutil.copyfile(_EXTENSION_SOURCE, Path(extension_dir) / f"{EXTENSION_MODULE}.py")
         log = Path(log_path) if log_path is not None else Path(extension_dir) / "server.log"
-        cmd = vllm_server_command(
-            model_dir,
-            python=python,
-            host=host,
-            port=port,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            enforce_eager=enforce_eager,
-            worker_extension=worker_extension,
-            extra_args=[*lora_args, *extra_args],
-        )
+        cmd = vllm_server_command(model_dir, python=python, host=host, port=port, options=options)
         server_env = {
             **os.environ,
             **(env or {}),
             "VLLM_SERVER_DEV_MODE": "1",  # /pause, /resume, /collective_rpc, /reset_prefix_cache
-            **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if max_lora_rank else {}),
+            **({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if options.max_lora_rank else {}),
             "PYTHONPATH": os.pathsep.join(p for p in (extension_dir, os.environ.get("PYTHONPATH", "")) if p),
         }
         if api_key is not None:

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from rollouts.sync._http import EngineError, HTTPEngineBase, RetryPolicy
+from rollouts.sync._http import EngineError, HTTPEngineBase, HTTPOptions, RetryPolicy
 
 __all__ = ["VLLMRewardModel"]
 
@@ -37,15 +37,9 @@ class VLLMRewardModel(HTTPEngineBase):
         max_batch: int = 64,
         retry: RetryPolicy | None = None,
     ) -> None:
-        super().__init__(
-            base_url,
-            api_key=api_key,
-            timeout_s=timeout_s,
-            max_retries=max_retries,
-            max_connections=max_connections,
-            retry=retry,
-            seed=None,
-        )
+        retry = retry if retry is not None else RetryPolicy(max_retries=max_retries)
+        http = HTTPOptions(timeout_s=timeout_s, retry=retry, max_connections=max_connections)
+        super().__init__(base_url, api_key=api_key, http=http)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
         self._model = model

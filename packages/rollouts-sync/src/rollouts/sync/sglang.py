@@ -27,7 +27,7 @@ from rollouts.sync._common import (
     make_sample,
     parse_weight_version,
 )
-from rollouts.sync._http import EngineError, HTTPEngineBase, RetryPolicy
+from rollouts.sync._http import DEFAULT_HTTP, EngineError, HTTPEngineBase, HTTPOptions
 from rollouts.types import Sample, SamplingParams
 
 
@@ -42,21 +42,10 @@ class SGLangEngine(HTTPEngineBase):
         base_url: str,
         *,
         api_key: str | None = None,
-        timeout_s: float = 120.0,
-        max_retries: int = 3,
-        max_connections: int = 64,
-        retry: RetryPolicy | None = None,
-        seed: int | None = None,
+        http: HTTPOptions = DEFAULT_HTTP,
     ) -> None:
-        super().__init__(
-            base_url,
-            api_key=api_key,
-            timeout_s=timeout_s,
-            max_retries=max_retries,
-            max_connections=max_connections,
-            retry=retry,
-            seed=seed,
-        )
+        """`http`: the per-attempt timeout, retries and connection pool."""
+        super().__init__(base_url, api_key=api_key, http=http)
 
     @staticmethod
     def generate_request(prompts_P: list[list[int]], params: SamplingParams) -> dict[str, Any]:

@@ -122,16 +122,18 @@ def launch_vllm_server(
     log = Path(log_path) if log_path is not None else Path(model_dir).absolute().with_name(f"vllm-{port}.log")
     with launch.launch_vllm_server(
         model_dir,
+        options=launch.VLLMServeOptions(
+            dtype="float32",
+            max_model_len=max_model_len,
+            enforce_eager=True,
+            worker_extension=worker_extension,
+            extra_args=extra_args,
+        ),
         python=python,
         port=port,
-        dtype="float32",
-        max_model_len=max_model_len,
-        enforce_eager=True,
         startup_timeout_s=startup_timeout_s,
-        worker_extension=worker_extension,
         api_key=api_key,
         env={"VLLM_CPU_KVCACHE_SPACE": "1"},
-        extra_args=extra_args,
         log_path=log,
     ) as server:
         yield server

@@ -27,7 +27,7 @@ import numpy as np
 from safetensors.numpy import save as safetensors_save
 
 from rollouts.sync._common import check_params, check_prompts, check_weight_version, is_adapter_dir, make_sample
-from rollouts.sync._http import EngineError, HTTPEngineBase, RetryPolicy
+from rollouts.sync._http import DEFAULT_HTTP, EngineError, HTTPEngineBase, HTTPOptions
 from rollouts.sync.partial import PARTIAL
 from rollouts.types import Sample, SamplingParams, Status
 
@@ -49,18 +49,18 @@ class VLLMEngine(HTTPEngineBase):
         base_url: str,
         *,
         api_key: str | None = None,
-        timeout_s: float = 120.0,
-        max_retries: int = 3,
+        http: HTTPOptions = DEFAULT_HTTP,
         model: str | None = None,
-        max_connections: int = 64,
         pause_mode: str = "wait",
-        retry: RetryPolicy | None = None,
         adapter_prefix: str = "rollouts",
-        seed: int | None = None,
         logprobs_mode: str = "processed_logprobs",
         keep_partial: bool = False,
     ) -> None:
-        """`logprobs_mode`: the --logprobs-mode the server was started with (`rollouts engine vllm`
+        """`http`: the per-attempt timeout, retries and connection pool. `model`: the served model's
+        name (None: asked from /v1/models once). `pause_mode`: how a weight update pauses generation
+        ("wait" drains the requests in flight, "abort" cuts them short, "keep" holds them).
+        `adapter_prefix`: LoRA adapters are loaded as "<prefix>-v<version>".
+        `logprobs_mode`: the --logprobs-mode the server was started with (`rollouts engine vllm`
         and rollouts.sync.launch start it with "processed_logprobs"); samples record which
         distribution their log-probs describe from it (metadata["logprobs_of"]).
         `keep_partial`: a response cut short by an abort (finish_reason "abort", a pause in mode
@@ -71,15 +71,7 @@ class VLLMEngine(HTTPEngineBase):
         if logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
             raise ValueError(f"logprobs_mode must be 'processed_logprobs' or 'raw_logprobs', got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
-        super().__init__(
-            base_url,
-            api_key=api_key,
-            timeout_s=timeout_s,
-            max_retries=max_retries,
-            max_connections=max_connections,
-            retry=retry,
-            seed=seed,
-        )
+        super().__init__(base_url, api_key=api_key, http=http)
         self.pause_mode = pause_mode
         self.keep_partial = keep_partial
         self._model = model

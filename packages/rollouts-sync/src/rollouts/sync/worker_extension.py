@@ -2,7 +2,8 @@
 
 Start the server with `--worker-extension-cls rollouts.sync.worker_extension.SafetensorsWeightLoader`
 (this module runs inside vLLM's worker process; it touches tensors only through safetensors' torch
-loader and vLLM's own methods, so rollouts.sync itself never imports torch).
+loader and vLLM's own methods, and nothing in rollouts.sync imports it, so rollouts.sync itself
+never imports torch).
 
 Partial updates: a request may name only some checkpoint tensors. vLLM reloads a layer as a whole
 (on CPU it repacks linear weights and drops the originals, and a fused qkv_proj is built from
@@ -16,6 +17,9 @@ from __future__ import annotations
 import base64
 import os
 from typing import Any
+
+from safetensors.torch import load as load_bytes
+from safetensors.torch import load_file
 
 _SAFETENSORS_SUFFIX = ".safetensors"
 
@@ -34,8 +38,6 @@ class SafetensorsWeightLoader:
     """Mixed into vLLM's Worker class; its methods are called through POST /collective_rpc."""
 
     def _rollouts_base_weights(self) -> dict[str, Any]:
-        from safetensors.torch import load_file
-
         model_dir = str(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
         signature = (model_dir, _files_signature(model_dir))
         cache = getattr(self, "_rollouts_weights", None)
@@ -57,8 +59,6 @@ class SafetensorsWeightLoader:
         {"num_tensors": tensors in this request, "applied": bool}. Unknown tensor names are an
         error (named), so a typo cannot silently leave a weight stale.
         """
-        from safetensors.torch import load as load_bytes
-
         if first == "1" or not hasattr(self, "_rollouts_staged"):
             self._rollouts_staged: dict[str, Any] = {}
         try:

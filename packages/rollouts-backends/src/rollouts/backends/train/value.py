@@ -26,7 +26,7 @@ from rollouts.backends.train.components import (
 )
 from rollouts.backends.train.distributed import data_parallel_size
 from rollouts.backends.train.step import _model_inputs, micro_batch_to_torch
-from rollouts.losses import value_loss
+from rollouts.losses import Reduction, value_loss
 from rollouts.types import MicroBatch, OptimizerConfig
 
 __all__ = ["ValueModel", "build_critic", "compute_values", "critic_forward_backward"]
@@ -118,8 +118,9 @@ def critic_forward_backward(
         if returns is None or old is None:
             raise ValueError("critic micro-batches need extras 'returns' and 'old_values' ([B, T] each)")
         values_B_T = model(batch)
+        reduction = Reduction(num_tokens=num_tokens)
         loss, metrics = value_loss(
-            values_B_T, old, returns, batch.loss_mask, clip_range=clip_range, num_tokens=num_tokens
+            values_B_T, old, returns, batch.loss_mask, clip_range=clip_range, reduction=reduction
         )
         (loss * num_ranks if num_ranks > 1 else loss).backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         total += float(loss.detach())

@@ -49,7 +49,7 @@ def add_engine_parser(sub: Any) -> None:
 
 def cmd_engine(args: argparse.Namespace) -> int:
     """Start the server, print 'engine ready: URL' once healthy, and serve until a signal."""
-    from rollouts.sync.launch import free_port, launch_vllm_server
+    from rollouts.sync.launch import VLLMServeOptions, free_port, launch_vllm_server
 
     port = args.port or free_port(args.host if args.host not in ("0.0.0.0", "") else "127.0.0.1")
     log = Path(args.log or f"vllm-{port}.log").absolute()
@@ -58,18 +58,21 @@ def cmd_engine(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"engine: starting vLLM for {Path(args.model).absolute()} (log {log})", file=sys.stderr, flush=True)
-    with launch_vllm_server(
-        args.model,
-        python=args.python,
-        host=args.host,
-        port=port,
+    options = VLLMServeOptions(
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         enforce_eager=args.enforce_eager,
-        startup_timeout_s=args.startup_timeout_s,
-        extra_args=extra,
-        log_path=log,
         max_lora_rank=args.max_lora_rank,
+        extra_args=extra,
+    )
+    with launch_vllm_server(
+        args.model,
+        options=options,
+        python=args.python,
+        host=args.host,
+        port=port,
+        startup_timeout_s=args.startup_timeout_s,
+        log_path=log,
     ) as server:
         print(f"engine ready: {server.url}", flush=True)
         print(

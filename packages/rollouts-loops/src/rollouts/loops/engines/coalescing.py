@@ -251,7 +251,7 @@ def remote_engine(
     filesystem); "http" sends them in request bodies (`SendWeights`). `partial` (rl.rollout.partial,
     vLLM only): a sync pauses the server in mode "abort" and the responses it cuts short come back
     as partial samples (`VLLMEngine(keep_partial=True)`), to be continued."""
-    from rollouts.sync import EnginePool, SGLangEngine, VLLMEngine
+    from rollouts.sync import EnginePool, HTTPOptions, RetryPolicy, SGLangEngine, VLLMEngine
 
     if sync not in ("disk", "http"):
         raise ValueError(f"sync must be 'disk' or 'http', got {sync!r}")
@@ -260,7 +260,8 @@ def remote_engine(
         raise ValueError(f"environment variable {api_key_env!r} (engine.api_key_env) is not set")
     if partial and kind != "vllm":
         raise ValueError(f"rl.rollout.partial needs an engine that keeps aborted responses: 'vllm', not {kind!r}")
-    common: dict[str, Any] = {"api_key": api_key, "timeout_s": timeout_s, "max_retries": max_retries}
+    http = HTTPOptions(timeout_s=timeout_s, retry=RetryPolicy(max_retries=max_retries))
+    common: dict[str, Any] = {"api_key": api_key, "http": http}
     if partial:
         common |= {"keep_partial": True, "pause_mode": "abort"}
     cls = {"vllm": VLLMEngine, "sglang": SGLangEngine}[kind]
