@@ -6,6 +6,7 @@ and the metrics loggers. The commands in `commands.py` are made of these.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -13,8 +14,33 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from rollouts.backends import (
+    TrainingComponents,
+    build_components,
+    build_optimizer,
+    build_scheduler,
+    load_hf_model,
+    load_tokenizer,
+    resolve_model_dir,
+    shard_model,
+)
+from rollouts.backends.train.distributed import enable_activation_checkpointing
+from rollouts.backends.train.lora import apply_lora
 from rollouts.loops.app.config import ConfigError
 from rollouts.loops.app.toml_out import to_toml
+from rollouts.loops.run.distributed import broadcast_json, init_distributed, rank_world
+from rollouts.loops.run.loggers import (
+    ConsoleLogger,
+    JsonlLogger,
+    MultiLogger,
+    NullLogger,
+    TensorboardLogger,
+    WandbLogger,
+)
+from rollouts.loops.run.run_dir import RunDirInUse, acquire_run_dir, check_resume, file_fingerprint, release_run_dir
+from rollouts.types import MetricsLogger, OptimizerConfig
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 
@@ -27,16 +53,13 @@ def write_resolved(run: Any, out: Path) -> None:
 
 def default_out_dir(command: str) -> str:
     """runs/<command>-<date>-<time>, the same on every rank (rank 0's clock, broadcast)."""
-    from rollouts.loops.run.distributed import broadcast_json, rank_world
-
     name = str(Path(f"runs/{command}-{datetime.now():%Y%m%d-%H%M%S}").absolute()) if rank_world()[0] == 0 else None
-    return broadcast_json(name)
+    shared: str = broadcast_json(name)
+    return shared
 
 
 def model_fingerprint(path: str) -> str:
     """Cheap identity of a model directory: its JSON files' bytes, its weight files' names and sizes."""
-    import hashlib
-
     digest = hashlib.sha256()
     for p in sorted(Path(path).iterdir()):
         if p.suffix == ".json" and p.name != "state.json":
@@ -48,9 +71,6 @@ def model_fingerprint(path: str) -> str:
 
 def prepare_run(run: Any, command: str, source: str) -> tuple[Any, bool]:
     """The run with its out_dir decided, and whether it resumes (announced); a refused resume is a ConfigError."""
-    from rollouts.loops.run.distributed import broadcast_json, rank_world
-    from rollouts.loops.run.run_dir import RunDirInUse, acquire_run_dir, check_resume, file_fingerprint, release_run_dir
-
     run = dataclasses.replace(
         run, run=dataclasses.replace(run.run, out_dir=run.run.out_dir or default_out_dir(command))
     )
@@ -96,8 +116,7 @@ def answer_fields(run: Any) -> tuple[str, ...]:
 
 
 def release_run(out: Path, rank: int) -> None:
-    from rollouts.loops.run.run_dir import release_run_dir
-
+    """Rank 0 gives up the run directory's lock (taken in prepare_run)."""
     if rank == 0:
         release_run_dir(out)
 
@@ -117,15 +136,8 @@ def check_paths(run: Any, source: str, *, model: bool = True) -> None:
         raise ConfigError(f"{source}: data.eval_path {run.data.eval_path!r} does not exist")
 
 
-def run_components(run: Any, optimizer, num_training_steps: int):
-    import torch
-
-    from rollouts.backends import build_components, build_optimizer, build_scheduler
-    from rollouts.backends.train.components import TrainingComponents
-
+def run_components(run: Any, optimizer: OptimizerConfig, num_training_steps: int) -> TrainingComponents:
     dtype = getattr(torch, _DTYPES[run.model.dtype])
-    from rollouts.loops.run.distributed import init_distributed
-
     rank, world = init_distributed()
     device = run.model.device
     if world > 1 and device.startswith("cuda"):
@@ -141,8 +153,6 @@ def run_components(run: Any, optimizer, num_training_steps: int):
             lora=run.model.lora,
         )
         if run.model.gradient_checkpointing:  # as under torchrun: recompute each layer in backward
-            from rollouts.backends.train.distributed import enable_activation_checkpointing
-
             enable_activation_checkpointing(components.model)
         return components
     model = sharded_model(run, device)
@@ -155,13 +165,8 @@ def run_components(run: Any, optimizer, num_training_steps: int):
     )
 
 
-def sharded_model(run: Any, device: Any):
+def sharded_model(run: Any, device: str) -> torch.nn.Module:
     """The run's model loaded on every rank and sharded with FSDP2 (under torchrun)."""
-    import torch
-
-    from rollouts.backends import load_hf_model
-    from rollouts.backends.train.distributed import shard_model
-
     model = load_hf_model(
         run.model.path,
         dtype=getattr(torch, _DTYPES[run.model.dtype]),
@@ -169,23 +174,17 @@ def sharded_model(run: Any, device: Any):
         attn_implementation=run.model.attn_implementation,
     )
     if run.model.lora.enabled:  # the adapter goes in before sharding; only its weights train
-        from rollouts.backends.train.lora import apply_lora
-
         model = apply_lora(model, run.model.lora)
     return shard_model(model, activation_checkpointing=run.model.gradient_checkpointing)
 
 
-def run_tokenizer(run: Any):
-    from rollouts.backends import load_tokenizer
-
+def run_tokenizer(run: Any) -> Any:
     return load_tokenizer(run.model.tokenizer_path or run.model.path)
 
 
 def local_model(run: Any, source: str) -> Any:
     """The run with model.path (and tokenizer_path) as local directories: a Hugging Face Hub id is
     fetched (or read from the hub cache offline); one the hub cannot provide is a ConfigError."""
-    from rollouts.backends import resolve_model_dir
-
     paths = {}
     for key in ("path", "tokenizer_path"):
         value = getattr(run.model, key)
@@ -197,10 +196,8 @@ def local_model(run: Any, source: str) -> Any:
     return dataclasses.replace(run, model=dataclasses.replace(run.model, **paths)) if paths else run
 
 
-def run_loggers(run: Any, out: Path, name: str, total: int, *, rank: int = 0):
+def run_loggers(run: Any, out: Path, name: str, total: int, *, rank: int = 0) -> MetricsLogger:
     """JSONL and console on rank 0, plus wandb and TensorBoard when [log] switches them on."""
-    from rollouts.loops import ConsoleLogger, JsonlLogger, MultiLogger, NullLogger, TensorboardLogger, WandbLogger
-
     if rank != 0:
         return NullLogger()
     loggers: list[Any] = [JsonlLogger(out / f"metrics_{name}.jsonl"), ConsoleLogger(total, desc=name)]
