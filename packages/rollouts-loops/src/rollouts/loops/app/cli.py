@@ -7,15 +7,18 @@ work starts; a bad one exits with status 2 and a message naming the file and the
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import importlib
 import json
+import logging
 import sys
-from collections.abc import Sequence
-from datetime import datetime
+from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
-from rollouts.loops.app.commands import cmd_eval, cmd_pipeline, cmd_rl, cmd_sft
 from rollouts.loops.app.config import ConfigError, RLRun, SFTRun, load_run
+from rollouts.loops.app.engine_cmd import add_engine_parser
+from rollouts.loops.app.toml_out import documented_toml
 from rollouts.loops.errors import DamagedCheckpointError
 
 _SECTIONS = {
@@ -32,12 +35,24 @@ _SECTIONS = {
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("rollouts-loops")
     except PackageNotFoundError:
         return "unknown (not installed)"
+
+
+def _add_export_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a checkpoint as a loadable model (a LoRA one as its adapter, or merged with --merge)",
+        description="A checkpoint as a model others load: full weights as an HF model; a LoRA checkpoint as "
+        "its adapter (PEFT's format, for peft or vLLM's --lora-modules) or, with --merge, merged into the "
+        "base model it records (or --base). Tokenizer files are copied too.",
+    )
+    p.add_argument("checkpoint", help="a checkpoint directory (step_<n>)")
+    p.add_argument("out", help="directory to write (replaced if it exists)")
+    p.add_argument("--merge", action="store_true", help="LoRA: merge the adapter into the base weights")
+    p.add_argument("--base", default=None, help="LoRA: the base model directory (default: the one recorded)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,12 +106,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="PNG of a run's metrics")
     p.add_argument("run_dir")
     p.add_argument("--out", default=None)
-    from rollouts.loops.app.engine_cmd import add_engine_parser
-
     add_engine_parser(sub)
-    from rollouts.loops.app.export_cmd import add_export_parser
-
-    add_export_parser(sub)
+    _add_export_parser(sub)
     p = sub.add_parser("demo", help="tiny model: SFT then RL on addition, on CPU, in minutes")
     p.add_argument("--quick", action="store_true", help="a sub-minute variant (no accuracy targets)")
     p.add_argument("--out", default=None, help="run directory (default runs/demo-<time>)")
@@ -111,10 +122,50 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Each command's module is imported only when that command runs: the training stack (torch,
+# transformers) loads for a run, never for --help, --version, `config show` or a config error.
+_COMMANDS = {
+    "sft": "rollouts.loops.app.commands:cmd_sft",
+    "rl": "rollouts.loops.app.commands:cmd_rl",
+    "eval": "rollouts.loops.app.commands:cmd_eval",
+    "pipeline": "rollouts.loops.app.commands:cmd_pipeline",
+    "engine": "rollouts.loops.app.engine_cmd:cmd_engine",
+    "export": "rollouts.loops.app.export_cmd:cmd_export",
+    "plot": "rollouts.loops.app.plot:plot_run",
+    "demo": "rollouts.loops.app.demo:cmd_demo",
+    "close_distributed": "rollouts.loops.run.distributed:close_distributed",
+}
+
+
+def _command(name: str) -> Callable[..., Any]:
+    module, function = _COMMANDS[name].split(":")
+    found: Callable[..., Any] = getattr(importlib.import_module(module), function)
+    return found
+
+
+def _run_command(args: argparse.Namespace, sets: list[str]) -> int:
+    """Dispatch one parsed command line; returns the exit status."""
+    if args.command == "sft":
+        _command("sft")(load_run(SFTRun, args.config, sets), args.config)
+    elif args.command == "rl":
+        _command("rl")(load_run(RLRun, args.config, sets), args.config)
+    elif args.command == "config":
+        print(documented_toml(SFTRun if args.kind == "sft" else RLRun), end="")
+    elif args.command == "eval":
+        _command("eval")(load_run(RLRun, args.config, args.set), args.config, args.checkpoint)
+    elif args.command == "pipeline":
+        sft, rl = load_run(SFTRun, args.sft_config, args.set_sft), load_run(RLRun, args.rl_config, args.set_rl)
+        _command("pipeline")(sft, args.sft_config, rl, args.rl_config)
+    elif args.command in ("engine", "export", "demo"):
+        status: int = _command(args.command)(args)
+        return status
+    elif args.command == "plot":
+        print(_command("plot")(args.run_dir, out=args.out))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `rollouts` console script; returns the exit status."""
-    import logging
-
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -124,43 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sets.append(f"run.resume_from={json.dumps(str(Path(args.resume_from).absolute()))}")
     clean = False
     try:
-        if args.command == "sft":
-            cmd_sft(load_run(SFTRun, args.config, sets), args.config)
-        elif args.command == "rl":
-            cmd_rl(load_run(RLRun, args.config, sets), args.config)
-        elif args.command == "config":
-            from rollouts.loops.app.toml_out import documented_toml
-
-            print(documented_toml(SFTRun if args.kind == "sft" else RLRun), end="")
-        elif args.command == "eval":
-            cmd_eval(load_run(RLRun, args.config, args.set), args.config, args.checkpoint)
-        elif args.command == "pipeline":
-            cmd_pipeline(
-                load_run(SFTRun, args.sft_config, args.set_sft),
-                args.sft_config,
-                load_run(RLRun, args.rl_config, args.set_rl),
-                args.rl_config,
-            )
-        elif args.command == "engine":
-            from rollouts.loops.app.engine_cmd import cmd_engine
-
-            return cmd_engine(args)
-        elif args.command == "export":
-            from rollouts.loops.app.export_cmd import cmd_export
-
-            return cmd_export(args)
-        elif args.command == "plot":
-            from rollouts.loops.app.plot import plot_run
-
-            print(plot_run(args.run_dir, out=args.out))
-        elif args.command == "demo":
-            from rollouts.loops.app.demo import DemoConfig, demo_overrides, run_demo
-
-            config = DemoConfig.quick() if args.quick else DemoConfig()
-            config = demo_overrides(dataclasses.replace(config, seed=args.seed), args.set)
-            out = args.out or f"runs/demo-{datetime.now():%Y%m%d-%H%M%S}"
-            run_demo(config, out)
+        status = _run_command(args, sets)
         clean = True
+        return status
     except ConfigError as e:
         print(f"rollouts {args.command}: config error: {e}", file=sys.stderr)
         return 2
@@ -169,10 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     finally:
         if "torch" in sys.modules:  # only a run that imported torch can have a process group
-            from rollouts.loops import close_distributed
-
-            close_distributed(clean=clean)
-    return 0
+            _command("close_distributed")(clean=clean)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,12 @@ problems imitation got wrong. The held-out problems never appear in training.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +26,18 @@ import torch
 
 from rollouts.backends import InProcessEngine, build_components, export_weights
 from rollouts.data import DataBuffer, prompt_encoder, tokenize_conversation
-from rollouts.loops import ConsoleLogger, JsonlLogger, MultiLogger, evaluate, run_rl_training, run_sft_training
+from rollouts.loops import (
+    CoalescingEngine,
+    ConsoleLogger,
+    JsonlLogger,
+    MultiLogger,
+    evaluate,
+    run_rl_training,
+    run_sft_training,
+)
 from rollouts.loops.algorithms import ALGORITHMS
+from rollouts.loops.app.config import ConfigError, apply_overrides
+from rollouts.loops.app.plot import plot_run
 from rollouts.loops.recipes.addition import addition_problems, as_conversation, exact_answer_reward, sloppy_teacher
 from rollouts.loops.recipes.tiny import build_tiny_model, build_tokenizer, save_model
 from rollouts.types import (
@@ -37,6 +49,7 @@ from rollouts.types import (
     SamplingParams,
     SFTConfig,
     check_fields,
+    from_dict,
     require,
 )
 
@@ -97,9 +110,6 @@ class DemoConfig:
 
 def demo_overrides(config: DemoConfig, overrides: list[str]) -> DemoConfig:
     """`config` with `--set` overrides: DemoConfig fields by name, the RL stage's LoRA as model.lora.<field>."""
-    from rollouts.loops.app.config import ConfigError, apply_overrides
-    from rollouts.types import from_dict
-
     items = [o[len("model.") :] if o.startswith("model.lora.") else o for o in overrides]
     data = apply_overrides(dataclasses.asdict(config), items)
     try:
@@ -239,8 +249,6 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
     rl_components = build_components(
         model, rl.optimizer, num_training_steps=rl.num_steps, lora=config.lora if config.lora.enabled else None
     )
-    from rollouts.loops import CoalescingEngine
-
     rl_engine = CoalescingEngine(engine, max_prompts_per_call=config.rl_prompts_per_step)
     rl_logger = MultiLogger(
         [JsonlLogger(out / "metrics_rl.jsonl")] + ([ConsoleLogger(rl.num_steps, desc="RL (GRPO)")] if progress else [])
@@ -281,9 +289,7 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
         "final_model": str(final),
         "config": dataclasses.asdict(config),
     }
-    try:
-        from rollouts.loops.app.plot import plot_run
-
+    try:  # matplotlib is an optional extra ([plot])
         summary["plot"] = str(plot_run(out))
     except ImportError as e:
         say(f"[demo] no plot: {e}")
@@ -310,3 +316,11 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
         f"outputs in {out}"
     )
     return summary
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """`rollouts demo [--quick] [--out DIR] [--seed N] [--set KEY=VALUE ...]`; returns the exit status."""
+    config = DemoConfig.quick() if args.quick else DemoConfig()
+    config = demo_overrides(dataclasses.replace(config, seed=args.seed), args.set)
+    run_demo(config, args.out or f"runs/demo-{datetime.now():%Y%m%d-%H%M%S}")
+    return 0

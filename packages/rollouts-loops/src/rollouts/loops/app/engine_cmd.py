@@ -16,6 +16,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from rollouts.sync.launch import VLLMServeOptions, free_port, launch_vllm_server
+
 
 def add_engine_parser(sub: Any) -> None:
     p = sub.add_parser(
@@ -49,8 +51,6 @@ def add_engine_parser(sub: Any) -> None:
 
 def cmd_engine(args: argparse.Namespace) -> int:
     """Start the server, print 'engine ready: URL' once healthy, and serve until a signal."""
-    from rollouts.sync.launch import VLLMServeOptions, free_port, launch_vllm_server
-
     port = args.port or free_port(args.host if args.host not in ("0.0.0.0", "") else "127.0.0.1")
     log = Path(args.log or f"vllm-{port}.log").absolute()
     extra = shlex.split(args.vllm_args)

@@ -15,23 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from pathlib import Path
-from typing import Any
+
+import torch
+
+from rollouts.backends import build_components, export_weights, load_checkpoint, verify_checkpoint
+from rollouts.backends.checkpoint.lora_files import ADAPTER_CONFIG, save_adapter
+from rollouts.types import LoraConfig, OptimizerConfig
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
-
-
-def add_export_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "export",
-        help="write a checkpoint as a loadable model (a LoRA one as its adapter, or merged with --merge)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__,
-    )
-    p.add_argument("checkpoint", help="a checkpoint directory (step_<n>)")
-    p.add_argument("out", help="directory to write (replaced if it exists)")
-    p.add_argument("--merge", action="store_true", help="LoRA: merge the adapter into the base weights")
-    p.add_argument("--base", default=None, help="LoRA: the base model directory (default: the one recorded)")
 
 
 def _copy_tokenizer(source: Path, out: Path) -> None:
@@ -42,12 +35,6 @@ def _copy_tokenizer(source: Path, out: Path) -> None:
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, merge: bool = False, base: str | None = None) -> Path:
     """Write `checkpoint` to `out` as described in this module's docstring; returns `out`."""
-    import torch
-
-    from rollouts.backends import build_components, export_weights, load_checkpoint, verify_checkpoint
-    from rollouts.backends.checkpoint.lora_files import ADAPTER_CONFIG, save_adapter
-    from rollouts.types import LoraConfig, OptimizerConfig
-
     checkpoint, out = Path(checkpoint), Path(out)
     problems = verify_checkpoint(checkpoint)
     if problems:
@@ -81,8 +68,6 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, merge: bool = 
 
 def cmd_export(args: argparse.Namespace) -> int:
     """Exit 0 with the directory printed, or 2 with what is wrong (a damaged checkpoint, a wrong base)."""
-    import sys
-
     try:
         out = export_checkpoint(args.checkpoint, args.out, merge=args.merge, base=args.base)
     except ValueError as e:
