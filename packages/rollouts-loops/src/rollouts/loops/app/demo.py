@@ -26,8 +26,9 @@ from rollouts.backends import InProcessEngine, build_components, export_weights
 from rollouts.data import DataBuffer, prompt_encoder, tokenize_conversation
 from rollouts.loops import ConsoleLogger, JsonlLogger, MultiLogger, evaluate, run_rl_training, run_sft_training
 from rollouts.loops.algorithms import ALGORITHMS
-from rollouts.loops.recipes.addition import addition_problems, as_conversation, exact_answer_reward, sloppy_teacher
+from rollouts.loops.recipes.addition import addition_problems, as_conversation, sloppy_teacher
 from rollouts.loops.recipes.tiny import build_tiny_model, build_tokenizer, save_model
+from rollouts.loops.rollouts.rewards import exact_match
 from rollouts.types import (
     CheckpointConfig,
     LoraConfig,
@@ -166,7 +167,7 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
     greedy = SamplingParams(temperature=0.0, max_new_tokens=config.digits + 3, stop_token_ids=(tokenizer.eos_token_id,))
 
     def accuracy(label: str) -> float:
-        acc, _ = evaluate(engine, eval_records, encode, exact_answer_reward, greedy)
+        acc, _ = evaluate(engine, eval_records, encode, exact_match, greedy)
         say(f"[demo] held-out accuracy {label}: {acc:.3f}")
         return acc
 
@@ -252,7 +253,7 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
         prompts,
         rl_engine,
         rl,
-        reward=exact_answer_reward,
+        reward=exact_match,
         encode_prompt=encode,
         logger=rl_logger,
         run_dir=out / "rl",
