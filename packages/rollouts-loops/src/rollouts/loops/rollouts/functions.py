@@ -81,7 +81,7 @@ def tool_rollout(
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
 
-    async def bounded_executor(call: Any) -> str:
+    async def bounded_executor(call: Any) -> Any:
         return await call_user(tool_executor, call, timeout_s=tool_timeout_s)
 
     async def rollout(record: Any, ctx: RolloutContext) -> list[Sample]:

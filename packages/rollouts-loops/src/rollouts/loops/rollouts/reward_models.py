@@ -48,7 +48,7 @@ def check_reward_model_dir(path: str | Path) -> dict[str, Any]:
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         raise ValueError(f"reward model {str(path)!r} is not a local HF model directory (no config.json)")
-    config = json.loads(config_path.read_text())
+    config: dict[str, Any] = json.loads(config_path.read_text())
     architectures = config.get("architectures") or []
     if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
         raise ValueError(
