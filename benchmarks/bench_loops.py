@@ -42,9 +42,10 @@ from rollouts.data import DataBuffer, prompt_encoder
 from rollouts.loops.app.demo import DemoConfig, demo_model
 from rollouts.loops.engines.coalescing import CoalescingEngine
 from rollouts.loops.engines.rollout_process import RolloutProcess
-from rollouts.loops.recipes.addition import addition_problems, exact_answer_reward
+from rollouts.loops.recipes.addition import addition_problems
 from rollouts.loops.recipes.tiny import build_tokenizer
 from rollouts.loops.rl.loop import run_rl_training
+from rollouts.loops.rollouts.rewards import exact_match
 from rollouts.loops.run.loggers import NullLogger
 from rollouts.types import AlgorithmConfig, CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams
 
@@ -101,7 +102,7 @@ def run(
             DataBuffer(records, seed=0),
             engine,
             config,
-            reward=exact_answer_reward,
+            reward=exact_match,
             encode_prompt=prompt_encoder(tokenizer, chat=False),  # as the demo encodes
             logger=NullLogger(),
             run_dir=run_dir,

@@ -62,7 +62,10 @@ def test_an_overlapped_run_trains_against_an_engine_process(tiny_run_inputs, tmp
         # Two processes may split a matmul over different thread counts: log-probs agree to float32 rounding.
         for a, b in zip(served, trained, strict=True):
             assert a.rollout_logprobs is not None and b.rollout_logprobs is not None
-            assert np.allclose(list(a.rollout_logprobs), list(b.rollout_logprobs), rtol=0, atol=1e-5), (a.index, b.index)
+            assert np.allclose(list(a.rollout_logprobs), list(b.rollout_logprobs), rtol=0, atol=1e-5), (
+                a.index,
+                b.index,
+            )
     assert inner._child.process.returncode == 0 and not child_processes(b"rollouts.backends.engine_process.worker")
 
 

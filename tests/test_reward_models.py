@@ -19,7 +19,7 @@ from rollouts.loops.rollouts.reward_models import (
     reward_model_reward,
     weighted_reward,
 )
-from rollouts.loops.rollouts.scoring import Reward, score_group
+from rollouts.loops.rollouts.scoring import GroupScorer, Reward
 from rollouts.types import Sample
 
 # float32 on both sides, the same ids and the same last-token pooling: only summation order differs.
@@ -89,7 +89,7 @@ def test_a_weighted_reward_adds_a_verifier_and_a_reward_model(reward_model_dir):
     ]
     verifier = lambda sample, record: float(len(sample.tokens) % 2)  # noqa: E731
     combined = weighted_reward([(verifier, 2.0), (reward_model_reward(rm), 0.5)])
-    scored = trio.run(score_group, combined, samples, {})
+    scored = trio.run(GroupScorer(combined).score, samples, {})
     expected = [2.0 * (len(ids) % 2) + 0.5 * s for ids, s in zip(_sequences(), rm.score(_sequences()), strict=True)]
     assert [s.reward for s in scored] == pytest.approx(expected, abs=1e-6)
     with pytest.raises(ValueError, match="finite"):

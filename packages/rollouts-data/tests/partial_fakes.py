@@ -115,7 +115,7 @@ def make_manager(engine, config, prompts=16):
         DataBuffer(list(range(prompts)), shuffle=False),
         config,
         engine.generate,
-        reward_fn=lambda s: s.metadata["r"],
+        reward_fn=lambda s, record: s.metadata["r"],
         continue_fn=engine.continue_group,
     )
 

@@ -37,7 +37,7 @@ def make_group(prompt, n, *, rewards=None):
     ]
 
 
-def reward_from_metadata(sample):
+def reward_from_metadata(sample, record):
     return sample.metadata["r"]
 
 

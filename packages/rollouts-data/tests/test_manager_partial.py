@@ -219,7 +219,7 @@ async def test_first_n_cuts_the_tail_short_and_carries_it_as_partial_groups():
         DataBuffer(list(range(16)), shuffle=False),
         config,
         engine.generate,
-        reward_fn=lambda s: s.metadata["r"],
+        reward_fn=lambda s, record: s.metadata["r"],
         continue_fn=engine.continue_group,
         tail_cut=TailCut(interrupt=engine.abort, resume=engine.resume),
     )

@@ -33,7 +33,7 @@ def staleness_manager(engine, config, *, max_staleness, generate=None, buffer=No
         buffer or DataBuffer(list(range(16)), shuffle=False),
         config,
         generate or engine.generate,
-        reward_fn=lambda s: s.metadata["r"],
+        reward_fn=lambda s, record: s.metadata["r"],
         continue_fn=engine.continue_group,
         max_staleness=max_staleness,
     )

@@ -28,7 +28,7 @@ def make_group(prompt, n, *, rewards=None):
     ]
 
 
-def reward_from_metadata(sample):
+def reward_from_metadata(sample, record):
     return sample.metadata["r"]
 
 
@@ -143,7 +143,7 @@ def test_first_n_raises_a_reward_error_as_without_it():
         await trio.sleep(1.0)
         return make_group(prompt, n)
 
-    def bad_reward(sample):
+    def bad_reward(sample, record):
         return float("nan")
 
     for tail in ("wait", "first_n"):

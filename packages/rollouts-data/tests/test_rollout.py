@@ -33,12 +33,12 @@ def test_assign_and_group_round_trip():
 def test_apply_sample_transforms_scores_then_filters():
     groups = assign_groups([[_s(response=(5,)), _s(response=(6,))], [_s(response=(5,)), _s(response=(5,))]])
     out = apply_sample_transforms(
-        groups, reward_fn=lambda s: float(s.tokens[-1] == 6), filter_fn=check_reward_nonzero_std()
+        groups, reward_fn=lambda s, record: float(s.tokens[-1] == 6), filter_fn=check_reward_nonzero_std()
     )
     assert len(out.kept) == 1 and [s.reward for s in out.kept[0]] == [0.0, 1.0]
     assert out.filter_reasons == {"reward_std_zero": 2} and out.num_filtered == 2
     with pytest.raises(ValueError, match="finite"):
-        apply_sample_transforms(groups, reward_fn=lambda s: float("nan"))
+        apply_sample_transforms(groups, reward_fn=lambda s, record: float("nan"))
     with pytest.raises(TypeError, match="reason string"):
         apply_sample_transforms(groups, filter_fn=lambda g: 3)
 

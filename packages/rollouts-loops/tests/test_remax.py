@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from rollouts.loops.algorithms import ALGORITHMS
 from rollouts.loops.rl.per_token import token_advantages
 from rollouts.loops.rollouts.functions import GREEDY_REWARD_KEY, RolloutContext, group_generator
-from rollouts.loops.rollouts.scoring import Reward
+from rollouts.loops.rollouts.scoring import GroupScorer, Reward
 from rollouts.types import LossMask, Sample, SamplingParams
 
 
@@ -52,7 +52,7 @@ def _reward(values):
 def test_the_greedy_reward_is_the_baseline_and_the_greedy_rollout_is_not_trained(rewards, greedy):
     responses = [f"r{i}" for i in range(len(rewards))]
     values = {**dict(zip(responses, rewards, strict=True)), "greedy": greedy}
-    generate = group_generator(_rollout(responses), _context(), _reward(values), greedy_baseline=True)
+    generate = group_generator(_rollout(responses), _context(), GroupScorer(_reward(values)), greedy_baseline=True)
     samples = trio.run(lambda: generate({"prompt": "p"}, len(rewards)))
     assert [s.response for s in samples] == responses  # the greedy one is not among them
     assert all(s.metadata[GREEDY_REWARD_KEY] == greedy for s in samples)
@@ -75,6 +75,6 @@ def test_a_failing_greedy_reward_marks_the_group():
             raise RuntimeError("grader down")
         return 1.0
 
-    generate = group_generator(_rollout(["a", "b"]), _context(), Reward.of(reward), greedy_baseline=True)
+    generate = group_generator(_rollout(["a", "b"]), _context(), GroupScorer(Reward.of(reward)), greedy_baseline=True)
     samples = trio.run(lambda: generate({"prompt": "p"}, 2))
     assert all("greedy baseline" in s.metadata["reward_error"] for s in samples)

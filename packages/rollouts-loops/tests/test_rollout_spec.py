@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from rollouts.data import DataBuffer, prompt_encoder
 from rollouts.loops.engines.rollout_process import function_path, records_from_jsonl, records_to_jsonl, rollout_spec
 from rollouts.loops.plugins import PluginError, load_object
-from rollouts.loops.recipes.addition import exact_answer_reward
 from rollouts.loops.rollouts.functions import RolloutContext, single_turn_rollout
+from rollouts.loops.rollouts.rewards import exact_match
 from rollouts.loops.rollouts.scoring import Reward
 from rollouts.types import RLConfig, RolloutConfig, SamplingParams, from_dict
 
@@ -25,9 +25,9 @@ def module_level(sample, record):
 
 
 def test_a_module_level_function_goes_by_its_import_path():
-    path = function_path(exact_answer_reward, key="reward")
-    assert path == "rollouts.loops.recipes.addition:exact_answer_reward"
-    assert load_object(path, key="reward") is exact_answer_reward
+    path = function_path(exact_match, key="reward")
+    assert path == "rollouts.loops.rollouts.rewards:exact_match"
+    assert load_object(path, key="reward") is exact_match
     assert function_path(path, key="reward") == path  # a path given is checked and kept
 
 

@@ -11,11 +11,11 @@ from hypothesis import strategies as st
 from rollouts.loops.plugins import PluginError, load_object, resolve_function
 from rollouts.loops.rollouts.scoring import (
     REWARD_ERROR_KEY,
+    GroupScorer,
     Reward,
     RewardError,
     batched_reward,
     check_reward_errors,
-    score_group,
     summarize,
 )
 from rollouts.types import Sample
@@ -30,7 +30,7 @@ def _group(n=3):
 
 
 def _score(reward, samples=None, record=None):
-    return trio.run(score_group, reward, samples or _group(), record or {"answer": "1"})
+    return trio.run(GroupScorer(reward).score, samples or _group(), record or {"answer": "1"})
 
 
 def test_per_sample_sync_and_async_rewards_see_the_sample_and_its_record():
@@ -218,6 +218,7 @@ def test_group_metrics_on_hand_made_groups():
 def _score_groups(reward, groups, *, rounds=2):
     """Score `groups` concurrently (as a batched engine call hands them back together), `rounds`
     times in one trio run; the scored groups of each round."""
+    scorer = GroupScorer(reward)
 
     async def main():
         out = []
@@ -225,7 +226,7 @@ def _score_groups(reward, groups, *, rounds=2):
             scored = [None] * len(groups)
 
             async def one(i, scored=scored):
-                scored[i] = await score_group(reward, groups[i], {"answer": "1"})
+                scored[i] = await scorer.score(groups[i], {"answer": "1"})
 
             async with trio.open_nursery() as nursery:
                 for i in range(len(groups)):
@@ -279,20 +280,20 @@ def test_groups_that_joined_a_cancelled_leader_score_their_own_samples():
         gate.wait(5.0)  # the leader's batch is cancelled while it waits here
         return float(sample.response)
 
-    reward_ = Reward(fn=reward, timeout_s=_HUNG_BOUND_S * 5)
+    scorer = GroupScorer(Reward(fn=reward, timeout_s=_HUNG_BOUND_S * 5))
 
     async def main():
         followers = [None, None]
 
         async def follower(i):
-            followers[i] = await score_group(reward_, _group(2), {"answer": "1"})
+            followers[i] = await scorer.score(_group(2), {"answer": "1"})
 
         async with trio.open_nursery() as nursery:
             leader = trio.CancelScope()
 
             async def lead():
                 with leader:
-                    await score_group(reward_, _group(2), {"answer": "1"})
+                    await scorer.score(_group(2), {"answer": "1"})
 
             nursery.start_soon(lead)
             await trio.sleep(0)  # the leader is gathering

@@ -96,14 +96,23 @@ class Transformed:
 
 
 def apply_sample_transforms(
-    groups: Sequence[Sequence[Sample]], *, reward_fn: RewardFn | None = None, filter_fn: FilterFn | None = None
+    groups: Sequence[Sequence[Sample]],
+    *,
+    reward_fn: RewardFn | None = None,
+    filter_fn: FilterFn | None = None,
+    records: Sequence[Any] | None = None,
 ) -> Transformed:
-    """Score samples without a reward with `reward_fn`, then keep or drop each group by `filter_fn`."""
+    """Score samples without a reward with `reward_fn(sample, record)` (a sync RewardFn; `records`:
+    each group's prompt record, None for each when not given), then keep or drop each group by
+    `filter_fn`."""
+    if records is not None and len(records) != len(groups):
+        raise ValueError(f"records must hold one prompt record per group: {len(records)} for {len(groups)} groups")
     kept, filtered = [], []
-    for group in groups:
+    for i, group in enumerate(groups):
         group = tuple(group)
         if reward_fn is not None:
-            group = tuple(s if s.reward is not None else s.with_reward(_score(reward_fn, s)) for s in group)
+            record = None if records is None else records[i]
+            group = tuple(s if s.reward is not None else s.with_reward(_score(reward_fn, s, record)) for s in group)
         reason = filter_fn(group) if filter_fn is not None else None
         if reason is None:
             kept.append(group)
@@ -114,8 +123,8 @@ def apply_sample_transforms(
     return Transformed(kept=tuple(kept), filtered=tuple(filtered))
 
 
-def _score(reward_fn: RewardFn, sample: Sample) -> float:
-    reward = reward_fn(sample)
+def _score(reward_fn: RewardFn, sample: Sample, record: Any) -> float:
+    reward = reward_fn(sample, record)
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         raise ValueError(f"reward_fn must return a finite float, got {reward!r} for response {sample.response!r:.80}")
     return float(reward)

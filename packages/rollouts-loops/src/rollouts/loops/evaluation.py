@@ -17,7 +17,7 @@ from typing import Any
 import trio
 
 from rollouts.loops.rollouts.functions import PromptEncoder, record_metadata
-from rollouts.loops.rollouts.scoring import Reward, score_group
+from rollouts.loops.rollouts.scoring import GroupScorer, Reward
 from rollouts.types import InferenceEngine, Sample, SamplingParams
 
 _EVAL_CHUNK_PROMPTS = 256  # prompts per generate call: bounds memory of the in-process sampler
@@ -83,13 +83,14 @@ async def evaluate_groups(
     """`params.n` scored responses per record (reward errors score 0)."""
     if not records:
         raise ValueError("evaluate needs at least one record")
+    scorer = GroupScorer(dataclasses.replace(reward, on_error="zero"))
     groups: list[list[Sample]] = []
     for start in range(0, len(records), _EVAL_CHUNK_PROMPTS):
         chunk = records[start : start + _EVAL_CHUNK_PROMPTS]
         samples = await engine.generate([list(encode_prompt(r)) for r in chunk], params)
         for i, record in enumerate(chunk):
             group = [s.with_metadata(**record_metadata(record)) for s in samples[i * params.n : (i + 1) * params.n]]
-            groups.append(await score_group(dataclasses.replace(reward, on_error="zero"), group, record))
+            groups.append(await scorer.score(group, record))
     return groups
 
 

@@ -66,10 +66,11 @@ def check_function(fn: Any, *, key: str, num_positional: int, what: str) -> Call
     """`fn` if it is callable with `num_positional` positional arguments, else a PluginError."""
     if not callable(fn):
         raise PluginError(f"{key}: {fn!r} is a {type(fn).__name__}, not a function; it must be {what}")
+    function: Callable[..., Any] = fn
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
-        return fn  # a builtin without a signature: trust it
+        return function  # a builtin without a signature: trust it
     try:
         signature.bind(*range(num_positional))
     except TypeError:
@@ -77,7 +78,7 @@ def check_function(fn: Any, *, key: str, num_positional: int, what: str) -> Call
             f"{key}: {getattr(fn, '__name__', fn)!r}{signature} cannot be called with "
             f"{num_positional} positional argument(s); it must be {what}"
         ) from None
-    return fn
+    return function
 
 
 def resolve_function(spec: str | Callable[..., Any], *, key: str, num_positional: int, what: str) -> Callable[..., Any]:

@@ -1,6 +1,7 @@
 """Reward functions on text and Samples, and batch reward normalization and clipping.
 
-Legend: B samples. Reward functions follow rollouts.types.RewardFn: Sample -> float.
+Legend: B samples. Reward functions follow rollouts.types.RewardFn: reward(sample, record) -> float,
+`record` being the prompt record the sample answers (optional here: None reads the sample alone).
 
 `math_answer_reward` grades with math-verify (the `math` extra: `pip install rollouts-losses[math]`),
 which extracts the response's final answer (\\boxed{}, "the final answer is", LaTeX or plain
@@ -14,7 +15,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -70,14 +71,17 @@ def score_math_answer(response: str, answer: str) -> float:
     return float(bool(predicted) and mv.verify(gold, predicted, timeout_seconds=timeout))
 
 
-def math_answer_reward(sample: Sample, *, answer_key: str = "answer") -> float:
-    """RewardFn: score_math_answer(sample.response, sample.metadata[answer_key])."""
-    if answer_key not in sample.metadata:
+def math_answer_reward(sample: Sample, record: Any = None, *, answer_key: str = "answer") -> float:
+    """RewardFn: score_math_answer(sample.response, the reference answer), read from the prompt
+    record when it is a mapping, else from sample.metadata (where the loops copy the record's fields)."""
+    source, where = (
+        (record, "the prompt record") if isinstance(record, Mapping) else (sample.metadata, "sample.metadata")
+    )
+    if answer_key not in source:
         raise ValueError(
-            f"sample.metadata has no {answer_key!r} (keys: {sorted(sample.metadata)}): "
-            "math_answer_reward needs the reference answer there"
+            f"{where} has no {answer_key!r} (keys: {sorted(source)}): math_answer_reward needs the reference answer there"
         )
-    return score_math_answer(sample.response, str(sample.metadata[answer_key]))
+    return score_math_answer(sample.response, str(source[answer_key]))
 
 
 def format_reward(pattern: str, *, full_match: bool = True, score: float = 1.0) -> RewardFn:
@@ -87,7 +91,7 @@ def format_reward(pattern: str, *, full_match: bool = True, score: float = 1.0) 
     except re.error as exc:
         raise ValueError(f"pattern {pattern!r} is not a valid regular expression: {exc}") from exc
 
-    def reward(sample: Sample) -> float:
+    def reward(sample: Sample, record: Any = None) -> float:
         """score if sample.response matches the pattern, else 0.0."""
         match = regex.fullmatch(sample.response) if full_match else regex.search(sample.response)
         return score if match else 0.0
@@ -113,7 +117,7 @@ def overlong_reward(*, max_length: int, buffer_length: int, factor: float = 1.0)
     """RewardFn: overlong_penalty of the sample's response length in tokens."""
     overlong_penalty(0, max_length=max_length, buffer_length=buffer_length, factor=factor)  # validate now
 
-    def reward(sample: Sample) -> float:
+    def reward(sample: Sample, record: Any = None) -> float:
         """The soft overlong penalty of this sample's response (<= 0)."""
         return overlong_penalty(
             sample.response_length, max_length=max_length, buffer_length=buffer_length, factor=factor
@@ -122,17 +126,17 @@ def overlong_reward(*, max_length: int, buffer_length: int, factor: float = 1.0)
     return reward
 
 
-def combine_rewards(fns: Sequence[Callable[[Sample], float]], weights: Sequence[float]) -> RewardFn:
-    """RewardFn: the weighted sum of several reward functions."""
+def combine_rewards(fns: Sequence[Callable[[Sample, Any], float]], weights: Sequence[float]) -> RewardFn:
+    """RewardFn: the weighted sum of several sync reward functions."""
     fns, weights = tuple(fns), tuple(float(w) for w in weights)
     if len(fns) != len(weights) or not fns:
         raise ValueError(
             f"need one weight per reward function and at least one, got {len(fns)} fns, {len(weights)} weights"
         )
 
-    def reward(sample: Sample) -> float:
-        """sum of weight * fn(sample)."""
-        return sum(w * fn(sample) for fn, w in zip(fns, weights, strict=True))
+    def reward(sample: Sample, record: Any = None) -> float:
+        """sum of weight * fn(sample, record)."""
+        return sum(w * fn(sample, record) for fn, w in zip(fns, weights, strict=True))
 
     return reward
 

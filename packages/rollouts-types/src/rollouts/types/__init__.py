@@ -17,6 +17,7 @@ from rollouts.types.frozen import freeze, thaw
 from rollouts.types.lora import DEFAULT_LORA_TARGETS, LoraConfig, LoraSync
 from rollouts.types.micro_batch import MicroBatch
 from rollouts.types.protocols import (
+    BatchedRewardFn,
     Environment,
     EnvStep,
     FilterFn,
@@ -43,6 +44,7 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = [
+    "BatchedRewardFn",
     "DEFAULT_LORA_TARGETS",
     "LogProbs",
     "LoraConfig",

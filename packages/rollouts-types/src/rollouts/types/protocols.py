@@ -82,8 +82,12 @@ class Tokenizer(Protocol):
         ...
 
 
-RewardFn = Callable[[Sample], float]
-"""Scores one finished sample."""
+RewardFn = Callable[[Sample, Any], "float | Awaitable[float]"]
+"""Scores one finished sample: reward(sample, record) -> float (sync or async), where `record` is the
+prompt record the sample answers (its reference answer, tests, ...)."""
+
+BatchedRewardFn = Callable[[Sequence[Sample], Sequence[Any]], "Sequence[float] | Awaitable[Sequence[float]]"]
+"""Scores a whole group in one call: reward(samples, records) -> one float per sample (sync or async)."""
 
 FilterFn = Callable[[Sequence[Sample]], "str | None"]
 """Judges one group of samples: None keeps it, a string is the reason it was dropped."""

@@ -25,7 +25,7 @@ from rollouts.backends.checkpoint.durable import (
 )
 from rollouts.backends.checkpoint.writer import CheckpointWriter
 from rollouts.backends.train.components import TrainingComponents
-from rollouts.backends.train.distributed import global_rank, is_distributed, on_all_ranks
+from rollouts.backends.train.distributed import is_distributed, on_all_ranks, rank_world
 from rollouts.backends.train.lora import has_lora, merge_lora_tensors
 
 __all__ = ["export_weights", "load_model_weights", "model_tensors", "read_weights"]
@@ -125,7 +125,7 @@ def export_weights(
     manifest = on_all_ranks(
         lambda: (
             _write_export(components, weights, directory, max_shard_bytes, durable, writer)
-            if global_rank() == 0
+            if rank_world()[0] == 0
             else {}
         )
     )

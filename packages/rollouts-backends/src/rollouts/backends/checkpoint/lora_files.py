@@ -17,7 +17,7 @@ from typing import Any
 import safetensors.torch
 import torch
 
-from rollouts.backends.train.distributed import global_rank
+from rollouts.backends.train.distributed import rank_world
 from rollouts.backends.train.lora import (
     adapter_config_dict,
     adapter_state_dict,
@@ -70,7 +70,7 @@ def save_adapter(model: torch.nn.Module, directory: str | Path) -> Path:
     """
     directory = Path(directory)
     tensors = adapter_state_dict(model)
-    if global_rank() != 0:
+    if rank_world()[0] != 0:
         return directory
     tmp = directory.with_name(f".tmp-{directory.name}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)

@@ -17,7 +17,7 @@ import torch
 
 from rollouts.backends.checkpoint.dirs import verify_files
 from rollouts.backends.train.components import TrainingComponents
-from rollouts.backends.train.distributed import all_ok, global_rank, is_distributed
+from rollouts.backends.train.distributed import all_ok, is_distributed, rank_world
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import OptimizerStateType
@@ -183,7 +183,7 @@ def load_optimizer_state(components: TrainingComponents, path: Path, record: Map
         verify_files(components, path, files, ["optimizer.safetensors"])
         flat = safetensors.torch.load_file(str(path / "optimizer.safetensors"))
     elif shard_files:
-        own = optimizer_shard_name(global_rank(), len(shard_files))
+        own = optimizer_shard_name(rank_world()[0], len(shard_files))
         if is_distributed(components.model) and torch.distributed.get_world_size() == len(shard_files):
             verify_files(components, path, files, [own])  # each rank reads (and checks) only its own shard
             tensors, layout = _read_shard_file(path / own)

@@ -56,7 +56,7 @@ from rollouts.backends.checkpoint.optimizer_state import (
 )
 from rollouts.backends.checkpoint.writer import CheckpointWriter
 from rollouts.backends.train.components import TrainingComponents
-from rollouts.backends.train.distributed import collective_device, global_rank, is_distributed, on_all_ranks
+from rollouts.backends.train.distributed import collective_device, is_distributed, on_all_ranks, rank_world
 from rollouts.backends.train.lora import adapter_state_dict, has_lora
 from rollouts.types import TrainingState
 
@@ -148,10 +148,10 @@ def save_checkpoint(
         # A fixed name every rank can compute; rank 0 clears leftovers before anyone writes.
         world = torch.distributed.get_world_size()
         tmp = root / f"{TMP_PREFIX}{final.name}-ranks{world}"
-        on_all_ranks(lambda: _prepare_tmp(root, tmp) if global_rank() == 0 else None)
+        on_all_ranks(lambda: _prepare_tmp(root, tmp) if rank_world()[0] == 0 else None)
         if save_optimizer:
             shards, layout, optim_groups = sharded_optimizer_state(components)
-            name = optimizer_shard_name(global_rank(), world)
+            name = optimizer_shard_name(rank_world()[0], world)
             # Durable before the records are gathered: rank 0 publishes once they are in.
             mine = on_all_ranks(
                 lambda: write_tensors(tmp / name, shards, {"layout": json.dumps(layout, sort_keys=True)})
@@ -211,7 +211,7 @@ def save_checkpoint(
             writer.submit(lambda: delete_dirs(finish()))
 
     # (Under torch.distributed without FSDP the model is replicated: rank 0 saves for everyone.)
-    on_all_ranks(write if global_rank() == 0 else lambda: None)
+    on_all_ranks(write if rank_world()[0] == 0 else lambda: None)
     return final
 
 

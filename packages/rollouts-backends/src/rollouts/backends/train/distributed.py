@@ -28,9 +28,9 @@ __all__ = [
     "data_parallel_size",
     "distributed_ready",
     "enable_activation_checkpointing",
-    "global_rank",
     "is_distributed",
     "on_all_ranks",
+    "rank_world",
     "shard_model",
     "transformer_blocks",
 ]
@@ -136,8 +136,12 @@ def distributed_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def global_rank() -> int:
-    return torch.distributed.get_rank() if distributed_ready() else 0
+def rank_world() -> tuple[int, int]:
+    """(rank, world size) of the default process group; (0, 1) without one. The one rank query:
+    the loops and run directories ask it too."""
+    if distributed_ready():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
 
 
 def all_ok(ok: bool) -> bool:
@@ -159,7 +163,7 @@ def on_all_ranks(fn: Callable[[], Any]) -> Any:
         raise
     if not all_ok(True):
         raise RuntimeError(
-            f"checkpoint I/O failed on another rank (rank {global_rank()} is fine): see that rank's error"
+            f"checkpoint I/O failed on another rank (rank {rank_world()[0]} is fine): see that rank's error"
         )
     return result
 

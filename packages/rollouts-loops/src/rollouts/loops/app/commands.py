@@ -23,6 +23,7 @@ from rollouts.loops.app.run_setup import (
     run_tokenizer,
     sharded_model,
 )
+from rollouts.loops.rollouts.rewards import builtin_reward
 from rollouts.loops.run.distributed import init_distributed
 
 
@@ -64,41 +65,6 @@ def cmd_sft(run: SFTRun, source: str) -> Path:
     return out / CHECKPOINTS_DIR
 
 
-def math_answer(sample: Any, record: Any) -> float:
-    """The "math_answer" reward of a run whose data.answer_key is "answer" (importable by name, as a
-    RolloutProcess needs)."""
-    from rollouts.losses import math_answer_reward
-
-    return math_answer_reward(sample, answer_key="answer")
-
-
-def _builtin_reward(name: str, answer_key: str) -> Any:
-    """The reward `name` names; with the default answer key a module-level function, so that a
-    RolloutProcess (`[engine] kind = "rollout_process"`) imports it by name."""
-    from rollouts.loops.recipes.addition import exact_answer_reward
-    from rollouts.losses import math_answer_reward
-
-    if name == "environment":
-        from rollouts.loops import environment_reward
-
-        return environment_reward
-    if name == "math_answer":
-        if answer_key == "answer":
-            return math_answer
-
-        def math_answer_of(sample: Any, record: Any) -> float:
-            return math_answer_reward(sample, answer_key=answer_key)
-
-        return math_answer_of
-    if answer_key == "answer":
-        return exact_answer_reward
-
-    def exact_match(sample: Any, record: Any) -> float:
-        return exact_answer_reward(sample, record, answer_key=answer_key)
-
-    return exact_match
-
-
 def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
     """run_rl_training's plug-point arguments from [reward] and [hooks], checked before any work."""
     from rollouts.loops import PluginError, Reward, resolve_function
@@ -107,7 +73,7 @@ def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
     spec = run.reward
     try:
         if spec.fn in BUILTIN_REWARDS:
-            fn = _builtin_reward(spec.fn, run.data.answer_key)
+            fn = builtin_reward(spec.fn, answer_key=run.data.answer_key)
         else:
             what = "reward(samples, records) -> list[float]" if spec.batched else "reward(sample, record) -> float"
             fn = resolve_function(spec.fn, key="reward.fn", num_positional=2, what=what)

@@ -38,8 +38,9 @@ from rollouts.loops import (
 from rollouts.loops.algorithms import ALGORITHMS
 from rollouts.loops.app.config import ConfigError, apply_overrides
 from rollouts.loops.app.plot import plot_run
-from rollouts.loops.recipes.addition import addition_problems, as_conversation, exact_answer_reward, sloppy_teacher
+from rollouts.loops.recipes.addition import addition_problems, as_conversation, sloppy_teacher
 from rollouts.loops.recipes.tiny import build_tiny_model, build_tokenizer, save_model
+from rollouts.loops.rollouts.rewards import exact_match
 from rollouts.types import (
     CheckpointConfig,
     LoraConfig,
@@ -176,7 +177,7 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
     greedy = SamplingParams(temperature=0.0, max_new_tokens=config.digits + 3, stop_token_ids=(tokenizer.eos_token_id,))
 
     def accuracy(label: str) -> float:
-        acc, _ = evaluate(engine, eval_records, encode, exact_answer_reward, greedy)
+        acc, _ = evaluate(engine, eval_records, encode, exact_match, greedy)
         say(f"[demo] held-out accuracy {label}: {acc:.3f}")
         return acc
 
@@ -260,7 +261,7 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
         prompts,
         rl_engine,
         rl,
-        reward=exact_answer_reward,
+        reward=exact_match,
         encode_prompt=encode,
         logger=rl_logger,
         run_dir=out / "rl",

@@ -11,6 +11,7 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
+from rollouts.loops.rollouts.rewards import reference_answer
 from rollouts.types import Sample
 
 
@@ -71,28 +72,13 @@ def as_conversation(record: Mapping[str, Any]) -> list[dict[str, str]]:
     return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["answer"]}]
 
 
-def _answer(sample: Sample, record: Mapping[str, Any] | None, answer_key: str) -> str:
-    """The reference answer: from the prompt record, else from the fields the sample carries."""
-    source = record if isinstance(record, Mapping) else sample.metadata
-    if answer_key not in source:
-        raise ValueError(f"the prompt record has no {answer_key!r} field (fields: {sorted(source)})")
-    return str(source[answer_key])
-
-
-def exact_answer_reward(
-    sample: Sample, record: Mapping[str, Any] | None = None, *, answer_key: str = "answer"
-) -> float:
-    """1.0 when the response (stripped) is exactly the reference answer, else 0.0."""
-    return 1.0 if sample.response.strip() == _answer(sample, record, answer_key) else 0.0
-
-
 def digit_match_reward(sample: Sample, record: Mapping[str, Any] | None = None, *, answer_key: str = "answer") -> float:
     """Partial credit: the fraction of answer positions the response gets right (1.0 only when exact).
 
     A denser signal than exact match for a model that is partly right, so GRPO groups disagree
     more often; extra or missing characters count as wrong positions.
     """
-    answer, response = _answer(sample, record, answer_key), sample.response.strip()
+    answer, response = reference_answer(sample, record, answer_key), sample.response.strip()
     if response == answer:
         return 1.0
     right = sum(a == b for a, b in zip(answer, response, strict=False))

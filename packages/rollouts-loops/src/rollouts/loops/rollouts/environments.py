@@ -21,8 +21,8 @@ from typing import Any
 
 import trio
 
+from rollouts.data.user_code import call_user
 from rollouts.loops.rollouts.functions import RolloutContext, RolloutFn
-from rollouts.loops.rollouts.scoring import call_bounded
 from rollouts.types import Environment, EnvStep, Sample, Status
 
 ENV_REWARD_KEY = "env_reward"
@@ -42,7 +42,7 @@ async def run_episode(
     env: Environment, record: Any, ctx: RolloutContext, *, max_turns: int, max_total_tokens: int, step_timeout_s: float
 ) -> Sample:
     """One episode as a single Sample: prompt, then model turns (trained) and observations (masked)."""
-    prompt = _ids(await call_bounded(env.reset, record, timeout_s=step_timeout_s), ctx, first=True)
+    prompt = _ids(await call_user(env.reset, record, timeout_s=step_timeout_s), ctx, first=True)
     if len(prompt) >= max_total_tokens:
         raise ValueError(
             f"the first observation ({len(prompt)} tokens) leaves no room under max_total_tokens={max_total_tokens}"
@@ -59,7 +59,7 @@ async def run_episode(
         tokens, mask = tokens + new, mask + [1.0] * len(new)
         all_logprobs = all_logprobs and turn.rollout_logprobs is not None
         logprobs += list(turn.rollout_logprobs) if turn.rollout_logprobs is not None else [0.0] * len(new)
-        result = await call_bounded(env.step, turn.response, new, timeout_s=step_timeout_s)
+        result = await call_user(env.step, turn.response, new, timeout_s=step_timeout_s)
         if not isinstance(result, EnvStep):
             raise TypeError(f"Environment.step must return an EnvStep, got {type(result).__name__}")
         total_reward += result.reward

@@ -10,7 +10,7 @@ and `tool_rollout` (multi-turn, token-in/token-out, tool output masked out of th
 from __future__ import annotations
 
 import dataclasses
-import inspect
+import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,8 +20,9 @@ import trio
 
 from rollouts.data import AsyncRolloutManager, DataBuffer
 from rollouts.data.manager import TailCut
+from rollouts.data.user_code import call_user
 from rollouts.loops.rollouts.multiturn import ToolExecutor, ToolParser, run_tool_rollout
-from rollouts.loops.rollouts.scoring import REWARD_ERROR_KEY, Reward, score_group
+from rollouts.loops.rollouts.scoring import REWARD_ERROR_KEY, GroupScorer, Reward
 from rollouts.sync.partial import PARTIAL, continue_partials
 from rollouts.types import FilterFn, InferenceEngine, RLConfig, Sample, SamplingParams
 
@@ -81,12 +82,8 @@ def tool_rollout(
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
 
-    async def bounded_executor(call: Any) -> str:
-        with trio.fail_after(tool_timeout_s):
-            if inspect.iscoroutinefunction(tool_executor):
-                return await tool_executor(call)
-            result = await trio.to_thread.run_sync(lambda: tool_executor(call), abandon_on_cancel=True)
-            return await result if inspect.isawaitable(result) else result
+    async def bounded_executor(call: Any) -> Any:
+        return await call_user(tool_executor, call, timeout_s=tool_timeout_s)
 
     async def rollout(record: Any, ctx: RolloutContext) -> list[Sample]:
         if ctx.tokenizer is None:
@@ -196,8 +193,11 @@ GREEDY_REWARD_KEY = "greedy_reward"
 """Sample metadata: the reward of the greedy response to the sample's prompt (ReMax's baseline)."""
 
 
+_ROLLOUT_TIMEOUT_S = math.inf  # the rollout manager bounds each request (rollout.request_timeout_s)
+
+
 def group_generator(
-    rollout: RolloutFn, ctx: RolloutContext, reward: Reward, *, greedy_baseline: bool = False
+    rollout: RolloutFn, ctx: RolloutContext, scorer: GroupScorer, *, greedy_baseline: bool = False
 ) -> Callable[[Any, int], Awaitable[list[Sample]]]:
     """The rollout manager's GenerateFn: (record, n) -> n scored Samples carrying the record's fields.
 
@@ -206,16 +206,16 @@ def group_generator(
     prompt at temperature 0, scored and not trained on; its reward goes into every sample's
     metadata["greedy_reward"] (a reward error of it is the samples' reward error). A group cut
     short by an engine abort (partial samples, rollouts.sync.partial) comes back unscored, to be
-    continued by `group_continuer` and scored then."""
+    continued by `group_continuer` and scored then. `scorer` scores the groups (shared by all the
+    groups of a run, so that their reward calls batch together)."""
 
     async def generate_group(record: Any, n: int, *, seed: int | None = None) -> list[Sample]:
         sampling = _seeded(ctx.sampling, n, seed)
         group_ctx = ctx if sampling is ctx.sampling else dataclasses.replace(ctx, sampling=sampling)
-        result = rollout(record, group_ctx)
-        samples = await result if inspect.isawaitable(result) else result
+        samples = await call_user(rollout, record, group_ctx, timeout_s=_ROLLOUT_TIMEOUT_S)
         if not isinstance(samples, Sequence) or len(samples) != n or not all(isinstance(s, Sample) for s in samples):
             raise TypeError(f"the rollout function must return {n} Samples, got {samples!r:.120}")
-        return await _finish_group(rollout, ctx, reward, samples, record, greedy_baseline=greedy_baseline)
+        return await _finish_group(rollout, ctx, scorer, samples, record, greedy_baseline=greedy_baseline)
 
     return generate_group
 
@@ -244,13 +244,14 @@ def rollout_manager(
     baseline); with rl.rollout.partial, groups cut short continued on the engine (`group_continuer`),
     and with tail 'first_n' the tail cut short by the engine's abort() (`tail_controls`)."""
     remax = config.algorithm.advantage_estimator == "remax"  # a greedy rollout per prompt as the baseline
+    scorer = GroupScorer(reward)  # one for new and continued groups: their reward calls batch together
     return AsyncRolloutManager(
         buffer,
         config.rollout,
-        group_generator(rollout, ctx, reward, greedy_baseline=remax),
+        group_generator(rollout, ctx, scorer, greedy_baseline=remax),
         filter_fn=filter_fn,
         source=ctx.engine.name,
-        continue_fn=group_continuer(ctx, reward) if config.rollout.partial else None,
+        continue_fn=group_continuer(ctx, scorer) if config.rollout.partial else None,
         max_staleness=config.max_staleness,  # a partial group carried past it is restarted, not trained stale
         tail_cut=tail_controls(ctx.engine, config),
     )
@@ -271,7 +272,7 @@ def tail_controls(engine: InferenceEngine, config: RLConfig) -> TailCut | None:
 
 
 def group_continuer(
-    ctx: RolloutContext, reward: Reward, *, greedy_baseline: bool = False
+    ctx: RolloutContext, scorer: GroupScorer, *, greedy_baseline: bool = False
 ) -> Callable[..., Awaitable[list[Sample]]]:
     """The rollout manager's continue_fn for single-turn rollouts: (record, group) -> the group with
     each partial sample continued on `ctx.engine` (prompt + partial response, the remaining budget
@@ -285,7 +286,7 @@ def group_continuer(
         samples = list(group)
         for i, s in zip(todo, done, strict=True):
             samples[i] = s
-        return await _finish_group(single_turn_rollout, ctx, reward, samples, record, greedy_baseline=greedy_baseline)
+        return await _finish_group(single_turn_rollout, ctx, scorer, samples, record, greedy_baseline=greedy_baseline)
 
     return continue_group
 
@@ -299,7 +300,7 @@ def _seeded(sampling: SamplingParams, n: int, seed: int | None) -> SamplingParam
 async def _finish_group(
     rollout: RolloutFn,
     ctx: RolloutContext,
-    reward: Reward,
+    scorer: GroupScorer,
     samples: Sequence[Sample],
     record: Any,
     *,
@@ -313,15 +314,14 @@ async def _finish_group(
         return _with_record(samples, record)
     if ctx.max_sample_tokens is not None:
         check_fits(samples, max_tokens=ctx.max_sample_tokens)
-    scored = await score_group(reward, _with_record(samples, record), record)
+    scored = await scorer.score(_with_record(samples, record), record)
     if not greedy_baseline:
         return scored
     greedy_ctx = dataclasses.replace(ctx, sampling=dataclasses.replace(ctx.sampling, n=1, temperature=0.0))
-    result = rollout(record, greedy_ctx)
-    greedy = await result if inspect.isawaitable(result) else result
+    greedy = await call_user(rollout, record, greedy_ctx, timeout_s=_ROLLOUT_TIMEOUT_S)
     if not isinstance(greedy, Sequence) or len(greedy) != 1 or not isinstance(greedy[0], Sample):
         raise TypeError(f"the rollout function must return 1 Sample for the greedy baseline, got {greedy!r:.120}")
-    (baseline,) = await score_group(reward, _with_record(greedy, record), record)
+    (baseline,) = await scorer.score(_with_record(greedy, record), record)
     extra: dict[str, Any] = {GREEDY_REWARD_KEY: baseline.reward}
     if REWARD_ERROR_KEY in baseline.metadata:
         extra[REWARD_ERROR_KEY] = f"greedy baseline: {baseline.metadata[REWARD_ERROR_KEY]}"

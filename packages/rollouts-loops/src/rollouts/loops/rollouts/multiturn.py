@@ -9,9 +9,11 @@ the trainer compares against). Tool output is appended as tokens with loss weigh
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from rollouts.data.user_code import call_user
 from rollouts.types import InferenceEngine, Sample, SamplingParams, Status, Tokenizer
 
 ToolParser = Callable[[str], Any | None]
@@ -20,13 +22,6 @@ ToolExecutor = Callable[[Any], "str | Awaitable[str]"]
 """Runs a tool call; returns the text to show the model (sync or async)."""
 StopCondition = Callable[[Sample, int], bool]
 """(the trajectory so far, turns taken) -> whether to stop early."""
-
-
-async def _call(fn: Callable[..., Any], *args: Any) -> Any:
-    result = fn(*args)
-    if isinstance(result, Awaitable):
-        return await result
-    return result
 
 
 async def run_tool_rollout(
@@ -49,7 +44,8 @@ async def run_tool_rollout(
     is None when any turn came back without log-probs (a made-up 0.0 would pass for probability 1).
     Bounds: at most `max_turns` engine turns and `max_total_tokens` tokens in all. A trajectory
     cut by either bound is TRUNCATED, including when the last allowed turn still calls a tool
-    (that call is not run: nothing would answer its output).
+    (that call is not run: nothing would answer its output). `tool_executor` is called through
+    rollouts.data.user_code.call_user (a sync one in a worker thread) with no bound of its own.
     """
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -88,7 +84,8 @@ async def run_tool_rollout(
         if turns >= max_turns:  # the model wants another turn it will not get
             status = Status.TRUNCATED
             break
-        output = await _call(tool_executor, call)
+        # no bound here: tool_rollout hands in an executor bounded by its tool_timeout_s
+        output = await call_user(tool_executor, call, timeout_s=math.inf)
         tool_ids = tokenizer.encode(format_tool_output(str(output)), add_special_tokens=False)
         tool_calls += 1
         if len(tokens) + len(tool_ids) >= max_total_tokens:

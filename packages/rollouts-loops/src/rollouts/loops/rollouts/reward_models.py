@@ -13,7 +13,6 @@ model's own tokenizer and chat template instead.
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -21,8 +20,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from transformers import AutoModelForSequenceClassification
 
-from rollouts.loops.rollouts.scoring import Reward, call_bounded
+from rollouts.data.user_code import call_user
+from rollouts.loops.rollouts.scoring import Reward
 from rollouts.types import Sample
 
 __all__ = [
@@ -47,7 +48,7 @@ def check_reward_model_dir(path: str | Path) -> dict[str, Any]:
     config_path = Path(path) / "config.json"
     if not config_path.is_file():
         raise ValueError(f"reward model {str(path)!r} is not a local HF model directory (no config.json)")
-    config = json.loads(config_path.read_text())
+    config: dict[str, Any] = json.loads(config_path.read_text())
     architectures = config.get("architectures") or []
     if not any(str(a).endswith("ForSequenceClassification") for a in architectures):
         raise ValueError(
@@ -87,8 +88,6 @@ class ClassifierRewardModel:
         cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu", batch_size: int = 16
     ) -> ClassifierRewardModel:
         """The reward model at `path` (checked by `check_reward_model_dir` first)."""
-        from transformers import AutoModelForSequenceClassification
-
         check_reward_model_dir(path)
         model = AutoModelForSequenceClassification.from_pretrained(
             str(path), torch_dtype=dtype, local_files_only=True, attn_implementation="eager"
@@ -144,9 +143,9 @@ def reward_model_reward(
     to_ids = encode if encode is not None else (lambda s: s.tokens.tolist())
 
     async def score_group(samples: Sequence[Sample], records: Sequence[Any]) -> list[float]:
-        scores = scorer.score([list(to_ids(s)) for s in samples])
-        if inspect.isawaitable(scores):
-            scores = await scores
+        inputs = [list(to_ids(s)) for s in samples]
+        # the Reward's own bound covers this call; a sync scorer (an in-process model) runs in a thread
+        scores = await call_user(scorer.score, inputs, timeout_s=timeout_s)
         return [float(x) for x in scores]
 
     return Reward(fn=score_group, batched=True, timeout_s=timeout_s)
@@ -167,10 +166,10 @@ def weighted_reward(parts: Sequence[tuple[Reward | Callable[..., Any], float]], 
         total = [0.0] * len(samples)
         for reward, weight in rewards:
             if reward.batched:
-                values = await call_bounded(reward.fn, list(samples), list(records), timeout_s=reward.timeout_s)
+                values = await call_user(reward.fn, list(samples), list(records), timeout_s=reward.timeout_s)
             else:
                 values = [
-                    await call_bounded(reward.fn, s, r, timeout_s=reward.timeout_s)
+                    await call_user(reward.fn, s, r, timeout_s=reward.timeout_s)
                     for s, r in zip(samples, records, strict=True)
                 ]
             if len(values) != len(samples):

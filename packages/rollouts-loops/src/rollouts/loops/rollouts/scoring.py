@@ -1,10 +1,11 @@
 """Rewards as users write them: per sample or batched, sync or async, with an error policy.
 
-A reward function is one of
+A reward function is one of (rollouts.types.RewardFn and BatchedRewardFn)
   per sample:  reward(sample, record) -> float            (or an awaitable of one)
   batched:     reward(samples, records) -> list[float]    (marked with `batched_reward`, or
                                                            `batched = true` in the config)
 where `record` is the prompt record the samples were generated from (its answer, tests, ...).
+`GroupScorer` scores groups with one; it is called through rollouts.data.user_code.call_user.
 A reward that raises, times out, or returns a non-number or a non-finite value is a *reward error*:
 with on_error="raise" the step stops with the first error's message and the count; with "zero"
 the sample scores 0.0 and carries the error in metadata["reward_error"], counted in the step's
@@ -17,13 +18,14 @@ import inspect
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import trio
 
-from rollouts.types import Sample
+from rollouts.data.user_code import call_user, function_name, user_error_text
+from rollouts.types import BatchedRewardFn, RewardFn, Sample
 
 OnError = Literal["raise", "zero"]
 REWARD_ERROR_KEY = "reward_error"
@@ -40,7 +42,7 @@ def batched_reward(fn: Callable[..., Any]) -> Callable[..., Any]:
 class Reward:
     """A reward function with its calling convention and error policy."""
 
-    fn: Callable[..., Any]
+    fn: RewardFn | BatchedRewardFn
     batched: bool = False
     """fn(samples, records) -> list[float] for a whole group, instead of fn(sample, record) -> float."""
     on_error: OnError = "raise"
@@ -56,7 +58,7 @@ class Reward:
             raise ValueError(f"Reward.timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
 
     @classmethod
-    def of(cls, fn: Callable[..., Any] | Reward, **options: Any) -> Reward:
+    def of(cls, fn: RewardFn | BatchedRewardFn | Reward, **options: Any) -> Reward:
         """`fn` as a Reward (a function marked with `batched_reward` is batched)."""
         if isinstance(fn, Reward):
             return fn
@@ -65,21 +67,6 @@ class Reward:
 
 class RewardError(RuntimeError):
     """A reward failed with on_error="raise"."""
-
-
-async def call_bounded(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
-    """fn(*args) bounded by `timeout_s` (TimeoutError naming fn beyond it): a coroutine function is
-    awaited, a plain one runs in a worker thread (abandoned on timeout), and an awaitable it returns
-    is awaited too."""
-    try:
-        with trio.fail_after(timeout_s):
-            if inspect.iscoroutinefunction(fn):
-                return await fn(*args)
-            # boxed: a sync function may return an awaitable, awaited here rather than by to_thread
-            (result,) = await trio.to_thread.run_sync(lambda: (fn(*args),), abandon_on_cancel=True)
-            return await result if inspect.isawaitable(result) else result
-    except trio.TooSlowError:
-        raise TimeoutError(f"{getattr(fn, '__qualname__', fn)} took longer than {timeout_s} s") from None
 
 
 class _Calls:
@@ -98,7 +85,6 @@ _PENDING = object()
 
 _GATHER_PASSES = 8  # scheduler passes a batch of reward calls waits for groups to join, at most
 _THREAD_WORK_S = 0.005  # a batch's calls are split over threads of about this much estimated work
-_GRADERS: trio.lowlevel.RunVar[dict[tuple[int, float], _Grader]] = trio.lowlevel.RunVar("reward_graders")
 
 
 @dataclass(slots=True, eq=False)
@@ -113,9 +99,9 @@ class _Job:
 
 @dataclass(slots=True, eq=False)
 class _Grader:
-    """One sync reward function in this trio run: the batch gathering now, and its cost per call."""
+    """One sync reward function: the batch gathering now, and its cost per call (see GroupScorer)."""
 
-    fn: Callable[..., Any]  # held, so the id in its key stays unique for the run
+    fn: Callable[..., Any]
     timeout_s: float
     gathering: list[_Job] | None = None
     call_s: float | None = None  # mean seconds per call measured so far; None before any
@@ -188,38 +174,14 @@ def _split(jobs: list[_Job], parts: int) -> list[list[_Job]]:
     return out
 
 
-async def _coalesced_sync_rewards(
-    fn: Callable[..., Any], samples: Sequence[Sample], record: Any, *, timeout_s: float
-) -> list[Any]:
-    """`_sync_rewards` for one group, batched with the groups that finish in the same scheduler
-    passes. Groups of a batched engine call come back together, and a thread hop per group costs
-    the event loop (and, beside an overlapped training step, the interpreter lock) far more than
-    a typical grader: 32 groups of 8 cheap calls cost ~7 ms of CPU in hops, one batch ~0.3 ms. The
-    first group leads: it waits while others keep joining (a few scheduler passes, no clock time),
-    then runs the batch's calls in as few threads as keep each near 5 ms of measured work (one
-    thread per group until a cost is measured, as slow graders need), each call still bounded by
-    `timeout_s`, and hands each group its results. A cancelled leader leaves each group that
-    joined it to run its own calls."""
-    try:
-        graders = _GRADERS.get()
-    except LookupError:
-        graders = {}
-        _GRADERS.set(graders)
-    key = (id(fn), timeout_s)
-    grader = graders.get(key)
-    if grader is None:
-        grader = graders[key] = _Grader(fn=fn, timeout_s=timeout_s)
-    return await grader.run(samples, record)
-
-
 async def _sync_rewards(
     fn: Callable[..., Any], samples: Sequence[Sample], records: Sequence[Any], *, timeout_s: float
 ) -> tuple[list[Any], float]:
     """fn(sample, record) for each sample and its record in turn, in ONE worker thread; (an entry
     per sample, the seconds the calls took). Each entry is the value (an awaitable one awaited
-    here) or the exception. Each call is bounded by `timeout_s` as `call_bounded` bounds it: past
-    it that sample gets a TimeoutError (counted as `timeout_s`), the thread is abandoned, and the
-    samples after it run one `call_bounded` each."""
+    here) or the exception. Each call is bounded by `timeout_s` as `call_user` bounds it: past it
+    that sample gets a TimeoutError (counted as `timeout_s`), the thread is abandoned, and the
+    samples after it run one `call_user` each."""
     if not samples:
         return [], 0.0
     calls = _Calls(len(samples))
@@ -261,19 +223,23 @@ async def _sync_rewards(
         results, spent_s = list(calls.results), calls.spent_s
     for i, value in enumerate(results):
         if i == calls.current and value is _PENDING:
-            results[i] = TimeoutError(f"{getattr(fn, '__qualname__', fn)} took longer than {timeout_s} s")
+            results[i] = TimeoutError(f"{function_name(fn)} took longer than {timeout_s} s")
             spent_s += timeout_s
-        elif value is _PENDING:  # after the abandoned call: each alone, as before
+        elif value is _PENDING:  # after the abandoned call: each alone, its own bound
             results[i] = await _bounded_result(fn, samples[i], records[i], timeout_s=timeout_s)
-        elif inspect.isawaitable(value):
-            results[i] = await _bounded_result(lambda v=value: v, timeout_s=timeout_s)
+        elif inspect.isawaitable(value):  # the sync reward handed back an awaitable: awaited here, bounded
+            results[i] = await _bounded_result(_awaited, value, timeout_s=timeout_s)
     return results, spent_s
 
 
+async def _awaited(value: Awaitable[Any]) -> Any:
+    return await value
+
+
 async def _bounded_result(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
-    """call_bounded's value, or the exception it raised."""
+    """call_user's value, or the exception it raised."""
     try:
-        return await call_bounded(fn, *args, timeout_s=timeout_s)
+        return await call_user(fn, *args, timeout_s=timeout_s)
     except Exception as e:
         return e
 
@@ -288,49 +254,76 @@ def _as_reward(value: Any) -> float:
 
 
 def _error_text(error: BaseException, timeout_s: float) -> str:
-    if isinstance(error, (trio.TooSlowError, TimeoutError)):
+    if isinstance(error, TimeoutError):  # the bound's, not one the reward raised (that is a UserCodeError)
         return f"TimeoutError: the reward took longer than {timeout_s} s"
-    return f"{type(error).__name__}: {error}"
+    return user_error_text(error)
 
 
-async def score_group(reward: Reward, samples: Sequence[Sample], record: Mapping[str, Any] | Any) -> list[Sample]:
-    """The group's samples with rewards; failed ones per the error policy (see the module docstring)."""
-    if reward.batched:
-        try:
-            values = await call_bounded(reward.fn, list(samples), [record] * len(samples), timeout_s=reward.timeout_s)
-            if not isinstance(values, Sequence) or len(values) != len(samples):
-                raise TypeError(f"a batched reward must return {len(samples)} numbers, got {values!r:.80}")
-            results: list[float | str] = []
-            for v in values:
-                try:
-                    results.append(_as_reward(v))
-                except (TypeError, ValueError) as e:
-                    results.append(_error_text(e, reward.timeout_s))
-        except Exception as e:
-            results = [_error_text(e, reward.timeout_s)] * len(samples)
-    elif not inspect.iscoroutinefunction(reward.fn):
-        results = []
-        for value in await _coalesced_sync_rewards(reward.fn, samples, record, timeout_s=reward.timeout_s):
-            try:
-                if isinstance(value, Exception):
-                    raise value
-                results.append(_as_reward(value))
-            except Exception as e:
-                results.append(_error_text(e, reward.timeout_s))
-    else:
-        results = []
-        for sample in samples:
-            try:
-                results.append(_as_reward(await call_bounded(reward.fn, sample, record, timeout_s=reward.timeout_s)))
-            except Exception as e:
-                results.append(_error_text(e, reward.timeout_s))
-    out = []
-    for sample, result in zip(samples, results, strict=True):
-        if isinstance(result, str):
-            out.append(sample.with_reward(0.0).with_metadata(**{REWARD_ERROR_KEY: result}))
+class GroupScorer:
+    """Scores groups with one Reward; made and held by whoever runs the rewards (the rollout
+    manager's group functions, an evaluation), shared by all the groups it scores.
+
+    A sync per-sample reward is called in a worker thread, and the calls of groups that finish in
+    the same scheduler passes (the groups of one batched engine call come back together) share one
+    thread hop: a hop per group costs the event loop, and beside an overlapped training step the
+    interpreter lock, far more than a typical grader. The first group leads: it waits while others
+    join (a few scheduler passes, no clock time), then runs the batch's calls in as few threads as
+    keep each near `_THREAD_WORK_S` of measured work (one thread per group until a cost is
+    measured, as slow graders need), each call still bounded by `reward.timeout_s`, and hands each
+    group its results. A cancelled leader leaves each group that joined it to run its own calls.
+    """
+
+    def __init__(self, reward: Reward) -> None:
+        self.reward = reward
+        self._grader = _Grader(fn=reward.fn, timeout_s=reward.timeout_s)
+
+    async def score(self, samples: Sequence[Sample], record: Mapping[str, Any] | Any) -> list[Sample]:
+        """The group's samples with rewards; failed ones per the error policy (module docstring)."""
+        reward = self.reward
+        if reward.batched:
+            results = await _batched_results(reward, samples, record)
+        elif not inspect.iscoroutinefunction(reward.fn):
+            results = [
+                _error_text(value, reward.timeout_s)
+                if isinstance(value, Exception)
+                else _checked(value, reward.timeout_s)
+                for value in await self._grader.run(samples, record)  # an entry per sample: value or exception
+            ]
         else:
-            out.append(sample.with_reward(result))
-    return out
+            results = []
+            for sample in samples:
+                try:
+                    value = await call_user(reward.fn, sample, record, timeout_s=reward.timeout_s)
+                except Exception as e:
+                    results.append(_error_text(e, reward.timeout_s))
+                else:
+                    results.append(_checked(value, reward.timeout_s))
+        out = []
+        for sample, result in zip(samples, results, strict=True):
+            if isinstance(result, str):
+                out.append(sample.with_reward(0.0).with_metadata(**{REWARD_ERROR_KEY: result}))
+            else:
+                out.append(sample.with_reward(result))
+        return out
+
+
+async def _batched_results(reward: Reward, samples: Sequence[Sample], record: Any) -> list[float | str]:
+    """A batched reward's value or error text per sample; one error fails the whole group."""
+    try:
+        values = await call_user(reward.fn, list(samples), [record] * len(samples), timeout_s=reward.timeout_s)
+        if not isinstance(values, Sequence) or len(values) != len(samples):
+            raise TypeError(f"a batched reward must return {len(samples)} numbers, got {values!r:.80}")
+    except Exception as e:
+        return [_error_text(e, reward.timeout_s)] * len(samples)
+    return [_checked(v, reward.timeout_s) for v in values]
+
+
+def _checked(value: Any, timeout_s: float) -> float | str:
+    """The reward `value` as a finite float, or the error text of why it is not one."""
+    try:
+        return _as_reward(value)
+    except (TypeError, ValueError) as e:
+        return _error_text(e, timeout_s)
 
 
 def reward_errors(samples: Sequence[Sample]) -> list[str]:

@@ -1,8 +1,9 @@
 """Data parallelism for the loops under torchrun: rank 0 drives, every rank trains its share.
 
-The loops' collectives live here; the ones a single training step needs (rank, all-ok agreement,
-the collective device, closing the group) live in rollouts.backends.train.distributed and are used from
-there.
+The loops' collectives live here; the ones a single training step needs (the rank query
+`rank_world`, all-ok agreement, the collective device, closing the group) live in
+rollouts.backends.train.distributed and are used from there (`rank_world` is also importable from
+this module, beside the collectives that use it).
 
 Collectives carry only tensors: commands and samples travel as JSON bytes in a uint8 tensor, never
 as pickles.
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollouts.backends.train.distributed import close_process_group, collective_device, distributed_ready
+from rollouts.backends.train.distributed import close_process_group, collective_device, rank_world
 from rollouts.data.host_memory import default_pool
 from rollouts.types import MicroBatch
 
@@ -41,13 +42,6 @@ def init_distributed() -> tuple[int, int]:
 def close_distributed(*, clean: bool = True) -> None:
     """Leave the process group on every exit path (rollouts.backends' close_process_group)."""
     close_process_group(clean=clean)
-
-
-def rank_world() -> tuple[int, int]:
-    """(rank, world size) of the default process group, (0, 1) without torch.distributed."""
-    if distributed_ready():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 def global_sum(value: float) -> float:

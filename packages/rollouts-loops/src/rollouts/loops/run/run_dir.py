@@ -36,6 +36,7 @@ from rollouts.backends import (
     sweep_temporary,
     verify_checkpoint,
 )
+from rollouts.backends.train.distributed import rank_world
 from rollouts.loops.errors import DamagedCheckpointError
 from rollouts.types import TrainingState
 
@@ -96,7 +97,7 @@ def resume_if_possible(
         if problems:
             raise ValueError(f"resume_from {str(path)!r} failed its check: {'; '.join(problems)}")
         newer = [p for p in steps if _step_of(p) > _step_of(path)] if path.parent.resolve() == root.resolve() else []
-        for later in newer if _rank() == 0 else []:
+        for later in newer if rank_world()[0] == 0 else []:
             (root / ABANDONED_DIR).mkdir(exist_ok=True)
             moved = root / ABANDONED_DIR / f"{later.name}-{time.strftime('%Y%m%d-%H%M%S')}"
             os.rename(later, moved)
@@ -135,12 +136,6 @@ def damaged_checkpoint_error(steps: Sequence[Path], problems: Sequence[str]) -> 
         + (f"resume from an earlier checkpoint (--resume-from {fallback}), or " if fallback else "")
         + "start over in a new out_dir"
     )
-
-
-def _rank() -> int:
-    from rollouts.loops.run.distributed import rank_world
-
-    return rank_world()[0]
 
 
 def _step_of(path: Path) -> int:
