@@ -48,7 +48,7 @@ generate function may be a coroutine function of the running event loop's librar
 
 from __future__ import annotations
 
-import inspect
+import functools
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -74,6 +74,7 @@ from rollouts.data.manager_round import (
     to_batch,
 )
 from rollouts.data.rollout import Transformed, apply_sample_transforms, validate_group
+from rollouts.data.user_code import call_user, user_error_text
 from rollouts.types import FilterFn, GenerateFn, RewardFn, RolloutBatch, RolloutConfig, Sample
 
 __all__ = ["AsyncRolloutManager", "ContinueFn", "TailCut", "request_seed"]
@@ -234,14 +235,9 @@ class AsyncRolloutManager:
         else:
             fn, args = self._continue_fn, (prompt, group)
             kwargs = {"seed": seed} if self._continue_takes_seed and seed is not None else {}
-        if inspect.iscoroutinefunction(fn):
-            result = await fn(*args, **kwargs)
-        else:
-            result = await anyio.to_thread.run_sync(
-                lambda: fn(*args, **kwargs), abandon_on_cancel=True, limiter=self._thread_limiter
-            )
-            if inspect.isawaitable(result):
-                result = await result
+        # unbounded here: the attempt's deadline (request_timeout_s) bounds it and names the engine
+        call = functools.partial(fn, *args, **kwargs)
+        result = await call_user(call, timeout_s=math.inf, limiter=self._thread_limiter)
         return validate_group(result, n, prompt=prompt, allow_partial=self._continue_fn is not None)
 
     async def _attempt(self, request: Request) -> tuple[Sample, ...] | str:
@@ -256,7 +252,7 @@ class AsyncRolloutManager:
             where = f" waiting for {self._source}" if self._source else ""
             return f"timed out after {timeout_s} s{where} (rollout.request_timeout_s)"
         except Exception as e:  # a failed request is retried, then counted; never lost
-            return f"{type(e).__name__}: {e}"
+            return user_error_text(e)
 
     async def _request(
         self,
@@ -299,7 +295,8 @@ class AsyncRolloutManager:
         with anyio.CancelScope() as scope:
             self._gate.begin_round(scope)
             cut = self._gate.cut_tail if cfg.partial else None  # else first_n cancels the tail
-            first_n = FirstN(room, scope, self._transform, cut) if cfg.tail == "first_n" else None
+            score = functools.partial(self._score_request, requests)
+            first_n = FirstN(room, scope, score, cut) if cfg.tail == "first_n" else None
             async with anyio.create_task_group() as tg:
                 for rid, request in enumerate(requests):
                     on_group = None if first_n is None else first_n.on_group(results)
@@ -309,7 +306,7 @@ class AsyncRolloutManager:
             raise first_n.error
         self._queue, counts, errors, finished = settle(self._queue, requests, results)
         if first_n is None:  # scored per group (as first_n does), each kept with its prompt
-            outs = [(request, self._transform([g])) for request, g in finished]
+            outs = [(request, self._transform(request[1], g)) for request, g in finished]
         else:  # every group that finished was scored on arrival (in request order here)
             outs = [(requests[rid], first_n.outs[rid]) for rid in sorted(first_n.outs)]
         filtered = tuple(f for _, o in outs for f in o.filtered)
@@ -355,8 +352,12 @@ class AsyncRolloutManager:
             kept, filtered, counts, extra, epoch=epoch, step=step, carry=carry, group_size=cfg.samples_per_prompt
         )
 
-    def _transform(self, groups: list[tuple[Sample, ...]]) -> Transformed:
-        return apply_sample_transforms(groups, reward_fn=self._reward_fn, filter_fn=self._filter_fn)
+    def _transform(self, prompt: Any, group: tuple[Sample, ...]) -> Transformed:
+        """One group rewarded (each sample with its prompt record) and filtered."""
+        return apply_sample_transforms([group], reward_fn=self._reward_fn, filter_fn=self._filter_fn, records=[prompt])
+
+    def _score_request(self, requests: tuple[Request, ...], rid: int, group: tuple[Sample, ...]) -> Transformed:
+        return self._transform(requests[rid][1], group)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-ready state: the carry-over cache, the prompts of aborted requests with their

@@ -70,7 +70,7 @@ class FirstN:
             if any(is_partial(s) for s in results[rid]):
                 return
             try:
-                self.outs[rid] = self.transform([results[rid]])
+                self.outs[rid] = self.transform(rid, results[rid])
                 self.num_kept += len(self.outs[rid].kept)
             except Exception as e:  # raised by generate_batch once the round is over
                 self.error = self.error or e
