@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -49,6 +49,7 @@ from rollouts.types import (
     RolloutConfig,
     SamplingParams,
     SFTConfig,
+    Tokenizer,
     check_fields,
     from_dict,
     require,
@@ -177,6 +178,7 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
     greedy = SamplingParams(temperature=0.0, max_new_tokens=config.digits + 3, stop_token_ids=(tokenizer.eos_token_id,))
 
     def accuracy(label: str) -> float:
+        acc: float
         acc, _ = evaluate(engine, eval_records, encode, exact_match, greedy)
         say(f"[demo] held-out accuracy {label}: {acc:.3f}")
         return acc
@@ -204,7 +206,10 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
     demonstrations = sloppy_teacher(
         train_records, error_rate=config.teacher_error_rate, seed=config.seed, reverse_answer=config.reverse_answer
     )
-    samples = [tokenize_conversation(as_conversation(r), tokenizer, max_length=sft.max_length) for r in demonstrations]
+    chat_tokenizer = cast(Tokenizer, tokenizer)  # transformers types decode as str | list[str]; one id list gives str
+    samples = [
+        tokenize_conversation(as_conversation(r), chat_tokenizer, max_length=sft.max_length) for r in demonstrations
+    ]
     components = build_components(model, sft.optimizer, num_training_steps=sft.num_steps)
     logger = MultiLogger(
         [JsonlLogger(out / "metrics_sft.jsonl")] + ([ConsoleLogger(sft.num_steps, desc="SFT")] if progress else [])

@@ -23,7 +23,7 @@ import trio
 
 from rollouts.data.user_code import call_user
 from rollouts.loops.rollouts.functions import RolloutContext, RolloutFn
-from rollouts.types import Environment, EnvStep, Sample, Status
+from rollouts.types import Environment, EnvStep, LogProbs, LossMask, Sample, Status, TokenIds
 
 ENV_REWARD_KEY = "env_reward"
 
@@ -77,12 +77,12 @@ async def run_episode(
     response_ids = tokens[len(prompt) :]
     text = ctx.tokenizer.decode(response_ids, skip_special_tokens=True) if ctx.tokenizer is not None else ""
     return Sample(
-        tokens=tokens,
+        tokens=TokenIds(tokens),
         num_prompt_tokens=len(prompt),
-        loss_mask=mask,
+        loss_mask=LossMask(mask),
         response=text,
         status=status,
-        rollout_logprobs=logprobs if all_logprobs else None,
+        rollout_logprobs=LogProbs(logprobs) if all_logprobs else None,
         weight_version=weight_version,
         metadata={ENV_REWARD_KEY: total_reward, "turns": turns},
     )

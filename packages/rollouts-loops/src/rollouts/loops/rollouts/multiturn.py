@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from rollouts.data.user_code import call_user
-from rollouts.types import InferenceEngine, Sample, SamplingParams, Status, Tokenizer
+from rollouts.types import InferenceEngine, LogProbs, LossMask, Sample, SamplingParams, Status, TokenIds, Tokenizer
 
 ToolParser = Callable[[str], Any | None]
 """Reads one assistant turn's text; returns a tool call to execute, or None when there is none."""
@@ -71,10 +71,10 @@ async def run_tool_rollout(
         status = turn.status
         text = tokenizer.decode(new, skip_special_tokens=True)
         trajectory = Sample(
-            tokens=tokens,
+            tokens=TokenIds(tokens),
             num_prompt_tokens=num_prompt,
-            loss_mask=mask,
-            rollout_logprobs=logprobs if all_logprobs else None,
+            loss_mask=LossMask(mask),
+            rollout_logprobs=LogProbs(logprobs) if all_logprobs else None,
         )
         if status is not Status.COMPLETED or (stop_condition is not None and stop_condition(trajectory, turns)):
             break
@@ -96,10 +96,10 @@ async def run_tool_rollout(
         logprobs += [0.0] * len(tool_ids)
     response_text = tokenizer.decode(tokens[num_prompt:], skip_special_tokens=True)
     return Sample(
-        tokens=tokens,
+        tokens=TokenIds(tokens),
         num_prompt_tokens=num_prompt,
-        loss_mask=mask,
-        rollout_logprobs=logprobs if all_logprobs else None,
+        loss_mask=LossMask(mask),
+        rollout_logprobs=LogProbs(logprobs) if all_logprobs else None,
         response=response_text,
         status=status,
         weight_version=turn.weight_version if turns else None,

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 from transformers import AutoModelForSequenceClassification
 
+from rollouts.backends.train.components import model_attr
 from rollouts.data.user_code import call_user
 from rollouts.loops.rollouts.scoring import Reward
 from rollouts.types import Sample
@@ -74,7 +75,7 @@ class ClassifierRewardModel:
         pad = getattr(model.config, "pad_token_id", None)
         if pad is None or getattr(model.config, "num_labels", None) != 1:
             raise ValueError("a reward model needs config.num_labels == 1 and a pad_token_id")
-        if not hasattr(model, "score") or not hasattr(model, model.base_model_prefix):
+        if not hasattr(model, "score") or not hasattr(model, model_attr(model, "base_model_prefix")):
             raise ValueError(
                 f"{type(model).__name__} is not a decoder *ForSequenceClassification model (a backbone and a "
                 "`score` head): its sequence score cannot be taken at the last token"
@@ -109,10 +110,12 @@ class ClassifierRewardModel:
             for row, ids in enumerate(chunk):
                 ids_B_T[row, : len(ids)] = torch.tensor(ids)
                 mask_B_T[row, : len(ids)] = 1
-            base = getattr(self.model, self.model.base_model_prefix)
+            base = model_attr(self.model, model_attr(self.model, "base_model_prefix"))
             hidden_B_T_H = base(input_ids=ids_B_T.to(device), attention_mask=mask_B_T.to(device))[0]
             last_B = mask_B_T.sum(dim=1).to(device) - 1  # the last real token (right padding), as vLLM pools
-            logits_B = self.model.score(hidden_B_T_H[torch.arange(len(chunk), device=device), last_B]).float()[:, 0]
+            logits_B = model_attr(self.model, "score")(
+                hidden_B_T_H[torch.arange(len(chunk), device=device), last_B]
+            ).float()[:, 0]
             out += logits_B.tolist()
         return out
 

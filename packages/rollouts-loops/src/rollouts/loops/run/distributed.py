@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rollouts.backends.train.distributed import close_process_group, collective_device, rank_world
+from rollouts.backends.train.distributed import close_process_group, collective_device
+from rollouts.backends.train.distributed import rank_world as rank_world  # the one rank query, re-exported
 from rollouts.data.host_memory import default_pool
 from rollouts.types import MicroBatch
 
@@ -130,7 +131,7 @@ def broadcast_tagged(tag: bytes = b"", *parts: bytes | memoryview) -> tuple[byte
     torch.distributed.broadcast(buffer, src=0)
     if rank != 0:
         received = buffer.cpu().numpy()
-    data = memoryview(received).toreadonly()
+    data = received.data.toreadonly()  # a flat uint8 array's own buffer
     return bytes(data[:num_tag]), data[num_tag:]
 
 
