@@ -112,7 +112,9 @@ def main(root: Path) -> int:
     print(f"modules over {MAX_MODULE_LINES} lines: {len(shape.long_modules)}")
     for path, lines in shape.long_modules:
         print(f"  {path}: {lines}")
-    print(f"function-local imports (optional dependencies aside): {len(shape.local_imports)} (at most {MAX_LOCAL_IMPORTS})")
+    print(
+        f"function-local imports (optional dependencies aside): {len(shape.local_imports)} (at most {MAX_LOCAL_IMPORTS})"
+    )
     for path, line, module in shape.local_imports:
         print(f"  {path}:{line}: {module}")
     print(f"functions over {MAX_FUNCTION_PARAMETERS} parameters: {len(shape.wide_functions)}")
