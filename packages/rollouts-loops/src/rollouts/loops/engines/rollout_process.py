@@ -19,7 +19,7 @@ What must be true for that: the reward, rollout and filter functions are importa
 `rollouts.data.prompt_encoder` (rebuilt over the engine's copy of the tokenizer) or by a function
 importable by name; the prompt records are JSON. Partial rollouts are refused: their sync pauses
 the manager mid-step, which this process's request order cannot do. Everything else the engine
-does (evaluation, the sync probe, weight loads) goes through the ProcessEngine requests as before.
+does (evaluation, the sync probe, weight loads) goes through ProcessEngine's own requests.
 """
 
 from __future__ import annotations
