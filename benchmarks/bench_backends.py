@@ -28,7 +28,7 @@ from rollouts.backends import (
     save_checkpoint,
 )
 from rollouts.losses import sft_loss_fn
-from rollouts.types import MicroBatch, OptimizerConfig, TrainingState
+from rollouts.types import MicroBatch, OptimizerConfig, SamplingParams, TrainingState
 
 REPEATS = 5
 
@@ -75,7 +75,11 @@ def bench_sampler() -> None:
         produced = {}
 
         def ours():
-            samples = generate(model, prompts, n=n, max_new_tokens=new, temperature=1.0, seed=0, stop_token_ids=stop)
+            samples = generate(
+                model,
+                prompts,
+                SamplingParams(n=n, max_new_tokens=new, temperature=1.0, seed=0, stop_token_ids=tuple(stop)),
+            )
             produced["ours"] = sum(s.response_length for s in samples)
 
         def hf():

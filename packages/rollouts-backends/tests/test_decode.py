@@ -10,6 +10,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from rollouts.backends import generate
 from rollouts.backends.sampling.decode import fast_decoder
+from rollouts.types import SamplingParams
 
 
 def _llama(seed: int = 0) -> LlamaForCausalLM:
@@ -68,14 +69,10 @@ def test_fast_and_hf_decoding_sample_the_same(name, lengths, n, seed, stop):
     model = MODELS[name]()
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(2, 128, size=k).tolist() for k in lengths]
-    kwargs = {
-        "n": n,
-        "max_new_tokens": 10,
-        "temperature": 1.0,
-        "seed": seed,
-        "stop_token_ids": list(range(100, 128)) if stop else [],
-    }
-    _assert_same_samples(generate(model, prompts, **kwargs), generate(model, prompts, fast_decode=False, **kwargs))
+    params = SamplingParams(
+        n=n, max_new_tokens=10, temperature=1.0, seed=seed, stop_token_ids=tuple(range(100, 128)) if stop else ()
+    )
+    _assert_same_samples(generate(model, prompts, params), generate(model, prompts, params, fast_decode=False))
 
 
 def test_step_logits_match_a_full_forward():
@@ -106,7 +103,7 @@ def test_architectures_the_fast_path_does_not_reproduce_fall_back():
     assert fast_decoder(tiny_model(seed=0, attn="eager"), total_length=16) is None
     gelu = tiny_model(seed=0, hidden_act="gelu")
     assert fast_decoder(gelu, total_length=16) is None
-    samples = generate(gelu, [[5, 6, 7]], n=2, max_new_tokens=4, seed=0)
+    samples = generate(gelu, [[5, 6, 7]], SamplingParams(n=2, max_new_tokens=4, seed=0))
     assert [s.response_length for s in samples] == [4, 4]
 
 
@@ -114,8 +111,8 @@ def test_bfloat16_decoding_is_bit_identical_to_the_hf_forward():
     """The same operations in the same order: in bf16, where any reordering would show, nothing differs."""
     model = tiny_model(seed=1).to(torch.bfloat16)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15]]
-    fast = generate(model, prompts, n=3, max_new_tokens=20, seed=5)
-    slow = generate(model, prompts, n=3, max_new_tokens=20, seed=5, fast_decode=False)
+    fast = generate(model, prompts, SamplingParams(n=3, max_new_tokens=20, seed=5))
+    slow = generate(model, prompts, SamplingParams(n=3, max_new_tokens=20, seed=5), fast_decode=False)
     assert [s.tokens for s in fast] == [s.tokens for s in slow]
     assert [s.rollout_logprobs for s in fast] == [s.rollout_logprobs for s in slow]
 

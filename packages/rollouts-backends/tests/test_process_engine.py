@@ -12,7 +12,7 @@ import torch
 import trio
 from helpers import tiny_model
 
-from rollouts.backends import EngineProcessError, InProcessEngine, ProcessEngine
+from rollouts.backends import EngineProcessError, EngineProcessOptions, InProcessEngine, ProcessEngine
 from rollouts.backends.checkpoint.export import model_tensors
 from rollouts.types import InferenceEngine, SamplingParams, Status
 
@@ -136,11 +136,11 @@ def test_a_bad_shared_memory_load_is_refused_and_the_engine_serves_on(model):
         assert len(trio.run(engine.generate, PROMPTS, SamplingParams(max_new_tokens=2))) == 3
 
 
-def test_a_load_returns_before_the_engine_takes_it_and_a_refusal_then_breaks_the_engine(model):
-    """load_weights returns once the tensors are in shared memory; the engine process copies them
-    out first thing at its next request. One it refuses then (here: a weight this side was told of and
-    the engine's model lacks) leaves it serving another version than it was given: every later
-    call says so."""
+def test_a_load_is_taken_before_it_returns_and_a_refusal_raises_from_the_load(model):
+    """load_weights returns once the engine process has copied the tensors into its model. One it
+    refuses (here: a weight this side was told of and the engine's model lacks) raises from that
+    load_weights call, naming the refusal; the engine may hold part of it, so every later call
+    says so too."""
     tensors = model_tensors(model)
     with ProcessEngine.from_model(model, weight_version=0, name="told") as engine:
         changed = {k: v + 1.0 for k, v in tensors.items()}
@@ -152,11 +152,11 @@ def test_a_load_returns_before_the_engine_takes_it_and_a_refusal_then_breaks_the
         trio.run(reference.load_weights, {k: v + 1.0 for k, v in tensors.items()}, 1)
         assert after == trio.run(reference.generate, PROMPTS, SamplingParams(max_new_tokens=3, temperature=0.0))
         engine._shapes["extra"], engine._storage["extra"] = (3,), -1  # this side's check passes it
-        trio.run(engine.load_weights, {**tensors, "extra": torch.zeros(3)}, 2)
-        for _ in range(2):
-            with pytest.raises(EngineProcessError, match="told: .*refused the weight load of version 2 .*extra"):
-                trio.run(engine.generate, PROMPTS, SamplingParams(max_new_tokens=2))
-        assert not trio.run(engine.health)
+        with pytest.raises(EngineProcessError, match="told: .*refused the weight load of version 2 .*extra"):
+            trio.run(engine.load_weights, {**tensors, "extra": torch.zeros(3)}, 2)
+        assert trio.run(engine.weight_version) == 1 and not trio.run(engine.health)
+        with pytest.raises(EngineProcessError, match="told: .*refused the weight load of version 2 .*extra"):
+            trio.run(engine.generate, PROMPTS, SamplingParams(max_new_tokens=2))
 
 
 def test_abort_cuts_generations_until_resumed_or_synced(model, tmp_path):
@@ -207,7 +207,7 @@ def test_an_engine_process_that_fails_to_start_reports_its_stderr(tmp_path):
         EngineProcessError,
         match=r"exited before it was ready.*exit code 1; stderr tail:\n(.|\n)*has no model.safetensors",
     ):
-        ProcessEngine(tmp_path, start_timeout_s=300.0)
+        ProcessEngine(tmp_path, EngineProcessOptions(start_timeout_s=300.0))
     with pytest.raises(ValueError, match="has no config.json"):
         ProcessEngine(tmp_path / "missing")
 

@@ -33,7 +33,7 @@ def _teacher_forced_logprobs(model, sample, temperature=1.0):
 
 
 def test_greedy_matches_transformers_generate(model):
-    samples = generate(model, PROMPTS, n=1, max_new_tokens=8, temperature=0.0)
+    samples = generate(model, PROMPTS, SamplingParams(n=1, max_new_tokens=8, temperature=0.0))
     for prompt, sample in zip(PROMPTS, samples, strict=True):
         with torch.no_grad():
             ref = model.generate(
@@ -46,15 +46,15 @@ def test_greedy_matches_transformers_generate(model):
 def test_sampled_logprobs_equal_teacher_forced_logprobs(model):
     """At temperature t without truncation, the reported log-probs are the model's at t."""
     for temperature in (1.0, 0.7):
-        samples = generate(model, PROMPTS, n=2, max_new_tokens=6, temperature=temperature, seed=3)
+        samples = generate(model, PROMPTS, SamplingParams(n=2, max_new_tokens=6, temperature=temperature, seed=3))
         for s in samples:
             np.testing.assert_allclose(s.rollout_logprobs, _teacher_forced_logprobs(model, s, temperature), atol=1e-4)
 
 
 def test_layout_and_determinism(model):
-    a = generate(model, PROMPTS, n=3, max_new_tokens=5, seed=11)
-    b = generate(model, PROMPTS, n=3, max_new_tokens=5, seed=11)
-    c = generate(model, PROMPTS, n=3, max_new_tokens=5, seed=12)
+    a = generate(model, PROMPTS, SamplingParams(n=3, max_new_tokens=5, seed=11))
+    b = generate(model, PROMPTS, SamplingParams(n=3, max_new_tokens=5, seed=11))
+    c = generate(model, PROMPTS, SamplingParams(n=3, max_new_tokens=5, seed=12))
     assert a == b and a != c
     assert [s.group_index for s in a] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     for s in a:
@@ -65,9 +65,9 @@ def test_layout_and_determinism(model):
 
 
 def test_stop_tokens_complete_a_sample_and_are_kept(model):
-    free = generate(model, PROMPTS, n=2, max_new_tokens=6, seed=5)
+    free = generate(model, PROMPTS, SamplingParams(n=2, max_new_tokens=6, seed=5))
     stop = free[0].response_tokens[2]
-    samples = generate(model, PROMPTS, n=2, max_new_tokens=6, seed=5, stop_token_ids=[stop])
+    samples = generate(model, PROMPTS, SamplingParams(n=2, max_new_tokens=6, seed=5, stop_token_ids=(stop,)))
     first = samples[0]
     assert first.status == Status.COMPLETED and first.response_tokens[-1] == stop
     assert first.response_tokens == free[0].response_tokens[: first.response_length]
@@ -84,13 +84,13 @@ def test_stop_tokens_complete_a_sample_and_are_kept(model):
 
 def test_bad_requests_are_rejected(model):
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        generate(model, [[1, 500]], max_new_tokens=2)
+        generate(model, [[1, 500]], SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="empty"):
-        generate(model, [[]], max_new_tokens=2)
+        generate(model, [[]], SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match="top_p"):
-        generate(model, [[3]], max_new_tokens=2, top_p=0.0)
+        generate(model, [[3]], SamplingParams(max_new_tokens=2, top_p=0.0))
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        generate(model, [[3]], max_new_tokens=10_000)
+        generate(model, [[3]], SamplingParams(max_new_tokens=10_000))
 
 
 @settings(max_examples=40, deadline=None)
@@ -180,8 +180,8 @@ def test_a_batched_generate_gives_each_seeded_prompt_its_own_samples(model):
     samples what it samples alone (the model's rows do not interact)."""
     prompts = [[5, 6, 7], [12, 13, 14], [9, 8, 7]]
     kwargs = {"n": 2, "max_new_tokens": 5, "temperature": 1.0, "stop_token_ids": (3, 17)}
-    alone = [generate(model, [p], seed=100 + i, **kwargs) for i, p in enumerate(prompts)]
-    batched = generate(model, prompts, seed=[100, 101, 102], **kwargs)
+    alone = [generate(model, [p], SamplingParams(seed=100 + i, **kwargs)) for i, p in enumerate(prompts)]
+    batched = generate(model, prompts, SamplingParams(**kwargs), seeds=[100, 101, 102])
     for i in range(3):
         got = batched[2 * i : 2 * i + 2]
         assert [s.tokens for s in got] == [s.tokens for s in alone[i]]
@@ -193,7 +193,7 @@ def test_a_batched_generate_gives_each_seeded_prompt_its_own_samples(model):
 
 def test_one_seed_per_prompt_must_match_the_prompts(model):
     with pytest.raises(ValueError, match="one int/None per prompt"):
-        generate(model, PROMPTS, seed=[1, 2])
+        generate(model, PROMPTS, seeds=[1, 2])
     engine = InProcessEngine(model)
     a = trio.run(engine.generate_seeded, PROMPTS[:2], SamplingParams(n=2, max_new_tokens=4), [5, 6])
     b = trio.run(engine.generate, PROMPTS[1:2], SamplingParams(n=2, max_new_tokens=4, seed=6))
@@ -210,7 +210,7 @@ def test_trainer_log_probs_describe_the_truncated_distribution_the_sampler_drew_
     from rollouts.types import OptimizerConfig
 
     settings_ = {"temperature": 0.7, "top_p": 0.9, "top_k": 20}
-    samples = generate(model, PROMPTS, n=4, max_new_tokens=8, seed=5, **settings_)
+    samples = generate(model, PROMPTS, SamplingParams(n=4, max_new_tokens=8, seed=5, **settings_))
     components = build_components(model, OptimizerConfig(), num_training_steps=1)
     diffs, full_diffs = [], []
     for s in samples:
@@ -226,16 +226,19 @@ def test_trainer_log_probs_describe_the_truncated_distribution_the_sampler_drew_
 @pytest.mark.parametrize("abort_at", [1, 3, 7])
 def test_an_aborted_generate_keeps_partials_that_continue_to_the_same_response(model, abort_at):
     budget = 10
-    full = generate(model, PROMPTS, n=2, max_new_tokens=budget, temperature=0.0)
+    full = generate(model, PROMPTS, SamplingParams(n=2, max_new_tokens=budget, temperature=0.0))
     steps = iter(range(1, 100))
     partials = generate(
-        model, PROMPTS, n=2, max_new_tokens=budget, temperature=0.0, should_abort=lambda: next(steps) >= abort_at
+        model,
+        PROMPTS,
+        SamplingParams(n=2, max_new_tokens=budget, temperature=0.0),
+        should_abort=lambda: next(steps) >= abort_at,
     )
     for f, p in zip(full, partials, strict=True):
         assert p.status is Status.ABORTED and p.metadata["partial"] is True
         assert p.response_length == abort_at and p.tokens == f.tokens[: p.num_prompt_tokens + abort_at]
         np.testing.assert_allclose(p.rollout_logprobs, f.rollout_logprobs[:abort_at], atol=1e-5)
-        [rest] = generate(model, [list(p.tokens)], max_new_tokens=budget - abort_at, temperature=0.0)
+        [rest] = generate(model, [list(p.tokens)], SamplingParams(max_new_tokens=budget - abort_at, temperature=0.0))
         assert p.response_tokens + rest.response_tokens == f.response_tokens  # nothing lost or repeated
         np.testing.assert_allclose(
             [*p.rollout_logprobs, *rest.rollout_logprobs], f.rollout_logprobs, atol=1e-4
@@ -244,11 +247,14 @@ def test_an_aborted_generate_keeps_partials_that_continue_to_the_same_response(m
 
 
 def test_rows_that_stopped_before_an_abort_stay_completed(model):
-    first = generate(model, PROMPTS, n=1, max_new_tokens=2, temperature=0.0)
+    first = generate(model, PROMPTS, SamplingParams(n=1, max_new_tokens=2, temperature=0.0))
     stop = first[0].response_tokens[0]  # prompt 0 stops at its first token
     calls = iter(range(100))
     out = generate(
-        model, PROMPTS, max_new_tokens=8, temperature=0.0, stop_token_ids=[stop], should_abort=lambda: next(calls) >= 1
+        model,
+        PROMPTS,
+        SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(stop,)),
+        should_abort=lambda: next(calls) >= 1,
     )
     assert out[0].status is Status.COMPLETED and out[0].response_length == 1 and "partial" not in out[0].metadata
     for s in out[1:]:

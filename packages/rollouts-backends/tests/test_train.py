@@ -25,7 +25,8 @@ from rollouts.backends import (
     lr_multiplier,
     optim_step,
 )
-from rollouts.backends.train.step import micro_batch_to_torch, one_sequence_per_row, token_logprobs_of_model
+from rollouts.backends.train.inputs import micro_batch_to_torch, one_sequence_per_row
+from rollouts.backends.train.step import token_logprobs_of_model
 from rollouts.losses import loss_fn_from_config, sft_loss_fn
 from rollouts.types import AlgorithmConfig, OptimizerConfig, TrainingState
 
@@ -421,13 +422,13 @@ def _device_layout_rules(batch, *, loss_positions_only):
 def test_the_host_layout_follows_the_rules_of_the_batch(lengths, num_prompt, layout, loss_positions_only, seed):
     """The layout the forward reads on the host (so a GPU never waits on it) is what the batch's
     tensors say: the kept positions, one sequence per row, padding, and the token counts."""
-    from rollouts.backends.train.step import _host_layout
+    from rollouts.backends.train.inputs import host_layout
 
     seqs = random_sequences(np.random.default_rng(seed), lengths)
     micro_batch = (packed_batch if layout == "packed" else padded_batch)(seqs, num_prompt=num_prompt)
     batch = micro_batch_to_torch(micro_batch, torch.device("cpu"))
-    found = _host_layout(micro_batch, loss_positions_only=loss_positions_only)
-    from_tensors = _host_layout(batch, loss_positions_only=loss_positions_only)
+    found = host_layout(micro_batch, loss_positions_only=loss_positions_only)
+    from_tensors = host_layout(batch, loss_positions_only=loss_positions_only)
     assert found.kept.tolist() == from_tensors.kept.tolist()
     assert dataclasses.replace(found, kept=None) == dataclasses.replace(from_tensors, kept=None)
     keep_B_T, one_per_row = _device_layout_rules(batch, loss_positions_only=loss_positions_only)

@@ -23,7 +23,7 @@ class BlockingEngine:
         self.fail_calls = fail_calls
         self.calls: list[list[tuple[int, ...]]] = []
 
-    async def generate(self, prompts, params):
+    def sample(self, prompts, params, seeds=None):
         self.calls.append([tuple(p) for p in prompts])
         time.sleep(self.delay_s)
         if len(self.calls) - 1 in self.fail_calls:
@@ -253,7 +253,7 @@ class PickyEngine:
     def __init__(self, max_len):
         self.max_len, self.calls = max_len, []
 
-    async def generate(self, prompts, params):
+    def sample(self, prompts, params, seeds=None):
         self.calls.append(len(prompts))
         if any(len(p) > self.max_len for p in prompts):
             raise ValueError(f"a prompt is longer than {self.max_len} tokens")
@@ -313,7 +313,10 @@ class AbortableEngine:
     def abort(self) -> None:
         self.aborted.set()
 
-    async def generate(self, prompts, params):
+    def resume(self) -> None:
+        self.aborted.clear()
+
+    def sample(self, prompts, params, seeds=None):
         self.started.set()
         steps = 0
         while not self.aborted.is_set() and steps < params.max_new_tokens:

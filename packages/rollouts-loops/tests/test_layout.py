@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollouts.backends import micro_batch_to_torch, packed_only
-from rollouts.backends.train.step import _model_inputs, one_sequence_per_row
+from rollouts.backends.train.inputs import model_inputs, one_sequence_per_row
 from rollouts.data import plan_micro_batches
 from rollouts.loops.micro_batches import attention_pair_cost, choose_layout, plan_shard
 from rollouts.loops.recipes.tiny import build_tiny_model
@@ -98,7 +98,7 @@ def test_the_chosen_layout_is_one_the_attention_accepts(model, lengths, impl):
         )
         for micro_batch in plan.micro_batches:
             batch = micro_batch_to_torch(micro_batch, torch.device("cpu"))
-            inputs = _model_inputs(model, batch)
+            inputs = model_inputs(model, batch)
             # No mask under flash attention, or for rows of one sequence each (plain causal is exact)
             assert (inputs["attention_mask"] is None) == (flash or one_sequence_per_row(batch))
     finally:
@@ -117,7 +117,7 @@ def test_sft_step_plans_packed_rows_under_flash_attention(model, monkeypatch):
         pass
 
     def forward_backward(components, micro_batches, loss_fn, **kwargs):
-        seen.extend(_model_inputs(components.model, mb)["attention_mask"] for mb in micro_batches)
+        seen.extend(model_inputs(components.model, mb)["attention_mask"] for mb in micro_batches)
         raise Planned
 
     monkeypatch.setattr(sft, "forward_backward", forward_backward)

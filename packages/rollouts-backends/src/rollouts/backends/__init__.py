@@ -11,7 +11,7 @@ from rollouts.backends.checkpoint.export import export_weights, load_model_weigh
 from rollouts.backends.checkpoint.model_files import load_tokenizer, resolve_model_dir
 from rollouts.backends.checkpoint.save_load import load_checkpoint, save_checkpoint
 from rollouts.backends.checkpoint.writer import CheckpointWriter
-from rollouts.backends.engine_process.client import EngineProcessError, ProcessEngine
+from rollouts.backends.engine_process.client import EngineProcessError, EngineProcessOptions, ProcessEngine
 from rollouts.backends.sampling.engine import InProcessEngine
 from rollouts.backends.sampling.sampler import generate, sample_next_tokens
 from rollouts.backends.train.components import (
@@ -25,14 +25,12 @@ from rollouts.backends.train.components import (
 )
 from rollouts.backends.train.cpu_memory import retain_freed_cpu_memory
 from rollouts.backends.train.distributed import shard_model, transformer_blocks
+from rollouts.backends.train.inputs import attention_mask_4d, micro_batch_to_torch, packed_only
 from rollouts.backends.train.step import (
     NonFiniteError,
-    attention_mask_4d,
     compute_logprobs,
     forward_backward,
-    micro_batch_to_torch,
     optim_step,
-    packed_only,
     token_logprobs_of_model,
 )
 
@@ -51,6 +49,7 @@ __version__ = _version()
 __all__ = [
     "CheckpointWriter",
     "EngineProcessError",
+    "EngineProcessOptions",
     "InProcessEngine",
     "NonFiniteError",
     "ProcessEngine",

@@ -17,6 +17,7 @@ from rollouts.types.frozen import freeze, thaw
 from rollouts.types.lora import DEFAULT_LORA_TARGETS, LoraConfig, LoraSync
 from rollouts.types.micro_batch import MicroBatch
 from rollouts.types.protocols import (
+    Abortable,
     BatchedRewardFn,
     Environment,
     EnvStep,
@@ -25,7 +26,9 @@ from rollouts.types.protocols import (
     InferenceEngine,
     MetricsLogger,
     RewardFn,
+    SyncSampler,
     Tokenizer,
+    WeightLoader,
 )
 from rollouts.types.samples import Prompt, RolloutBatch, Sample, Status
 from rollouts.types.state import TrainingState
@@ -46,6 +49,7 @@ __version__ = _version()
 __all__ = [
     "BatchedRewardFn",
     "DEFAULT_LORA_TARGETS",
+    "Abortable",
     "LogProbs",
     "LoraConfig",
     "LossMask",
@@ -71,7 +75,9 @@ __all__ = [
     "Sample",
     "SamplingParams",
     "Status",
+    "SyncSampler",
     "Tokenizer",
+    "WeightLoader",
     "TokenIds",
     "TrainingState",
     "check_fields",

@@ -47,6 +47,50 @@ class InferenceEngine(Protocol):
 
 
 @runtime_checkable
+class SyncSampler(Protocol):
+    """An engine whose sampling is a blocking call (the in-process sampler, the engine process's
+    client): what a caller runs in a worker thread of its own (rollouts.loops' CoalescingEngine)."""
+
+    @property
+    def name(self) -> str:
+        """Human-readable id for logs and errors."""
+        ...
+
+    def sample(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int | None] | None = None
+    ) -> list[Sample]:
+        """What `InferenceEngine.generate` answers, in the calling thread. `seeds`: one per prompt
+        (`params.seed` is then ignored), each prompt sampling what it samples alone with its seed,
+        so independently seeded requests may share one call."""
+        ...
+
+
+@runtime_checkable
+class Abortable(Protocol):
+    """An engine that can cut its generations in progress short (they come back as partial Samples:
+    status ABORTED, metadata["partial"]) and let them run to the end again. Any thread may call both."""
+
+    def abort(self) -> None:
+        """Cut generations in progress (and any started before `resume` or a weight update) short."""
+        ...
+
+    def resume(self) -> None:
+        """Let generations run to the end again."""
+        ...
+
+
+@runtime_checkable
+class WeightLoader(Protocol):
+    """An engine that takes a model's tensors directly (no export to disk): the in-process
+    engine with a copy of its own, the engine process."""
+
+    async def load_weights(self, tensors: Mapping[str, Any], weight_version: int) -> None:
+        """Load HF-named full weights (torch tensors; tied ones may be absent) and serve them as
+        `weight_version`; the caller may change `tensors` once it returns."""
+        ...
+
+
+@runtime_checkable
 class MetricsLogger(Protocol):
     """Receives one step's scalar metrics at a time."""
 

@@ -7,7 +7,8 @@ Never pickle.
 
 The parent's side reads and writes a non-blocking pipe under a deadline (`read_frame`,
 `write_frame`): a child that hangs is a TimeoutError, one that exits is a `ChildGone`, never a
-hang. The child blocks on its end (it has nothing else to do).
+hang. The child blocks on its end (`next_request`, `write_frame` with no deadline): it has
+nothing else to do, and its parent's exit closes the pipe.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import select
 import time
 from typing import Any
 
-__all__ = ["ChildGone", "decode_frame", "encode_frame", "read_frame", "write_frame"]
+__all__ = ["ChildGone", "decode_frame", "encode_frame", "next_request", "read_frame", "write_frame"]
 
 MAGIC = b"RPE1"
 _PREFIX_BYTES = 16  # MAGIC + header length + body length
@@ -27,7 +28,12 @@ MAX_BODY_BYTES = 16 * 1024**3  # past any batch of samples one call returns: a c
 
 
 class ChildGone(ConnectionError):
-    """The other end of the pipe closed (the engine process exited)."""
+    """The other end of the pipe closed (the engine process exited; on its side, the parent)."""
+
+    def __init__(self, message: str, *, num_read: int = 0) -> None:
+        super().__init__(message)
+        self.num_read = num_read
+        """Bytes of the frame read before the pipe closed: 0 is a close between frames."""
 
 
 def encode_frame(header: dict[str, Any], body: bytes = b"") -> bytes:
@@ -64,11 +70,11 @@ def _header(data: bytes) -> dict[str, Any]:
     return header
 
 
-# ---------------------------------------------------------------- the parent's side: bounded waits
+# ---------------------------------------------------------------- reading and writing a pipe
 
 
-def write_frame(fd: int, frame: bytes, *, deadline: float) -> None:
-    """Write all of `frame` to non-blocking `fd` by `deadline` (time.monotonic)."""
+def write_frame(fd: int, frame: bytes, *, deadline: float | None) -> None:
+    """Write all of `frame` to `fd`: non-blocking by `deadline` (time.monotonic), or blocking (None)."""
     view = memoryview(frame)
     while view:
         _wait(fd, deadline, write=True)
@@ -80,14 +86,27 @@ def write_frame(fd: int, frame: bytes, *, deadline: float) -> None:
             raise ChildGone("the engine process closed its end of the request pipe") from e
 
 
-def read_frame(fd: int, *, deadline: float) -> tuple[dict[str, Any], bytes]:
-    """(header, body) of the next frame on non-blocking `fd`, read by `deadline` (time.monotonic)."""
+def read_frame(fd: int, *, deadline: float | None) -> tuple[dict[str, Any], bytes]:
+    """(header, body) of the next frame on `fd`: non-blocking by `deadline` (time.monotonic), or
+    blocking (None)."""
     head, body = _sizes(_read_exact(fd, _PREFIX_BYTES, deadline))
-    header = _header(_read_exact(fd, head, deadline))
-    return header, _read_exact(fd, body, deadline)
+    header = _header(_read_exact(fd, head, deadline, num_read=_PREFIX_BYTES))
+    return header, _read_exact(fd, body, deadline, num_read=_PREFIX_BYTES + head)
 
 
-def _read_exact(fd: int, num_bytes: int, deadline: float) -> bytes:
+def next_request(fd: int) -> tuple[dict[str, Any], bytes] | None:
+    """The engine process's side: the next frame on blocking `fd`, or None once the parent closed
+    the pipe between frames; ValueError for a pipe closed mid-frame."""
+    try:
+        return read_frame(fd, deadline=None)
+    except ChildGone as e:
+        if e.num_read:
+            raise ValueError(f"request pipe closed mid-frame, after {e.num_read} bytes") from e
+        return None
+
+
+def _read_exact(fd: int, num_bytes: int, deadline: float | None, *, num_read: int = 0) -> bytes:
+    """`num_bytes` from `fd` (`num_read` bytes of the frame came before them)."""
     buffer = bytearray(num_bytes)
     view, got = memoryview(buffer), 0
     while got < num_bytes:
@@ -97,12 +116,16 @@ def _read_exact(fd: int, num_bytes: int, deadline: float) -> bytes:
         except BlockingIOError:
             continue
         if chunk == 0:
-            raise ChildGone(f"the engine process closed its answer pipe ({got} of {num_bytes} bytes read)")
+            raise ChildGone(
+                f"the engine process closed its answer pipe ({got} of {num_bytes} bytes read)", num_read=num_read + got
+            )
         got += chunk
     return bytes(buffer)
 
 
-def _wait(fd: int, deadline: float, *, write: bool) -> None:
+def _wait(fd: int, deadline: float | None, *, write: bool) -> None:
+    if deadline is None:  # a blocking fd: the read or write itself waits
+        return
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise TimeoutError("the engine process did not answer in time")

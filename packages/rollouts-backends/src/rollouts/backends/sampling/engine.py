@@ -3,6 +3,7 @@ protocol, for runs without an inference server and for tests."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -22,8 +23,10 @@ class InProcessEngine:
 
     With `shares_training_model` the engine samples from the very module being trained, so a
     weight update is a no-op that records the version; otherwise updates load HF safetensors
-    from the checkpoint directory into the engine's own model. Generation runs synchronously in
-    the calling thread (it blocks the event loop for the call's duration).
+    from the checkpoint directory into the engine's own model. Its core is synchronous (`sample`,
+    the SyncSampler protocol: rollouts.loops' CoalescingEngine runs it in a worker thread); the
+    async `generate` runs it in the calling thread (it blocks the event loop for the call's
+    duration). It is Abortable and a WeightLoader.
 
     `abort()` (from any thread) ends generations in progress at their next token step: the rows
     still generating come back as partial Samples (status ABORTED, metadata["partial"]) to be
@@ -62,10 +65,14 @@ class InProcessEngine:
         """Id for logs."""
         return self._name
 
-    async def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seeds: Sequence[int | None] | None = None
+    def sample(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int | None] | None = None
     ) -> list[Sample]:
-        """`params.n` Samples per prompt, prompt-major, with this engine's weight version."""
+        """`params.n` Samples per prompt, prompt-major, with this engine's weight version, in the
+        calling thread (the SyncSampler core `generate` wraps). `seeds`: one per prompt
+        (`params.seed` is then ignored): each prompt's samples are the ones
+        `sample([prompt], params with seed=seeds[i])` gives, so callers may batch independently
+        seeded requests together."""
         return sample_prompts(
             self._model,
             prompts,
@@ -77,13 +84,18 @@ class InProcessEngine:
             tokenizer=self._tokenizer,
         )
 
+    async def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seeds: Sequence[int | None] | None = None
+    ) -> list[Sample]:
+        """`sample`, for the InferenceEngine protocol: it runs in the caller's thread, blocking the
+        event loop (so it never samples from a model a training step is changing)."""
+        return self.sample(prompts, params, seeds)
+
     async def generate_seeded(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int | None]
     ) -> list[Sample]:
-        """`generate` with one seed per prompt (`params.seed` is ignored): each prompt's samples are
-        the ones `generate([prompt], params with seed=seeds[i])` gives, so callers may batch
-        independently seeded requests together."""
-        return await self.generate(prompts, params, seeds=seeds)
+        """`sample` with one seed per prompt, for the InferenceEngine protocol."""
+        return self.sample(prompts, params, seeds)
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
         """Record `weight_version`; load weights from `path` unless the model is the training one."""
@@ -146,18 +158,9 @@ def sample_prompts(
     process behind ProcessEngine): `params.n` Samples per prompt, prompt-major, stopping at the
     params' stop ids and `eos`; log-probs dropped unless asked for; responses decoded with
     `tokenizer` where one is given."""
+    stops = dataclasses.replace(params, stop_token_ids=tuple(params.stop_token_ids) + eos)
     samples = generate(
-        model,
-        prompts,
-        n=params.n,
-        max_new_tokens=params.max_new_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        stop_token_ids=tuple(params.stop_token_ids) + eos,
-        seed=params.seed if seeds is None else list(seeds),
-        weight_version=weight_version,
-        should_abort=should_abort,
+        model, prompts, params=stops, seeds=seeds, weight_version=weight_version, should_abort=should_abort
     )
     if not params.logprobs:
         samples = [s.replace(rollout_logprobs=None) for s in samples]

@@ -16,9 +16,10 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
+from transformers import DynamicCache
 
 from rollouts.backends.sampling.decode import FastDecoder, fast_decoder
-from rollouts.backends.train.step import attention_mask_4d
+from rollouts.backends.train.inputs import attention_mask_4d
 from rollouts.losses import truncation_mask
 from rollouts.types import Sample, SamplingParams, Status
 
@@ -26,6 +27,7 @@ __all__ = ["generate", "sample_next_tokens"]
 
 _PAD_TOKEN_ID = 0
 """Filler for left padding; masked out, so any valid id works."""
+_DEFAULT_PARAMS = SamplingParams()
 
 
 def sample_next_tokens(
@@ -141,24 +143,20 @@ class _HFDecoder:
 def generate(
     model: torch.nn.Module,
     prompt_token_ids: Sequence[Sequence[int]],
+    params: SamplingParams = _DEFAULT_PARAMS,
     *,
-    n: int = 1,
-    max_new_tokens: int = 256,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = -1,
-    stop_token_ids: Sequence[int] = (),
-    seed: int | Sequence[int | None] | None = None,
+    seeds: Sequence[int | None] | None = None,
     weight_version: int | None = None,
     fast_decode: bool = True,
     should_abort: Callable[[], bool] | None = None,
 ) -> list[Sample]:
-    """Sample n responses per prompt (prompt-major order) with a KV cache; deterministic for a seed.
+    """Sample `params.n` responses per prompt (prompt-major order) with a KV cache; deterministic
+    for a seed. Every Sample keeps its log-probs (`params.logprobs` is not read here).
 
-    `seed`: one seed for the whole call, or one per prompt. With one per prompt, each prompt's rows
-    draw from that prompt's own generator, so a prompt's responses are those it gets when sampled
-    alone with its seed, whatever other prompts share the batch (up to float rounding of the
-    batched forward pass); None draws that prompt's rows from fresh entropy.
+    `params.seed` seeds the whole call; `seeds` (one per prompt, `params.seed` then ignored) gives
+    each prompt's rows a generator of their own, so a prompt's responses are those it gets when
+    sampled alone with its seed, whatever other prompts share the batch (up to float rounding of
+    the batched forward pass); None draws that prompt's rows from fresh entropy.
 
     Each Sample has tokens = prompt + response, loss_mask 1.0 on the response, rollout_logprobs of
     the sampled tokens, and status COMPLETED (ended by a stop token, which is kept) or TRUNCATED.
@@ -169,16 +167,7 @@ def generate(
     rollouts.sync.partial) keeping their tokens and log-probs, to continue later from prompt +
     partial response with the remaining budget.
     """
-    from transformers import DynamicCache
-
-    SamplingParams(
-        n=n,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        stop_token_ids=tuple(stop_token_ids),
-    )  # validates the options, naming the bad one
+    n, max_new_tokens, temperature = params.n, params.max_new_tokens, params.temperature
     config = model.config
     prompts = _check_prompts(prompt_token_ids, config.vocab_size)
     max_len = max(len(p) for p in prompts)
@@ -189,17 +178,14 @@ def generate(
             f"max_position_embeddings ({limit})"
         )
     device = next(model.parameters()).device
-    per_prompt = seed is not None and not isinstance(seed, int)
-    if per_prompt:
-        seeds = list(seed)  # type: ignore[arg-type]
+    per_prompt = seeds is not None
+    if seeds is not None:
         if len(seeds) != len(prompts) or not all(s is None or isinstance(s, int) for s in seeds):
-            raise ValueError(
-                f"seed must be an int, None, or one int/None per prompt ({len(prompts)}), got {seed!r:.120}"
-            )
+            raise ValueError(f"seeds must hold one int/None per prompt ({len(prompts)}), got {seeds!r:.120}")
         generators = [_generator(device, s) for s in seeds]
     else:
-        generator = _generator(device, seed)  # type: ignore[arg-type]
-    stop = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=device)
+        generator = _generator(device, params.seed)
+    stop = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=device)
 
     num_prompts = len(prompts)
     input_ids = torch.full((num_prompts, max_len), _PAD_TOKEN_ID, dtype=torch.long)
@@ -247,7 +233,7 @@ def generate(
         for step in range(max_new_tokens):
             draw = _runs(active, n, generators) if per_prompt else generator
             tokens, logprobs = sample_next_tokens(
-                logits_B_V, temperature=temperature, top_p=top_p, top_k=top_k, generator=draw
+                logits_B_V, temperature=temperature, top_p=params.top_p, top_k=params.top_k, generator=draw
             )
             tokens_B_B[active, step] = tokens
             logprobs_B_B[active, step] = logprobs.float()

@@ -25,7 +25,7 @@ from rollouts.backends.train.components import (
     model_attr,
 )
 from rollouts.backends.train.distributed import data_parallel_size
-from rollouts.backends.train.step import _model_inputs, micro_batch_to_torch
+from rollouts.backends.train.inputs import micro_batch_to_torch, model_inputs
 from rollouts.losses import Reduction, value_loss
 from rollouts.types import MicroBatch, OptimizerConfig
 
@@ -51,7 +51,7 @@ class ValueModel(torch.nn.Module):
 
     def forward(self, batch: MicroBatch[torch.Tensor]) -> torch.Tensor:
         """[B, T] values, token-aligned (0 where no token is predicted)."""
-        hidden_B_T_H = self.backbone(**_model_inputs(self, batch), use_cache=False)[0]
+        hidden_B_T_H = self.backbone(**model_inputs(self, batch), use_cache=False)[0]
         values_B_T = self.head(hidden_B_T_H[:, :-1]).squeeze(-1).float()
         predicted_B_T = (batch.position_ids[:, 1:] > 0) & (batch.attention_mask[:, 1:] > 0)
         zeros = values_B_T.new_zeros(values_B_T.shape[0], 1)

@@ -134,7 +134,7 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
     remote servers."""
     import copy
 
-    from rollouts.backends import InProcessEngine, ProcessEngine, load_hf_model
+    from rollouts.backends import EngineProcessOptions, InProcessEngine, ProcessEngine, load_hf_model
     from rollouts.loops import CoalescingEngine, remote_engine
     from rollouts.loops.run.distributed import rank_world
 
@@ -142,20 +142,23 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
     if rank != 0:
         return None
     if run.engine.kind in ("process", "rollout_process"):  # from the run's model; restore() syncs a resumed run
-        options = {
-            "tokenizer_dir": run.model.tokenizer_path or run.model.path,
-            "num_threads": run.engine.num_threads,
-            "device": run.model.device,
-            "dtype": run.model.dtype,
-            "attn_implementation": run.model.attn_implementation,
-            "timeout_s": run.engine.timeout_s,
-        }
+        options = EngineProcessOptions(
+            num_threads=run.engine.num_threads,
+            device=run.model.device,
+            dtype=run.model.dtype,
+            attn_implementation=run.model.attn_implementation,
+            timeout_s=run.engine.timeout_s,
+        )
+        tokenizer_dir = run.model.tokenizer_path or run.model.path
         if run.engine.kind == "rollout_process":  # the rollout manager runs there too, batching its groups
             from rollouts.loops.engines.rollout_process import RolloutProcess
 
-            return RolloutProcess(run.model.path, max_prompts_per_call=run.rl.rollout.batch_size, **options)
+            return RolloutProcess(
+                run.model.path, options, tokenizer_dir=tokenizer_dir, max_prompts_per_call=run.rl.rollout.batch_size
+            )
         return CoalescingEngine(
-            ProcessEngine(run.model.path, **options), max_prompts_per_call=run.rl.rollout.batch_size
+            ProcessEngine(run.model.path, options, tokenizer_dir=tokenizer_dir),
+            max_prompts_per_call=run.rl.rollout.batch_size,
         )
     if run.engine.kind != "inprocess":
         return remote_engine(

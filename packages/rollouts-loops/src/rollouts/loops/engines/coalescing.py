@@ -2,28 +2,44 @@
 
 The rollout manager sends one request per group; a remote server batches them itself, but the
 in-process sampler runs one forward pass per call. `CoalescingEngine` gathers the requests that
-arrive together into one batched call (run in a worker thread so the event loop,
-and with it timeouts and overlapped training, keep running).
+arrive together into one batched call of the engine's synchronous core (`SyncSampler.sample`,
+run in a worker thread so the event loop, and with it timeouts and overlapped training, keep
+running).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import trio
+from safetensors import safe_open
 
-from rollouts.sync import is_adapter_dir
-from rollouts.types import InferenceEngine, Sample, SamplingParams
+from rollouts.sync import (
+    EnginePool,
+    HTTPOptions,
+    RetryPolicy,
+    SGLangEngine,
+    VLLMEngine,
+    is_adapter_dir,
+    sync_weights_to_engines,
+)
+from rollouts.types import Abortable, InferenceEngine, Sample, SamplingParams, SyncSampler, WeightLoader
 
 _DEFAULT_WINDOW_S = 0.01  # long enough for a nursery's start_soon burst, short next to a forward pass
 _QUIET_PASSES = 3  # scheduler passes without a new caller before the first batch goes out
+
+
+class SyncEngine(SyncSampler, InferenceEngine, Protocol):
+    """What CoalescingEngine wraps: an InferenceEngine with a synchronous core (InProcessEngine,
+    rollouts.backends' ProcessEngine)."""
 
 
 @dataclass(slots=True)
@@ -38,33 +54,39 @@ class _Request:
 
 
 class CoalescingEngine:
-    """Wraps an engine whose `generate` blocks: batches concurrent calls and runs them in a thread.
+    """Wraps an engine whose sampling blocks (a SyncSampler): batches concurrent calls and runs
+    them in a thread.
 
-    Calls with equal SamplingParams that arrive together go out as one call of at most
+    Calls with equal SamplingParams that arrive together go out as one `sample` call of at most
     `max_prompts_per_call` prompts: the first caller after a quiet spell waits while others are
     still joining (a few scheduler passes for a burst of `start_soon` tasks; at most `window_s`;
-    `adaptive=False` waits `window_s` flat), and calls that queue while a batch runs form the next. Seeded one-prompt calls that differ only in their
-    seed go out together too when the inner engine samples with a seed per prompt
-    (`generate_seeded`, as InProcessEngine does): each prompt keeps its own random stream, so a seeded
-    run's samples do not depend on which calls happened to share a batch. Other methods pass
-    straight through.
+    `adaptive=False` waits `window_s` flat), and calls that queue while a batch runs form the
+    next. Seeded one-prompt calls that differ only in their seed go out together too, with a seed
+    per prompt: each prompt keeps its own random stream, so a seeded run's samples do not depend
+    on which calls happened to share a batch. Other methods pass straight through.
 
     One waiting caller at a time leads: it runs batches (its own first) until its own request is
     finished, then hands the lead to the next queued caller. So no caller's deadline covers other
     callers' batches, and a cancelled leader hands on what is still queued instead of failing it.
     A caller cancelled while its batch runs gets its cancellation once the batch returns; `abort()`
-    cuts the running batch short where the inner engine can (InProcessEngine.abort: the rows still
-    generating come back as partial Samples, to continue with rollouts.sync.partial).
+    cuts the running batch short where the inner engine is Abortable (InProcessEngine.abort: the
+    rows still generating come back as partial Samples, to continue with rollouts.sync.partial).
+    The wrapper is a WeightLoader exactly when its inner engine is one.
     """
 
     def __init__(
         self,
-        inner: InferenceEngine,
+        inner: SyncEngine,
         *,
         max_prompts_per_call: int = 64,
         window_s: float = _DEFAULT_WINDOW_S,
         adaptive: bool = True,
     ) -> None:
+        if not isinstance(inner, SyncSampler):
+            raise TypeError(
+                f"CoalescingEngine runs its inner engine's blocking sample(prompts, params, seeds) in a worker "
+                f"thread; {type(inner).__name__} has none (InProcessEngine and ProcessEngine have)"
+            )
         if max_prompts_per_call < 1:
             raise ValueError(f"max_prompts_per_call must be >= 1, got {max_prompts_per_call}")
         if window_s < 0:
@@ -75,36 +97,30 @@ class CoalescingEngine:
         self.adaptive = adaptive
         self._queue: list[_Request] = []
         self._leader: _Request | None = None
+        if isinstance(inner, WeightLoader):
+            # An attribute of this instance, not a method of the class: the wrapper passes the
+            # WeightLoader check (where a sync is set up) only when its inner engine does.
+            self.load_weights = inner.load_weights
 
     @property
     def name(self) -> str:
         return self.inner.name
 
-    def _seeds_batch(self) -> bool:
-        return hasattr(self.inner, "generate_seeded")
-
-    def _key(self, r: _Request) -> SamplingParams:
+    @staticmethod
+    def _key(r: _Request) -> SamplingParams:
         """Requests with equal keys go out in one call. A one-prompt request's seed is not part of
-        the key when the inner engine takes a seed per prompt (`generate_seeded`)."""
-        if r.params.seed is not None and len(r.prompts) == 1 and self._seeds_batch():
+        the key: it goes to the inner engine as that prompt's seed."""
+        if r.params.seed is not None and len(r.prompts) == 1:
             return dataclasses.replace(r.params, seed=None)
         return r.params
 
     async def _run_batch(self, batch: list[_Request]) -> None:
         prompts = [p for r in batch for p in r.prompts]
         params = self._key(batch[0])
-        if params.seed is None and any(r.params.seed is not None for r in batch):
-            seeds = [r.params.seed for r in batch]  # one prompt each (see _key)
-
-            def call() -> list[Sample]:
-                return trio.run(self.inner.generate_seeded, prompts, params, seeds)  # type: ignore[attr-defined]
-        else:
-
-            def call() -> list[Sample]:
-                return trio.run(self.inner.generate, prompts, params)
-
+        seeded = params.seed is None and any(r.params.seed is not None for r in batch)
+        seeds = [r.params.seed for r in batch] if seeded else None  # one prompt each (see _key)
         try:
-            samples = await trio.to_thread.run_sync(call)
+            samples = await trio.to_thread.run_sync(functools.partial(self.inner.sample, prompts, params, seeds))
         except trio.Cancelled:  # before the thread started (a running one is waited for): nothing ran
             self._queue[:0] = batch
             raise
@@ -197,11 +213,11 @@ class CoalescingEngine:
 
     def abort(self) -> None:
         """The inner engine's abort(): generation in progress ends early with partial Samples."""
-        self._inner_method("abort")()
+        self._abortable("abort").abort()
 
     def resume(self) -> None:
         """The inner engine's resume(): generation runs to the end again."""
-        self._inner_method("resume")()
+        self._abortable("resume").resume()
 
     def close(self) -> None:
         """The inner engine's close(), where it has one (ProcessEngine: its process is reaped)."""
@@ -209,23 +225,13 @@ class CoalescingEngine:
         if callable(close):
             close()
 
-    def _inner_method(self, name: str) -> Any:
-        method = getattr(self.inner, name, None)
-        if not callable(method):
-            raise TypeError(f"{self.name}: the inner engine ({type(self.inner).__name__}) has no {name}()")
-        return method
+    def _abortable(self, method: str) -> Abortable:
+        if not isinstance(self.inner, Abortable):
+            raise TypeError(f"{self.name}: the inner engine ({type(self.inner).__name__}) has no {method}()")
+        return self.inner
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
         await self.inner.update_weights_from_disk(path, weight_version)
-
-    @property
-    def load_weights(self) -> Callable[[Mapping[str, torch.Tensor], int], Awaitable[None]]:
-        """The inner engine's direct weight load (AttributeError where it has none, so that
-        `getattr(engine, "load_weights", None)` tells)."""
-        method = getattr(self.inner, "load_weights", None)
-        if not callable(method):
-            raise AttributeError(f"{type(self.inner).__name__} has no load_weights")
-        return method  # type: ignore[no-any-return]
 
     async def weight_version(self) -> int | None:
         return await self.inner.weight_version()
@@ -251,8 +257,6 @@ def remote_engine(
     filesystem); "http" sends them in request bodies (`SendWeights`). `partial` (rl.rollout.partial,
     vLLM only): a sync pauses the server in mode "abort" and the responses it cuts short come back
     as partial samples (`VLLMEngine(keep_partial=True)`), to be continued."""
-    from rollouts.sync import EnginePool, HTTPOptions, RetryPolicy, SGLangEngine, VLLMEngine
-
     if sync not in ("disk", "http"):
         raise ValueError(f"sync must be 'disk' or 'http', got {sync!r}")
     api_key = os.environ.get(api_key_env) if api_key_env else None
@@ -308,8 +312,6 @@ class SendWeights:
 def read_numpy_weights(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     """Every tensor of the safetensors files in directory `path`, as numpy arrays (16-bit floats as
     float32)."""
-    from safetensors import safe_open
-
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise ValueError(f"{path} holds no .safetensors file to send")
@@ -344,6 +346,4 @@ class BoundedSync:
         return getattr(self.engine, attribute)
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
-        from rollouts.sync import sync_weights_to_engines
-
         await sync_weights_to_engines([self.engine], path, weight_version, timeout_s=self.sync_timeout_s)

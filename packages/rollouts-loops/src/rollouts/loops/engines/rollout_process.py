@@ -11,14 +11,15 @@ the rollout manager; the trainer sends a step number and receives the finished R
 spec (what `rollout_spec` builds: the config, the reward, rollout function and filter named by
 import path, how prompts are encoded, the buffer's state) and the prompt records (as JSON lines),
 and drives the remote manager (`RemoteRolloutManager`) as it drives a local one: a batch per step
-(after which the trainer's DataBuffer stands where the remote one does), its state in checkpoints.
+(with the remote DataBuffer's position after it, which the loop gives the trainer's buffer), its
+state in checkpoints.
 
 What must be true for that: the reward, rollout and filter functions are importable by name
 (defined at a module's top level, or in the script being run); the prompts are encoded by
 `rollouts.data.prompt_encoder` (rebuilt over the engine's copy of the tokenizer) or by a function
 importable by name; the prompt records are JSON. Partial rollouts are refused: their sync pauses
 the manager mid-step, which this process's request order cannot do. Everything else the engine
-does (evaluation, the sync probe, weight loads) goes through the ProcessEngine requests as before.
+does (evaluation, the sync probe, weight loads) goes through ProcessEngine's own requests.
 """
 
 from __future__ import annotations
@@ -61,43 +62,47 @@ class RolloutProcess(ProcessEngine):
     def configure_rollouts(self, spec: dict[str, Any], records: bytes) -> None:
         """Build the rollout manager in the engine process from `spec` (`rollout_spec`) and the
         prompt records (JSON lines); a new configuration replaces the old."""
-        self._call({"op": "rollouts_configure", "spec": spec}, records)
+        self.request({"op": "rollouts_configure", "spec": spec}, records)
 
     def generate_batch_blocking(self, step: int, train_version: int | None) -> tuple[RolloutBatch, dict[str, Any]]:
         """The rollout manager's batch for `step` (blocks; see AsyncRolloutManager.generate_batch),
         and the state of its DataBuffer after it."""
-        answer, body = self._call({"op": "rollouts_batch", "step": step, "train_version": train_version})
+        answer, body = self.request({"op": "rollouts_batch", "step": step, "train_version": train_version})
         return batch_from_bytes(body), answer["buffer"]
 
     def manager_state(self) -> dict[str, Any]:
         """The remote rollout manager's state_dict (its buffer's position comes with each batch)."""
-        answer, _ = self._call({"op": "rollouts_state"})
+        answer, _ = self.request({"op": "rollouts_state"})
         return answer["state"]  # type: ignore[no-any-return]
 
     def load_rollout_state(self, buffer: dict[str, Any], manager: dict[str, Any]) -> None:
         """Restore the remote DataBuffer's and rollout manager's state_dicts."""
-        self._call({"op": "rollouts_load_state", "buffer": buffer, "manager": manager})
+        self.request({"op": "rollouts_load_state", "buffer": buffer, "manager": manager})
 
 
 class RemoteRolloutManager:
     """The rollout manager of a RolloutProcess, driven as the loop drives AsyncRolloutManager:
-    `generate_batch`, `state_dict`, `load_state_dict`. `buffer` (the trainer's) moves as a local
-    manager would move it: each batch brings it to the remote buffer's position after that batch,
-    and `load_state_dict` sends its position along."""
+    `generate_batch`, `state_dict`, `load_state_dict`. The remote manager draws prompts from a
+    copy of `buffer` (the trainer's) in the engine process: each batch comes with that copy's
+    position after it, for the caller to give `buffer`, and `load_state_dict` sends `buffer`'s
+    position along."""
 
     def __init__(self, engine: RolloutProcess, buffer: DataBuffer) -> None:
-        self._engine, self._buffer = engine, buffer
+        self._engine = engine
+        self.buffer = buffer
+        """The trainer's DataBuffer, which the remote one mirrors."""
 
-    async def generate_batch(self, *, step: int, train_version: int | None = None) -> RolloutBatch:
-        batch, buffer = await trio.to_thread.run_sync(self._engine.generate_batch_blocking, step, train_version)
-        self._buffer.load_state_dict(buffer)
-        return batch
+    async def generate_batch(
+        self, *, step: int, train_version: int | None = None
+    ) -> tuple[RolloutBatch, dict[str, Any]]:
+        """The batch for `step` and the remote DataBuffer's state_dict after it."""
+        return await trio.to_thread.run_sync(self._engine.generate_batch_blocking, step, train_version)
 
     def state_dict(self) -> dict[str, Any]:
         return self._engine.manager_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._engine.load_rollout_state(self._buffer.state_dict(), state)
+        self._engine.load_rollout_state(self.buffer.state_dict(), state)
 
 
 def remote_rollout_manager(

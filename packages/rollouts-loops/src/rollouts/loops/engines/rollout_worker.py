@@ -12,7 +12,9 @@ process only receives each step's finished batch. Requests beside the engine's:
   (state_dicts). The buffer's position also comes with each batch ({"buffer": ...}).
 
 One request at a time, in order: a weight load sent after a batch request waits for that batch,
-as the loop's engine lock has a sync wait for the generation in flight.
+as the loop's engine lock has a sync wait for the generation in flight. The engine's request loop
+(rollouts.backends.engine_process.worker.serve) runs in a thread of its own; the rollout manager's
+requests run back on this process's trio loop, where the manager and its engine live.
 """
 
 from __future__ import annotations
@@ -24,16 +26,7 @@ from typing import Any
 
 import trio
 
-from rollouts.backends.engine_process.wire import encode_frame
-from rollouts.backends.engine_process.worker import (
-    answer,
-    error_answer,
-    handlers_of,
-    parser,
-    read_request,
-    start_worker,
-    write_all,
-)
+from rollouts.backends.engine_process.worker import EngineWorker, Handler, handlers_of, parser, serve, start_worker
 from rollouts.data import AsyncRolloutManager, DataBuffer, prompt_encoder
 from rollouts.loops.engines.coalescing import CoalescingEngine
 from rollouts.loops.engines.rollout_process import records_from_jsonl
@@ -45,28 +38,26 @@ from rollouts.types.wire import batch_to_bytes
 
 
 class _LocalEngine:
-    """This process's sampler, as the rollout manager's InferenceEngine (blocking calls, as
-    InProcessEngine's: the CoalescingEngine around it runs them in a worker thread)."""
+    """This process's sampler, as the rollout manager's engine: a SyncSampler (the CoalescingEngine
+    around it runs `sample` in a worker thread) and an InferenceEngine."""
 
-    def __init__(self, worker: Any, name: str) -> None:
+    def __init__(self, worker: EngineWorker, name: str) -> None:
         self._worker, self._name = worker, name
 
     @property
     def name(self) -> str:
         return self._name
 
-    async def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seeds: Sequence[int | None] | None = None
+    def sample(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int | None] | None = None
     ) -> list[Sample]:
-        return self._worker.sample(prompts, params, seeds)  # type: ignore[no-any-return]
+        return self._worker.sample(prompts, params, seeds)
 
-    async def generate_seeded(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int | None]
-    ) -> list[Sample]:
-        return await self.generate(prompts, params, seeds=seeds)
+    async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
+        return self.sample(prompts, params)
 
     async def weight_version(self) -> int | None:
-        return self._worker.weight_version  # type: ignore[no-any-return]
+        return self._worker.weight_version
 
     async def health(self) -> bool:
         return True
@@ -78,9 +69,19 @@ class _LocalEngine:
 class _Rollouts:
     """The rollout manager this process runs, once configured."""
 
-    def __init__(self, worker: Any) -> None:
+    def __init__(self, worker: EngineWorker) -> None:
         self.worker = worker
         self.configured: tuple[AsyncRolloutManager, DataBuffer] | None = None
+
+    def handlers(self) -> dict[str, Handler]:
+        """This process's requests beside the engine's, each run on the trio loop (the request loop
+        runs in a worker thread)."""
+        return {
+            "rollouts_configure": lambda header, body: trio.from_thread.run_sync(self.configure, header["spec"], body),
+            "rollouts_batch": lambda header, _: trio.from_thread.run(self.batch, header),
+            "rollouts_state": lambda header, _: trio.from_thread.run_sync(self.state, header),
+            "rollouts_load_state": lambda header, _: trio.from_thread.run_sync(self.load_state, header),
+        }
 
     def configure(self, spec: dict[str, Any], records: bytes) -> tuple[dict[str, Any], bytes]:
         sys.path.extend(p for p in spec["sys_path"] if p not in sys.path)  # the functions import as in the trainer
@@ -145,31 +146,15 @@ class _Rollouts:
         return self.configured
 
 
-async def serve(worker: Any, requests_fd: int, answers_fd: int) -> None:
+async def _serve(worker: EngineWorker, requests_fd: int, answers_fd: int) -> None:
     """Answer requests, the engine's and the rollout manager's, until the pipe closes or "close"."""
-    rollouts = _Rollouts(worker)
-    handlers = {**handlers_of(worker), "rollouts_state": rollouts.state, "rollouts_load_state": rollouts.load_state}
-    while (request := await trio.to_thread.run_sync(read_request, requests_fd)) is not None:
-        header, body = request
-        op = header.get("op")
-        if op == "close":
-            return
-        try:
-            if op == "rollouts_configure":
-                reply = rollouts.configure(header["spec"], body)
-            elif op == "rollouts_batch":
-                reply = await rollouts.batch(header)
-            else:
-                reply = answer(handlers, header)
-        except Exception as e:  # answered to the caller, who raises it; this process serves on
-            reply = error_answer(e)
-        write_all(answers_fd, encode_frame(*reply))
+    handlers = {**handlers_of(worker), **_Rollouts(worker).handlers()}
+    await trio.to_thread.run_sync(serve, handlers, requests_fd, answers_fd)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    worker = start_worker(args)
-    trio.run(serve, worker, args.requests_fd, args.answers_fd)
+    trio.run(_serve, start_worker(args), args.requests_fd, args.answers_fd)
 
 
 if __name__ == "__main__":

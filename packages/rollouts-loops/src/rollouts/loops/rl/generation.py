@@ -25,7 +25,7 @@ from rollouts.data import AsyncRolloutManager
 from rollouts.loops.engines.rollout_process import RemoteRolloutManager
 from rollouts.loops.run.distributed import broadcast_tagged, rank_world
 from rollouts.loops.run.run_dir import ADAPTER_DIR, WEIGHTS_DIR
-from rollouts.types import InferenceEngine, RolloutBatch, TrainingState
+from rollouts.types import Abortable, InferenceEngine, RolloutBatch, TrainingState, WeightLoader
 from rollouts.types.wire import batch_from_bytes, batch_to_parts
 
 _SHARED_METADATA = ("errors", "groups_requested", "groups_partial", "groups_restarted", "num_rounds", "generate_s")
@@ -75,7 +75,11 @@ class BatchSource:
             async with lock if self._hold_lock else contextlib.nullcontext():
                 start = time.perf_counter()
                 try:
-                    batch = await manager.generate_batch(step=step, train_version=train_version)
+                    if isinstance(manager, RemoteRolloutManager):  # its buffer is a copy: ours follows it
+                        batch, position = await manager.generate_batch(step=step, train_version=train_version)
+                        manager.buffer.load_state_dict(position)
+                    else:
+                        batch = await manager.generate_batch(step=step, train_version=train_version)
                     seconds = time.perf_counter() - start  # logged as generate_s
                     result: Any = (dataclasses.replace(batch, metadata={**batch.metadata, "generate_s": seconds}),)
                 except Exception as error:  # handed to the consumer, which raises it
@@ -141,10 +145,10 @@ async def engine_alone(engine: Any, lock: trio.Lock, manager: AsyncRolloutManage
         if manager is None:
             yield
             return
-        abort, resume = (getattr(engine, name, None) for name in ("abort", "resume"))
-        async with manager.paused(abort if callable(abort) else None):
-            if callable(resume):
-                resume()
+        abortable = engine if isinstance(engine, Abortable) else None
+        async with manager.paused(None if abortable is None else abortable.abort):
+            if abortable is not None:
+                abortable.resume()
             yield
 
 
@@ -154,10 +158,9 @@ def direct_loader(
     """The engine's `load_weights`, where a sync can hand it the model's tensors directly: a
     single-process run (under torchrun the weights are gathered by the export) whose engine has
     its own copy of the weights and which syncs full weights (not a LoRA adapter alone)."""
-    load = getattr(engine, "load_weights", None)
-    if not callable(load) or shares_model or rank_world()[1] > 1 or syncs_adapter(components.model):
+    if not isinstance(engine, WeightLoader) or shares_model or rank_world()[1] > 1 or syncs_adapter(components.model):
         return None
-    return load  # type: ignore[no-any-return]
+    return engine.load_weights
 
 
 async def sync_engine(
@@ -207,9 +210,11 @@ async def _load(
     """`load()` the engine's new weights, never mid-generation: under the lock (the producer holds
     it while generating), and with `manager` (partial rollouts) paused, the responses in flight cut
     short by the engine's abort() and the engine resumed after the load."""
-    abort, resume = (getattr(engine, name, None) for name in ("abort", "resume"))
-    held: Any = contextlib.nullcontext() if manager is None else manager.paused(abort if callable(abort) else None)
+    abortable = engine if isinstance(engine, Abortable) else None
+    held: Any = (
+        contextlib.nullcontext() if manager is None else manager.paused(None if abortable is None else abortable.abort)
+    )
     async with lock, held:
         await load()
-        if manager is not None and callable(resume):
-            resume()
+        if manager is not None and abortable is not None:
+            abortable.resume()

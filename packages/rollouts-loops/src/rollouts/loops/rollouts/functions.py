@@ -24,7 +24,7 @@ from rollouts.data.user_code import call_user
 from rollouts.loops.rollouts.multiturn import ToolExecutor, ToolParser, run_tool_rollout
 from rollouts.loops.rollouts.scoring import REWARD_ERROR_KEY, GroupScorer, Reward
 from rollouts.sync.partial import PARTIAL, continue_partials
-from rollouts.types import FilterFn, InferenceEngine, RLConfig, Sample, SamplingParams
+from rollouts.types import Abortable, FilterFn, InferenceEngine, RLConfig, Sample, SamplingParams
 
 PromptEncoder = Callable[[Any], Sequence[int]]
 """Turns a prompt record (from the DataBuffer) into prompt token ids."""
@@ -262,13 +262,12 @@ def tail_controls(engine: InferenceEngine, config: RLConfig) -> TailCut | None:
     abort() and resume(), which it must have; none otherwise."""
     if not (config.rollout.partial and config.rollout.tail == "first_n"):
         return None
-    abort, resume = getattr(engine, "abort", None), getattr(engine, "resume", None)
-    if not (callable(abort) and callable(resume)):
+    if not isinstance(engine, Abortable):
         raise ValueError(
             f"rl.rollout.partial with tail 'first_n' cuts the tail short with the engine's abort() and "
             f"resume(); engine {engine.name} ({type(engine).__name__}) has no such methods"
         )
-    return TailCut(interrupt=abort, resume=resume)
+    return TailCut(interrupt=engine.abort, resume=engine.resume)
 
 
 def group_continuer(
