@@ -19,8 +19,12 @@ through the HF model; its cache is copied in once. Models whose math or rounding
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
+
+from rollouts.backends.train.components import model_attr
 
 __all__ = ["FastDecoder", "fast_decoder"]
 
@@ -56,7 +60,7 @@ def fast_decoder(model: torch.nn.Module, total_length: int) -> FastDecoder | Non
     """A FastDecoder for `model`, or None when its architecture is not one the fast path reproduces."""
     if type(model).__name__ not in _ARCHITECTURES:
         return None
-    config = model.config
+    config = model_attr(model, "config")
     if getattr(config, "hidden_act", None) != "silu":
         return None
     if getattr(config, "_attn_implementation", "sdpa") != "sdpa":
@@ -80,11 +84,11 @@ class FastDecoder:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._model = model
-        self._body = model.model
-        config = model.config
-        self._num_heads = config.num_attention_heads
-        self._num_kv_heads = getattr(config, "num_key_value_heads", None) or self._num_heads
-        self._head_dim = getattr(config, "head_dim", None) or config.hidden_size // self._num_heads
+        self._body: Any = model_attr(model, "model")  # the decoder stack of a *ForCausalLM
+        config = model_attr(model, "config")
+        self._num_heads: int = config.num_attention_heads
+        self._num_kv_heads: int = getattr(config, "num_key_value_heads", None) or self._num_heads
+        self._head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self._num_heads
         self._scaling = self._body.layers[0].self_attn.scaling
         # One matmul for q, k, v and one for gate, up: their weights side by side (copied once per
         # generate call, so a training step between calls is seen; the columns come out as from
@@ -164,5 +168,5 @@ class FastDecoder:
         self._length = t + 1
         norm = body.norm
         hidden = _rms_norm(x_B_E, norm.weight, norm.variance_epsilon)
-        head = self._model.lm_head
+        head = model_attr(self._model, "lm_head")
         return F.linear(hidden, head.weight, head.bias)

@@ -19,9 +19,10 @@ import torch
 from transformers import DynamicCache
 
 from rollouts.backends.sampling.decode import FastDecoder, fast_decoder
+from rollouts.backends.train.components import model_attr
 from rollouts.backends.train.inputs import attention_mask_4d
 from rollouts.losses import truncation_mask
-from rollouts.types import Sample, SamplingParams, Status
+from rollouts.types import LogProbs, LossMask, Sample, SamplingParams, Status, TokenIds
 
 __all__ = ["generate", "sample_next_tokens"]
 
@@ -136,7 +137,8 @@ class _HFDecoder:
             past_key_values=self._cache,
             use_cache=True,
         )
-        return out.logits[:, -1]
+        logits_B_V: torch.Tensor = out.logits[:, -1]
+        return logits_B_V
 
 
 @torch.no_grad()
@@ -168,7 +170,7 @@ def generate(
     partial response with the remaining budget.
     """
     n, max_new_tokens, temperature = params.n, params.max_new_tokens, params.temperature
-    config = model.config
+    config = model_attr(model, "config")
     prompts = _check_prompts(prompt_token_ids, config.vocab_size)
     max_len = max(len(p) for p in prompts)
     limit = getattr(config, "max_position_embeddings", None)
@@ -278,10 +280,10 @@ def generate(
         response = tokens_rows[row][: lengths[row]]
         samples.append(
             Sample(
-                tokens=tuple(prompt + response),
+                tokens=TokenIds(prompt + response),
                 num_prompt_tokens=len(prompt),
-                loss_mask=(0.0,) * len(prompt) + (1.0,) * len(response),
-                rollout_logprobs=tuple(logprob_rows[row][: lengths[row]]),
+                loss_mask=LossMask((0.0,) * len(prompt) + (1.0,) * len(response)),
+                rollout_logprobs=LogProbs(logprob_rows[row][: lengths[row]]),
                 weight_version=weight_version,
                 status=Status.ABORTED if aborted[row] else Status.COMPLETED if completed[row] else Status.TRUNCATED,
                 index=row,

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
-from rollouts.backends.train.components import TrainingComponents
+from rollouts.backends.train.components import TrainingComponents, model_attr
 from rollouts.backends.train.distributed import data_parallel_size
 from rollouts.backends.train.inputs import HostLayout, host_layout, micro_batch_to_torch, model_inputs
 from rollouts.losses import LossFn, fused_token_logprobs
@@ -49,11 +49,11 @@ def _final_hidden(
         hidden.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
 
     def keep_weight(module: torch.nn.Module, _args: Any) -> None:
-        weight.append(module.weight)
+        weight.append(cast(torch.Tensor, module.weight))  # a Linear's (or tied embedding's) weight
 
     handles = [
-        model.base_model.register_forward_hook(keep_hidden),
-        model.get_output_embeddings().register_forward_pre_hook(keep_weight),
+        model_attr(model, "base_model").register_forward_hook(keep_hidden),
+        model_attr(model, "get_output_embeddings")().register_forward_pre_hook(keep_weight),
     ]
     try:
         no_positions = torch.empty(0, dtype=torch.long, device=batch.input_ids.device)
@@ -117,12 +117,14 @@ def _token_logprobs(
         top_p=top_p,
     )
     if truncated and with_entropy:
-        logprobs_1_K = result
+        logprobs_1_K = cast(torch.Tensor, result)  # return_entropy was off: log-probs alone
         _, entropy_1_K = fused_token_logprobs(
             hidden_1_K_H, weight_V_H, labels_1_K, temperature=temperature, return_entropy=True
         )
+    elif with_entropy:
+        logprobs_1_K, entropy_1_K = cast(tuple[torch.Tensor, torch.Tensor], result)
     else:
-        logprobs_1_K, entropy_1_K = result if with_entropy else (result, None)
+        logprobs_1_K, entropy_1_K = cast(torch.Tensor, result), None
     logprobs_B_T = _scatter_kept(logprobs_1_K, kept_K, b, t)
     return logprobs_B_T, None if entropy_1_K is None else _scatter_kept(entropy_1_K, kept_K, b, t)
 
@@ -177,7 +179,7 @@ def forward_backward(
         loss, metrics = loss_fn(logprobs_B_T, batch, **kwargs)
         # FSDP averages gradients over ranks; the loss already divides by global counts, so
         # scaling by the rank count turns that average into the sum the step needs.
-        (loss * num_ranks if num_ranks > 1 else loss).backward()
+        (loss * num_ranks if num_ranks > 1 else loss).backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         loss_total += float(loss.detach())
         weight = float(max(layout.num_loss_tokens, 1))
         for key, value in metrics.items():
@@ -261,7 +263,9 @@ def optim_step(
     # The norm is checked before clipping: clipping by a NaN norm would spread the NaN into
     # every gradient and hide which parameter produced it.
     # foreach=None: torch's multi-tensor kernels where the device has them (CUDA), else the loop.
-    total_norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=None) if params else None
+    total_norm = (
+        torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None], foreach=None) if params else None
+    )
     grad_norm = float(_full(total_norm)) if total_norm is not None else 0.0
     lr = float(optimizer.param_groups[0]["lr"])
     loss_finite = loss is None or math.isfinite(loss)
