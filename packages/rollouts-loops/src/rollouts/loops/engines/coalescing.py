@@ -176,7 +176,9 @@ class CoalescingEngine:
 
     def _take_batch(self) -> list[_Request]:
         key = self._key(self._queue[0])
-        batch, rest, num = [], [], 0
+        batch: list[_Request] = []
+        rest: list[_Request] = []
+        num = 0
         for r in self._queue:
             if self._key(r) == key and (not batch or num + len(r.prompts) <= self.max_prompts_per_call):
                 batch.append(r)
@@ -277,7 +279,31 @@ def remote_engine(
     return EnginePool(engines, sync_timeout_s=sync_timeout_s)
 
 
-class SendWeights:
+class _Wrapped:
+    """An engine wrapper: the InferenceEngine calls pass through to `engine` explicitly (so the
+    protocol sees them); anything else (abort, resume, pause, ...) through attribute lookup."""
+
+    def __init__(self, engine: InferenceEngine) -> None:
+        self.engine = engine
+
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    def __getattr__(self, attribute: str) -> object:
+        return getattr(self.engine, attribute)
+
+    async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
+        return await self.engine.generate(prompts, params)
+
+    async def weight_version(self) -> int | None:
+        return await self.engine.weight_version()
+
+    async def health(self) -> bool:
+        return await self.engine.health()
+
+
+class SendWeights(_Wrapped):
     """An engine synced through request bodies: `update_weights_from_disk(path, version)` reads the
     exported safetensors at `path` here, in the trainer's process, and sends the tensors with
     `update_weights_from_tensors` (chunked; vLLM with the worker extension), so the engine needs no
@@ -290,14 +316,7 @@ class SendWeights:
                 f"engine {engine.name} cannot take weights in request bodies (no update_weights_from_tensors): "
                 "use engine.sync = 'disk'"
             )
-        self.engine = engine
-
-    @property
-    def name(self) -> str:
-        return self.engine.name
-
-    def __getattr__(self, attribute: str) -> object:  # generate, weight_version, health, ...
-        return getattr(self.engine, attribute)
+        super().__init__(engine)
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
         if is_adapter_dir(path):
@@ -326,7 +345,7 @@ def read_numpy_weights(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     return out
 
 
-class BoundedSync:
+class BoundedSync(_Wrapped):
     """One engine whose weight reloads are bounded by `sync_timeout_s`, as a pool bounds each of its
     engines: a reload that hangs or ends on another version is a WeightSyncError naming the engine
     (the client's own request timeout and retries alone could run far past the setting).
@@ -335,15 +354,8 @@ class BoundedSync:
     def __init__(self, engine: InferenceEngine, *, sync_timeout_s: float) -> None:
         if not sync_timeout_s > 0:
             raise ValueError(f"sync_timeout_s must be > 0, got {sync_timeout_s}")
-        self.engine = engine
+        super().__init__(engine)
         self.sync_timeout_s = sync_timeout_s
-
-    @property
-    def name(self) -> str:
-        return self.engine.name
-
-    def __getattr__(self, attribute: str) -> object:  # generate, weight_version, health, ...
-        return getattr(self.engine, attribute)
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
         await sync_weights_to_engines([self.engine], path, weight_version, timeout_s=self.sync_timeout_s)
