@@ -73,8 +73,8 @@ class BufferState:
 
 def epoch_order(state: BufferState, epoch_id: int) -> np.ndarray:
     """[N] the order in which epoch `epoch_id` visits the prompts (a permutation of 0..N-1),
-    read-only: made once per epoch and kept (a step draws from it, and at a million prompts
-    making it costs ~14 ms)."""
+    read-only: made once per epoch and kept (every step draws from it, and making it is
+    linear in the number of prompts)."""
     return _epoch_order(state.seed, epoch_id, state.num_prompts, state.shuffle)
 
 

@@ -5,9 +5,8 @@ or the record itself) is encoded as it is when the tokenizer has no chat templat
 chat=False), and as one user turn with the generation prompt when it has one; a list of messages
 goes through the chat template.
 
-Speed: a transformers fast tokenizer's `encode` spends about two thirds of its time in Python
-around the Rust tokenizer (27 us vs 9 us per short prompt, measured), which a step of a thousand
-prompts pays in the rollout manager's process. Text prompts are encoded with the Rust tokenizer
+Speed: a transformers fast tokenizer's `encode` spends most of its time in Python around the Rust
+tokenizer, which a step of a thousand prompts pays in the rollout manager's process. Text prompts are encoded with the Rust tokenizer
 (`backend_tokenizer`) directly. The ids must be what `tokenizer.encode(text,
 add_special_tokens=False)` gives: the first text prompt is encoded both ways, and a tokenizer
 whose two paths disagree (a wrapper that normalizes, splits special tokens, ...) is used through

@@ -71,8 +71,8 @@ class Sample:
 
     def replace(self, **changes: Any) -> Sample:
         """A copy with `changes` applied, like `dataclasses.replace` but checking only what changed
-        (the arrays are not looked at again unless one of them, or num_prompt_tokens, changes):
-        ~4x faster, which counts at a thousand samples per step and several replaces each."""
+        (the arrays are not looked at again unless one of them, or num_prompt_tokens, changes), which
+        counts at a thousand samples per step and several replaces each."""
         names = tuple(changes)
         checks = _CHECKS_OF_CHANGES.get(names)
         if checks is None:

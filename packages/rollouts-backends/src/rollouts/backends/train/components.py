@@ -157,8 +157,7 @@ def build_optimizer(model: torch.nn.Module, config: OptimizerConfig) -> torch.op
 
 def _adamw_implementation(params: list[torch.Tensor]) -> dict[str, bool]:
     """Which of torch's AdamW implementations updates `params` fastest: the fused kernel for plain
-    weights on CPU or CUDA (every tensor in one call; on CPU 3x faster than the per-tensor loop on a
-    1M-parameter model), the multi-tensor (foreach) kernels for sharded (DTensor) weights on CUDA,
+    weights on CPU or CUDA (every tensor in one call), the multi-tensor (foreach) kernels for sharded (DTensor) weights on CUDA,
     else (other tensor subclasses, other devices, a mix) the per-tensor loop. Each gives the same
     bits on a rerun, so exact-resume comparisons stay bitwise."""
     device_types = {p.device.type for p in params}

@@ -3,7 +3,7 @@
 With ProcessEngine the sampler runs beside training, but the rollout manager still runs in the
 trainer's process: encoding prompts, building, checking and scoring each group's Samples, keeping
 the step's accounting. That is pure Python, and in an overlapped run it shares the trainer's
-interpreter lock with the training step (on the demo workload about 10 ms of each ~90 ms step).
+interpreter lock with the training step.
 A RolloutProcess is a ProcessEngine whose engine process (rollouts.loops.engines.rollout_worker) also runs
 the rollout manager; the trainer sends a step number and receives the finished RolloutBatch.
 

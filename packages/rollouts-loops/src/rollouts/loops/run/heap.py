@@ -2,8 +2,8 @@
 
 A training process holds a few hundred thousand long-lived objects from its imports and setup
 (torch, transformers, the model's modules). Python's full collection walks all of them each time
-it runs, which at a step of 1024 samples x 4096 tokens (thousands of new objects per step) came
-every few steps and cost 70-160 ms each (benchmarks/bench_bookkeeping.py). `gc.freeze()` moves the
+it runs, and a large step (thousands of new objects) sets one off every few steps
+(benchmarks/bench_bookkeeping.py measures it). `gc.freeze()` moves the
 objects alive now to a permanent generation that collections skip; they live for the whole run
 anyway. The loops freeze once setup is done and unfreeze when the run ends, so the process is
 left as it was found.
