@@ -41,6 +41,7 @@ __all__ = [
     "to_trash",
     "write_bytes",
     "write_config",
+    "write_generation_config",
     "write_json",
     "write_tensors",
 ]
@@ -109,6 +110,16 @@ def write_json(path: Path, obj: Any, *, sync: bool = True) -> dict[str, int]:
 
 def write_config(path: Path, model: torch.nn.Module, *, sync: bool = True) -> dict[str, int]:
     return write_bytes(path, model_attr(model, "config").to_json_string(use_diff=False).encode(), sync=sync)
+
+
+def write_generation_config(directory: Path, model: torch.nn.Module, *, sync: bool = True) -> dict[str, dict[str, int]]:
+    """`generation_config.json` (the model's sampling defaults and stop tokens, which a server reads)
+    as {file name: entry}, or {} for a model without one."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return {}
+    name = "generation_config.json"
+    return {name: write_bytes(directory / name, config.to_json_string(use_diff=True).encode(), sync=sync)}
 
 
 def _libc_function(name: str, argtypes: list[Any]) -> Callable[..., int] | None:

@@ -20,6 +20,7 @@ from rollouts.backends.checkpoint.durable import (
     delete_dirs,
     publish_dir,
     write_config,
+    write_generation_config,
     write_json,
     write_tensors,
 )
@@ -176,6 +177,7 @@ def _write_export(
             sync=durable,
         )
     write_config(tmp / "config.json", components.model, sync=durable)
+    write_generation_config(tmp, components.model, sync=durable)
     checksum = 0
     for file_name in file_names:
         checksum = zlib.crc32(files[file_name]["crc32"].to_bytes(4, "little"), checksum)

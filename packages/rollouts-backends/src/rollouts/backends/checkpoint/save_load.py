@@ -43,6 +43,7 @@ from rollouts.backends.checkpoint.durable import (
     publish_dir,
     to_trash,
     write_config,
+    write_generation_config,
     write_json,
     write_tensors,
 )
@@ -174,6 +175,7 @@ def save_checkpoint(
             files.update(write_adapter_files(tmp, components.model, weights, write_json, write_tensors, sync=wait))
         else:
             files["config.json"] = write_config(tmp / "config.json", components.model, sync=wait)
+            files.update(write_generation_config(tmp, components.model, sync=wait))
             files["model.safetensors"] = write_tensors(tmp / "model.safetensors", weights, {"format": "pt"}, sync=wait)
         for name, tensors in more.items():
             files[f"{name}.safetensors"] = write_tensors(

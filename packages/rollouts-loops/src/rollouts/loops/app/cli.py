@@ -50,7 +50,10 @@ def _add_export_parser(sub: Any) -> None:
         "base model it records (or --base). Tokenizer files are copied too.",
     )
     p.add_argument("checkpoint", help="a checkpoint directory (step_<n>)")
-    p.add_argument("out", help="directory to write (replaced if it exists)")
+    p.add_argument("out", help="directory to write (an earlier export there is replaced)")
+    p.add_argument(
+        "--force", action="store_true", help="replace OUT even if it holds other files (never a run directory)"
+    )
     p.add_argument("--merge", action="store_true", help="LoRA: merge the adapter into the base weights")
     p.add_argument("--base", default=None, help="LoRA: the base model directory (default: the one recorded)")
 
