@@ -158,7 +158,6 @@ def test_broadcast_to_tokens():
         broadcast_to_tokens(torch.ones(3), mask)
 
 
-
 def _verl_reinforce_pp_baseline_scores(rewards, groups):
     """verl's REINFORCE++-baseline centering (core_algos.py): r - group mean; a group of one keeps its reward."""
     out = []

@@ -109,7 +109,9 @@ def adaptive_kl_update(
         raise ValueError(f"observed_kl must be a finite number >= 0 (a KL estimate), got {observed_kl!r}")
     if not (math.isfinite(target_kl) and target_kl > 0):
         raise ValueError(f"target_kl must be a finite number > 0, got {target_kl!r}")
-    counts = {"horizon": horizon, "num_steps": num_steps} | ({} if num_samples is None else {"num_samples": num_samples})
+    counts = {"horizon": horizon, "num_steps": num_steps}
+    if num_samples is not None:
+        counts["num_samples"] = num_samples
     for name, count in counts.items():
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"{name} must be an int >= 1, got {count!r}")
