@@ -17,12 +17,13 @@ from rollouts.loops.rollouts.reward_models import (
     ClassifierRewardModel,
     check_reward_model_dir,
     reward_model_reward,
+    strip_trailing_pad,
     weighted_reward,
 )
 from rollouts.loops.rollouts.scoring import GroupScorer, Reward
 from rollouts.types import Sample
 
-# float32 on both sides, the same ids and the same last-token pooling: only summation order differs.
+# float32 on both sides, the same ids (none ends in the pad id), the same pooled token: only summation order differs.
 SCORE_ATOL = 1e-4
 
 
@@ -80,6 +81,49 @@ def test_in_process_scores_are_the_models_logit_whatever_the_batching(reward_mod
         with torch.no_grad():
             alone = rm.model(input_ids=torch.tensor([ids])).logits[0, 0].item()
         assert score == pytest.approx(alone, abs=1e-5)
+
+
+def _ending_in_pad(pad):
+    """Sequences whose last tokens have the pad id (an EOS that shares it), and one of pads only."""
+    return [[3, 4, pad], [6, pad, 7, pad, pad], [pad, pad], [5, 9, 2, 8, pad]]
+
+
+def test_in_process_scores_take_the_last_non_pad_token_as_transformers(reward_model_dir):
+    """transformers' *ForSequenceClassification (and TRL) score the last token whose id is not the pad id,
+    so an EOS sharing the pad id is skipped; vLLM's last-token pooling would score it."""
+    rm = ClassifierRewardModel.load(reward_model_dir, batch_size=4)
+    sequences = _ending_in_pad(rm.pad_token_id)
+    scores = rm.score(sequences)
+    for ids, score in zip(sequences, scores, strict=True):
+        with torch.no_grad():
+            reference = rm.model(input_ids=torch.tensor([ids])).logits[0, 0].item()
+            last_token = rm.model.score(rm.model.model(input_ids=torch.tensor([ids]))[0][0, -1]).item()
+        assert score == pytest.approx(reference, abs=1e-5)
+        if ids[0] != ids[-1]:  # the all-pad row scores its first token, which is also a pad
+            assert score != pytest.approx(last_token, abs=1e-3)
+
+
+@settings(max_examples=20, deadline=None)
+@given(ids=st.lists(st.integers(0, 13), min_size=1, max_size=12))
+def test_trailing_pad_ids_are_dropped_down_to_one_token(ids):
+    pad = 0
+    kept = strip_trailing_pad(ids, pad)
+    assert ids[: len(kept)] == kept and all(x == pad for x in ids[len(kept) :])
+    assert len(kept) >= 1 and (kept[-1] != pad or kept == [pad])
+
+
+def test_a_reward_scorer_given_the_pad_id_reads_ids_without_trailing_pads():
+    """What makes a vLLM server (last-token pooling) score the token transformers scores."""
+    seen = []
+
+    class Recorder:
+        def score(self, inputs):
+            seen.extend(inputs)
+            return [0.0] * len(inputs)
+
+    samples = [Sample(tokens=ids, num_prompt_tokens=1, loss_mask=[0.0] * len(ids)) for ids in _ending_in_pad(0)]
+    trio.run(GroupScorer(reward_model_reward(Recorder(), pad_token_id=0)).score, samples, {})
+    assert seen == [[3, 4], [6, 0, 7], [0], [5, 9, 2, 8]]
 
 
 def test_a_weighted_reward_adds_a_verifier_and_a_reward_model(reward_model_dir):

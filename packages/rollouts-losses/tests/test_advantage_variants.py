@@ -123,6 +123,28 @@ def test_adaptive_kl_controller_follows_ziegler():
     assert adaptive_kl_update(state, observed_kl=0.1, target_kl=0.1, horizon=5) == state
 
 
+def _verl_adaptive_kl(coef, current_kl, target_kl, horizon, n_steps):
+    """verl's AdaptiveKLController.update (core_algos.py); the trainer passes n_steps = the batch's samples."""
+    error = min(max(current_kl / target_kl - 1, -0.2), 0.2)
+    return coef * (1 + error * n_steps / horizon)
+
+
+def test_adaptive_kl_controller_counts_samples_in_the_horizon_as_verl_when_asked():
+    """50 steps of 64 sequences, horizon 10000: verl reaches 0.05142; counting steps (the default) 0.05002."""
+    by_samples = by_steps = KLControllerState(coef=0.05)
+    verl = 0.05
+    for _ in range(50):
+        by_samples = adaptive_kl_update(by_samples, observed_kl=0.10875, target_kl=0.1, horizon=10_000, num_samples=64)
+        by_steps = adaptive_kl_update(by_steps, observed_kl=0.10875, target_kl=0.1, horizon=10_000)
+        verl = _verl_adaptive_kl(verl, 0.10875, 0.1, 10_000, 64)
+    assert by_samples.coef == pytest.approx(verl, rel=1e-12)
+    assert round(by_samples.coef, 5) == 0.05142 and round(by_steps.coef, 5) == 0.05002
+    three_steps = adaptive_kl_update(
+        KLControllerState(coef=0.1), observed_kl=0.2, target_kl=0.1, horizon=1000, num_steps=3, num_samples=96
+    )
+    assert three_steps.coef == pytest.approx(0.1 * (1 + 0.2 * 96 / 1000))  # the samples of all three steps
+
+
 @pytest.mark.parametrize(
     ("kw", "match"),
     [
@@ -130,6 +152,8 @@ def test_adaptive_kl_controller_follows_ziegler():
         ({"target_kl": 0.0}, "target_kl"),
         ({"horizon": 0}, "horizon"),
         ({"num_steps": 11}, r"num_steps \(11\) must be <= horizon \(10\)"),
+        ({"num_samples": 11}, r"num_samples \(11\) must be <= horizon \(10\)"),
+        ({"num_samples": 0}, "num_samples must be an int >= 1"),
     ],
 )
 def test_adaptive_kl_controller_refuses_bad_input(kw, match):

@@ -156,3 +156,34 @@ def test_broadcast_to_tokens():
     assert torch.equal(out, torch.tensor([[0.0, 2.0, 2.0], [0.0, 0.0, -1.0]]))
     with pytest.raises(ValueError):
         broadcast_to_tokens(torch.ones(3), mask)
+
+
+def _verl_reinforce_pp_baseline_scores(rewards, groups):
+    """verl's REINFORCE++-baseline centering (core_algos.py): r - group mean; a group of one keeps its reward."""
+    out = []
+    for r, g in zip(rewards, groups, strict=True):
+        members = [x for x, h in zip(rewards, groups, strict=True) if h == g]
+        out.append(r - (sum(members) / len(members) if len(members) > 1 else 0.0))
+    return out
+
+
+def test_reinforce_pp_baseline_keeps_the_reward_of_a_group_of_one():
+    rewards = torch.tensor([0.99, 1.0, 0.0, 0.3, 0.5, 0.7], dtype=torch.float64)
+    groups = [4, 1, 1, 2, 2, 5]  # groups 4 and 5 have one sample each
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0], [0, 1, 1], [0, 0, 1], [1, 1, 1], [0, 0, 0]], dtype=torch.float64)
+    ours = reinforce_pp_advantages(rewards, mask, group_ids_B=torch.tensor(groups))
+    centered = torch.tensor(_verl_reinforce_pp_baseline_scores(rewards.tolist(), groups), dtype=torch.float64)
+    # gamma 1, no KL: every trained token's return is its sample's centered reward
+    torch.testing.assert_close(ours, masked_whiten(broadcast_to_tokens(centered, mask), mask))
+
+
+@settings(max_examples=30, deadline=None)
+@given(rewards=st.lists(_reward, min_size=2, max_size=8), seed=st.integers(0, 2**16))
+def test_reinforce_pp_groups_of_one_are_no_baseline(rewards, seed):
+    r = torch.tensor(rewards, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(len(rewards), 5, generator=g) > 0.3).double()
+    singletons = torch.randperm(len(rewards), generator=g)  # every sample its own group, ids shuffled
+    torch.testing.assert_close(
+        reinforce_pp_advantages(r, mask, group_ids_B=singletons), reinforce_pp_advantages(r, mask)
+    )

@@ -10,10 +10,11 @@ from rollouts.losses import AGGREGATION_MODES, aggregate
 
 
 def _verl_agg_loss(loss, mask, mode, loss_scale_factor=None):
-    """verl's agg_loss as rewritten during 2026 (verl/trainer/ppo/core_algos.py, checked 2026-11),
-    written out naively for padded rows in one micro-batch: sequences without a loss token are not
-    counted in any seq-mean mode, and seq-mean-token-sum-norm is the mean over sequences of each
-    sequence's token sum divided by the constant (default: the padded length)."""
+    """verl's agg_loss (verl/trainer/ppo/core_algos.py) written out naively for padded rows in one
+    micro-batch, sequences without a loss token not counted in any seq-mean mode; except
+    seq-mean-token-sum-norm, which is TRL's dr_grpo here: the mean over sequences of each sequence's
+    token sum divided by the constant (default: the padded length). verl's divides the summed
+    sequence losses by the constant only (`_verl_seq_mean_token_sum_norm`)."""
     counted = [i for i in range(loss.shape[0]) if mask[i].sum() > 0]
     sums = [float((loss[i] * mask[i]).sum()) for i in counted]
     if mode == "token-mean":
@@ -80,6 +81,22 @@ def test_dr_grpo_equals_trl_and_keeps_the_one_over_g():
     got = aggregate(loss, mask, "seq-mean-token-sum-norm", norm_constant=16.0)
     assert got.item() == pytest.approx(_trl_dr_grpo(loss, mask, 16), rel=1e-12)
     assert got.item() == pytest.approx(float((loss * mask).sum()) / 16.0 / 8, rel=1e-12)
+
+
+def _verl_seq_mean_token_sum_norm(loss, mask, loss_scale_factor):
+    """verl agg_loss "seq-mean-token-sum-norm": the sum over sequences of their token sums / the constant."""
+    return float((loss * mask).sum()) / loss_scale_factor
+
+
+def test_seq_mean_token_sum_norm_is_verls_divided_by_the_number_of_sequences():
+    """The README's table: this mode follows TRL's dr_grpo; verl's is num_sequences times larger."""
+    g = torch.Generator().manual_seed(4)
+    loss = torch.randn(8, 16, generator=g, dtype=torch.float64)
+    mask = (torch.rand(8, 16, generator=g) > 0.5).double()
+    mask[[1, 6]] = 0.0  # two sequences without loss tokens: not counted
+    got = aggregate(loss, mask, "seq-mean-token-sum-norm", norm_constant=16.0).item()
+    assert got * 6 == pytest.approx(_verl_seq_mean_token_sum_norm(loss, mask, 16.0), rel=1e-12)
+    assert aggregate(loss, mask, "token-sum").item() / 16.0 == pytest.approx(got * 6, rel=1e-12)  # verl's, by hand
 
 
 def test_norm_constant_replaces_t():

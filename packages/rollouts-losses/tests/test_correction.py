@@ -194,3 +194,44 @@ def test_on_policy_diagnostics_are_ideal():
         batch["old_logprobs"], batch["rollout_logprobs"], torch.zeros_like(batch["loss_mask"])
     )
     assert empty["offpolicy_ess_token"] == 1.0 and empty["offpolicy_chi2_seq"] == 0.0
+
+
+def _verl_offpolicy(old, rollout, mask, threshold):
+    """verl's rollout-correction metrics on padded rows (rollout_corr_helper.py), written out from its formulas:
+    log-ppl difference and sequence chi-square averaged over all rows, ESS of weights clamped to
+    [1/threshold, threshold], the sequence ESS over tokens (each sequence's weight on each of its tokens)."""
+    log_r = torch.where(mask > 0, old - rollout, 0.0)
+    count = mask.sum(-1)
+    log_ppl = torch.where(count > 0, -log_r.sum(-1) / count.clamp(min=1), 0.0)
+    seq_w = torch.exp(log_r.sum(-1))
+
+    def ess(w_B_T):
+        w = w_B_T.clamp(1 / threshold, threshold)
+        mean = (w * mask).sum() / mask.sum()
+        return 1.0 / (((w / mean) ** 2 * mask).sum() / mask.sum())
+
+    return {
+        "offpolicy_log_ppl_diff": log_ppl.mean().item(),
+        "offpolicy_chi2_seq": (seq_w**2).mean().item() - 1.0,
+        "offpolicy_ess_token": ess(torch.exp(log_r)).item(),
+        "offpolicy_ess_seq": ess(seq_w[:, None].expand_as(mask)).item(),
+    }
+
+
+def test_off_policy_diagnostics_keep_their_departures_from_verl():
+    """Kept departures (module docstring, README): sequences without loss tokens are not averaged over,
+    the ESS uses the raw weights, and the sequence ESS counts each sequence once."""
+    g = torch.Generator().manual_seed(21)
+    rollout = -torch.rand(8, 6, generator=g, dtype=torch.float64) * 3
+    old = rollout + 0.8 * torch.randn(8, 6, generator=g, dtype=torch.float64)  # weights well outside [1/2, 2]
+    mask = (torch.rand(8, 6, generator=g) > 0.3).double()
+    mask[:, 1] = 1.0
+    mask[[2, 5]] = 0.0  # two empty rows of eight
+    ours = off_policy_diagnostics(old, rollout, mask)
+    seqs = [{"old_logprobs": old[i], "rollout_logprobs": rollout[i], "loss_mask": mask[i]} for i in range(8)]
+    documented = _naive_diagnostics(seqs)
+    verl = _verl_offpolicy(old, rollout, mask, threshold=2.0)
+    for name in verl:
+        assert ours[name] == pytest.approx(documented[name], rel=1e-9)
+        assert ours[name] != pytest.approx(verl[name], rel=1e-2)
+    assert ours["offpolicy_log_ppl_diff"] == pytest.approx(verl["offpolicy_log_ppl_diff"] * 8 / 6, rel=1e-9)

@@ -81,6 +81,27 @@ def test_gspo_matches_naive_and_packs():
     torch.testing.assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(ref, logp)[0])
 
 
+def _verl_gspo(logp, old, adv, mask, eps_low, eps_high):
+    """verl's compute_policy_loss_gspo on padded rows: the sequence log-ratio clamped above at 10, not below."""
+    sel = (mask > 0).double()
+    seq_log = ((logp - old) * sel).sum(-1) / sel.sum(-1)
+    s = torch.exp(torch.clamp(seq_log.detach()[:, None] + logp - logp.detach(), max=10.0))
+    loss = torch.max(-adv * s, -adv * torch.clamp(s, 1 - eps_low, 1 + eps_high))
+    return ((loss * mask).sum(-1) / mask.sum(-1)).mean()
+
+
+@pytest.mark.parametrize("shift", [15.0, 10.5, -25.0, 0.3])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_gspo_clamps_the_sequence_log_ratio_as_verl(shift, sign):
+    """Mean log-ratio 15 with a negative advantage: verl's clamp at 10 gives e^10, not e^15."""
+    logp, old, adv, mask = _batch(5)
+    old = old - shift  # every row's mean log-ratio moves by `shift`
+    ours, _ = gspo_loss(logp, old, sign * adv.abs(), mask)
+    ref = _verl_gspo(logp, old, sign * adv.abs(), mask, 3e-4, 4e-4)
+    torch.testing.assert_close(ours, ref, rtol=1e-9, atol=0.0)
+    torch.testing.assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(ref, logp)[0])
+
+
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**16), lengths=st.lists(st.integers(2, 7), min_size=1, max_size=4), pad=st.integers(0, 2))
 def test_gspo_packed_equals_padded(seed, lengths, pad):

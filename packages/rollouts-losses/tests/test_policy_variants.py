@@ -177,6 +177,22 @@ def test_gmpo_matches_naive_loops(layout):
     assert metrics["clip_frac_low"] + metrics["clip_frac_high"] > 0  # the clip is exercised
 
 
+@pytest.mark.parametrize(("dtype", "rel"), [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_gmpo_keeps_the_token_log_ratio_within_20_where_verl_has_no_clamp(dtype, rel):
+    """A kept departure: verl's clamp is commented out, so one token with log r = 200 and A < 0 makes its
+    sequence ratio exp(200 / 2) overflow to inf; ours counts that token as log r = 20."""
+    logp = torch.tensor([[0.0, -0.5]], dtype=dtype, requires_grad=True)
+    old = torch.tensor([[-200.0, -0.5]], dtype=dtype)
+    adv, mask = -torch.ones(1, 2, dtype=dtype), torch.ones(1, 2, dtype=dtype)
+    loss, _ = gmpo_loss(logp, old, adv, mask)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert loss.item() == pytest.approx(math.exp((20.0 + 0.0) / 2), rel=rel)
+    assert grad[0, 0].item() == 0.0  # beyond the clamp
+    assert grad[0, 1].item() == pytest.approx(math.exp(10.0) / 2, rel=rel)
+    verl_ratio = torch.exp(((logp - old).detach() * mask).sum() / 2)  # no clamp: e^100 overflows float32 and bf16
+    assert not torch.isfinite(verl_ratio)
+
+
 def _kl_cov_naive(seqs, fraction, coef):
     """KL-Cov from plain loops over the concatenated loss tokens."""
     logps = [s["logprobs"].clone().requires_grad_() for s in seqs]

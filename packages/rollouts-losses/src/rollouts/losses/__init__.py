@@ -1,4 +1,4 @@
-"""rollouts-losses: the pure torch math of post-training (log-probs, losses, advantages, KL, rewards)."""
+"""rollouts-losses: the pure torch math of post-training (log-probs, losses, advantages, KL, rewards, EMA)."""
 
 import importlib.metadata
 
@@ -21,6 +21,7 @@ from rollouts.losses.correction import (
     off_policy_sequence_mask,
     rejection_mask,
 )
+from rollouts.losses.ema import ema_accumulators, ema_update_
 from rollouts.losses.fused_logprobs import fused_block_shape, fused_token_logprobs, truncation_mask
 from rollouts.losses.kl import KL_KINDS, KLControllerState, adaptive_kl_update, importance_weights, kl_penalty
 from rollouts.losses.logprobs import token_entropy, token_logprobs
@@ -67,6 +68,8 @@ __all__ = [
     "clip_rewards",
     "combine_rewards",
     "dppo_loss",
+    "ema_accumulators",
+    "ema_update_",
     "format_reward",
     "fused_block_shape",
     "fused_token_logprobs",

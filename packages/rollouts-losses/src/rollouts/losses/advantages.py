@@ -4,7 +4,7 @@ Legend: B samples (one sequence each, padded rows), T tokens. Per-sample inputs 
 per-token ones [B, T], token-aligned, with the loss mask selecting the trained tokens.
 
 Conventions follow verl: a GRPO group of one sample has mean 0 and std 1 (its advantage is its
-reward), an RLOO group of one keeps its reward, and stds are unbiased. Departures: REINFORCE++
+reward), an RLOO or REINFORCE++-baseline group of one keeps its reward, and stds are unbiased. Departures: REINFORCE++
 returns and GAE skip tokens outside the mask (tool or user turns inside a response) instead of
 resetting at them, so one sample's reward reaches all its trained tokens.
 
@@ -242,7 +242,7 @@ def reinforce_pp_advantages(
 
     The reward sits on each sample's last trained token; kl_coef * kl_B_T is subtracted on every
     trained token (KL in the reward). With group_ids_B the group mean is subtracted first
-    (REINFORCE++-baseline).
+    (REINFORCE++-baseline); a group of one keeps its reward (mean 0, as in `group_advantages`).
     """
     _check_rewards(rewards_B, group_ids_B)
     if mask_B_T.dim() != 2 or mask_B_T.shape[0] != rewards_B.shape[0]:
@@ -253,7 +253,8 @@ def reinforce_pp_advantages(
     _check_eps(eps)
     if group_ids_B is not None:
         count_B, sum_B, _ = _group_stats(rewards_B, group_ids_B)
-        rewards_B = rewards_B - sum_B / count_B
+        # a group of one has mean 0 (as in GRPO and verl): its own reward is no baseline for itself
+        rewards_B = rewards_B - torch.where(count_B == 1, 0.0, sum_B / count_B)
     selected = mask_B_T > 0
     positions_T = torch.arange(mask_B_T.shape[1], device=mask_B_T.device)
     last_B = torch.where(selected, positions_T, -1).amax(dim=1)

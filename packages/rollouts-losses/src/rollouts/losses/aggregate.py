@@ -3,23 +3,30 @@
 Legend: B rows, T tokens per row, S sequences (bins; on packed rows S = B * T, most of them empty).
 
 Modes follow verl's `agg_loss` (verl/trainer/ppo/core_algos.py as of 2026-11, its rewrite with
-`global_batch_size` / `loss_scale_factor`) and TRL's GRPO `loss_type`:
-  token-mean               sum(loss * mask) / sum(mask)                        (TRL "dapo")
-  token-sum                sum(loss * mask)
+`global_batch_size` / `loss_scale_factor`) or TRL's GRPO `loss_type` (trl/trainer/grpo_trainer.py):
+  token-mean               sum(loss * mask) / sum(mask)               verl "token-mean"; TRL "dapo"
+  token-sum                sum(loss * mask)                           (no peer mode)
   seq-mean-token-sum       sum over sequences of sum(loss * mask) / number of sequences
+                                                                      verl "seq-mean-token-sum"
   seq-mean-token-mean      sum over sequences of [sum(loss * mask) / sum(mask)] / number of sequences
-                                                                               (TRL "grpo")
+                                                                      verl "seq-mean-token-mean"; TRL "grpo"
   seq-mean-token-sum-norm  sum over sequences of [sum(loss * mask) / norm_constant] / number of
-                           sequences (Dr.GRPO; default norm: the padded length T). TRL "dr_grpo"
-                           divides the token sum by batch_size * max_completion_length: the same.
+                           sequences (Dr.GRPO; default norm: the padded length T): TRL "dr_grpo",
+                           which divides the token sum by batch_size * max_completion_length (the
+                           same when every sequence has loss tokens).
+                           verl's "seq-mean-token-sum-norm" divides the summed sequence losses by
+                           the constant only, number-of-sequences times this; `token-sum` with the
+                           loss divided by the constant gives verl's.
 The number of sequences counts only sequences with at least one loss token, as current verl does
 (a sample fully masked by overlong filtering, or a tool-only turn, is not a sequence of the mean),
 in the local count and in the step-wide `num_sequences` alike (rollouts-data's StepPlan counts
 the same way).
 
-Departures from verl: a sequence (or a batch) without loss tokens contributes 0 instead of NaN;
-rows may be packed (`segment_ids_B_T`: several sequences in one row, -1 on padding); and the
-denominators can be given for the whole step (`num_tokens`, `num_sequences`) so that summing the
+Departures from verl: seq-mean-token-sum-norm follows TRL and the Dr.GRPO paper's 1/G (a loss
+whose size does not grow with the number of sequences in a step, so gradient clipping and the
+learning rate mean the same at any batch size); a sequence (or a batch) without loss tokens
+contributes 0 instead of NaN; rows may be packed (`segment_ids_B_T`: several sequences in one row,
+-1 on padding); and the denominators can be given for the whole step (`num_tokens`, `num_sequences`) so that summing the
 losses of a step's micro-batches equals the loss of the step as one batch. With packed rows and
 no `norm_constant`, seq-mean-token-sum-norm divides by the longest sequence in the rows (the T the
 sequences would have padded to): give the constant (the generation limit) to keep it fixed.

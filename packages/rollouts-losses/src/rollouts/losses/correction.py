@@ -17,7 +17,16 @@ From verl `verl/trainer/ppo/rollout_corr_helper.py` (read 2026-01-29):
 - `off_policy_diagnostics`: verl's `compute_offpolicy_metrics` and the ESS of `compute_is_metrics`:
   KL(engine || trainer) by k1 and k3, |log-prob drift|, log-perplexity difference, chi-square at
   token and sequence level (E[w^2] - 1), and the effective sample size (sum w)^2 / (n sum w^2) of
-  token and sequence weights (a fraction in (0, 1]; 1 = on-policy).
+  token and sequence weights (a fraction in (0, 1]; 1 = on-policy). Departures, kept on purpose:
+  the log-perplexity difference and the sequence chi-square average over the sequences that have
+  loss tokens (verl averages over all rows, so a fully masked row, e.g. an overlong-filtered sample,
+  counts as a perfect match and pulls both toward 0: two empty rows of eight shrink verl's log-ppl
+  difference by 6/8); the ESS uses the raw weights (verl clamps them to [1/threshold, threshold]
+  first, to avoid overflow: here they are float64 with log w clamped to +-20, which cannot overflow,
+  and a clamped ESS stops at the band, hiding how far the engine has drifted; the diagnostics have
+  no IS threshold, being computed whether or not IS is on); and the sequence ESS counts each
+  sequence once, the sequence being the sample its weight belongs to (verl's mean over tokens
+  counts a sequence once per token, so long sequences weigh more).
 From TRL `trl/trainer/grpo_trainer.py` (read 2026-07-24):
 - `off_policy_sequence_mask` (`get_off_policy_mask`, DeepSeek-V3.2 eq. 9): keep a sequence if its
   advantage is >= 0 or its mean log(pi_rollout / pi) is <= threshold. Departure: the sequence's
@@ -182,7 +191,11 @@ def off_policy_diagnostics(
     *,
     segment_ids_B_T: Tensor | None = None,
 ) -> dict[str, float]:
-    """[B, T] trainer and engine log-probs -> float metrics of how far the engine's sampling policy is from the trainer's."""
+    """[B, T] trainer and engine log-probs -> float metrics of how far the engine's sampling policy is from the trainer's.
+
+    Means over sequences count the sequences with loss tokens; the ESS is of the raw weights, each
+    sequence counted once at sequence level (departures from verl, kept: see the module docstring).
+    """
     check_same_shape(
         old_logprobs_B_T=old_logprobs_B_T,
         rollout_logprobs_B_T=rollout_logprobs_B_T,

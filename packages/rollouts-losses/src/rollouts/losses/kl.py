@@ -14,7 +14,13 @@ The adaptive KL controller (Ziegler et al. 2019, "Fine-Tuning Language Models fr
 Preferences", section 2.2; verl `AdaptiveKLController`, same file) is a pure function here:
 `adaptive_kl_update(state, observed_kl=..., ...)` returns the next `KLControllerState`, which the
 loop keeps (and checkpoints) with the rest of its state:
-  coef <- coef * (1 + clip(KL / target - 1, -0.2, 0.2) * num_steps / horizon).
+  coef <- coef * (1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon).
+The horizon counts RL steps by default (n = num_steps); given `num_samples`, it counts samples
+(n = num_samples), as verl's trainer and Ziegler et al.'s code do (they pass the batch size). With
+the same horizon, counting steps adapts batch-size times more slowly: after 50 steps of 64
+sequences at horizon 10000, 0.05 becomes 0.05002 counting steps and 0.05142 counting samples for a
+proportional error of 0.0875. Steps are the default so that a horizon means the same thing
+whatever the batch size; `horizon / batch size` steps is verl's horizon.
 Whether the penalty goes into the loss or into the reward is the loop's choice.
 
 Importance weights correct for the inference engine sampling from a slightly different policy
@@ -80,12 +86,20 @@ class KLControllerState:
 
 
 def adaptive_kl_update(
-    state: KLControllerState, *, observed_kl: float, target_kl: float, horizon: int, num_steps: int = 1
+    state: KLControllerState,
+    *,
+    observed_kl: float,
+    target_kl: float,
+    horizon: int,
+    num_steps: int = 1,
+    num_samples: int | None = None,
 ) -> KLControllerState:
     """The controller's next state after `num_steps` steps whose mean KL was `observed_kl`.
 
-    coef * (1 + clip(observed_kl / target_kl - 1, -0.2, 0.2) * num_steps / horizon): the coefficient
-    grows while the KL is above target and shrinks while it is below.
+    coef * (1 + clip(observed_kl / target_kl - 1, -0.2, 0.2) * n / horizon): the coefficient grows
+    while the KL is above target and shrinks while it is below. n is `num_steps` (the default: the
+    horizon counts steps) or, when given, `num_samples`, the samples those steps trained on (the
+    horizon counts samples, as verl's, which is batch-size times faster for the same horizon).
     """
     if not (math.isfinite(state.coef) and state.coef > 0):
         raise ValueError(
@@ -95,16 +109,20 @@ def adaptive_kl_update(
         raise ValueError(f"observed_kl must be a finite number >= 0 (a KL estimate), got {observed_kl!r}")
     if not (math.isfinite(target_kl) and target_kl > 0):
         raise ValueError(f"target_kl must be a finite number > 0, got {target_kl!r}")
-    for name, count in (("horizon", horizon), ("num_steps", num_steps)):
+    counts = {"horizon": horizon, "num_steps": num_steps}
+    if num_samples is not None:
+        counts["num_samples"] = num_samples
+    for name, count in counts.items():
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"{name} must be an int >= 1, got {count!r}")
-    if num_steps > horizon:
+    name, elapsed = ("num_steps", num_steps) if num_samples is None else ("num_samples", num_samples)
+    if elapsed > horizon:
         raise ValueError(
-            f"num_steps ({num_steps}) must be <= horizon ({horizon}): beyond 5 x horizon one update could make the "
+            f"{name} ({elapsed}) must be <= horizon ({horizon}): beyond 5 x horizon one update could make the "
             "coefficient negative"
         )
     error = min(max(observed_kl / target_kl - 1.0, -KL_CONTROLLER_MAX_ERROR), KL_CONTROLLER_MAX_ERROR)
-    return KLControllerState(coef=state.coef * (1.0 + error * num_steps / horizon))
+    return KLControllerState(coef=state.coef * (1.0 + error * elapsed / horizon))
 
 
 def importance_weights(

@@ -7,7 +7,8 @@ rows), num_tokens and num_sequences (step-wide denominators for micro-batches). 
 the loss's own default: seq-mean-token-mean for GSPO, token-mean for the others.
 
 Departures from the papers:
-- The log-ratio log(pi / pi_old) is clamped to +-20 before exp() (as verl does).
+- The log-ratio log(pi / pi_old) is clamped to +-20 before exp() in PPO and CISPO (as verl does);
+  GSPO's sequence log-ratio is clamped above at 10 and not below, as verl's GSPO is.
 - GSPO's sequence ratio is computed per segment on packed rows; its token length counts the
   tokens with mask > 0 (mask weights scale the loss, not the length).
 - `is_weights` multiply the per-token loss and are never differentiated (truncated importance
@@ -34,6 +35,9 @@ __all__ = ["cispo_loss", "gspo_loss", "pg_loss", "ppo_clip_loss", "sft_loss", "v
 
 MAX_LOG_RATIO = 20.0
 """Clamp on log(pi / pi_old) before exp(): a stale or mismatched rollout cannot overflow the ratio."""
+GSPO_MAX_LOG_RATIO = 10.0
+"""Upper clamp on GSPO's sequence log-ratio before exp() (verl's GSPO clamp): a sequence's ratio is
+at most e^10; no lower clamp, since exp() of a very negative mean cannot overflow."""
 
 
 def metrics_to_floats(**named: Tensor | float) -> dict[str, float]:
@@ -161,7 +165,8 @@ def gspo_loss(
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] -> GSPO: PPO clip on the sequence ratio s_i = exp(mean_t log r_t), per token as sg(s_i) r_t / sg(r_t).
 
-    Defaults follow the GSPO paper: clip range (3e-4, 4e-4), sequence-mean aggregation.
+    Defaults follow the GSPO paper: clip range (3e-4, 4e-4), sequence-mean aggregation. The log of
+    the per-token ratio is clamped above at 10 (verl's GSPO), so its gradient is 0 beyond e^10.
     """
     check_same_shape(
         logprobs_B_T=logprobs_B_T,
@@ -184,14 +189,14 @@ def gspo_loss(
     seq_log_ratio_B_T = to_tokens(seq_log_ratio_S, segment_ids_B_T, logprobs_B_T.shape)
     # value = the sequence ratio; gradient = that of the token's own log-prob, scaled by the ratio
     log_ratio_B_T = seq_log_ratio_B_T + logprobs_B_T - logprobs_B_T.detach()
-    ratio_B_T = torch.exp(torch.clamp(log_ratio_B_T, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+    ratio_B_T = torch.exp(torch.clamp(log_ratio_B_T, max=GSPO_MAX_LOG_RATIO))
     adv_B_T = advantages_B_T.detach()
     loss_B_T = torch.maximum(-adv_B_T * ratio_B_T, -adv_B_T * torch.clamp(ratio_B_T, 1.0 - eps_low, 1.0 + eps_high))
     # the paper's sequence mean, unless the reduction names a mode
     loss = reduction.apply(_weighted(loss_B_T, is_weights), mask_B_T, "seq-mean-token-mean")
     ratio = ratio_B_T.detach()
     has_tokens_S = (sequence_sums(selected_B_T, segment_ids_B_T) > 0) & sequence_present(mask_B_T, segment_ids_B_T)
-    seq_ratio_S = torch.exp(torch.clamp(seq_log_ratio_S, -MAX_LOG_RATIO, MAX_LOG_RATIO))
+    seq_ratio_S = torch.exp(torch.clamp(seq_log_ratio_S, max=GSPO_MAX_LOG_RATIO))
     return loss, metrics_to_floats(
         pg_loss=loss,
         clip_frac_low=masked_mean(((adv_B_T < 0) & (ratio < 1.0 - eps_low)).float(), mask_B_T),

@@ -14,7 +14,11 @@ Each is written from its paper and checked against a peer's formula (files read 
   the token ratios, each clipped in log space to [-eps_low, eps_high] on the side the advantage's
   sign makes pessimistic; verl `compute_policy_loss_geo_mean` (same file and date). Departures: the
   sequence length counts tokens with mask > 0 (as our GSPO), the reduction is `aggregate` (default
-  seq-mean-token-mean, verl's batch mean of sequences), IS weights multiply per token.
+  seq-mean-token-mean, verl's batch mean of sequences), IS weights multiply per token, and each
+  token's log-ratio is clamped to +-20 first (verl's clamp is commented out): with A < 0 nothing else
+  bounds the pessimistic log-ratio above, and one token with log r = 200 in a sequence of two would
+  overflow exp() to inf in float32 and bf16; the same bound as PPO's, and a token beyond it gets no
+  gradient.
 - DPPO (Qi et al. 2026, arXiv 2602.04879): -A r on tokens inside a trust region of the sampled
   token's probability, masked (no gradient) outside it when the move agrees with the advantage's
   sign. "tv": p - p_old > eps_high (A > 0) or < -eps_low (A <= 0); "kl": the binary KL
@@ -121,7 +125,9 @@ def gmpo_loss(
     reduction: Reduction = DEFAULT_REDUCTION,
 ) -> tuple[Tensor, dict[str, float]]:
     """[B, T] -> GMPO: -mean_t(A) exp(mean_t sgn(A) min(sgn(A) log r, sgn(A) clip(log r, -eps_low, eps_high))),
-    per sequence, on every token of it. eps are log-space bounds (the paper's 0.4: ratios in (e^-0.4, e^0.4))."""
+    per sequence, on every token of it. eps are log-space bounds (the paper's 0.4: ratios in (e^-0.4, e^0.4)).
+    Each token's log r is clamped to +-20 before anything else, where verl has no clamp, so one far-off
+    token cannot overflow its sequence's ratio."""
     check_same_shape(
         logprobs_B_T=logprobs_B_T,
         old_logprobs_B_T=old_logprobs_B_T,

@@ -8,6 +8,12 @@ the model reads is `encode(sample)`: by default the sample's own tokens (a rewar
 the policy's tokenizer); `chat_encoder(tokenizer)` renders prompt and response with the reward
 model's own tokenizer and chat template instead.
 
+The score is the logit at the last token whose id is not the pad id, as transformers'
+`*ForSequenceClassification` computes it (and TRL, whose reward models are trained through it): a
+response ending in an EOS that shares the pad id is scored at the token before it. A vLLM server
+pools the last token whatever its id, so `reward_model_reward(..., pad_token_id=...)` drops trailing
+pad ids before any scorer sees the ids, and both score the same token.
+
     reward = weighted_reward([(math_answer, 1.0), (reward_model_reward(rm), 0.5)])
 """
 
@@ -33,6 +39,7 @@ __all__ = [
     "chat_encoder",
     "check_reward_model_dir",
     "reward_model_reward",
+    "strip_trailing_pad",
     "weighted_reward",
 ]
 
@@ -66,6 +73,15 @@ def check_reward_model_dir(path: str | Path) -> dict[str, Any]:
     return config
 
 
+def strip_trailing_pad(ids: Sequence[int], pad_token_id: int) -> list[int]:
+    """`ids` up to its last token whose id is not `pad_token_id`; only pads: the first one (the token
+    transformers' sequence classifier scores, whose rule is the last non-pad position, else 0)."""
+    end = len(ids)
+    while end > 1 and ids[end - 1] == pad_token_id:
+        end -= 1
+    return list(ids[:end])
+
+
 class ClassifierRewardModel:
     """A one-label classification model scoring token ids in this process (batched, no grad)."""
 
@@ -97,13 +113,15 @@ class ClassifierRewardModel:
 
     @torch.no_grad()
     def score(self, inputs: Sequence[Sequence[int]]) -> list[float]:
-        """One score per sequence: the model's logit at the sequence's last token."""
+        """One score per sequence: the model's logit at the sequence's last non-pad token (transformers' rule;
+        causal attention, so the trailing pad ids dropped first change nothing before them)."""
         device = next(self.model.parameters()).device
         out: list[float] = []
         for start in range(0, len(inputs), self.batch_size):
             chunk = [list(ids) for ids in inputs[start : start + self.batch_size]]
             if any(len(ids) == 0 for ids in chunk):
                 raise ValueError("a reward model cannot score an empty sequence")
+            chunk = [strip_trailing_pad(ids, self.pad_token_id) for ids in chunk]
             width = max(len(ids) for ids in chunk)
             ids_B_T = torch.full((len(chunk), width), self.pad_token_id, dtype=torch.long)
             mask_B_T = torch.zeros((len(chunk), width), dtype=torch.long)
@@ -112,7 +130,7 @@ class ClassifierRewardModel:
                 mask_B_T[row, : len(ids)] = 1
             base = model_attr(self.model, model_attr(self.model, "base_model_prefix"))
             hidden_B_T_H = base(input_ids=ids_B_T.to(device), attention_mask=mask_B_T.to(device))[0]
-            last_B = mask_B_T.sum(dim=1).to(device) - 1  # the last real token (right padding), as vLLM pools
+            last_B = mask_B_T.sum(dim=1).to(device) - 1  # the last token left (right padding)
             logits_B = model_attr(self.model, "score")(
                 hidden_B_T_H[torch.arange(len(chunk), device=device), last_B]
             ).float()[:, 0]
@@ -139,14 +157,24 @@ def chat_encoder(tokenizer: Any) -> Callable[[Sample], list[int]]:
 
 
 def reward_model_reward(
-    scorer: RewardScorer, *, encode: Callable[[Sample], Sequence[int]] | None = None, timeout_s: float = 300.0
+    scorer: RewardScorer,
+    *,
+    encode: Callable[[Sample], Sequence[int]] | None = None,
+    pad_token_id: int | None = None,
+    timeout_s: float = 300.0,
 ) -> Reward:
     """A batched Reward scoring each group with `scorer` (a ClassifierRewardModel, a VLLMRewardModel,
-    anything with `score`); `encode` gives the ids it reads (default: the sample's tokens)."""
+    anything with `score`); `encode` gives the ids it reads (default: the sample's tokens). With the
+    reward model's `pad_token_id`, trailing pad ids are dropped first (`strip_trailing_pad`), so a
+    scorer that pools the last token (vLLM) scores the token transformers would."""
     to_ids = encode if encode is not None else (lambda s: s.tokens.tolist())
 
+    def ids_of(sample: Sample) -> list[int]:
+        ids = list(to_ids(sample))
+        return strip_trailing_pad(ids, pad_token_id) if pad_token_id is not None and ids else ids
+
     async def score_group(samples: Sequence[Sample], records: Sequence[Any]) -> list[float]:
-        inputs = [list(to_ids(s)) for s in samples]
+        inputs = [ids_of(s) for s in samples]
         # the Reward's own bound covers this call; a sync scorer (an in-process model) runs in a thread
         scores = await call_user(scorer.score, inputs, timeout_s=timeout_s)
         return [float(x) for x in scores]
