@@ -24,7 +24,16 @@ import torch
 
 from rollouts.backends import InProcessEngine, build_components, export_weights
 from rollouts.data import DataBuffer, prompt_encoder, tokenize_conversation
-from rollouts.loops import ConsoleLogger, JsonlLogger, MultiLogger, evaluate, run_rl_training, run_sft_training
+from rollouts.loops import (
+    ConsoleLogger,
+    JsonlLogger,
+    MultiLogger,
+    RLModels,
+    RunOutputs,
+    evaluate,
+    run_rl_training,
+    run_sft_training,
+)
 from rollouts.loops.algorithms import ALGORITHMS
 from rollouts.loops.recipes.addition import addition_problems, as_conversation, exact_answer_reward, sloppy_teacher
 from rollouts.loops.recipes.tiny import build_tiny_model, build_tokenizer, save_model
@@ -248,16 +257,12 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
     prompts = DataBuffer([r for r in train_records], seed=config.seed + 3)
     phase = time.perf_counter()
     _, rl_history = run_rl_training(
-        rl_components,
+        RLModels(policy=rl_components, engine=rl_engine, engine_shares_model=True),
         prompts,
-        rl_engine,
         rl,
         reward=exact_answer_reward,
         encode_prompt=encode,
-        logger=rl_logger,
-        run_dir=out / "rl",
-        engine_shares_model=True,
-        resume=False,
+        output=RunOutputs(run_dir=out / "rl", logger=rl_logger, resume=False),
         tokenizer=tokenizer,
     )
     rl_logger.close()
