@@ -174,15 +174,16 @@ async def _rl_loop(
     files: RunFiles,
     evaluation: Evaluation | None,
 ) -> tuple[TrainingState, list[dict[str, float]]]:
+    """The run inside trio: restore, then one step per batch until `config.num_updates` updates."""
     lock, updates = trio.Lock(), config.algorithm.num_updates_per_batch
     manager = _manager(buffer, config, reward, hooks, context)
     pending, kl = PendingBatch(), KLController(config)
     parts = run_parts(buffer, manager, pending, kl)
     state = await restore(models, parts, config, files, resume=output.resume, resume_from=output.resume_from, lock=lock)
     pausable = manager if config.rollout.partial else None  # paused for a sync, evaluation or probe
-    probe_prompt = (
-        tuple(context.encode_prompt(buffer.prompts[0])) if config.sync_probe_tokens and context is not None else ()
-    )
+    probe_prompt: tuple[int, ...] = ()  # rank 0 generates the probe sample and broadcasts it
+    if config.sync_probe_tokens and context is not None and rank_world()[0] == 0:
+        probe_prompt = tuple(context.encode_prompt(buffer.prompts[0]))
     history: list[dict[str, float]] = []
     empty_in_a_row = 0
     async with trio.open_nursery() as nursery:
@@ -218,6 +219,7 @@ async def _rl_loop(
             if output.on_step is not None:  # in a worker thread: a callback may block, or run trio itself
                 await trio.to_thread.run_sync(output.on_step, state, metrics)
             if due(state.step, config.checkpoint.every_steps, config.num_updates):
+                # the batch generated ahead is saved with it: the buffer and carry-over are already past it
                 pending.batch = await batches.wait_ahead() if state.step < config.num_updates else None
                 await save(models, parts, state, config, files)
         nursery.cancel_scope.cancel()  # the producer waits for requests that will not come

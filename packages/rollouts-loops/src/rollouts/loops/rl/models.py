@@ -79,8 +79,8 @@ def default_critic(components: TrainingComponents, config: RLConfig, *, world: i
         return None
     if world > 1:
         raise ValueError(
-            "under torchrun PPO with a critic needs RLModels.critic on every rank (rollouts.backends."
-            "build_critic, sharded like the policy): a sharded policy cannot be copied here"
+            "under torchrun PPO with a critic needs RLModels.critic on every rank (critic_components from "
+            "rollouts.backends.build_critic, sharded like the policy): a sharded policy cannot be copied here"
         )
     if has_lora(components.model):
         raise ValueError("PPO with a critic and LoRA is not supported: give the critic a model of its own path")
