@@ -1,4 +1,5 @@
-"""GRPO in one file: the algorithm of `rl.py` without its plumbing. Read this first, then run it:
+"""GRPO in one file: the algorithm of `run_rl_training` (rl/loop.py) without its plumbing. Read this
+first, then run it:
 
     python -m rollouts.loops.recipes.grpo_minimal --out runs/grpo-minimal --steps 40
 
@@ -120,8 +121,8 @@ def grpo_minimal(
     run_dir: str | Path,
     log: Callable[[str], None] = print,
 ) -> tuple[TrainingState, list[float]]:
-    """Train up to step `config.num_steps` (resuming from `run_dir` if it holds a checkpoint); returns
-    the final state and the mean reward of each step run.
+    """Train up to update `config.num_updates` (resuming from `run_dir` if it holds a checkpoint);
+    returns the final state and the mean reward of each step run.
 
     Of `config` the recipe reads the step counts, `rollout` (batch_size prompts per step,
     samples_per_prompt, sampling), the optimizer, the micro-batch budget and `checkpoint`; the loss
@@ -140,7 +141,7 @@ def grpo_minimal(
         log(f"resuming from step {state.step} ({checkpoint})")
         _sync(components, engine, run_dir, state.weight_version, log)  # the engine starts on these weights
     mean_rewards = []
-    while state.step < config.num_steps:
+    while state.step < config.num_updates:  # one update per batch with the default algorithm
         records = prompts.get_prompts(config.rollout.batch_size)
         # 1. rollouts: G per prompt, prompt-major, tagged with the engine's weight version; a
         # sampling seed is offset by the step, so a resumed run draws what an uninterrupted one would
@@ -169,7 +170,7 @@ def grpo_minimal(
         mean_rewards.append(metrics["reward_mean"])
         log(f"step {state.step:4d}  reward {metrics['reward_mean']:.3f}  loss {metrics['loss']:+.4f}")
         # 6. checkpoint (resume continues from here)
-        if due(state.step, config.checkpoint.every_steps, config.num_steps):
+        if due(state.step, config.checkpoint.every_steps, config.num_updates):
             save_checkpoint(
                 components,
                 state,

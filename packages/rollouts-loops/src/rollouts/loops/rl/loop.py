@@ -180,7 +180,8 @@ async def _rl_loop(
     pending, kl = PendingBatch(), KLController(config)
     parts = run_parts(buffer, manager, pending, kl)
     state = await restore(models, parts, config, files, resume=output.resume, resume_from=output.resume_from, lock=lock)
-    pausable = manager if config.rollout.partial else None  # paused for a sync, evaluation or probe
+    # paused for a sync, evaluation or probe; partial rollouts keep the manager here (a RolloutProcess refuses them)
+    pausable = manager if config.rollout.partial and isinstance(manager, AsyncRolloutManager) else None
     probe_prompt: tuple[int, ...] = ()  # rank 0 generates the probe sample and broadcasts it
     if config.sync_probe_tokens and context is not None and rank_world()[0] == 0:
         probe_prompt = tuple(context.encode_prompt(buffer.prompts[0]))

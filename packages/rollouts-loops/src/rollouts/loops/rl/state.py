@@ -82,7 +82,7 @@ class PendingBatch:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.batch = None
         if state:
-            samples = [Sample.from_dict(d) for d in state["samples"]]
+            samples = tuple(Sample.from_dict(d) for d in state["samples"])
             self.batch = RolloutBatch(samples=samples, step=state["step"], metadata=dict(state["metadata"]))
 
 
