@@ -98,11 +98,11 @@ def run(
     closing = contextlib.closing(inner) if where != "in process" else contextlib.nullcontext()
     with tempfile.TemporaryDirectory() as run_dir, closing:
         _, history = run_rl_training(
-            RLModels(policy=components, engine=engine, engine_shares_model=False),
+            RLModels(policy=components, engine=engine),
             DataBuffer(records, seed=0),
             config,
             reward=exact_answer_reward,
-            encode_prompt=prompt_encoder(tokenizer, chat=False),
+            encode_prompt=prompt_encoder(tokenizer, chat=False),  # as the demo encodes
             output=RunOutputs(run_dir=run_dir, logger=NullLogger(), resume=False),
         )
     return history[1:]
