@@ -281,7 +281,7 @@ def train_worker(variant: str, steps: int, quick: bool, profile: str = "", micro
     import dataclasses
 
     import rollouts.backends.train.step as train
-    import rollouts.loops.rl.update as policy_update
+    import rollouts.loops.rl.step as policy_update
     from rollouts.backends import build_components, build_optimizer, build_scheduler
     from rollouts.backends.train.components import TrainingComponents
     from rollouts.backends.train.distributed import shard_model

@@ -44,7 +44,8 @@ from rollouts.loops.engines.coalescing import CoalescingEngine
 from rollouts.loops.engines.rollout_process import RolloutProcess
 from rollouts.loops.recipes.addition import addition_problems
 from rollouts.loops.recipes.tiny import build_tokenizer
-from rollouts.loops.rl.loop import run_rl_training
+from rollouts.loops.rl.loop import RunOutputs, run_rl_training
+from rollouts.loops.rl.models import RLModels
 from rollouts.loops.rollouts.rewards import exact_match
 from rollouts.loops.run.loggers import NullLogger
 from rollouts.types import AlgorithmConfig, CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams
@@ -98,16 +99,12 @@ def run(
     closing = contextlib.closing(inner) if where != "in process" else contextlib.nullcontext()
     with tempfile.TemporaryDirectory() as run_dir, closing:
         _, history = run_rl_training(
-            components,
+            RLModels(policy=components, engine=engine),
             DataBuffer(records, seed=0),
-            engine,
             config,
             reward=exact_match,
             encode_prompt=prompt_encoder(tokenizer, chat=False),  # as the demo encodes
-            logger=NullLogger(),
-            run_dir=run_dir,
-            engine_shares_model=False,
-            resume=False,
+            output=RunOutputs(run_dir=run_dir, logger=NullLogger(), resume=False),
         )
     return history[1:]
 

@@ -46,7 +46,8 @@ import trio
 from rollouts.backends import build_components
 from rollouts.data import DataBuffer
 from rollouts.loops.recipes.tiny import build_tiny_model
-from rollouts.loops.rl.loop import run_rl_training
+from rollouts.loops.rl.loop import RunOutputs, run_rl_training
+from rollouts.loops.rl.models import RLModels
 from rollouts.loops.run.loggers import NullLogger
 from rollouts.types import (
     CheckpointConfig,
@@ -172,15 +173,16 @@ def run_mode(
     trained = []
     with tempfile.TemporaryDirectory() as run_dir:
         _, history = run_rl_training(
-            components,
+            RLModels(policy=components, engine=engine),
             DataBuffer([{"prompt": f"p{i}", "id": i} for i in range(NUM_PROMPTS)], shuffle=False),
-            engine,
             config,
             reward=lambda s, r: float(s.response_length % 2),
             encode_prompt=encode,
-            logger=NullLogger(),
-            run_dir=run_dir,
-            on_step=lambda state, metrics: trained.append(metrics["num_samples"] * metrics["response_length_mean"]),
+            output=RunOutputs(
+                run_dir=run_dir,
+                logger=NullLogger(),
+                on_step=lambda state, metrics: trained.append(metrics["num_samples"] * metrics["response_length_mean"]),
+            ),
         )
     # The run's time a step: every step's time, less the wait for the first batch (the same in every mode).
     per_step = (sum(m["step_time_s"] for m in history) - history[0]["generate_wait_s"]) / steps

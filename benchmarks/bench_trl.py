@@ -132,7 +132,7 @@ class _PhaseTimer:
 
 def _ours_timer() -> _PhaseTimer:
     import rollouts.backends.train.step as train
-    import rollouts.loops.rl.update as policy_update
+    import rollouts.loops.rl.step as policy_update
     import rollouts.loops.sft as sft
 
     timer = _PhaseTimer()

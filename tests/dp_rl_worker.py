@@ -13,7 +13,7 @@ import torch.distributed as dist
 from dp_rl_cases import CASES, NUM_STEPS, batch, components, config, critic
 
 from rollouts.backends import export_weights
-from rollouts.loops.rl.update import rl_update
+from rollouts.loops.rl.step import rl_update
 from rollouts.loops.run.distributed import broadcast_bytes, broadcast_json, broadcast_tagged, close_distributed
 from rollouts.types import RolloutBatch, TrainingState
 from rollouts.types.wire import batch_from_bytes, batch_to_bytes, batch_to_parts

@@ -6,7 +6,16 @@ import torch
 
 from rollouts.backends import InProcessEngine, build_components, load_hf_model
 from rollouts.data import DataBuffer
-from rollouts.loops import CoalescingEngine, NullLogger, environment_reward, environment_rollout, run_rl_training
+from rollouts.loops import (
+    CoalescingEngine,
+    NullLogger,
+    RLHooks,
+    RLModels,
+    RunOutputs,
+    environment_reward,
+    environment_rollout,
+    run_rl_training,
+)
 from rollouts.types import CheckpointConfig, EnvStep, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams
 
 
@@ -44,18 +53,14 @@ def test_a_toy_multi_turn_environment_trains(tiny_run_inputs, tmp_path):
     components = build_components(model, config.optimizer, num_training_steps=12)
     engine = CoalescingEngine(InProcessEngine(model, tokenizer=tokenizer), max_prompts_per_call=64)
     state, history = run_rl_training(
-        components,
+        RLModels(policy=components, engine=engine, engine_shares_model=True),
         DataBuffer(records, seed=0),
-        engine,
         config,
-        rollout=environment_rollout(SevensEnv, max_turns=2, max_total_tokens=64),
         reward=environment_reward,
         encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
+        output=RunOutputs(run_dir=tmp_path, logger=NullLogger(), resume=False),
+        hooks=RLHooks(rollout=environment_rollout(SevensEnv, max_turns=2, max_total_tokens=64)),
         tokenizer=tokenizer,
-        logger=NullLogger(),
-        run_dir=tmp_path,
-        engine_shares_model=True,
-        resume=False,
     )
     rewards = [h["reward_mean"] for h in history]
     assert state.step == 12

@@ -10,7 +10,8 @@ import pytest
 
 from rollouts.backends import InProcessEngine, build_components, load_hf_model
 from rollouts.data import DataBuffer
-from rollouts.loops.rl.loop import run_rl_training
+from rollouts.loops.rl.loop import RLHooks, RunOutputs, run_rl_training
+from rollouts.loops.rl.models import RLModels
 from rollouts.loops.rollouts.functions import single_turn_rollout
 from rollouts.loops.run.loggers import NullLogger
 from rollouts.types import CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams
@@ -57,16 +58,16 @@ def test_token_ids_outside_the_vocabulary_are_an_error_naming_the_engine(tiny_ru
     records = [{"prompt": "12+34=", "answer": "64"}, {"prompt": "50+50=", "answer": "001"}]
     with pytest.raises(RuntimeError) as caught:
         run_rl_training(
-            build_components(model, config.optimizer, num_training_steps=2),
+            RLModels(
+                policy=build_components(model, config.optimizer, num_training_steps=2),
+                engine=engine,
+                engine_shares_model=True,
+            ),
             DataBuffer(records),
-            engine,
             config,
             reward=lambda s, r: 1.0,
-            logger=NullLogger(),
-            run_dir=tmp_path,
             encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
-            engine_shares_model=True,
-            resume=False,
+            output=RunOutputs(run_dir=tmp_path, logger=NullLogger(), resume=False),
         )
     message = str(caught.value)
     assert "engine-b" in message and f"token id {vocab + 5}" in message and f"vocabulary of {vocab}" in message
@@ -100,19 +101,19 @@ def test_one_prompt_too_long_for_a_micro_batch_fails_only_its_group_and_says_why
     ]
     engine = CoalescingEngine(InProcessEngine(model, tokenizer=tokenizer), max_prompts_per_call=8)
     state, history = run_rl_training(
-        build_components(model, config.optimizer, num_training_steps=1),
+        RLModels(
+            policy=build_components(model, config.optimizer, num_training_steps=1),
+            engine=engine,
+            engine_shares_model=True,
+        ),
         DataBuffer(records, shuffle=False),
-        engine,
         config,
         reward=lambda s, r: float(len(s.response) > 0),
-        logger=NullLogger(),
-        run_dir=tmp_path,
         encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
-        engine_shares_model=True,
-        resume=False,
+        output=RunOutputs(run_dir=tmp_path, logger=NullLogger(), resume=False),
         # A rollout function of the user's own (say, multi-turn: its samples can outgrow the first
         # prompt), so the check before the run does not apply and the group fails when generated.
-        rollout=lambda record, ctx: single_turn_rollout(record, ctx),
+        hooks=RLHooks(rollout=lambda record, ctx: single_turn_rollout(record, ctx)),
     )
     (metrics,) = history
     assert state.step == 1 and metrics["num_trained"] == 4  # the two short prompts' groups
@@ -139,16 +140,16 @@ def test_prompts_too_long_for_the_model_or_a_micro_batch_are_refused_before_the_
             max_tokens_per_micro_batch=budget,
         )
         return run_rl_training(
-            build_components(model, config.optimizer, num_training_steps=1),
+            RLModels(
+                policy=build_components(model, config.optimizer, num_training_steps=1),
+                engine=InProcessEngine(model, tokenizer=tokenizer),
+                engine_shares_model=True,
+            ),
             DataBuffer(records, shuffle=False),
-            InProcessEngine(model, tokenizer=tokenizer),
             config,
             reward=lambda s, r: 1.0,
-            logger=NullLogger(),
-            run_dir=tmp_path,
             encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
-            engine_shares_model=True,
-            resume=False,
+            output=RunOutputs(run_dir=tmp_path, logger=NullLogger(), resume=False),
         )
 
     with pytest.raises(ValueError) as caught:
@@ -218,15 +219,12 @@ def test_engine_failures_reach_the_user_with_engine_url_status_and_message(tiny_
         engine = VLLMEngine(url, http=HTTPOptions(timeout_s=30.0, retry=RetryPolicy(max_retries=0)))
         with pytest.raises(RuntimeError, match="steps in a row produced no trainable sample") as caught:
             run_rl_training(
-                build_components(model, config.optimizer, num_training_steps=8),
+                RLModels(policy=build_components(model, config.optimizer, num_training_steps=8), engine=engine),
                 DataBuffer([{"prompt": "1+1="}, {"prompt": "2+2="}], shuffle=False),
-                engine,
                 config,
                 reward=lambda s, r: 1.0,
-                logger=NullLogger(),
-                run_dir=tmp_path,
                 encode_prompt=lambda r: [5, 6, 7],
-                resume=False,
+                output=RunOutputs(run_dir=tmp_path, logger=NullLogger(), resume=False),
             )
     message = str(caught.value)
     assert url in message, message

@@ -122,7 +122,8 @@ def run(run_dir, monkeypatch, *, max_staleness, crash_at=None, resume=False):
     from rollouts.backends import build_components
     from rollouts.data import DataBuffer
     from rollouts.loops.recipes.tiny import build_tiny_model
-    from rollouts.loops.rl.loop import run_rl_training
+    from rollouts.loops.rl.loop import RunOutputs, run_rl_training
+    from rollouts.loops.rl.models import RLModels
     from rollouts.loops.run.loggers import NullLogger
 
     engine, trained, first_step = GatedEngine(), {}, []
@@ -158,16 +159,17 @@ def run(run_dir, monkeypatch, *, max_staleness, crash_at=None, resume=False):
     )
     metrics = {}
     run_rl_training(
-        build_components(model, config.optimizer, num_training_steps=STEPS),
+        RLModels(policy=build_components(model, config.optimizer, num_training_steps=STEPS), engine=engine),
         DataBuffer([{"prompt": f"p{i}", "id": i} for i in range(40)], shuffle=False),
-        engine,
         config,
         reward=lambda s, r: float(r["id"] % 2),
         encode_prompt=encode,
-        logger=NullLogger(),
-        run_dir=run_dir,
-        resume=resume,
-        on_step=lambda state, m: metrics.__setitem__(state.step - 1, m),
+        output=RunOutputs(
+            run_dir=run_dir,
+            logger=NullLogger(),
+            resume=resume,
+            on_step=lambda state, m: metrics.__setitem__(state.step - 1, m),
+        ),
     )
     return trained, metrics, engine
 

@@ -85,7 +85,8 @@ def _partial_run(tmp_path, monkeypatch, *, num_steps, partial=True):
     from rollouts.loops.engines.coalescing import CoalescingEngine
     from rollouts.loops.evaluation import Evaluation
     from rollouts.loops.recipes.tiny import build_tiny_model
-    from rollouts.loops.rl.loop import run_rl_training
+    from rollouts.loops.rl.loop import RunOutputs, run_rl_training
+    from rollouts.loops.rl.models import RLModels
     from rollouts.loops.run.loggers import NullLogger
     from rollouts.types import OptimizerConfig, RLConfig, RolloutConfig
 
@@ -152,14 +153,12 @@ def _partial_run(tmp_path, monkeypatch, *, num_steps, partial=True):
         return float(sample.tokens[-1] % 2)
 
     _, history = run_rl_training(
-        components,
+        RLModels(policy=components, engine=engine),
         DataBuffer(records, shuffle=False),
-        engine,
         config,
         reward=reward,
         encode_prompt=lambda r: [3 + r["id"] // 8, 3 + r["id"] % 8] + ([9] if r.get("eval") else []),
-        logger=NullLogger(),
-        run_dir=tmp_path,
+        output=RunOutputs(run_dir=tmp_path, logger=NullLogger()),
         evaluation=evaluation,
     )
     return history, trained, fresh_calls, eval_statuses

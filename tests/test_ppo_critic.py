@@ -9,7 +9,7 @@ import torch
 from test_rl_loop import _run, starts_with_seven
 
 from rollouts.loops.algorithms import ALGORITHMS
-from rollouts.loops.rl.critic import default_critic
+from rollouts.loops.rl.models import default_critic
 from rollouts.types import CriticConfig, OptimizerConfig
 
 
@@ -25,7 +25,7 @@ def test_ppo_with_a_critic_raises_a_toy_reward(tiny_run_inputs, tmp_path):
 
 
 def test_a_resumed_ppo_run_continues_with_the_critic_it_saved(tiny_run_inputs, tmp_path, monkeypatch):
-    import rollouts.loops.rl.critic as critic_module
+    import rollouts.loops.rl.state as critic_module
 
     algorithm = ALGORITHMS["ppo"]
     _run(tiny_run_inputs, tmp_path, algorithm=algorithm, steps=2, lr=1e-2, reward=starts_with_seven)

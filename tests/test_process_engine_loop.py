@@ -16,7 +16,8 @@ from rollouts.loops.app.cli import main
 from rollouts.loops.app.config import ConfigError, RLRun, load_run
 from rollouts.loops.app.toml_out import to_toml
 from rollouts.loops.engines.coalescing import CoalescingEngine
-from rollouts.loops.rl.loop import run_rl_training
+from rollouts.loops.rl.loop import RunOutputs, run_rl_training
+from rollouts.loops.rl.models import RLModels
 from rollouts.loops.run.loggers import NullLogger, read_jsonl
 from rollouts.types import SamplingParams
 
@@ -38,15 +39,12 @@ def test_an_overlapped_run_trains_against_an_engine_process(tiny_run_inputs, tmp
     inner = ProcessEngine(tiny_run_inputs / "model", tokenizer_dir=tiny_run_inputs / "model")
     with inner:
         state, history = run_rl_training(
-            components,
+            RLModels(policy=components, engine=CoalescingEngine(inner, max_prompts_per_call=4)),
             DataBuffer(records, seed=0),
-            CoalescingEngine(inner, max_prompts_per_call=4),
             config,
             reward=starts_with_seven,
             encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
-            logger=NullLogger(),
-            run_dir=tmp_path,
-            resume=False,
+            output=RunOutputs(run_dir=tmp_path, logger=NullLogger(), resume=False),
         )
         assert state.step == 3 and trio.run(inner.weight_version) == state.weight_version == 3
         assert [h["weight_version"] for h in history] == [1.0, 2.0, 3.0]

@@ -14,7 +14,8 @@ from rollouts.backends import InProcessEngine, build_components
 from rollouts.data import DataBuffer
 from rollouts.loops.algorithms import ALGORITHMS
 from rollouts.loops.engines.coalescing import CoalescingEngine
-from rollouts.loops.rl.loop import run_rl_training
+from rollouts.loops.rl.loop import RunOutputs, run_rl_training
+from rollouts.loops.rl.models import RLModels
 from rollouts.loops.run.loggers import NullLogger
 from rollouts.types import ReferenceConfig, RLConfig
 
@@ -32,17 +33,17 @@ def _run(inputs, run_dir, *, reference, steps, start=None, resume=False):
     components = build_components(model, config.optimizer, num_training_steps=steps)
     ref = dataclasses.replace(components, model=copy.deepcopy(model).eval())
     run_rl_training(
-        components,
+        RLModels(
+            policy=components,
+            engine=CoalescingEngine(InProcessEngine(model, tokenizer=tokenizer), max_prompts_per_call=4),
+            engine_shares_model=True,
+            reference=ref,
+        ),
         DataBuffer(records, seed=0),
-        CoalescingEngine(InProcessEngine(model, tokenizer=tokenizer), max_prompts_per_call=4),
         config,
         reward=_length,
         encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
-        logger=NullLogger(),
-        run_dir=run_dir,
-        engine_shares_model=True,
-        ref_components=ref,
-        resume=resume,
+        output=RunOutputs(run_dir=run_dir, logger=NullLogger(), resume=resume),
     )
     return components.model, ref.model
 

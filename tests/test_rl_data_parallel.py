@@ -13,7 +13,7 @@ import torch
 from dp_rl_cases import CASES, NUM_STEPS, batch, components, config, critic
 
 from rollouts.backends import read_weights
-from rollouts.loops.rl.update import rl_update
+from rollouts.loops.rl.step import rl_update
 from rollouts.loops.run.distributed import all_gather_arrays
 from rollouts.types import TrainingState
 

@@ -11,7 +11,8 @@ from rollouts.backends import InProcessEngine, build_components, load_hf_model
 from rollouts.data import DataBuffer
 from rollouts.loops.algorithms import ALGORITHMS, ROLLOUT_IMPLIED
 from rollouts.loops.engines.coalescing import CoalescingEngine
-from rollouts.loops.rl.loop import run_rl_training
+from rollouts.loops.rl.loop import RunOutputs, run_rl_training
+from rollouts.loops.rl.models import RLModels
 from rollouts.loops.run.loggers import NullLogger
 from rollouts.types import CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams
 
@@ -38,16 +39,12 @@ def _run(inputs, tmp_path, *, algorithm, rollout_overrides=(), steps, lr, reward
         return tokenizer.encode(record["prompt"], add_special_tokens=False)
 
     return run_rl_training(
-        components,
+        RLModels(policy=components, engine=engine, engine_shares_model=True),
         DataBuffer(records, seed=0),
-        engine,
         config,
         reward=reward,
         encode_prompt=encode,
-        logger=NullLogger(),
-        run_dir=tmp_path,
-        engine_shares_model=True,
-        resume=resume,
+        output=RunOutputs(run_dir=tmp_path, logger=NullLogger(), resume=resume),
     )
 
 
@@ -194,16 +191,12 @@ def test_a_resumed_run_trains_the_same_prompts_as_an_uninterrupted_one(tmp_path,
         )
         components = build_components(model, config.optimizer, num_training_steps=5)
         return run_rl_training(
-            components,
+            RLModels(policy=components, engine=_EchoEngine(), engine_shares_model=not overlap),
             DataBuffer(records, seed=0),
-            _EchoEngine(),
             config,
             reward=lambda s, r: float(r["id"]),
             encode_prompt=lambda r: [2 + r["id"] % 10],
-            logger=NullLogger(),
-            run_dir=run_dir,
-            engine_shares_model=not overlap,
-            resume=resume,
+            output=RunOutputs(run_dir=run_dir, logger=NullLogger(), resume=resume),
         )
 
     run(tmp_path / "straight", resume=False)
@@ -249,15 +242,12 @@ def test_a_seeded_run_gives_the_same_weights_at_any_concurrency(tiny_run_inputs,
             return float(sum(sample.response_tokens) % 3)
 
         run_rl_training(
-            components,
+            RLModels(policy=components, engine=engine, engine_shares_model=True),
             DataBuffer(records, seed=0),
-            engine,
             config,
             reward=reward,
             encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
-            logger=NullLogger(),
-            run_dir=tmp_path / f"c{concurrency}",
-            engine_shares_model=True,
+            output=RunOutputs(run_dir=tmp_path / f"c{concurrency}", logger=NullLogger()),
         )
         seen[concurrency] = sorted(scored)
         return {k: v.clone() for k, v in model.state_dict().items()}
@@ -338,7 +328,7 @@ class _ForgetfulEngine(InProcessEngine):
 def test_the_sync_probe_catches_weights_that_did_not_arrive(tiny_run_inputs, tmp_path, engine_cls):
     import copy
 
-    from rollouts.loops.rl.probe import SyncProbeError
+    from rollouts.loops.rl.generation import SyncProbeError
 
     tokenizer, model, records = _setup(tiny_run_inputs)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=4, stop_token_ids=(tokenizer.eos_token_id,))
@@ -357,15 +347,12 @@ def test_the_sync_probe_catches_weights_that_did_not_arrive(tiny_run_inputs, tmp
 
     def run():
         return run_rl_training(
-            components,
+            RLModels(policy=components, engine=CoalescingEngine(engine, max_prompts_per_call=4)),
             DataBuffer(records, seed=0),
-            CoalescingEngine(engine, max_prompts_per_call=4),
             config,
             reward=lambda s, r: float(sum(s.response_tokens) % 2),
             encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
-            logger=NullLogger(),
-            run_dir=tmp_path,
-            resume=False,
+            output=RunOutputs(run_dir=tmp_path, logger=NullLogger(), resume=False),
         )
 
     if engine_cls is InProcessEngine:

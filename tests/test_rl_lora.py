@@ -13,7 +13,8 @@ from rollouts.backends.train.lora import AdapterDisabled
 from rollouts.data import DataBuffer
 from rollouts.loops.algorithms import ALGORITHMS
 from rollouts.loops.engines.coalescing import CoalescingEngine
-from rollouts.loops.rl.loop import run_rl_training
+from rollouts.loops.rl.loop import RunOutputs, run_rl_training
+from rollouts.loops.rl.models import RLModels
 from rollouts.loops.run.loggers import NullLogger
 from rollouts.types import LoraConfig, MicroBatch, OptimizerConfig
 
@@ -32,15 +33,12 @@ def _run(inputs, tmp_path, *, algorithm, steps, lr, prompts=8, n=8, lora=LORA):
     )
     engine = CoalescingEngine(InProcessEngine(components.model, tokenizer=tokenizer), max_prompts_per_call=prompts)
     state, history = run_rl_training(
-        components,
+        RLModels(policy=components, engine=engine, engine_shares_model=True),
         DataBuffer(records, seed=0),
-        engine,
         config,
         reward=lambda sample, record: 1.0 if sample.response.startswith("7") else 0.0,
         encode_prompt=lambda record: tokenizer.encode(record["prompt"], add_special_tokens=False),
-        logger=NullLogger(),
-        run_dir=tmp_path,
-        engine_shares_model=True,
+        output=RunOutputs(run_dir=tmp_path, logger=NullLogger()),
     )
     return components, state, history
 

@@ -15,7 +15,8 @@ from rollouts.loops.app.cli import main
 from rollouts.loops.engines.coalescing import CoalescingEngine
 from rollouts.loops.engines.rollout_process import RolloutProcess
 from rollouts.loops.plugins import PluginError
-from rollouts.loops.rl.loop import run_rl_training
+from rollouts.loops.rl.loop import RunOutputs, run_rl_training
+from rollouts.loops.rl.models import RLModels
 from rollouts.loops.run.loggers import NullLogger, read_jsonl
 from rollouts.types import CheckpointConfig
 
@@ -63,16 +64,12 @@ def _run(tiny_run_inputs, run_dir, *, rollout_process: bool, steps: int, resume=
         engine = CoalescingEngine(inner, max_prompts_per_call=4)
     with inner:
         _, history = run_rl_training(
-            components,
+            RLModels(policy=components, engine=engine),
             DataBuffer(records, seed=0),
-            engine,
             config,
             reward=starts_with_seven,
             encode_prompt=prompt_encoder(tokenizer, chat=False),
-            logger=NullLogger(),
-            run_dir=run_dir,
-            resume=resume,
-            on_step=on_step,
+            output=RunOutputs(run_dir=run_dir, logger=NullLogger(), resume=resume, on_step=on_step),
         )
     return [{k: v for k, v in h.items() if not k.endswith("_s")} for h in history]
 
@@ -117,13 +114,13 @@ def _refused(tiny_run_inputs, engine, run_dir, **changes):
         "buffer": DataBuffer(records, seed=0),
     } | changes
     run_rl_training(
-        build_components(load_hf_model(tiny_run_inputs / "model"), config.optimizer, num_training_steps=1),
+        RLModels(
+            policy=build_components(load_hf_model(tiny_run_inputs / "model"), config.optimizer, num_training_steps=1),
+            engine=engine,
+        ),
         kwargs.pop("buffer"),
-        engine,
         config,
-        logger=NullLogger(),
-        run_dir=run_dir,
-        resume=False,
+        output=RunOutputs(run_dir=run_dir, logger=NullLogger(), resume=False),
         **kwargs,
     )
 

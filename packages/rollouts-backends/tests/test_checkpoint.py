@@ -127,7 +127,12 @@ def test_checkpoint_is_hf_loadable_and_complete(tmp_path):
     assert path.name == "step_1" and latest_checkpoint(tmp_path) == path
     record = json.loads((path / "state.json").read_text())
     assert record["training_state"]["step"] == 1
-    assert set(record["files"]) == {"config.json", "generation_config.json", "model.safetensors", "optimizer.safetensors"}
+    assert set(record["files"]) == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+    }
     hf = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
     _assert_bit_identical(_weights(hf), _weights(components.model))
 

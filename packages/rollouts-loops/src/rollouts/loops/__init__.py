@@ -1,6 +1,6 @@
 """rollouts-loops: the SFT and RL loops as a library, their plug points, loggers and evaluation.
 
-    from rollouts.loops import run_rl_training, Reward, tool_rollout
+    from rollouts.loops import RLModels, RunOutputs, run_rl_training, Reward, tool_rollout
 
 Names load on first use (PEP 562), so `import rollouts.loops` stays cheap until a loop is needed.
 The `rollouts` command, its TOML configs and the demo live in `rollouts.loops.app`, built on these.
@@ -16,11 +16,13 @@ _EXPORTS = {
     "run_rl_training": "rl.loop",
     "rl_step": "rl.step",
     "RLHooks": "rl.loop",
+    "RLModels": "rl.models",
+    "RunOutputs": "rl.loop",
     "sync_engine": "rl.generation",
     "BatchSource": "rl.generation",
-    "rl_update": "rl.update",
+    "rl_update": "rl.step",
     "token_advantages": "rl.per_token",
-    "default_loss_fn": "rl.update",
+    "default_loss_fn": "rl.step",
     "AdvantageFn": "rl.per_token",
     "run_sft_training": "sft",
     "sft_step": "sft",

@@ -1,8 +1,9 @@
 """The SFT loop: packed micro-batches -> forward_backward -> optim_step -> log -> checkpoint.
 
 The loop owns no state: the TrainingState is threaded through and returned, the DataBuffer is the
-one stateful iterator (its state goes into every checkpoint), and a resumed run continues from
-the newest complete checkpoint exactly where the killed one was.
+one stateful iterator, and the one part of the run's saved state besides the model ("buffer" in
+each checkpoint's extra), so a resumed run continues from the newest complete checkpoint exactly
+where the killed one was.
 """
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ from rollouts.data import DataBuffer
 from rollouts.loops.micro_batches import plan_shard
 from rollouts.loops.run.distributed import global_sum, rank_world
 from rollouts.loops.run.heap import startup_objects_frozen
-from rollouts.loops.run.run_dir import CHECKPOINTS_DIR, lock_run_dir, resume_if_possible, sweep_run_dir
+from rollouts.loops.run.run_dir import (
+    CHECKPOINTS_DIR,
+    Stateful,
+    due,
+    load_parts,
+    lock_run_dir,
+    parts_state,
+    resume_if_possible,
+    sweep_run_dir,
+)
 from rollouts.losses import sft_loss_fn
 from rollouts.types import MetricsLogger, Sample, SFTConfig, TrainingState
 
@@ -124,9 +134,9 @@ def _sft_loop(
     tokenizer: Any,
     writer: CheckpointWriter,
 ) -> tuple[TrainingState, list[dict[str, float]]]:
+    parts: dict[str, Stateful] = {"buffer": buffer}
     state, extra, _ = resume_if_possible(components, run_dir, resume=resume, resume_from=resume_from)
-    if "buffer" in extra:
-        buffer.load_state_dict(extra["buffer"])
+    load_parts(parts, extra)
     history: list[dict[str, float]] = []
     ckpt = config.checkpoint
     while state.step < config.num_steps:
@@ -135,15 +145,14 @@ def _sft_loop(
         state, metrics = sft_step(components, state, samples, config)
         metrics.update(epoch=float(buffer.epoch_id), step_time_s=time.perf_counter() - start)
         history.append(metrics)
-        if state.step % config.log_every == 0 or state.step == config.num_steps:
+        if due(state.step, config.log_every, config.num_steps):
             logger.log(state.step, metrics)
-        due = ckpt.every_steps > 0 and state.step % ckpt.every_steps == 0
-        if run_dir is not None and (due or state.step == config.num_steps):
+        if run_dir is not None and due(state.step, ckpt.every_steps, config.num_steps):
             save_checkpoint(
                 components,
                 state,
                 Path(run_dir) / CHECKPOINTS_DIR,
-                extra={"buffer": buffer.state_dict()},
+                extra=parts_state(parts),
                 keep_last=ckpt.keep_last,
                 save_optimizer=ckpt.save_optimizer,
                 tokenizer=tokenizer,

@@ -267,7 +267,7 @@ class RLConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     max_tokens_per_micro_batch: int = 8192
     sync_every_steps: int = 1
-    """Export weights and sync the engines every this many optimizer steps."""
+    """Export weights and sync the engines every this many steps (batches)."""
     overlap: bool = False
     """Generate step n+1 while step n trains (off-policy by at most `max_staleness` versions)."""
     max_staleness: int = 1
@@ -286,6 +286,12 @@ class RLConfig:
     """The value model of PPO with a critic (used with advantage_estimator 'gae')."""
     seed: int = 0
     log_every: int = 1
+
+    @property
+    def num_updates(self) -> int:
+        """The optimizer updates the run makes: `num_steps` batches, `num_updates_per_batch` each.
+        TrainingState.step counts these."""
+        return self.num_steps * self.algorithm.num_updates_per_batch
 
     @property
     def effective_algorithm(self) -> AlgorithmConfig:

@@ -216,7 +216,7 @@ def cmd_rl(run: RLRun, source: str) -> Path:
     run = local_model(run, source)
     check_paths(run, source)
     from rollouts.data import DataBuffer, load_prompts
-    from rollouts.loops import CHECKPOINTS_DIR, run_rl_training
+    from rollouts.loops import CHECKPOINTS_DIR, RLHooks, RLModels, RunOutputs, run_rl_training
 
     hooks = resolve_hooks(run, source)
     try:
@@ -233,7 +233,7 @@ def cmd_rl(run: RLRun, source: str) -> Path:
     out = Path(run.run.out_dir)
     try:
         tokenizer = run_tokenizer(run)
-        components = run_components(run, run.rl.optimizer, run.rl.num_steps * run.rl.algorithm.num_updates_per_batch)
+        components = run_components(run, run.rl.optimizer, run.rl.num_updates)
         shares = run.engine.kind == "inprocess" and not run.rl.overlap and world == 1
         critic = None
         if run.rl.algorithm.advantage_estimator == "gae":  # PPO's critic: from [rl.critic] path or the policy's model
@@ -242,7 +242,7 @@ def cmd_rl(run: RLRun, source: str) -> Path:
             critic = build_critic(
                 run.rl.critic.path or run.model.path,
                 run.rl.critic.optimizer,
-                num_training_steps=run.rl.num_steps * run.rl.algorithm.num_updates_per_batch,
+                num_training_steps=run.rl.num_updates,
                 device=components.device,
                 shard=world > 1,
             )
@@ -254,26 +254,31 @@ def cmd_rl(run: RLRun, source: str) -> Path:
         elif world > 1 and run.rl.algorithm.needs_reference:
             # The starting model, sharded like the trained one (one process copies it itself).
             ref_components = dataclasses.replace(components, model=sharded_model(run, components.device).eval())
-        logger = run_loggers(run, out, "rl", run.rl.num_steps * run.rl.algorithm.num_updates_per_batch, rank=rank)
+        logger = run_loggers(run, out, "rl", run.rl.num_updates, rank=rank)
         engine = _rl_engine(run, components, tokenizer, shares=shares)
         try:
             state, _ = run_rl_training(
-                components,
+                RLModels(
+                    policy=components,
+                    engine=engine,
+                    engine_shares_model=shares,
+                    reference=ref_components,
+                    critic=critic,
+                ),
                 DataBuffer(records, seed=run.rl.seed),
-                engine,
                 run.rl,
+                reward=hooks.pop("reward"),
                 encode_prompt=prompt_encoder(tokenizer),
-                logger=logger,
-                run_dir=out,
-                engine_shares_model=shares,
-                resume=resume,
-                resume_from=run.run.resume_from or None,
+                output=RunOutputs(
+                    run_dir=out,
+                    logger=logger,
+                    resume=resume,
+                    resume_from=run.run.resume_from or None,
+                    num_logged_completions=run.log.num_sample_completions,
+                ),
+                hooks=RLHooks(**hooks),
                 tokenizer=tokenizer,
-                ref_components=ref_components,
-                critic_components=critic,
                 evaluation=evaluation,
-                num_logged_completions=run.log.num_sample_completions,
-                **hooks,
             )
         finally:
             logger.close()

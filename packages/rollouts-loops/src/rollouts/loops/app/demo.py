@@ -31,6 +31,8 @@ from rollouts.loops import (
     ConsoleLogger,
     JsonlLogger,
     MultiLogger,
+    RLModels,
+    RunOutputs,
     evaluate,
     run_rl_training,
     run_sft_training,
@@ -262,16 +264,12 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
     prompts = DataBuffer([r for r in train_records], seed=config.seed + 3)
     phase = time.perf_counter()
     _, rl_history = run_rl_training(
-        rl_components,
+        RLModels(policy=rl_components, engine=rl_engine, engine_shares_model=True),
         prompts,
-        rl_engine,
         rl,
         reward=exact_match,
         encode_prompt=encode,
-        logger=rl_logger,
-        run_dir=out / "rl",
-        engine_shares_model=True,
-        resume=False,
+        output=RunOutputs(run_dir=out / "rl", logger=rl_logger, resume=False),
         tokenizer=tokenizer,
     )
     rl_logger.close()

@@ -1,4 +1,5 @@
-"""GRPO in one file: the algorithm of `rl.py` without its plumbing. Read this first, then run it:
+"""GRPO in one file: the algorithm of `run_rl_training` (rl/loop.py) without its plumbing. Read this
+first, then run it:
 
     python -m rollouts.loops.recipes.grpo_minimal --out runs/grpo-minimal --steps 40
 
@@ -12,7 +13,8 @@ One step, for P prompts and G samples per prompt (N = P * G samples):
   3. advantages  A_i = (r_i - mean of its group) / (std of its group + eps)      `group_baseline`;
   4. update      `rl_step` (the step function `run_rl_training` uses) with `GRPOLoss` below;
   5. sync        the new weights are exported to disk and the engine loads them as version s;
-  6. checkpoint  weights, optimizer, scheduler, RNG and the prompt buffer's position.
+  6. checkpoint  weights, optimizer, scheduler, RNG and the prompt buffer's position (the one part
+                 of the run's state besides the model, saved as "prompts").
 
 Left out, and in `run_rl_training`: over-sampling, retries and filters, generation overlapped with
 training, KL to a reference, evaluation, several ranks, remote engines (vLLM, SGLang).
@@ -43,9 +45,13 @@ from rollouts.backends import (
     save_checkpoint,
 )
 from rollouts.data import DataBuffer
+from rollouts.loops.recipes.addition import addition_problems, digit_match_reward
+from rollouts.loops.recipes.tiny import build_tiny_model, build_tokenizer
 from rollouts.loops.rl.step import rl_step
+from rollouts.loops.run.run_dir import CHECKPOINTS_DIR, Stateful, due, load_parts, parts_state
 from rollouts.types import (
     AlgorithmConfig,
+    CheckpointConfig,
     InferenceEngine,
     MicroBatch,
     OptimizerConfig,
@@ -108,54 +114,45 @@ def grpo_minimal(
     components: TrainingComponents,
     engine: InferenceEngine,
     prompts: DataBuffer,
+    config: RLConfig,
     *,
     encode_prompt: Callable[[Any], Sequence[int]],
     reward: Callable[[Sample, Any], float],
-    num_steps: int,
-    prompts_per_step: int,
-    samples_per_prompt: int,
-    sampling: SamplingParams,
-    optimizer: OptimizerConfig,
     run_dir: str | Path,
-    save_every: int = 10,
-    max_tokens_per_micro_batch: int = 8192,
     log: Callable[[str], None] = print,
 ) -> tuple[TrainingState, list[float]]:
-    """Train up to step `num_steps` (resuming from `run_dir` if it holds a checkpoint); returns the
-    final state and the mean reward of each step run.
+    """Train up to update `config.num_updates` (resuming from `run_dir` if it holds a checkpoint);
+    returns the final state and the mean reward of each step run.
 
-    `engine` must sample from its own copy of the model: each step's weights reach it through
-    disk (`export_weights`, then `update_weights_from_disk`), as they would reach a remote engine.
+    Of `config` the recipe reads the step counts, `rollout` (batch_size prompts per step,
+    samples_per_prompt, sampling), the optimizer, the micro-batch budget and `checkpoint`; the loss
+    and the advantages are the ones written out above. `engine` must sample from its own copy of
+    the model: each step's weights reach it through disk (`export_weights`, then
+    `update_weights_from_disk`), as they would reach a remote engine.
     """
     run_dir = Path(run_dir).absolute()
-    config = RLConfig(  # only what rl_step reads: the loss and advantages are passed in below
-        num_steps=num_steps,
-        optimizer=optimizer,
-        max_tokens_per_micro_batch=max_tokens_per_micro_batch,
-        rollout=RolloutConfig(batch_size=prompts_per_step, samples_per_prompt=samples_per_prompt, sampling=sampling),
-        algorithm=AlgorithmConfig(advantage_estimator="grpo"),
-    )
+    group = config.rollout.samples_per_prompt
+    parts: dict[str, Stateful] = {"prompts": prompts}  # the run's saved state besides the model
     state = TrainingState()
-    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    checkpoint = latest_checkpoint(run_dir / CHECKPOINTS_DIR)
     if checkpoint is not None:
         state, extra = load_checkpoint(components, checkpoint)
-        prompts.load_state_dict(extra["prompts"])
+        load_parts(parts, extra)
         log(f"resuming from step {state.step} ({checkpoint})")
         _sync(components, engine, run_dir, state.weight_version, log)  # the engine starts on these weights
     mean_rewards = []
-    while state.step < num_steps:
-        records = prompts.get_prompts(prompts_per_step)
+    while state.step < config.num_updates:  # one update per batch with the default algorithm
+        records = prompts.get_prompts(config.rollout.batch_size)
         # 1. rollouts: G per prompt, prompt-major, tagged with the engine's weight version; a
         # sampling seed is offset by the step, so a resumed run draws what an uninterrupted one would
+        sampling = config.rollout.sampling
         params = dataclasses.replace(
-            sampling, n=samples_per_prompt, seed=None if sampling.seed is None else sampling.seed + state.step
+            sampling, n=group, seed=None if sampling.seed is None else sampling.seed + state.step
         )
         samples = trio.run(engine.generate, [list(encode_prompt(r)) for r in records], params)
         # 2. rewards (the group index tells 3. which samples share a prompt)
         samples = [
-            s.replace(group_index=i // samples_per_prompt).with_reward(
-                float(reward(s, records[i // samples_per_prompt]))
-            )
+            s.replace(group_index=i // group).with_reward(float(reward(s, records[i // group])))
             for i, s in enumerate(samples)
         ]
         # 3.-4. advantages and one optimizer step
@@ -173,9 +170,13 @@ def grpo_minimal(
         mean_rewards.append(metrics["reward_mean"])
         log(f"step {state.step:4d}  reward {metrics['reward_mean']:.3f}  loss {metrics['loss']:+.4f}")
         # 6. checkpoint (resume continues from here)
-        if state.step % save_every == 0 or state.step == num_steps:
+        if due(state.step, config.checkpoint.every_steps, config.num_updates):
             save_checkpoint(
-                components, state, run_dir / "checkpoints", extra={"prompts": prompts.state_dict()}, keep_last=1
+                components,
+                state,
+                run_dir / CHECKPOINTS_DIR,
+                extra=parts_state(parts),
+                keep_last=config.checkpoint.keep_last,
             )
     return state, mean_rewards
 
@@ -193,9 +194,6 @@ def _sync(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The recipe on the demo's task: a tiny Qwen2 and addition problems, all built here."""
-    from rollouts.loops.recipes.addition import addition_problems, digit_match_reward
-    from rollouts.loops.recipes.tiny import build_tiny_model, build_tokenizer
-
     parser = argparse.ArgumentParser(
         prog="python -m rollouts.loops.recipes.grpo_minimal", description=__doc__.split("\n")[0]
     )
@@ -235,20 +233,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed,
     )
     optimizer = OptimizerConfig(lr=args.lr, schedule="constant", warmup_steps=0, max_grad_norm=1.0)
+    sampling = SamplingParams(
+        temperature=1.0, max_new_tokens=4, stop_token_ids=(tokenizer.eos_token_id,), seed=args.seed
+    )
+    config = RLConfig(
+        num_steps=args.steps,
+        optimizer=optimizer,
+        rollout=RolloutConfig(batch_size=args.prompts, samples_per_prompt=args.samples, sampling=sampling),
+        algorithm=AlgorithmConfig(advantage_estimator="grpo"),  # rl_step's staleness and metrics; loss passed in
+        checkpoint=CheckpointConfig(every_steps=10, keep_last=1),
+    )
     grpo_minimal(
         build_components(policy, optimizer, num_training_steps=args.steps),
         InProcessEngine(sampler, shares_training_model=False, tokenizer=tokenizer),
         DataBuffer(records, seed=args.seed),
+        config,
         encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
         reward=digit_match_reward,
-        num_steps=args.steps,
-        prompts_per_step=args.prompts,
-        samples_per_prompt=args.samples,
-        optimizer=optimizer,
         run_dir=args.out,
-        sampling=SamplingParams(
-            temperature=1.0, max_new_tokens=4, stop_token_ids=(tokenizer.eos_token_id,), seed=args.seed
-        ),
     )
     return 0
 

@@ -1,5 +1,6 @@
 """The generation side of the SPMD RL loop: rank 0's rollout producer, the broadcast of each step's
-batch to the other ranks, and the engine sync (export on every rank, load on rank 0).
+batch to the other ranks, and the engine sync (export on every rank, load on rank 0) with its
+check, the sync probe.
 
 Collectives run in worker threads so rank 0's event loop keeps generating while it waits; their
 order is the same on every rank because only the loop's one consumer task calls them.
@@ -10,22 +11,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import trio
 
-from rollouts.backends import CheckpointWriter, TrainingComponents, export_weights
+from rollouts.backends import CheckpointWriter, TrainingComponents, compute_logprobs, export_weights
 from rollouts.backends.checkpoint.export import model_tensors
 from rollouts.backends.checkpoint.lora_files import save_adapter
 from rollouts.backends.train.lora import syncs_adapter
-from rollouts.data import AsyncRolloutManager
+from rollouts.data import AsyncRolloutManager, pack_samples
 from rollouts.loops.engines.rollout_process import RemoteRolloutManager
-from rollouts.loops.run.distributed import broadcast_tagged, rank_world
+from rollouts.loops.run.distributed import broadcast_json, broadcast_tagged, rank_world
 from rollouts.loops.run.run_dir import ADAPTER_DIR, WEIGHTS_DIR
-from rollouts.types import Abortable, InferenceEngine, RolloutBatch, TrainingState, WeightLoader
+from rollouts.types import Abortable, InferenceEngine, RolloutBatch, Sample, SamplingParams, TrainingState, WeightLoader
 from rollouts.types.wire import batch_from_bytes, batch_to_parts
 
 _SHARED_METADATA = ("errors", "groups_requested", "groups_partial", "groups_restarted", "num_rounds", "generate_s")
@@ -218,3 +220,59 @@ async def _load(
         await load()
         if manager is not None and abortable is not None:
             abortable.resume()
+
+
+# ---------------------------------------------------------------- verified weight delivery
+# After a sync, a probe asks the engine for a few greedy tokens of a fixed prompt and compares the
+# log-probs it reports with the trainer's on the new weights. A sync that silently did not apply
+# (the engine still serving old weights) shows as a difference and fails the step, naming the
+# engine, instead of going unnoticed while training drifts off-policy. The probe runs on every
+# rank (under torchrun the trainer's log-probs are a collective): rank 0 generates and broadcasts
+# the probe sample.
+
+
+class SyncProbeError(RuntimeError):
+    """The engine's log-probs after a sync differ from the trainer's on the synced weights."""
+
+
+async def probe_sync(
+    components: TrainingComponents,
+    engine: InferenceEngine | None,
+    prompt: Sequence[int],
+    *,
+    num_tokens: int,
+    tolerance: float,
+    weight_version: int,
+) -> dict[str, float]:
+    """Greedy `num_tokens` from the engine for `prompt`; raise SyncProbeError when the mean |engine -
+    trainer| log-prob over them exceeds `tolerance`. Returns {"sync_probe_logprob_diff": ...}."""
+    if num_tokens < 1 or not tolerance > 0:
+        raise ValueError(f"num_tokens must be >= 1 and tolerance > 0, got {num_tokens}, {tolerance}")
+    rank, _ = rank_world()
+    payload = None
+    if rank == 0:
+        assert engine is not None
+        params = SamplingParams(max_new_tokens=num_tokens, temperature=0.0, logprobs=True)
+        (sample,) = await engine.generate([list(prompt)], params)
+        if sample.rollout_logprobs is None:
+            raise SyncProbeError(f"engine {engine.name} returned no log-probs for the sync probe")
+        payload = {"sample": sample.to_dict(), "engine": engine.name}
+    payload = await trio.to_thread.run_sync(broadcast_json, payload)
+    sample = Sample.from_dict(payload["sample"])
+    if sample.response_length == 0:
+        return {"sync_probe_logprob_diff": 0.0}
+    budget = len(sample.tokens) + 1
+    (trainer_B_T,) = await trio.to_thread.run_sync(
+        lambda: compute_logprobs(components, pack_samples([sample], max_tokens=budget))
+    )
+    trainer = trainer_B_T[0, sample.num_prompt_tokens : len(sample.tokens)]
+    engine_lp = np.asarray(sample.rollout_logprobs, dtype=np.float64)
+    diff = float(np.mean(np.abs(trainer.astype(np.float64) - engine_lp)))
+    if diff > tolerance:
+        raise SyncProbeError(
+            f"after syncing weight version {weight_version}, engine {payload['engine']} reports log-probs "
+            f"{diff:.3g} away from the trainer's on those weights (mean over {sample.response_length} greedy "
+            f"tokens; rl.sync_probe_tolerance = {tolerance}): the sync did not apply, or the engine serves "
+            "another model or precision"
+        )
+    return {"sync_probe_logprob_diff": diff}

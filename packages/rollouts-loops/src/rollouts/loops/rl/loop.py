@@ -3,8 +3,13 @@ generates, and one broadcast hands each step's batch to the others. Everything a
 `rl_step`, weight export, checkpoints — is the same call on every rank.
 
 Per step: batch (prompts -> rollout function -> reward -> group filter) -> `rl_step` (overlong
-penalty, staleness filter, advantages, packed micro-batches, loss, optimizer step) -> export + engine
-sync -> metrics -> checkpoint. `recipes/grpo_minimal.py` is the algorithm without the plumbing.
+penalty, staleness filter, advantages, packed micro-batches, loss, optimizer updates) -> export +
+engine sync -> reference and KL coefficient -> evaluation, metrics -> checkpoint.
+`recipes/grpo_minimal.py` is the algorithm without the plumbing.
+
+One unit: `state.step` counts optimizer updates, `config.num_updates` of them in a run, and every
+cadence (`due`) is in updates; each batch (`config.num_steps` counts those) makes
+`num_updates_per_batch` of them.
 
 Generation is a producer task on rank 0 feeding a memory channel, one batch per request. Without
 overlap the next batch is requested after the sync; with `config.overlap` it is requested before
@@ -20,24 +25,32 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from rollouts.backends import CheckpointWriter, TrainingComponents
-from rollouts.backends.train.lora import has_lora
+from rollouts.backends import CheckpointWriter
 from rollouts.data import AsyncRolloutManager, DataBuffer
+from rollouts.loops.engines.rollout_process import RolloutProcess, remote_rollout_manager
 from rollouts.loops.evaluation import Evaluation, evaluate_groups, group_metrics
-from rollouts.loops.rl.critic import default_critic
-from rollouts.loops.rl.generation import BatchSource, engine_alone
-from rollouts.loops.rl.kl_control import initial_kl_state, next_kl_state, with_kl_coef
+from rollouts.loops.rl.generation import BatchSource, engine_alone, probe_sync, sync_engine
+from rollouts.loops.rl.models import RLModels, check_models, with_defaults
 from rollouts.loops.rl.per_token import AdvantageFn
-from rollouts.loops.rl.probe import probe_sync
-from rollouts.loops.rl.reference import check_reference_update, default_reference, update_reference
-from rollouts.loops.rl.state import RLHooks, Run, restore, save_run_checkpoint, sync_run_engine
+from rollouts.loops.rl.state import (
+    KLController,
+    Manager,
+    PendingBatch,
+    RunFiles,
+    restore,
+    run_parts,
+    save,
+    update_reference,
+)
 from rollouts.loops.rl.step import failure_causes, log_completions, rl_step
 from rollouts.loops.rollouts.functions import (
     PromptEncoder,
@@ -46,23 +59,273 @@ from rollouts.loops.rollouts.functions import (
     check_partial_rollouts,
     check_prompt_lengths,
     model_vocab_size,
+    rollout_manager,
     single_turn_rollout,
 )
 from rollouts.loops.rollouts.scoring import Reward, check_reward_errors, summarize
 from rollouts.loops.run.distributed import rank_world
 from rollouts.loops.run.heap import startup_objects_frozen
-from rollouts.loops.run.run_dir import lock_run_dir, sweep_run_dir
-from rollouts.losses import KLControllerState, LossFn
-from rollouts.types import (
-    FilterFn,
-    InferenceEngine,
-    MetricsLogger,
-    RLConfig,
-    RolloutBatch,
-    TrainingState,
-)
+from rollouts.loops.run.run_dir import due, lock_run_dir, sweep_run_dir
+from rollouts.losses import LossFn
+from rollouts.types import FilterFn, MetricsLogger, RLConfig, RolloutBatch, TrainingState
 
 _MAX_EMPTY_BATCHES = 3  # steps in a row with nothing to train on before the loop gives up
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RLHooks:
+    """The loop's plug points besides the reward, each with a built-in default."""
+
+    rollout: RolloutFn = single_turn_rollout
+    """One prompt record -> a group of Samples, using any InferenceEngine (multi-turn, tools, ...)."""
+    filter_fn: FilterFn | None = None
+    """Judges a group: None keeps it, a string is why it was dropped (default: DAPO's non-zero std
+    filter when dynamic_sampling is on, else none)."""
+    advantage_fn: AdvantageFn | None = None
+    """(rewards_N, groups_N) -> advantages_N; default: the configured estimator."""
+    loss_fn: LossFn | None = None
+    """Per micro-batch loss; default: rollouts.losses.loss_fn_from_config(config.algorithm)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunOutputs:
+    """Where a run writes and what it reports: its directory (checkpoints, exported weights), the
+    metrics, and whether it continues the run the directory holds."""
+
+    run_dir: str | Path
+    logger: MetricsLogger
+    resume: bool = True
+    """Continue from the directory's newest checkpoint, if it has one."""
+    resume_from: str | Path | None = None
+    """Continue from this checkpoint instead (newer ones are moved aside)."""
+    on_step: Callable[[TrainingState, dict[str, float]], None] | None = None
+    """Called with the state and metrics after each step (in a worker thread: it may block)."""
+    num_logged_completions: int = 2
+    """Completions of each step logged at INFO level on rank 0."""
+
+
+def run_rl_training(
+    models: RLModels,
+    buffer: DataBuffer,
+    config: RLConfig,
+    *,
+    reward: Reward | Callable[..., Any],
+    encode_prompt: PromptEncoder,
+    output: RunOutputs,
+    hooks: RLHooks | None = None,
+    tokenizer: Any = None,
+    evaluation: Evaluation | None = None,
+) -> tuple[TrainingState, list[dict[str, float]]]:
+    """Run RL for `config.num_steps` batches; returns (final state, per-step metrics).
+
+    Call it on every rank (SPMD); `models.engine` is used on rank 0 only. `reward` is
+    `reward(sample, record) -> float` (sync or async), a batched reward, or a `Reward` with its
+    error policy (see rollouts.loops.rollouts.scoring). A KL reference is copied from the starting
+    weights when the algorithm needs one and none is given, a critic built when PPO needs one.
+    With `evaluation`, rank 0 evaluates the engine's weights every `evaluation.every_steps` updates
+    and logs eval_reward_mean, eval_pass@1 (and pass@k, maj@k for k > 1) with the step.
+    """
+    hooks = hooks if hooks is not None else RLHooks()
+    rank, world = rank_world()
+    check_models(models, config, rank=rank, world=world)
+    check_partial_rollouts(config, hooks.rollout)
+    if rank == 0 and hooks.rollout is single_turn_rollout:  # every prompt checked before the run, not mid-run
+        check_prompt_lengths(
+            buffer.prompts,
+            encode_prompt,
+            max_new_tokens=config.rollout.sampling.max_new_tokens,
+            max_context=getattr(getattr(models.policy.model, "config", None), "max_position_embeddings", None),
+            max_sample_tokens=config.max_tokens_per_micro_batch,
+        )
+    models = with_defaults(models, config, world=world)
+    context = None
+    if models.engine is not None:
+        context = RolloutContext(
+            engine=models.engine,
+            sampling=dataclasses.replace(config.rollout.sampling, n=config.rollout.samples_per_prompt),
+            encode_prompt=encode_prompt,
+            tokenizer=tokenizer,
+            vocab_size=model_vocab_size(models.policy.model),
+            max_sample_tokens=config.max_tokens_per_micro_batch,
+        )
+    run_dir = Path(output.run_dir)
+    with lock_run_dir(run_dir) if rank == 0 else contextlib.nullcontext():  # another process on it is refused
+        if rank == 0:
+            sweep_run_dir(run_dir)
+        try:
+            with CheckpointWriter() as writer, startup_objects_frozen():  # writer closed on every exit path
+                files = RunFiles(run_dir=run_dir, writer=writer, tokenizer=tokenizer)
+                args = (models, buffer, config, Reward.of(reward), hooks, context, output, files, evaluation)
+                return trio.run(_rl_loop, *args)
+        except BaseExceptionGroup as group:  # the loop's nursery wraps even a lone error: raise that one
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+
+
+async def _rl_loop(
+    models: RLModels,
+    buffer: DataBuffer,
+    config: RLConfig,
+    reward: Reward,
+    hooks: RLHooks,
+    context: RolloutContext | None,
+    output: RunOutputs,
+    files: RunFiles,
+    evaluation: Evaluation | None,
+) -> tuple[TrainingState, list[dict[str, float]]]:
+    """The run inside trio: restore, then one step per batch until `config.num_updates` updates."""
+    lock, updates = trio.Lock(), config.algorithm.num_updates_per_batch
+    manager = _manager(buffer, config, reward, hooks, context)
+    pending, kl = PendingBatch(), KLController(config)
+    parts = run_parts(buffer, manager, pending, kl)
+    state = await restore(models, parts, config, files, resume=output.resume, resume_from=output.resume_from, lock=lock)
+    # paused for a sync, evaluation or probe; partial rollouts keep the manager here (a RolloutProcess refuses them)
+    pausable = manager if config.rollout.partial and isinstance(manager, AsyncRolloutManager) else None
+    probe_prompt: tuple[int, ...] = ()  # rank 0 generates the probe sample and broadcasts it
+    if config.sync_probe_tokens and context is not None and rank_world()[0] == 0:
+        probe_prompt = tuple(context.encode_prompt(buffer.prompts[0]))
+    history: list[dict[str, float]] = []
+    empty_in_a_row = 0
+    async with trio.open_nursery() as nursery:
+        batches = BatchSource(nursery, manager, lock, pending.batch, hold_lock=not config.rollout.partial)
+        while state.step < config.num_updates:
+            step_start = time.perf_counter()
+            index = state.step // updates  # the batch this step trains: rollouts are drawn per batch
+            batch, wait_s = await batches.next(index, state.weight_version)
+            if config.overlap and index + 1 < config.num_steps:
+                await batches.request(index + 1, _version_after_step(config, state))
+            check_reward_errors(batch.samples, reward.on_error)
+            log_completions(batch, state.step + 1, output.num_logged_completions)
+            step_config = kl.step_config(config)
+            state, metrics = await _train(models, state, batch, step_config, hooks)
+            state = await _sync_if_due(models, state, config, files, lock, pausable, probe_prompt, metrics)
+            metrics["kl_coef"] = step_config.algorithm.kl_coef
+            if models.reference is not None and metrics["num_trained"]:  # moved after batch index + 1, 1-based
+                update_reference(models.reference, models.policy, config.reference, step=index + 1)
+            kl.observe(config, metrics)
+            empty_in_a_row = 0 if metrics["num_trained"] else empty_in_a_row + 1
+            if empty_in_a_row > _MAX_EMPTY_BATCHES:
+                raise _no_progress_error(batch, metrics, empty_in_a_row)
+            metrics.update(generate_wait_s=wait_s, step_time_s=time.perf_counter() - step_start)
+            history.append(metrics)
+            if (
+                evaluation is not None
+                and context is not None
+                and due(state.step, evaluation.every_steps, config.num_updates)
+            ):
+                metrics.update(await _evaluate(context, evaluation, reward, lock, pausable))
+            if due(state.step, config.log_every, config.num_updates):
+                output.logger.log(state.step, metrics)
+            if output.on_step is not None:  # in a worker thread: a callback may block, or run trio itself
+                await trio.to_thread.run_sync(output.on_step, state, metrics)
+            if due(state.step, config.checkpoint.every_steps, config.num_updates):
+                # the batch generated ahead is saved with it: the buffer and carry-over are already past it
+                pending.batch = await batches.wait_ahead() if state.step < config.num_updates else None
+                await save(models, parts, state, config, files)
+        nursery.cancel_scope.cancel()  # the producer waits for requests that will not come
+    return state, history
+
+
+async def _train(
+    models: RLModels, state: TrainingState, batch: RolloutBatch, config: RLConfig, hooks: RLHooks
+) -> tuple[TrainingState, dict[str, float]]:
+    """`rl_step` in a worker thread, so that rank 0's producer keeps generating meanwhile."""
+    start = time.perf_counter()
+    train = functools.partial(
+        rl_step,
+        models.policy,
+        state,
+        batch,
+        config,
+        ref_components=models.reference,
+        critic=models.critic,
+        advantage_fn=hooks.advantage_fn,
+        loss_fn=hooks.loss_fn,
+    )
+    state, metrics = await trio.to_thread.run_sync(train)
+    metrics["train_s"] = time.perf_counter() - start
+    return state, metrics
+
+
+def _manager(
+    buffer: DataBuffer, config: RLConfig, reward: Reward, hooks: RLHooks, context: RolloutContext | None
+) -> Manager | None:
+    """Rank 0's rollout manager; None on other ranks."""
+    if context is None or rank_world()[0] != 0:
+        return None
+    args = (buffer, config, hooks.rollout, context, reward, hooks.filter_fn)
+    # A RolloutProcess runs the manager in its engine process: the trainer's process receives batches.
+    if isinstance(context.engine, RolloutProcess):
+        return remote_rollout_manager(context.engine, *args)
+    return rollout_manager(*args)
+
+
+def _version_after_step(config: RLConfig, state: TrainingState) -> int:
+    """The weight version the step starting at `state` leaves the engine at (the next batch's, with
+    overlap): one more where the step ends with a sync."""
+    after = state.step + config.algorithm.num_updates_per_batch
+    return state.weight_version + int(_sync_due(config, after))
+
+
+def _sync_due(config: RLConfig, step: int) -> bool:
+    return due(step, config.sync_every_steps * config.algorithm.num_updates_per_batch, config.num_updates)
+
+
+async def _sync_if_due(
+    models: RLModels,
+    state: TrainingState,
+    config: RLConfig,
+    files: RunFiles,
+    lock: trio.Lock,
+    manager: AsyncRolloutManager | None,
+    probe_prompt: tuple[int, ...],
+    metrics: dict[str, float],
+) -> TrainingState:
+    """The engine sync when it is due, its figures (and the probe's) added to `metrics`. `manager`
+    (partial rollouts) is paused for the sync instead of the sync waiting for the generation in flight."""
+    metrics["sync_s"] = 0.0
+    if _sync_due(config, state.step):
+        state, sync_metrics = await sync_engine(
+            models.policy,
+            models.engine,
+            state,
+            files.run_dir,
+            shares_model=models.engine_shares_model,
+            lock=lock,
+            writer=files.writer,
+            manager=manager,
+        )
+        metrics.update(sync_metrics)
+        if config.sync_probe_tokens:  # the engine serves what was trained, or the step fails naming it
+            async with engine_alone(models.engine, lock, manager):
+                probe = await probe_sync(
+                    models.policy,
+                    models.engine,
+                    probe_prompt,
+                    num_tokens=config.sync_probe_tokens,
+                    tolerance=config.sync_probe_tolerance,
+                    weight_version=state.weight_version,
+                )
+            metrics.update(probe)
+    metrics["weight_version"] = float(state.weight_version)
+    return state
+
+
+async def _evaluate(
+    context: RolloutContext,
+    evaluation: Evaluation,
+    reward: Reward,
+    lock: trio.Lock,
+    manager: AsyncRolloutManager | None,
+) -> dict[str, float]:
+    """Rank 0's evaluation of the engine's weights, with the engine to itself."""
+    start = time.perf_counter()
+    async with engine_alone(context.engine, lock, manager):
+        groups = await evaluate_groups(
+            context.engine, evaluation.records, context.encode_prompt, reward, evaluation.sampling
+        )
+    return {**group_metrics(groups), "eval_s": time.perf_counter() - start}
 
 
 def _no_progress_error(batch: RolloutBatch, metrics: dict[str, float], empty_in_a_row: int) -> RuntimeError:
@@ -72,234 +335,3 @@ def _no_progress_error(batch: RolloutBatch, metrics: dict[str, float], empty_in_
         f"failed: {batch.num_failed}, too stale: {int(metrics['num_too_stale'])})"
         + (f"; causes: {summarize(causes)}" if causes else "")
     )
-
-
-# ---------------------------------------------------------------- the loop
-
-
-def run_rl_training(
-    components: TrainingComponents,
-    buffer: DataBuffer,
-    engine: InferenceEngine | None,
-    config: RLConfig,
-    *,
-    reward: Reward | Callable[..., Any],
-    encode_prompt: PromptEncoder,
-    logger: MetricsLogger,
-    run_dir: str | Path,
-    rollout: RolloutFn = single_turn_rollout,
-    filter_fn: FilterFn | None = None,
-    advantage_fn: AdvantageFn | None = None,
-    loss_fn: LossFn | None = None,
-    engine_shares_model: bool = False,
-    ref_components: TrainingComponents | None = None,
-    critic_components: TrainingComponents | None = None,
-    resume: bool = True,
-    resume_from: str | Path | None = None,
-    tokenizer: Any = None,
-    on_step: Callable[[TrainingState, dict[str, float]], None] | None = None,
-    evaluation: Evaluation | None = None,
-    num_logged_completions: int = 2,
-) -> tuple[TrainingState, list[dict[str, float]]]:
-    """Run RL for `config.num_steps` optimizer steps; returns (final state, per-step metrics).
-
-    Call it on every rank (SPMD). `engine` (any InferenceEngine) is used on rank 0 only; other ranks
-    may pass None. `reward` is `reward(sample, record) -> float` (sync or async), a batched reward,
-    or a `Reward` with its error policy (see rollouts.loops.rollouts.scoring). `engine_shares_model`: the
-    engine samples from `components.model` itself (no export; overlap refused). A KL reference is
-    copied from the starting weights when the algorithm needs one and none is given. With
-    `evaluation`, rank 0 evaluates the engine's weights every `evaluation.every_steps` steps and
-    logs eval_reward_mean, eval_pass@1 (and pass@k, maj@k for k > 1) with the step.
-    """
-    rank, world = rank_world()
-    if config.overlap and engine_shares_model:
-        raise ValueError("overlap needs an engine with its own copy of the weights; engine_shares_model=True")
-    if rank == 0 and engine is None:
-        raise ValueError("rank 0 generates: it needs an engine")
-    if world > 1 and engine_shares_model:
-        raise ValueError("under torchrun the engine needs its own weights (rank 0 samples; the model is sharded)")
-    if world > 1 and config.algorithm.needs_reference and ref_components is None and not has_lora(components.model):
-        raise ValueError(
-            "under torchrun a KL term needs ref_components on every rank: the starting model, "
-            "sharded like the trained one (a sharded model cannot be copied here)"
-        )
-    check_partial_rollouts(config, rollout)
-    if config.algorithm.needs_reference and ref_components is None:
-        ref_components = default_reference(components)
-    check_reference_update(config.reference, components)
-    if rank == 0 and rollout is single_turn_rollout:  # every prompt checked before the run, not mid-run
-        check_prompt_lengths(
-            buffer.prompts,
-            encode_prompt,
-            max_new_tokens=config.rollout.sampling.max_new_tokens,
-            max_context=getattr(getattr(components.model, "config", None), "max_position_embeddings", None),
-            max_sample_tokens=config.max_tokens_per_micro_batch,
-        )
-    hooks = RLHooks(
-        reward=Reward.of(reward), rollout=rollout, filter_fn=filter_fn, advantage_fn=advantage_fn, loss_fn=loss_fn
-    )
-    sampling = dataclasses.replace(config.rollout.sampling, n=config.rollout.samples_per_prompt)
-    context = (
-        None
-        if engine is None
-        else RolloutContext(
-            engine=engine,
-            sampling=sampling,
-            encode_prompt=encode_prompt,
-            tokenizer=tokenizer,
-            vocab_size=model_vocab_size(components.model),
-            max_sample_tokens=config.max_tokens_per_micro_batch,
-        )
-    )
-    run = Run(
-        components=components,
-        ref_components=ref_components,
-        critic=critic_components if critic_components is not None else default_critic(components, config, world=world),
-        buffer=buffer,
-        engine=engine,
-        config=config,
-        hooks=hooks,
-        context=context,
-        logger=logger,
-        run_dir=Path(run_dir),
-        shares_model=engine_shares_model,
-        resume=resume,
-        resume_from=resume_from,
-        tokenizer=tokenizer,
-        on_step=on_step,
-        evaluation=evaluation,
-        num_logged_completions=num_logged_completions,
-        probe_prompt=tuple(encode_prompt(buffer.prompts[0])) if config.sync_probe_tokens and rank == 0 else (),
-        writer=CheckpointWriter(),
-    )
-    held = lock_run_dir(run.run_dir) if rank == 0 else contextlib.nullcontext()
-    with held:  # one run per directory: another process on it is refused, naming its pid
-        if rank == 0:
-            sweep_run_dir(run.run_dir)
-        try:
-            with run.writer, startup_objects_frozen():  # writer closed on every exit path
-                return trio.run(_rl_main, run)
-        except BaseExceptionGroup as group:  # the loop's nursery wraps even a lone error: raise that one
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
-            raise
-
-
-async def _rl_main(run: Run) -> tuple[TrainingState, list[dict[str, float]]]:
-    config, updates, lock = run.config, run.config.algorithm.num_updates_per_batch, trio.Lock()
-    total = config.num_steps * updates
-    state, extra, manager, ahead = await restore(run, lock)
-    history: list[dict[str, float]] = []
-    empty_in_a_row = 0
-    kl_state = initial_kl_state(config, extra)
-    pausable = manager if config.rollout.partial else None  # paused for a sync, evaluation or probe
-    async with trio.open_nursery() as nursery:
-        batches = BatchSource(nursery, manager, lock, ahead, hold_lock=not config.rollout.partial)
-        while state.step < total:
-            step_start = time.perf_counter()
-            batch, wait_s = await batches.next(state.step // updates, state.weight_version)
-            if config.overlap and (state.step // updates + 1) * updates < total:
-                await batches.request(state.step // updates + 1, _version_after_step(config, state))
-            check_reward_errors(batch.samples, run.hooks.reward.on_error)
-            log_completions(batch, state.step + 1, run.num_logged_completions)
-            step_config = with_kl_coef(config, kl_state)
-            state, metrics = await _train(run, state, batch, lock, pausable, step_config)
-            metrics["kl_coef"] = step_config.algorithm.kl_coef
-            if run.ref_components is not None and metrics["num_trained"]:
-                update_reference(run.ref_components, run.components, config.reference, step=state.step // updates)
-            kl_state = next_kl_state(kl_state, config, metrics)
-            empty_in_a_row = 0 if metrics["num_trained"] else empty_in_a_row + 1
-            if empty_in_a_row > _MAX_EMPTY_BATCHES:
-                raise _no_progress_error(batch, metrics, empty_in_a_row)
-            metrics.update(generate_wait_s=wait_s, step_time_s=time.perf_counter() - step_start)
-            history.append(metrics)
-            await _after_step(run, state, metrics, manager, batches, lock, kl_state)
-        nursery.cancel_scope.cancel()  # the producer waits for requests that will not come
-    return state, history
-
-
-def _version_after_step(config: RLConfig, state: TrainingState) -> int:
-    """The weight version the step starting at `state` leaves the engine at (the next batch's, with
-    overlap): one more where the step ends with a sync (as `_train` decides)."""
-    updates = config.algorithm.num_updates_per_batch
-    after = state.step + updates
-    syncs = after % (config.sync_every_steps * updates) == 0 or after >= config.num_steps * updates
-    return state.weight_version + int(syncs)
-
-
-async def _train(
-    run: Run,
-    state: TrainingState,
-    batch: RolloutBatch,
-    lock: trio.Lock,
-    manager: AsyncRolloutManager | None,
-    config: RLConfig,
-) -> tuple[TrainingState, dict[str, float]]:
-    """rl_step in a worker thread (the producer keeps generating), then the sync when it is due.
-    `config` is the run's, with this step's KL coefficient; `manager` (partial rollouts) is paused
-    for the sync instead of the sync waiting for the generation in flight."""
-    updates = config.algorithm.num_updates_per_batch
-    start = time.perf_counter()
-    state, metrics = await trio.to_thread.run_sync(
-        lambda: rl_step(
-            run.components,
-            state,
-            batch,
-            config,
-            ref_components=run.ref_components,
-            critic=run.critic,
-            advantage_fn=run.hooks.advantage_fn,
-            loss_fn=run.hooks.loss_fn,
-        )
-    )
-    metrics["train_s"] = time.perf_counter() - start
-    metrics["sync_s"] = 0.0
-    if state.step % (config.sync_every_steps * updates) == 0 or state.step >= config.num_steps * updates:
-        state, sync_metrics = await sync_run_engine(run, state, lock, manager=manager)
-        metrics.update(sync_metrics)
-        if config.sync_probe_tokens:  # the engine serves what was trained, or the step fails naming it
-            async with engine_alone(run.engine, lock, manager):
-                metrics.update(
-                    await probe_sync(
-                        run.components,
-                        run.engine,
-                        run.probe_prompt,
-                        num_tokens=config.sync_probe_tokens,
-                        tolerance=config.sync_probe_tolerance,
-                        weight_version=state.weight_version,
-                    )
-                )
-    metrics["weight_version"] = float(state.weight_version)
-    return state, metrics
-
-
-async def _after_step(
-    run: Run,
-    state: TrainingState,
-    metrics: dict[str, float],
-    manager: AsyncRolloutManager | None,
-    batches: BatchSource,
-    lock: trio.Lock,
-    kl_state: KLControllerState | None,
-) -> None:
-    """Evaluate, log, call on_step, and checkpoint when due (with the batch generated ahead, if any)."""
-    config, total = run.config, run.config.num_steps * run.config.algorithm.num_updates_per_batch
-    evaluation = run.evaluation
-    if (
-        evaluation is not None
-        and run.context is not None
-        and (state.step % evaluation.every_steps == 0 or state.step >= total)
-    ):
-        start = time.perf_counter()
-        async with engine_alone(run.context.engine, lock, manager if config.rollout.partial else None):
-            groups = await evaluate_groups(
-                run.context.engine, evaluation.records, run.context.encode_prompt, run.hooks.reward, evaluation.sampling
-            )
-        metrics.update(group_metrics(groups), eval_s=time.perf_counter() - start)
-    if state.step % config.log_every == 0 or state.step >= total:
-        run.logger.log(state.step, metrics)
-    if run.on_step is not None:  # in a worker thread: a callback may block, or run trio itself
-        await trio.to_thread.run_sync(run.on_step, state, metrics)
-    every = config.checkpoint.every_steps
-    if (every > 0 and state.step % every == 0) or state.step >= total:
-        await save_run_checkpoint(run, state, manager, batches, kl_state)

@@ -6,6 +6,10 @@
   <run_dir>/run_identity.json       the resolved config and input fingerprints the run started with
   <run_dir>/.lock                   held by the run using the directory (its pid inside)
 
+A run's saved state beside its models is a dict of parts, each `Stateful`: `parts_state` gives
+what a checkpoint's `extra` holds, `load_parts` gives each part its own entry back. `due` is the
+one cadence rule of the loops (logging, syncs, evaluation, checkpoints).
+
 Resume is a choice ("auto": continue if there is a checkpoint, "never": refuse a directory that has
 one, "must": refuse one that has none) and is checked against `run_identity.json`: a run whose
 config or inputs differ in anything that changes the run is refused with the differences, unless
@@ -26,7 +30,7 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from rollouts.backends import (
     TrainingComponents,
@@ -69,6 +73,34 @@ MAY_CHANGE = (
 """Config keys (glob patterns over dotted paths) a resumed run may change: how long it runs, how it
 logs, evaluates and checkpoints, where its engines are. Everything else changes the run itself."""
 _HASH_BLOCK_BYTES = 16 * 1024**2
+
+
+def due(step: int, every: int, total: int) -> bool:
+    """Whether something done every `every` steps (0: never) falls at step `step`; everything falls
+    at the last step, so a run ends synced, evaluated, logged and checkpointed."""
+    return (every > 0 and step % every == 0) or step >= total
+
+
+class Stateful(Protocol):
+    """One part of a run's saved state (a DataBuffer, a rollout manager, ...): JSON-ready state out,
+    and the same state back in."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], /) -> None: ...
+
+
+def parts_state(parts: Mapping[str, Stateful]) -> dict[str, Any]:
+    """The checkpoint's `extra`: each part's state under its name."""
+    return {name: part.state_dict() for name, part in parts.items()}
+
+
+def load_parts(parts: Mapping[str, Stateful], extra: Mapping[str, Any]) -> None:
+    """Give each part its state from a checkpoint's `extra`, in the dict's order; a part the
+    checkpoint has no entry for (a fresh run, an older checkpoint) keeps its starting state."""
+    for name, part in parts.items():
+        if name in extra:
+            part.load_state_dict(extra[name])
 
 
 def resume_if_possible(

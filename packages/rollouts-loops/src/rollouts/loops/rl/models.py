@@ -1,0 +1,89 @@
+"""The models of an RL run: the policy, the engine that samples it, and the two models some
+algorithms add, a KL reference and PPO's critic. `RLModels` names them; `with_defaults` builds the
+reference and the critic a run needs and was not given, from the starting policy, after
+`check_models` has refused what the run cannot do with them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+from rollouts.backends import TrainingComponents
+from rollouts.backends.train.lora import has_lora, reference_components
+from rollouts.backends.train.value import build_critic
+from rollouts.types import InferenceEngine, RLConfig
+
+__all__ = ["RLModels", "check_models", "default_critic", "default_reference", "with_defaults"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RLModels:
+    """The models one RL run trains and samples from."""
+
+    policy: TrainingComponents
+    """The trained model with its optimizer (rollouts.backends.build_components)."""
+    engine: InferenceEngine | None
+    """Samples the rollouts on rank 0 (any InferenceEngine); other ranks may pass None."""
+    engine_shares_model: bool = False
+    """The engine samples from `policy.model` itself: no export at a sync, and no overlap."""
+    reference: TrainingComponents | None = None
+    """The KL reference; default: the starting weights (with LoRA: the adapter switched off)."""
+    critic: TrainingComponents | None = None
+    """PPO's value model (advantage_estimator 'gae'); default: built from the starting policy."""
+
+
+def check_models(models: RLModels, config: RLConfig, *, rank: int, world: int) -> None:
+    """Refuse, before any work, models the run cannot train with."""
+    if config.overlap and models.engine_shares_model:
+        raise ValueError("overlap needs an engine with its own copy of the weights; engine_shares_model=True")
+    if rank == 0 and models.engine is None:
+        raise ValueError("rank 0 generates: it needs an engine")
+    if world > 1 and models.engine_shares_model:
+        raise ValueError("under torchrun the engine needs its own weights (rank 0 samples; the model is sharded)")
+    lora = has_lora(models.policy.model)
+    if world > 1 and config.algorithm.needs_reference and models.reference is None and not lora:
+        raise ValueError(
+            "under torchrun a KL term needs RLModels.reference on every rank: the starting model, "
+            "sharded like the trained one (a sharded model cannot be copied here)"
+        )
+    if config.reference.update != "frozen" and lora:
+        raise ValueError(
+            f"RLConfig.reference.update {config.reference.update!r} needs a reference of its own, but with LoRA "
+            "the reference is the same weights with the adapter switched off; use update 'frozen'"
+        )
+
+
+def with_defaults(models: RLModels, config: RLConfig, *, world: int) -> RLModels:
+    """`models` with the reference and the critic the algorithm needs, built where none was given
+    (before a resume loads later weights into the policy)."""
+    reference = models.reference
+    if config.algorithm.needs_reference and reference is None:
+        reference = default_reference(models.policy)
+    critic = models.critic if models.critic is not None else default_critic(models.policy, config, world=world)
+    return dataclasses.replace(models, reference=reference, critic=critic)
+
+
+def default_reference(components: TrainingComponents) -> TrainingComponents:
+    """The KL reference when none is given: with LoRA the same weights with the adapter off (no copy);
+    otherwise a copy of the starting weights."""
+    if has_lora(components.model):
+        return reference_components(components)
+    return dataclasses.replace(components, model=copy.deepcopy(components.model).eval())
+
+
+def default_critic(components: TrainingComponents, config: RLConfig, *, world: int) -> TrainingComponents | None:
+    """A critic from the starting policy when the algorithm needs one (GAE), else None."""
+    if config.algorithm.advantage_estimator != "gae":
+        return None
+    if world > 1:
+        raise ValueError(
+            "under torchrun PPO with a critic needs RLModels.critic on every rank (critic_components from "
+            "rollouts.backends.build_critic, sharded like the policy): a sharded policy cannot be copied here"
+        )
+    if has_lora(components.model):
+        raise ValueError("PPO with a critic and LoRA is not supported: give the critic a model of its own path")
+    return build_critic(
+        components.model, config.critic.optimizer, num_training_steps=config.num_updates, device=components.device
+    )
