@@ -2,14 +2,43 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from rollouts.data import prompt_encoder
-from rollouts.loops.app.config import ConfigError, RLRun, SFTRun
+import trio
+
+from rollouts.backends import (
+    EngineProcessOptions,
+    InProcessEngine,
+    ProcessEngine,
+    latest_checkpoint,
+    load_hf_model,
+    load_tokenizer,
+)
+from rollouts.backends.train.lora import apply_lora, merged_copy, reference_components
+from rollouts.backends.train.value import build_critic
+from rollouts.data import DataBuffer, load_conversations, load_prompts, prompt_encoder, tokenize_conversation
+from rollouts.loops import (
+    CHECKPOINTS_DIR,
+    CoalescingEngine,
+    Evaluation,
+    PluginError,
+    Reward,
+    RLHooks,
+    RLModels,
+    RunOutputs,
+    evaluate_groups,
+    group_metrics,
+    remote_engine,
+    resolve_function,
+    run_rl_training,
+    run_sft_training,
+)
+from rollouts.loops.app.config import BUILTIN_REWARDS, ConfigError, RLRun, SFTRun
 from rollouts.loops.app.run_setup import (
     answer_fields,
     check_paths,
@@ -23,16 +52,23 @@ from rollouts.loops.app.run_setup import (
     run_tokenizer,
     sharded_model,
 )
+from rollouts.loops.engines.rollout_process import RolloutProcess
+from rollouts.loops.rollouts.reward_models import (
+    ClassifierRewardModel,
+    chat_encoder,
+    check_reward_model_dir,
+    reward_model_reward,
+    weighted_reward,
+)
 from rollouts.loops.rollouts.rewards import builtin_reward
-from rollouts.loops.run.distributed import init_distributed
+from rollouts.loops.run.distributed import init_distributed, rank_world
+from rollouts.sync.reward_client import VLLMRewardModel
 
 
 def cmd_sft(run: SFTRun, source: str) -> Path:
     """Tokenize conversations with the model's chat template and train; returns the checkpoint root."""
     run = local_model(run, source)
     check_paths(run, source)
-    from rollouts.data import load_conversations, tokenize_conversation
-    from rollouts.loops import CHECKPOINTS_DIR, run_sft_training
 
     rank, world = init_distributed()
     conversations = load_data(load_conversations, run.data.train_path)  # bad data refused before the run dir is touched
@@ -67,8 +103,6 @@ def cmd_sft(run: SFTRun, source: str) -> Path:
 
 def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
     """run_rl_training's plug-point arguments from [reward] and [hooks], checked before any work."""
-    from rollouts.loops import PluginError, Reward, resolve_function
-    from rollouts.loops.app.config import BUILTIN_REWARDS
 
     spec = run.reward
     try:
@@ -98,15 +132,6 @@ def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
 def _with_reward_models(verifier: Any, spec: Any, source: str) -> Any:
     """`verifier` weighted by reward.weight plus each [[reward.models]] score by its weight; every
     model directory checked (and loaded, for those scored in process) before any work."""
-    from rollouts.backends import load_tokenizer
-    from rollouts.loops.rollouts.reward_models import (
-        ClassifierRewardModel,
-        chat_encoder,
-        check_reward_model_dir,
-        reward_model_reward,
-        weighted_reward,
-    )
-    from rollouts.sync.reward_client import VLLMRewardModel
 
     parts = [(verifier, spec.weight)] if spec.weight != 0 else []
     for i, model in enumerate(spec.models):
@@ -132,11 +157,6 @@ def _with_reward_models(verifier: Any, spec: Any, source: str) -> Any:
 def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> Any:
     """Rank 0's engine (None on other ranks): the in-process sampler, in this process or its own, or
     remote servers."""
-    import copy
-
-    from rollouts.backends import EngineProcessOptions, InProcessEngine, ProcessEngine, load_hf_model
-    from rollouts.loops import CoalescingEngine, remote_engine
-    from rollouts.loops.run.distributed import rank_world
 
     rank, world = rank_world()
     if rank != 0:
@@ -151,8 +171,6 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
         )
         tokenizer_dir = run.model.tokenizer_path or run.model.path
         if run.engine.kind == "rollout_process":  # the rollout manager runs there too, batching its groups
-            from rollouts.loops.engines.rollout_process import RolloutProcess
-
             return RolloutProcess(
                 run.model.path, options, tokenizer_dir=tokenizer_dir, max_prompts_per_call=run.rl.rollout.batch_size
             )
@@ -174,16 +192,12 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
     if shares:
         model = components.model
     elif world == 1 and run.model.lora.enabled and run.model.lora.sync == "merged":
-        from rollouts.backends.train.lora import merged_copy
-
         model = merged_copy(components.model)  # the engine's copy: merged weights, no adapter
     elif world == 1:
         model = copy.deepcopy(components.model)
     else:  # the trained model is sharded: rank 0 samples from a full copy of its own
         model = load_hf_model(run.model.path, device=components.device)
         if run.model.lora.enabled and run.model.lora.sync == "adapter":
-            from rollouts.backends.train.lora import apply_lora
-
             model = apply_lora(model, run.model.lora)
     return CoalescingEngine(
         InProcessEngine(model, shares_training_model=shares, tokenizer=tokenizer),
@@ -193,10 +207,6 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
 
 def _evaluation(run: RLRun) -> Any:
     """The run's Evaluation from [eval] and data.eval_path, or None."""
-    import dataclasses as dc
-
-    from rollouts.data import load_prompts
-    from rollouts.loops import Evaluation
 
     if run.eval.every_steps == 0:
         return None
@@ -207,7 +217,9 @@ def _evaluation(run: RLRun) -> Any:
     )[: run.data.num_eval]
     if run.data.prompt_key != "prompt":
         records = [{**r, "prompt": r[run.data.prompt_key]} for r in records]
-    sampling = dc.replace(run.rl.rollout.sampling, n=run.eval.samples_per_prompt, temperature=run.eval.temperature)
+    sampling = dataclasses.replace(
+        run.rl.rollout.sampling, n=run.eval.samples_per_prompt, temperature=run.eval.temperature
+    )
     return Evaluation(records=tuple(records), every_steps=run.eval.every_steps, sampling=sampling)
 
 
@@ -215,8 +227,6 @@ def cmd_rl(run: RLRun, source: str) -> Path:
     """RL from the configured model against the configured engine(s); returns the checkpoint root."""
     run = local_model(run, source)
     check_paths(run, source)
-    from rollouts.data import DataBuffer, load_prompts
-    from rollouts.loops import CHECKPOINTS_DIR, RLHooks, RLModels, RunOutputs, run_rl_training
 
     hooks = resolve_hooks(run, source)
     try:
@@ -237,8 +247,6 @@ def cmd_rl(run: RLRun, source: str) -> Path:
         shares = run.engine.kind == "inprocess" and not run.rl.overlap and world == 1
         critic = None
         if run.rl.algorithm.advantage_estimator == "gae":  # PPO's critic: from [rl.critic] path or the policy's model
-            from rollouts.backends.train.value import build_critic
-
             critic = build_critic(
                 run.rl.critic.path or run.model.path,
                 run.rl.critic.optimizer,
@@ -248,8 +256,6 @@ def cmd_rl(run: RLRun, source: str) -> Path:
             )
         ref_components = None
         if run.rl.algorithm.needs_reference and run.model.lora.enabled:
-            from rollouts.backends.train.lora import reference_components
-
             ref_components = reference_components(components)  # the base: the adapter switched off
         elif world > 1 and run.rl.algorithm.needs_reference:
             # The starting model, sharded like the trained one (one process copies it itself).
@@ -296,10 +302,6 @@ def cmd_rl(run: RLRun, source: str) -> Path:
 
 def cmd_eval(run: RLRun, source: str, checkpoint: str) -> dict[str, float]:
     """Evaluate a saved model on data.eval_path with [eval] and [reward]; prints and returns the metrics."""
-    import trio
-
-    from rollouts.backends import InProcessEngine, load_hf_model
-    from rollouts.loops import evaluate_groups, group_metrics
 
     if not (Path(checkpoint) / "config.json").is_file():
         raise ConfigError(f"--checkpoint {checkpoint!r} must be an HF-format model directory (config.json)")
@@ -324,7 +326,6 @@ def cmd_eval(run: RLRun, source: str, checkpoint: str) -> dict[str, float]:
 def cmd_pipeline(sft: SFTRun, sft_source: str, rl: RLRun, rl_source: str) -> Path:
     """SFT, then RL from SFT's newest checkpoint; both configs checked before any work. Returns RL's
     checkpoint root."""
-    from rollouts.backends import latest_checkpoint
 
     check_paths(rl, rl_source, model=False)  # the RL stage starts from what SFT will write
     init_distributed()
