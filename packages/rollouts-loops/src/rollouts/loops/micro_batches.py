@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -31,9 +32,10 @@ def attention_pair_cost(config: object) -> float | None:
     on the loss tokens only, the same number in either layout.
     """
     sizes = [getattr(config, name, None) for name in ("hidden_size", "intermediate_size", "num_attention_heads")]
-    if not all(isinstance(n, int) and n > 0 for n in sizes):
+    ints = [n for n in sizes if isinstance(n, int) and n > 0]
+    if len(ints) != len(sizes):
         return None
-    hidden, intermediate, num_heads = sizes
+    hidden, intermediate, num_heads = ints
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(config, "head_dim", None) or hidden // num_heads
     if not isinstance(num_kv_heads, int) or not isinstance(head_dim, int) or head_dim < 1:
@@ -49,7 +51,7 @@ def choose_layout(
     packed_only: bool = False,
     pair_cost: float | None = None,
     max_tokens: int | None = None,
-) -> str:
+) -> Literal["packed", "padded"]:
     """'padded' for near-uniform lengths, else the cheaper layout by the arithmetic of both.
 
     `packed_only`: the model's attention takes no padding mask (flash kernels; see

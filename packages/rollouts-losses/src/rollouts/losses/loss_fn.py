@@ -42,8 +42,10 @@ __all__ = ["LossFn", "PolicyLossFn", "SFTLossFn", "loss_fn_from_config", "sft_lo
 class LossFn(Protocol):
     """What a trainer calls per micro-batch: [B, T] log-probs and the batch -> (scalar loss, float metrics)."""
 
-    needs_entropy: bool
-    """Whether the trainer must pass entropy_B_T (it computes entropy only when asked)."""
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether the trainer must pass entropy_B_T (it computes entropy only when asked)."""
+        ...
 
     def __call__(
         self,

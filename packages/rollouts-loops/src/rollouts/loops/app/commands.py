@@ -22,22 +22,6 @@ from rollouts.backends import (
 from rollouts.backends.train.lora import apply_lora, merged_copy, reference_components
 from rollouts.backends.train.value import build_critic
 from rollouts.data import DataBuffer, load_conversations, load_prompts, prompt_encoder, tokenize_conversation
-from rollouts.loops import (
-    CHECKPOINTS_DIR,
-    CoalescingEngine,
-    Evaluation,
-    PluginError,
-    Reward,
-    RLHooks,
-    RLModels,
-    RunOutputs,
-    evaluate_groups,
-    group_metrics,
-    remote_engine,
-    resolve_function,
-    run_rl_training,
-    run_sft_training,
-)
 from rollouts.loops.app.config import BUILTIN_REWARDS, ConfigError, RLRun, SFTRun
 from rollouts.loops.app.run_setup import (
     answer_fields,
@@ -52,7 +36,12 @@ from rollouts.loops.app.run_setup import (
     run_tokenizer,
     sharded_model,
 )
+from rollouts.loops.engines.coalescing import CoalescingEngine, remote_engine
 from rollouts.loops.engines.rollout_process import RolloutProcess
+from rollouts.loops.evaluation import Evaluation, evaluate_groups, group_metrics
+from rollouts.loops.plugins import PluginError, resolve_function
+from rollouts.loops.rl.loop import RLHooks, RunOutputs, run_rl_training
+from rollouts.loops.rl.models import RLModels
 from rollouts.loops.rollouts.reward_models import (
     ClassifierRewardModel,
     chat_encoder,
@@ -61,7 +50,10 @@ from rollouts.loops.rollouts.reward_models import (
     weighted_reward,
 )
 from rollouts.loops.rollouts.rewards import builtin_reward
+from rollouts.loops.rollouts.scoring import Reward
 from rollouts.loops.run.distributed import init_distributed, rank_world
+from rollouts.loops.run.run_dir import CHECKPOINTS_DIR
+from rollouts.loops.sft import run_sft_training
 from rollouts.sync.reward_client import VLLMRewardModel
 
 
@@ -259,7 +251,7 @@ def cmd_rl(run: RLRun, source: str) -> Path:
             ref_components = reference_components(components)  # the base: the adapter switched off
         elif world > 1 and run.rl.algorithm.needs_reference:
             # The starting model, sharded like the trained one (one process copies it itself).
-            ref_components = dataclasses.replace(components, model=sharded_model(run, components.device).eval())
+            ref_components = dataclasses.replace(components, model=sharded_model(run, str(components.device)).eval())
         logger = run_loggers(run, out, "rl", run.rl.num_updates, rank=rank)
         engine = _rl_engine(run, components, tokenizer, shares=shares)
         try:

@@ -26,23 +26,18 @@ import torch
 
 from rollouts.backends import InProcessEngine, build_components, export_weights
 from rollouts.data import DataBuffer, prompt_encoder, tokenize_conversation
-from rollouts.loops import (
-    CoalescingEngine,
-    ConsoleLogger,
-    JsonlLogger,
-    MultiLogger,
-    RLModels,
-    RunOutputs,
-    evaluate,
-    run_rl_training,
-    run_sft_training,
-)
 from rollouts.loops.algorithms import ALGORITHMS
 from rollouts.loops.app.config import ConfigError, apply_overrides
 from rollouts.loops.app.plot import plot_run
+from rollouts.loops.engines.coalescing import CoalescingEngine
+from rollouts.loops.evaluation import evaluate
 from rollouts.loops.recipes.addition import addition_problems, as_conversation, sloppy_teacher
 from rollouts.loops.recipes.tiny import build_tiny_model, build_tokenizer, save_model
+from rollouts.loops.rl.loop import RunOutputs, run_rl_training
+from rollouts.loops.rl.models import RLModels
 from rollouts.loops.rollouts.rewards import exact_match
+from rollouts.loops.run.loggers import ConsoleLogger, JsonlLogger, MultiLogger
+from rollouts.loops.sft import run_sft_training
 from rollouts.types import (
     CheckpointConfig,
     LoraConfig,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rollouts.loops import read_jsonl
+from rollouts.loops.run.loggers import read_jsonl
 
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("loss", ("loss", "sft/loss", "rl/loss")),

@@ -102,7 +102,7 @@ class GRPOLoss:
 def group_baseline(rewards_N: Tensor, groups_N: Tensor, *, eps: float = 1e-6) -> Tensor:
     """A_i = (r_i - mean_g) / (std_g + eps) over the samples of each prompt's group g."""
     advantages_N = torch.zeros_like(rewards_N)
-    for g in groups_N.unique():
+    for g in groups_N.unique():  # type: ignore[no-untyped-call]  # torch leaves Tensor.unique unannotated
         in_g = groups_N == g
         r = rewards_N[in_g]
         std = r.std(unbiased=False) if r.numel() > 1 else torch.zeros((), dtype=r.dtype)
@@ -159,7 +159,7 @@ def grpo_minimal(
         state, metrics = rl_step(
             components,
             state,
-            RolloutBatch(samples=samples, step=state.step + 1),
+            RolloutBatch(samples=tuple(samples), step=state.step + 1),
             config,
             advantage_fn=group_baseline,
             loss_fn=GRPOLoss(),

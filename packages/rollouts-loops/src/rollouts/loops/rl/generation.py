@@ -118,7 +118,8 @@ class BatchSource:
             if world == 1:
                 if isinstance(result, Exception):
                     raise result
-                return result[0]
+                batch: RolloutBatch = result[0]
+                return batch
             # A tag says which: b"E" and an error's text, or b"B" and the batch (rollouts.types.wire,
             # which round-trips exactly: rank 0 keeps its own copy, equal to what the others decode).
             shared = None if isinstance(result, Exception) else _shared(result[0])
@@ -257,8 +258,8 @@ async def probe_sync(
         if sample.rollout_logprobs is None:
             raise SyncProbeError(f"engine {engine.name} returned no log-probs for the sync probe")
         payload = {"sample": sample.to_dict(), "engine": engine.name}
-    payload = await trio.to_thread.run_sync(broadcast_json, payload)
-    sample = Sample.from_dict(payload["sample"])
+    shared: dict[str, Any] = await trio.to_thread.run_sync(broadcast_json, payload)
+    sample = Sample.from_dict(shared["sample"])
     if sample.response_length == 0:
         return {"sync_probe_logprob_diff": 0.0}
     budget = len(sample.tokens) + 1
@@ -270,7 +271,7 @@ async def probe_sync(
     diff = float(np.mean(np.abs(trainer.astype(np.float64) - engine_lp)))
     if diff > tolerance:
         raise SyncProbeError(
-            f"after syncing weight version {weight_version}, engine {payload['engine']} reports log-probs "
+            f"after syncing weight version {weight_version}, engine {shared['engine']} reports log-probs "
             f"{diff:.3g} away from the trainer's on those weights (mean over {sample.response_length} greedy "
             f"tokens; rl.sync_probe_tolerance = {tolerance}): the sync did not apply, or the engine serves "
             "another model or precision"

@@ -185,15 +185,15 @@ def rl_update(
     # and top-p and renormalised, as the engine drew from it (temperature 0, greedy: the plain softmax).
     sampling = config.rollout.sampling
     temperature = sampling.temperature or 1.0
-    dist = {"top_k": sampling.top_k, "top_p": sampling.top_p} if sampling.temperature else {}
-    old = compute_logprobs(components, mbs, temperature=temperature, **dist) if need_old else None
+    top_k, top_p = (sampling.top_k, sampling.top_p) if sampling.temperature else (-1, 1.0)  # -1, 1.0: no truncation
+    old = compute_logprobs(components, mbs, temperature=temperature, top_k=top_k, top_p=top_p) if need_old else None
     if old is not None and algorithm.num_updates_per_batch > 1:
         mbs = with_arrays(mbs, "old_logprobs", old)
     kl_local = None
     if algorithm.needs_reference:
         if ref_components is None:
             raise ValueError("the algorithm puts a KL term in the loss or reward but no reference model was given")
-        ref = compute_logprobs(ref_components, mbs, temperature=temperature, **dist)
+        ref = compute_logprobs(ref_components, mbs, temperature=temperature, top_k=top_k, top_p=top_p)
         mbs = with_arrays(mbs, "ref_logprobs", ref)
         if algorithm.kl_placement == "reward":
             assert old is not None
@@ -231,7 +231,8 @@ def rl_update(
             num_tokens=shard.num_tokens,
             num_sequences=shard.num_sequences,
             temperature=temperature,
-            **dist,
+            top_k=top_k,
+            top_p=top_p,
         )
         fb["loss"] = global_sum(fb["loss"])  # the step's loss over all ranks (itself on one process)
         state, om = optim_step(
