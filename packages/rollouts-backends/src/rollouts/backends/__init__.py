@@ -1,5 +1,7 @@
 """rollouts-backends: training as functions, crash-safe checkpoints, FSDP2, in-process sampling."""
 
+from importlib.metadata import PackageNotFoundError, version
+
 from rollouts.backends.checkpoint.dirs import (
     has_optimizer_state,
     latest_checkpoint,
@@ -36,8 +38,6 @@ from rollouts.backends.train.step import (
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("rollouts-backends")  # written once, in pyproject.toml
     except PackageNotFoundError:  # a source tree that was never installed

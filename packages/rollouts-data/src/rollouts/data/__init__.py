@@ -7,6 +7,8 @@ steps, `rollouts.data.batching` for padding and unpacking, `rollouts.data.buffer
 functional `BufferState`/`next_prompts`, `rollouts.data.loading` for raw records).
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from rollouts.data.batching import (
     StepPlan,
     best_fit_decreasing,
@@ -23,8 +25,6 @@ from rollouts.data.prompts import prompt_encoder
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("rollouts-data")  # written once, in pyproject.toml
     except PackageNotFoundError:  # a source tree that was never installed

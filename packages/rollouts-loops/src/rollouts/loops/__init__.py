@@ -9,6 +9,7 @@ The `rollouts` command, its TOML configs and the demo live in `rollouts.loops.ap
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 _EXPORTS = {
@@ -79,8 +80,6 @@ __all__ = sorted(_EXPORTS)
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("rollouts-loops")  # written once, in pyproject.toml
     except PackageNotFoundError:  # a source tree that was never installed

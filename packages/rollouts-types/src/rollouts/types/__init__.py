@@ -1,5 +1,7 @@
 """rollouts-types: the shared vocabulary of the rollouts packages (standard library only)."""
 
+from importlib.metadata import PackageNotFoundError, version
+
 from rollouts.types.arrays import LogProbs, LossMask, TokenIds
 from rollouts.types.configs import (
     AlgorithmConfig,
@@ -36,8 +38,6 @@ from rollouts.types.validation import check_fields, require
 
 
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("rollouts-types")  # written once, in pyproject.toml
     except PackageNotFoundError:  # a source tree that was never installed

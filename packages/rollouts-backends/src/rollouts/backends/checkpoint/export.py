@@ -14,6 +14,7 @@ from typing import Any, cast
 
 import safetensors.torch
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from rollouts.backends.checkpoint.durable import (
     TMP_PREFIX,
@@ -44,11 +45,6 @@ def storage_key(tensor: torch.Tensor) -> tuple[int, int]:
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """HF-named full weights on CPU; a tensor tied to an earlier one (lm_head = embeddings) is left out."""
     if is_distributed(model):
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-        )
-
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         state = cast("dict[str, torch.Tensor]", full)  # a model's state dict holds tensors only
     else:
@@ -81,11 +77,6 @@ def read_weights(directory: str | Path) -> dict[str, torch.Tensor]:
 def load_model_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Copy HF-named full weights into `model` (sharded or not); tied weights may be absent."""
     if is_distributed(model):
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-        )
-
         # (a copy typed as the dict of torch's wider value type it declares)
         set_model_state_dict(model, dict(tensors), options=StateDictOptions(full_state_dict=True, strict=False))
         return

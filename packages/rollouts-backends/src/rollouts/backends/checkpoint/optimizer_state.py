@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, cast
 import safetensors
 import safetensors.torch
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from rollouts.backends.checkpoint.dirs import verify_files
 from rollouts.backends.train.components import TrainingComponents
@@ -36,10 +38,6 @@ _KEY_SEP = "::"
 
 def full_optimizer_state(components: TrainingComponents) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
     """Full optimizer state as flat tensors '<param name>::<key>' and JSON param groups."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_optimizer_state_dict,
-    )
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state = get_optimizer_state_dict(components.model, components.optimizer, options=options)
@@ -61,7 +59,6 @@ def _json_param_groups(state: Mapping[str, Any]) -> list[dict[str, Any]]:
 def _shard_info(tensor: Any) -> dict[str, Any] | None:
     """Where a DTensor's local shard sits in the full tensor ({shape, dim, index, count}); None for a
     plain (replicated) tensor such as AdamW's step count."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not isinstance(tensor, DTensor):
         return None
@@ -89,7 +86,6 @@ def sharded_optimizer_state(
     components: TrainingComponents,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[dict[str, Any]]]:
     """This rank's optimizer shards as flat tensors, their layout {flat key: shard_of info}, and the param groups."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     state = get_optimizer_state_dict(components.model, components.optimizer)
     tensors: dict[str, torch.Tensor] = {}
@@ -165,12 +161,6 @@ _IMPLEMENTATION_KEYS = ("fused", "foreach")
 
 
 def load_optimizer_state(components: TrainingComponents, path: Path, record: Mapping[str, Any]) -> None:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_optimizer_state_dict,
-    )
-    from torch.distributed.tensor import DTensor
-
     files = record["files"]
     groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else dict(g) for g in record["optimizer_param_groups"]]
     # Which implementation steps the optimizer (fused, foreach) is this run's choice for its weights

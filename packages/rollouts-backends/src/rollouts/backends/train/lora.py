@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from rollouts.backends.train.components import TrainingComponents, model_attr, set_model_attr
 from rollouts.types import LoraConfig
@@ -311,8 +312,6 @@ def load_adapter_tensors(
                 "(another rank or base model)"
             )
     if any(hasattr(p, "full_tensor") for p in params.values()):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
         # (a copy typed as the dict of torch's wider value type it declares)
         set_model_state_dict(model, dict(wanted), options=StateDictOptions(full_state_dict=True, strict=False))
         return

@@ -10,6 +10,7 @@ value sits beside its log-prob and advantage. The critic is a TrainingComponents
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from rollouts.backends.train.components import (
     load_hf_model,
     model_attr,
 )
-from rollouts.backends.train.distributed import data_parallel_size
+from rollouts.backends.train.distributed import data_parallel_size, shard_model
 from rollouts.backends.train.inputs import micro_batch_to_torch, model_inputs
 from rollouts.losses import Reduction, value_loss
 from rollouts.types import MicroBatch, OptimizerConfig
@@ -72,15 +73,11 @@ def build_critic(
     model, so the policy's own weights are never shared), with its own AdamW and schedule.
     `shard`: under torchrun, shard it with FSDP2 like the policy (before the optimizer is built)."""
     if isinstance(model_path, torch.nn.Module):
-        import copy
-
         causal_lm = copy.deepcopy(model_path)
     else:
         causal_lm = load_hf_model(model_path, dtype=dtype, device=device, attn_implementation=attn_implementation)
     model: torch.nn.Module = ValueModel(causal_lm).to(torch.device(device))
     if shard:
-        from rollouts.backends.train.distributed import shard_model
-
         model = shard_model(model)
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config, num_training_steps=num_training_steps)

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from rollouts.backends.train.components import model_attr
 
@@ -34,8 +36,6 @@ CHAT_TEMPLATE = (
 
 def build_tokenizer(corpus: Iterable[str], *, vocab_size: int = 64) -> PreTrainedTokenizerFast:
     """A transformers fast tokenizer: BPE over `corpus` with single-digit tokens and PAD/EOS specials."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE(unk_token=None))
     core.pre_tokenizer = pre_tokenizers.Sequence(
@@ -68,7 +68,6 @@ def build_tiny_model(
     seed: int = 0,
 ) -> torch.nn.Module:
     """A random-init Qwen2ForCausalLM, float32, head_dim = hidden_size / num_heads (must be >= 32)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if hidden_size % num_heads or hidden_size // num_heads < 32:
         raise ValueError(

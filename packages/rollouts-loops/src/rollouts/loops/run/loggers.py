@@ -12,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from tqdm import tqdm
+
 from rollouts.types import MetricsLogger
 
 log = logging.getLogger(__name__)
@@ -184,8 +186,6 @@ class ConsoleLogger:
         stream: TextIO | None = None,
         plain_every_s: float = 10.0,
     ) -> None:
-        from tqdm import tqdm
-
         self._stream = stream or sys.stderr
         self._plain = not (hasattr(self._stream, "isatty") and self._stream.isatty())
         self._desc, self._total, self._every_s = desc, total_steps, plain_every_s
