@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollouts.loops.rl.per_token import token_advantages
+from rollouts.loops.micro_batches import token_advantages
 from rollouts.losses import gpg_advantages, group_advantages, passk_advantages, rloo_advantages
 from rollouts.types import AlgorithmConfig, Sample
 

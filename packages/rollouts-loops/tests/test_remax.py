@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollouts.loops.algorithms import ALGORITHMS
-from rollouts.loops.rl.per_token import token_advantages
+from rollouts.loops.micro_batches import token_advantages
 from rollouts.loops.rollouts.functions import GREEDY_REWARD_KEY, RolloutContext, group_generator
 from rollouts.loops.rollouts.scoring import GroupScorer, Reward
 from rollouts.types import LossMask, Sample, SamplingParams

@@ -38,9 +38,9 @@ from rollouts.backends import CheckpointWriter
 from rollouts.data import AsyncRolloutManager, DataBuffer
 from rollouts.loops.engines.rollout_process import RolloutProcess, remote_rollout_manager
 from rollouts.loops.evaluation import Evaluation, evaluate_groups, group_metrics
+from rollouts.loops.micro_batches import AdvantageFn
 from rollouts.loops.rl.generation import BatchSource, engine_alone, probe_sync, sync_engine
 from rollouts.loops.rl.models import RLModels, check_models, with_defaults
-from rollouts.loops.rl.per_token import AdvantageFn
 from rollouts.loops.rl.state import (
     KLController,
     Manager,

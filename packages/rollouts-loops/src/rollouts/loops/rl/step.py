@@ -2,7 +2,7 @@
 filter and the step's rollout metrics (`rl_step`), then the update (`rl_update`): per-token
 advantages, old and reference log-probs, and `num_updates_per_batch` optimizer steps. The loop
 (loop.py) drives it once per batch; a user's own loop can call `rl_step` directly. The per-token
-glue between samples and micro-batches (advantages, scatter, gathering across ranks) is per_token.py.
+glue between samples and micro-batches (advantages, scatter, gathering across ranks) is micro_batches.py.
 
 Legend: N samples in the step, T tokens of one sample (T_i for sample i), B rows and T_row tokens
 of a micro-batch.
@@ -21,11 +21,11 @@ import torch
 from rollouts.backends import TrainingComponents, compute_logprobs, forward_backward, optim_step
 from rollouts.backends.train.value import compute_values, critic_forward_backward
 from rollouts.data import unpack_values
-from rollouts.loops.micro_batches import plan_shard
-from rollouts.loops.rl.per_token import (
+from rollouts.loops.micro_batches import (
     AdvantageFn,
     gae_token_advantages,
     gather_per_sample,
+    plan_shard,
     scatter_token_values,
     token_advantages,
     whole_batch,
