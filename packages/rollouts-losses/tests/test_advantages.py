@@ -89,6 +89,17 @@ def test_reinforce_pp_and_group_estimators_check_rewards_at_the_edge():
             fn(torch.tensor([1, 0, 1]), torch.zeros(3, dtype=torch.int64))
 
 
+def test_a_plain_list_of_rewards_is_a_type_error_naming_it():
+    """A list instead of a tensor failed inside the check with a raw AttributeError."""
+    for fn in (group_advantages, rloo_advantages):
+        with pytest.raises(TypeError, match=r"rewards must be a \[B\] torch.Tensor .*got list \[1.0, 0.0\]"):
+            fn([1.0, 0.0], torch.zeros(2, dtype=torch.int64))
+        with pytest.raises(TypeError, match=r"group_ids must be a \[B\] torch.Tensor .*got list \[0, 0\]"):
+            fn(torch.tensor([1.0, 0.0]), [0, 0])
+    with pytest.raises(TypeError, match="rewards must be"):
+        reinforce_pp_advantages([1.0, 0.0], torch.ones(2, 3))
+
+
 @settings(max_examples=30, deadline=None)
 @given(rewards=st.lists(_reward, min_size=1, max_size=10), num_groups=st.integers(1, 3))
 def test_rloo_matches_leave_one_out(rewards, num_groups):

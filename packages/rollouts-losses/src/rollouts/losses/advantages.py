@@ -49,6 +49,12 @@ DEFAULT_EPS = 1e-6
 
 def _check_rewards(rewards_B: Tensor, group_ids_B: Tensor | None = None) -> None:
     """Raise unless rewards are a finite floating [B] tensor (and group ids, if given, match it)."""
+    for name, value in (("rewards", rewards_B), ("group_ids", group_ids_B)):
+        if value is not None and not isinstance(value, Tensor):
+            raise TypeError(
+                f"{name} must be a [B] torch.Tensor (e.g. torch.tensor([1.0, 0.0])), got {type(value).__name__} "
+                f"{_preview(value)}: convert with torch.tensor(...)"
+            )
     if not rewards_B.is_floating_point():
         raise TypeError(f"rewards must be a floating-point tensor, got {rewards_B.dtype}: convert with .float()")
     if rewards_B.dim() != 1 or (group_ids_B is not None and group_ids_B.shape != rewards_B.shape):
@@ -56,6 +62,12 @@ def _check_rewards(rewards_B: Tensor, group_ids_B: Tensor | None = None) -> None
         raise ValueError(f"rewards and group_ids must be [B] with one shape, got {tuple(rewards_B.shape)} and {ids}")
     if not torch.isfinite(rewards_B).all():
         raise ValueError(f"rewards must be finite, got {rewards_B.tolist()}")
+
+
+def _preview(value: object, *, max_chars: int = 80) -> str:
+    """repr(value), cut to max_chars so an error about a long list stays one line."""
+    text = repr(value)
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
 
 
 def _check_eps(eps: float) -> None:

@@ -51,9 +51,10 @@ def load_tokenizer(path: str | Path) -> Any:
     AutoTokenizer picks the tokenizer class from the model's config.json when the saved
     tokenizer_config.json names only the generic class: a tokenizer built with the `tokenizers`
     library and saved beside a Qwen2 config then loads as Qwen2Tokenizer, which rebuilds its own
-    pre-tokenizer and drops spaces ("self._cmd = cmd": 6 ids instead of 8). A tokenizer saved as
-    the generic class is loaded as that class, from its tokenizer.json; any other goes through
-    AutoTokenizer.
+    pre-tokenizer and drops spaces unless the tokens are spelled byte-level ("self._cmd = cmd":
+    6 ids instead of 8). A tokenizer saved as the generic class is loaded as that class, from its
+    tokenizer.json; any other goes through AutoTokenizer. rollouts' tiny tokenizers
+    (rollouts.loops.recipes.tiny) are spelled byte-level, so AutoTokenizer loads them correctly too.
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
