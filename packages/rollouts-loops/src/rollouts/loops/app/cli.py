@@ -18,6 +18,7 @@ from typing import Any
 
 from rollouts.loops.app.config import ConfigError, RLRun, SFTRun, load_run
 from rollouts.loops.app.engine_cmd import add_engine_parser
+from rollouts.loops.app.failures import RunFailed, print_failure, report
 from rollouts.loops.app.toml_out import documented_toml
 from rollouts.loops.errors import DamagedCheckpointError
 
@@ -187,6 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except DamagedCheckpointError as e:
         print(f"rollouts {args.command}: {e}", file=sys.stderr)
         return 2
+    except RunFailed as e:  # a run's failure or interrupt, already put in one paragraph with its run's state
+        return print_failure(e)
+    except (Exception, KeyboardInterrupt) as e:  # outside a run: the paragraph without a run directory
+        return print_failure(report(e, None))
     finally:
         if "torch" in sys.modules:  # only a run that imported torch can have a process group
             _command("close_distributed")(clean=clean)

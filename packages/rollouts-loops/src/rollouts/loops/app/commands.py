@@ -30,6 +30,7 @@ from rollouts.loops.app.run_setup import (
     load_data,
     local_model,
     prepare_run,
+    raise_reported,
     release_run,
     run_components,
     run_loggers,
@@ -87,6 +88,8 @@ def cmd_sft(run: SFTRun, source: str) -> Path:
             )
         finally:
             logger.close()
+    except (Exception, KeyboardInterrupt) as e:
+        raise_reported(e, "sft", source, out)
     finally:
         release_run(out, rank)
     print(f"sft: finished at step {state.step}; checkpoints in {out / CHECKPOINTS_DIR}", file=sys.stderr)
@@ -282,6 +285,8 @@ def cmd_rl(run: RLRun, source: str) -> Path:
             logger.close()
             if callable(close := getattr(engine, "close", None)):  # an engine process is reaped
                 close()
+    except (Exception, KeyboardInterrupt) as e:
+        raise_reported(e, "rl", source, out)
     finally:
         release_run(out, rank)
     print(

@@ -12,7 +12,7 @@ import os
 import sys
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -21,6 +21,7 @@ from rollouts.backends import (
     build_components,
     build_optimizer,
     build_scheduler,
+    latest_checkpoint,
     load_hf_model,
     load_tokenizer,
     resolve_model_dir,
@@ -29,7 +30,9 @@ from rollouts.backends import (
 from rollouts.backends.train.distributed import enable_activation_checkpointing
 from rollouts.backends.train.lora import apply_lora
 from rollouts.loops.app.config import ConfigError
+from rollouts.loops.app.failures import RunFailed, RunState, report
 from rollouts.loops.app.toml_out import to_toml
+from rollouts.loops.errors import DamagedCheckpointError
 from rollouts.loops.run.distributed import broadcast_json, init_distributed, rank_world
 from rollouts.loops.run.loggers import (
     ConsoleLogger,
@@ -39,7 +42,14 @@ from rollouts.loops.run.loggers import (
     TensorboardLogger,
     WandbLogger,
 )
-from rollouts.loops.run.run_dir import RunDirInUse, acquire_run_dir, check_resume, file_fingerprint, release_run_dir
+from rollouts.loops.run.run_dir import (
+    CHECKPOINTS_DIR,
+    RunDirInUse,
+    acquire_run_dir,
+    check_resume,
+    file_fingerprint,
+    release_run_dir,
+)
 from rollouts.types import MetricsLogger, OptimizerConfig
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -99,6 +109,29 @@ def prepare_run(run: Any, command: str, source: str) -> tuple[Any, bool]:
         write_resolved(run, out)
         print(f"{command}: {'resuming the run in' if verdict['resume'] else 'new run in'} {out}", file=sys.stderr)
     return run, bool(verdict["resume"])
+
+
+def run_state(command: str, source: str, out: Path) -> RunState:
+    """Where the run in `out` stands: its newest checkpoint and the last step it logged."""
+    step = None
+    metrics = out / f"metrics_{command}.jsonl"
+    if metrics.is_file():
+        lines = metrics.read_text(encoding="utf-8").splitlines()
+        try:
+            step = int(json.loads(lines[-1])["step"]) if lines else None
+        except (ValueError, KeyError, TypeError):  # a line cut by the failure itself
+            step = None
+    return RunState(
+        command=command, source=source, out_dir=out, checkpoint=latest_checkpoint(out / CHECKPOINTS_DIR), step=step
+    )
+
+
+def raise_reported(error: BaseException, command: str, source: str, out: Path) -> NoReturn:
+    """Raise a run-time failure or interrupt of the command's run in `out` as one paragraph
+    (RunFailed), its traceback appended to the run directory's error.log; config errors as they are."""
+    if isinstance(error, ConfigError | DamagedCheckpointError | RunFailed):
+        raise error
+    raise report(error, run_state(command, source, out)) from error
 
 
 def load_data(loader: Any, *args: Any, **kwargs: Any) -> Any:
