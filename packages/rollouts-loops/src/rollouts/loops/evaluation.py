@@ -51,6 +51,9 @@ class Evaluation:
     """Evaluate after every this many optimizer steps (and after the last)."""
     sampling: SamplingParams
     """Sampling for evaluation; `n` is k (1: greedy pass@1 with temperature 0)."""
+    stop_on_error: bool = False
+    """An evaluation that fails (the engine errs, a reward raises) stops the run, after the step's
+    metrics and checkpoint are written; False: it is logged and counted (eval_failed) and the run goes on."""
 
     def __post_init__(self) -> None:
         if not self.records:

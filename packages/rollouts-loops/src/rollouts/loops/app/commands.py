@@ -215,7 +215,12 @@ def _evaluation(run: RLRun) -> Any:
     sampling = dataclasses.replace(
         run.rl.rollout.sampling, n=run.eval.samples_per_prompt, temperature=run.eval.temperature
     )
-    return Evaluation(records=tuple(records), every_steps=run.eval.every_steps, sampling=sampling)
+    return Evaluation(
+        records=tuple(records),
+        every_steps=run.eval.every_steps,
+        sampling=sampling,
+        stop_on_error=run.eval.stop_on_error,
+    )
 
 
 def cmd_rl(run: RLRun, source: str) -> Path:

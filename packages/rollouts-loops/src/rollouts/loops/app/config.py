@@ -230,6 +230,9 @@ class EvalSpec:
     """k of pass@k and maj@k (1: pass@1 only)."""
     temperature: float = 0.0
     """0: greedy (then use samples_per_prompt = 1)."""
+    stop_on_error: bool = False
+    """A failed evaluation stops the run (after the step's metrics and checkpoint are saved); false: it is
+    logged, counted as eval_failed, and the run goes on."""
 
     def __post_init__(self) -> None:
         check_fields(self)

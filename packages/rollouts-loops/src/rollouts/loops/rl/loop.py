@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,6 +69,8 @@ from rollouts.loops.run.heap import startup_objects_frozen
 from rollouts.loops.run.run_dir import due, lock_run_dir, sweep_run_dir
 from rollouts.losses import LossFn
 from rollouts.types import FilterFn, MetricsLogger, RLConfig, RolloutBatch, TrainingState
+
+log = logging.getLogger(__name__)
 
 _MAX_EMPTY_BATCHES = 3  # steps in a row with nothing to train on before the loop gives up
 
@@ -209,12 +212,13 @@ async def _rl_loop(
                 raise _no_progress_error(batch, metrics, empty_in_a_row)
             metrics.update(generate_wait_s=wait_s, step_time_s=time.perf_counter() - step_start)
             history.append(metrics)
+            eval_error: Exception | None = None
             if (
                 evaluation is not None
                 and context is not None
                 and due(state.step, evaluation.every_steps, config.num_updates)
             ):
-                metrics.update(await _evaluate(context, evaluation, reward, lock, pausable))
+                eval_error = await _evaluate_into(metrics, state.step, context, evaluation, reward, lock, pausable)
             if due(state.step, config.log_every, config.num_updates):
                 output.logger.log(state.step, metrics)
             if output.on_step is not None:  # in a worker thread: a callback may block, or run trio itself
@@ -223,6 +227,8 @@ async def _rl_loop(
                 # the batch generated ahead is saved with it: the buffer and carry-over are already past it
                 pending.batch = await batches.wait_ahead() if state.step < config.num_updates else None
                 await save(models, parts, state, config, files)
+            if eval_error is not None and evaluation is not None and evaluation.stop_on_error:
+                raise eval_error  # the step's metrics and checkpoint are written: nothing trained is lost
         nursery.cancel_scope.cancel()  # the producer waits for requests that will not come
     return state, history
 
@@ -310,6 +316,28 @@ async def _sync_if_due(
             metrics.update(probe)
     metrics["weight_version"] = float(state.weight_version)
     return state
+
+
+async def _evaluate_into(
+    metrics: dict[str, float],
+    step: int,
+    context: RolloutContext,
+    evaluation: Evaluation,
+    reward: Reward,
+    lock: trio.Lock,
+    manager: AsyncRolloutManager | None,
+) -> Exception | None:
+    """The evaluation's metrics added to the step's; a failure is logged and counted (eval_failed)
+    instead of thrown before the step's metrics and checkpoint, and returned for the caller to raise
+    once those are written, if the user asked to stop on it."""
+    try:
+        metrics.update(await _evaluate(context, evaluation, reward, lock, manager))
+        metrics["eval_failed"] = 0.0
+        return None
+    except Exception as e:
+        log.warning("evaluation failed at step %d: %s: %s", step, type(e).__name__, e)
+        metrics["eval_failed"] = 1.0
+        return e
 
 
 async def _evaluate(
