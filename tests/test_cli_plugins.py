@@ -138,3 +138,14 @@ def test_evaluation_during_training_and_of_a_saved_checkpoint(tiny_run_inputs, t
 def test_evaluation_without_an_eval_file_is_a_config_error(tiny_run_inputs, tmp_path, capsys):
     assert _rl(tiny_run_inputs, tmp_path, "noeval", "eval.every_steps=1") == 2
     assert "eval.every_steps > 0 needs data.eval_path" in capsys.readouterr().err
+
+
+def test_a_relative_plugin_path_is_read_from_the_run_files_directory(tiny_run_inputs, tmp_path, monkeypatch):
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    (configs / "my_reward.py").write_text("def reward(sample, record):\n    return 1.0\n")
+    config = rl_toml(tiny_run_inputs, configs / "run", tiny_run_inputs / "model")
+    config.write_text(config.read_text().replace('fn = "exact_match"', 'fn = "my_reward.py:reward"'))
+    monkeypatch.chdir(tmp_path)  # the run file's directory is not the current one
+    assert main(["rl", "--config", str(config), "--set", "rl.num_steps=1"]) == 0
+    assert [r["reward_mean"] for r in read_jsonl(configs / "run" / "metrics_rl.jsonl")] == [1.0]

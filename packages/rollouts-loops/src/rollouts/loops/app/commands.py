@@ -96,6 +96,16 @@ def cmd_sft(run: SFTRun, source: str) -> Path:
     return out / CHECKPOINTS_DIR
 
 
+def _beside(spec: str, source: str) -> str:
+    """A "path/to/file.py:name" spec with a relative path read from the run file's directory, as
+    the file's other paths are; one found only from the current directory keeps that meaning."""
+    module, sep, name = spec.rpartition(":")
+    if not (sep and module.endswith(".py")) or Path(module).is_absolute():
+        return spec
+    beside = Path(source).parent / module
+    return f"{beside}:{name}" if beside.is_file() or not Path(module).is_file() else spec
+
+
 def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
     """run_rl_training's plug-point arguments from [reward] and [hooks], checked before any work."""
 
@@ -105,7 +115,7 @@ def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
             fn = builtin_reward(spec.fn, answer_key=run.data.answer_key)
         else:
             what = "reward(samples, records) -> list[float]" if spec.batched else "reward(sample, record) -> float"
-            fn = resolve_function(spec.fn, key="reward.fn", num_positional=2, what=what)
+            fn = resolve_function(_beside(spec.fn, source), key="reward.fn", num_positional=2, what=what)
         reward = Reward(fn=fn, batched=spec.batched, on_error=spec.on_error, timeout_s=spec.timeout_s)
         if spec.models:
             reward = _with_reward_models(reward, spec, source)
@@ -118,7 +128,9 @@ def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
         ):
             path = getattr(run.hooks, key)
             if path:
-                hooks[arg] = resolve_function(path, key=f"hooks.{key}", num_positional=arity, what=what)
+                hooks[arg] = resolve_function(
+                    _beside(path, source), key=f"hooks.{key}", num_positional=arity, what=what
+                )
     except PluginError as e:
         raise ConfigError(f"{source}: {e}") from e
     return hooks
