@@ -36,6 +36,10 @@ async def rollout(record, ctx):
     return [s.with_metadata(custom_rollout=True) for s in samples]
 
 
+def trl_style_reward(prompts, completions, **kwargs):
+    return [1.0 for _ in completions]
+
+
 def reward_of_custom_rollouts(sample, record):
     return 1.0 if sample.metadata.get("custom_rollout") else 0.0
 '''
@@ -149,3 +153,10 @@ def test_a_relative_plugin_path_is_read_from_the_run_files_directory(tiny_run_in
     monkeypatch.chdir(tmp_path)  # the run file's directory is not the current one
     assert main(["rl", "--config", str(config), "--set", "rl.num_steps=1"]) == 0
     assert [r["reward_mean"] for r in read_jsonl(configs / "run" / "metrics_rl.jsonl")] == [1.0]
+
+
+def test_a_reward_written_for_strings_is_refused_before_any_work(tiny_run_inputs, tmp_path, user_file, capsys):
+    assert _rl(tiny_run_inputs, tmp_path, "trl", f"reward.fn='{user_file}:trl_style_reward'") == 2
+    err = capsys.readouterr().err
+    assert "'trl_style_reward'(prompts, completions, ...) reads like a reward over strings" in err
+    assert not (tmp_path / "trl").exists()  # refused before the run directory was made

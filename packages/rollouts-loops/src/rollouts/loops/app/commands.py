@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -106,6 +107,24 @@ def _beside(spec: str, source: str) -> str:
     return f"{beside}:{name}" if beside.is_file() or not Path(module).is_file() else spec
 
 
+# Parameter names of a reward written for peers that pass strings (TRL's reward(prompts, completions,
+# **kwargs)): it binds two positional arguments, so only its names tell it apart before step 1.
+_STRING_REWARD_PARAMETERS = frozenset({"prompts", "completions", "prompt", "completion"})
+
+
+def _refuse_string_rewards(fn: Any, what: str) -> None:
+    try:
+        names = list(inspect.signature(fn).parameters)[:2]
+    except (TypeError, ValueError):  # a builtin without a signature
+        return
+    if _STRING_REWARD_PARAMETERS & set(names):
+        raise PluginError(
+            f"reward.fn: {getattr(fn, '__name__', fn)!r}({', '.join(names)}, ...) reads like a reward over "
+            f"strings (TRL's reward(prompts, completions, **kwargs)); here it must be {what}, getting a "
+            "Sample (sample.response is the completion's text) and the prompt record"
+        )
+
+
 def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
     """run_rl_training's plug-point arguments from [reward] and [hooks], checked before any work."""
 
@@ -116,6 +135,7 @@ def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
         else:
             what = "reward(samples, records) -> list[float]" if spec.batched else "reward(sample, record) -> float"
             fn = resolve_function(_beside(spec.fn, source), key="reward.fn", num_positional=2, what=what)
+            _refuse_string_rewards(fn, what)
         reward = Reward(fn=fn, batched=spec.batched, on_error=spec.on_error, timeout_s=spec.timeout_s)
         if spec.models:
             reward = _with_reward_models(reward, spec, source)
