@@ -9,10 +9,12 @@ the URL printed, the server stopped on Ctrl-C or SIGTERM.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import signal
 import sys
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +45,37 @@ def add_engine_parser(sub: Any) -> None:
         help="serve LoRA adapters up to this rank, loaded at run time (model.lora.sync = 'adapter')",
     )
     p.add_argument(
+        "--cpu-kv-cache-gb",
+        type=int,
+        default=None,
+        help="on a host without a GPU: GiB of memory for vLLM's KV cache "
+        "(VLLM_CPU_KVCACHE_SPACE; default a quarter of the memory, at most 4)",
+    )
+    p.add_argument(
         "--vllm-args",
         default="",
         help="more vLLM server arguments, one quoted string (e.g. '--gpu-memory-utilization 0.8')",
     )
+
+
+_CPU_KV_CACHE_MAX_GB = 4  # enough for the small models a CPU serves; vLLM's own default takes most of the host
+
+
+def cpu_server_env(
+    *, has_gpu: bool, environ: Mapping[str, str], memory_bytes: int, kv_cache_gb: int | None
+) -> dict[str, str]:
+    """The environment a vLLM server on a host without a GPU needs: a KV cache sized for the host
+    (VLLM_CPU_KVCACHE_SPACE), unless the user set one; nothing on a GPU host."""
+    if has_gpu or "VLLM_CPU_KVCACHE_SPACE" in environ:
+        return {}
+    if kv_cache_gb is not None and kv_cache_gb < 1:
+        raise ValueError(f"--cpu-kv-cache-gb must be >= 1, got {kv_cache_gb}")
+    gb = kv_cache_gb or max(1, min(_CPU_KV_CACHE_MAX_GB, memory_bytes // 4 // 2**30))
+    return {"VLLM_CPU_KVCACHE_SPACE": str(gb)}
+
+
+def _host_has_gpu() -> bool:
+    return Path("/dev/nvidiactl").exists() or Path("/dev/kfd").exists()  # NVIDIA's or AMD's driver
 
 
 def cmd_engine(args: argparse.Namespace) -> int:
@@ -65,9 +94,18 @@ def cmd_engine(args: argparse.Namespace) -> int:
         max_lora_rank=args.max_lora_rank,
         extra_args=extra,
     )
+    env = cpu_server_env(
+        has_gpu=_host_has_gpu(),
+        environ=os.environ,
+        memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        kv_cache_gb=args.cpu_kv_cache_gb,
+    )
+    if env:
+        print(f"engine: no GPU here: a {env['VLLM_CPU_KVCACHE_SPACE']} GiB KV cache in memory", file=sys.stderr)
     with launch_vllm_server(
         args.model,
         options=options,
+        env=env,
         python=args.python,
         host=args.host,
         port=port,
