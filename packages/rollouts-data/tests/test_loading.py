@@ -64,8 +64,14 @@ def test_empty_and_wrong_shapes_raise(tmp_path):
         load_records(_write(tmp_path / "o.json", '{"a": 1}'))
     with pytest.raises(ValueError, match="extension"):
         load_records(_write(tmp_path / "x.txt", "hi"))
-    with pytest.raises(ValueError, match=r"p\.jsonl:1: field 'prompt' is an empty string"):
+    with pytest.raises(ValueError, match=r"p\.jsonl:1: field 'prompt' is empty or only whitespace \(''\)"):
         load_prompts(_write(tmp_path / "p.jsonl", '{"prompt": ""}\n'))
+
+
+@pytest.mark.parametrize("blank", [" ", "\\n", "\\t  \\n"])
+def test_a_whitespace_only_prompt_is_refused_like_an_empty_one(tmp_path, blank):
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: field 'prompt' is empty or only whitespace"):
+        load_prompts(_write(tmp_path / "p.jsonl", f'{{"prompt": "1+1="}}\n{{"prompt": "{blank}"}}\n'))
 
 
 @settings(max_examples=100, deadline=None)

@@ -142,3 +142,14 @@ def test_partial_rollouts_load_round_trip_and_are_refused_by_name_when_invalid(t
         load_run(RLRun, _write(tmp_path, "[rl.rollout]\npartial = 'yes'\n"))
     with pytest.raises(ConfigError, match=r"RLConfig\.rollout\.partial must be false without overlap"):
         load_run(RLRun, None, ["rl.rollout.partial=true"])
+
+
+def test_a_set_value_toml_reads_as_a_date_asks_for_quotes():
+    from rollouts.loops.app.config import ConfigError, apply_overrides
+
+    with pytest.raises(
+        ConfigError,
+        match=r"2026-01-02 reads as a TOML date or time; quote it for a string: log.wandb_name='2026-01-02'",
+    ):
+        apply_overrides({}, ["log.wandb_name=2026-01-02"])
+    assert apply_overrides({}, ["log.wandb_name='2026-01-02'"]) == {"log": {"wandb_name": "2026-01-02"}}

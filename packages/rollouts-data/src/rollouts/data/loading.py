@@ -137,8 +137,8 @@ def load_prompts(
             raise ValueError(f"{where}: missing field '{field}' (keys: {sorted(record)})")
         value = record[field]
         if isinstance(value, str):
-            if not value:
-                raise ValueError(f"{where}: field '{field}' is an empty string")
+            if not value.strip():  # nothing to condition on: every response would answer the same void
+                raise ValueError(f"{where}: field '{field}' is empty or only whitespace ({value!r})")
         else:
             validate_messages(where, field, value)
         _check_required(where, record, required_fields)

@@ -11,6 +11,7 @@ TOML has no null: an optional setting is switched off with the string "none"
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import math
 import tomllib
@@ -330,7 +331,13 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
             if not isinstance(child, dict):
                 raise ConfigError(f"--set {item!r}: {part!r} is a value, not a table")
             node = child
-        node[leaf] = _parse_value(text.strip())
+        value = _parse_value(text.strip())
+        if isinstance(value, datetime.date | datetime.time):  # datetime is a date too
+            raise ConfigError(
+                f"--set {item!r}: {text.strip()} reads as a TOML date or time; quote it for a string: "
+                f"{key.strip()}='{text.strip()}'"
+            )
+        node[leaf] = value
     return out
 
 
