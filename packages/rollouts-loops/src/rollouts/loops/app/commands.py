@@ -212,7 +212,12 @@ def _evaluation(run: RLRun) -> Any:
     sampling = dataclasses.replace(
         run.rl.rollout.sampling, n=run.eval.samples_per_prompt, temperature=run.eval.temperature
     )
-    return Evaluation(records=tuple(records), every_steps=run.eval.every_steps, sampling=sampling)
+    return Evaluation(
+        records=tuple(records),
+        every_steps=run.eval.every_steps,
+        sampling=sampling,
+        correct_min_reward=run.rl.correct_min_reward,
+    )
 
 
 def cmd_rl(run: RLRun, source: str) -> Path:
@@ -310,7 +315,7 @@ def cmd_eval(run: RLRun, source: str, checkpoint: str) -> dict[str, float]:
     groups = trio.run(
         evaluate_groups, engine, evaluation.records, prompt_encoder(tokenizer), reward, evaluation.sampling
     )
-    metrics = {**group_metrics(groups), "num_eval": float(len(groups))}
+    metrics = {**group_metrics(groups, min_reward=evaluation.correct_min_reward), "num_eval": float(len(groups))}
     print(json.dumps(metrics))
     return metrics
 
