@@ -53,12 +53,14 @@ def _valid_config(cls, draw):
             seed=draw(st.none() | st.integers(0, 2**31)),
         )
     if cls is RolloutConfig:
+        samples_per_prompt = draw(st.integers(1, 64))
+        sampling = _valid_config(SamplingParams, draw)
         return RolloutConfig(
             batch_size=draw(st.integers(1, 512)),
-            samples_per_prompt=draw(st.integers(1, 64)),
+            samples_per_prompt=samples_per_prompt,
             over_sampling_factor=draw(st.floats(1.0, 4.0)),
             dynamic_sampling=draw(st.booleans()),
-            sampling=_valid_config(SamplingParams, draw),
+            sampling=dataclasses.replace(sampling, n=draw(st.sampled_from([1, samples_per_prompt]))),
         )
     if cls is AlgorithmConfig:
         placement = draw(st.sampled_from(["none", "loss", "reward"]))
@@ -89,11 +91,16 @@ def _valid_config(cls, draw):
     assert cls is RLConfig
     rollout = _valid_config(RolloutConfig, draw)
     if rollout.sampling.temperature == 0:  # greedy groups cannot learn: one sample per prompt
-        rollout = dataclasses.replace(rollout, samples_per_prompt=1)
+        rollout = dataclasses.replace(
+            rollout, samples_per_prompt=1, sampling=dataclasses.replace(rollout.sampling, n=1)
+        )
+    algorithm = _valid_config(AlgorithmConfig, draw)
+    if rollout.samples_per_prompt == 1:  # a group of one has no peers to compare with
+        algorithm = dataclasses.replace(algorithm, advantage_estimator="reinforce_pp")
     return RLConfig(
         num_steps=draw(st.integers(1, 10**6)),
         rollout=rollout,
-        algorithm=_valid_config(AlgorithmConfig, draw),
+        algorithm=algorithm,
         optimizer=_valid_config(OptimizerConfig, draw),
         overlap=draw(st.booleans()),
     )
@@ -446,10 +453,10 @@ def test_greedy_groups_are_refused_for_a_group_estimator(estimator):
 def test_greedy_sampling_is_accepted_where_it_can_learn(estimator, n, temperature):
     rollout = RolloutConfig(samples_per_prompt=n, sampling=SamplingParams(temperature=temperature))
     group = estimator != "reinforce_pp"
-    if group and temperature == 0 and n > 1:
+    if group and (temperature == 0 or n == 1):  # identical samples, or a group of one: no peer baseline
         with pytest.raises(ValueError):
             RLConfig(rollout=rollout, algorithm=AlgorithmConfig(advantage_estimator=estimator))
-    else:  # one sample per prompt, a batch-level baseline, or real sampling
+    else:  # a batch-level baseline, or real sampling of several responses
         RLConfig(rollout=rollout, algorithm=AlgorithmConfig(advantage_estimator=estimator))
 
 

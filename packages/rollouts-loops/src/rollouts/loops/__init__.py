@@ -55,6 +55,7 @@ _EXPORTS = {
     "evaluate": "evaluation",
     "evaluate_groups": "evaluation",
     "group_metrics": "evaluation",
+    "is_correct": "evaluation",
     "pass_at_k": "evaluation",
     # engines, run directories, processes
     "CoalescingEngine": "engines.coalescing",

@@ -15,6 +15,9 @@ LossAggregation = Literal[
 AdvantageEstimator = Literal["grpo", "rloo", "reinforce_pp", "gae", "gpg", "remax", "grpo_passk"]
 GROUP_ESTIMATORS = frozenset({"grpo", "rloo", "gpg", "remax", "grpo_passk"})
 """Estimators that compare a sample with the other samples of its prompt (they need sampled, distinct groups)."""
+PEER_BASELINE_ESTIMATORS = frozenset({"grpo", "rloo", "gpg", "grpo_passk"})
+"""Group estimators whose baseline is the other responses to the same prompt: a group of one has none
+(ReMax's baseline is a greedy response of its own, so it learns from one sample per prompt)."""
 AdvantageScale = Literal["group", "batch", "none"]
 PolicyLoss = Literal["ppo_clip", "gspo", "cispo", "pg", "sapo", "gmpo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov"]
 KLKind = Literal["k1", "abs", "k2", "k3", "low_var_kl", "k1+", "k3+"]
@@ -26,6 +29,7 @@ ISMode = Literal["truncate", "mask"]
 
 __all__ = [
     "GROUP_ESTIMATORS",
+    "PEER_BASELINE_ESTIMATORS",
     "AdvantageEstimator",
     "AdvantageScale",
     "AlgorithmConfig",

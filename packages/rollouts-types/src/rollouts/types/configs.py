@@ -9,11 +9,13 @@ followed by `from_dict(type(config), ...)` gives back an equal config. Algorithm
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from rollouts.types.algorithm import (
     GROUP_ESTIMATORS,
+    PEER_BASELINE_ESTIMATORS,
     AdvantageEstimator,
     AdvantageScale,
     AlgorithmConfig,
@@ -33,6 +35,7 @@ TrainOn = Literal["assistant", "last_assistant", "all"]
 
 __all__ = [
     "GROUP_ESTIMATORS",
+    "PEER_BASELINE_ESTIMATORS",
     "AdvantageEstimator",
     "AdvantageScale",
     "AlgorithmConfig",
@@ -115,7 +118,7 @@ class SamplingParams:
     """How an inference engine samples one request's responses."""
 
     n: int = 1
-    """Responses per prompt."""
+    """Responses per prompt (under a RolloutConfig, `samples_per_prompt` says it: leave n at 1)."""
     max_new_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
@@ -160,7 +163,8 @@ class RolloutConfig:
     max_retries: int = 2
     """Retries of a failed or timed-out generate request before the group counts as failed."""
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    """Sampling parameters; `sampling.n` is overridden by `samples_per_prompt`."""
+    """Sampling parameters; the responses per prompt are `samples_per_prompt`, so `sampling.n` must be
+    left at 1 or equal it (another value is refused rather than ignored)."""
     tail: str = "wait"
     """"wait": a round waits for every request it sent; "first_n": a round ends as soon as the step's
     groups are kept (the first to finish), and the requests still running are aborted, their prompts
@@ -176,6 +180,13 @@ class RolloutConfig:
         require(self.tail in ("wait", "first_n"), f"{n}.tail", self.tail, "be 'wait' or 'first_n'")
         require(self.batch_size >= 1, f"{n}.batch_size", self.batch_size, "be >= 1")
         require(self.samples_per_prompt >= 1, f"{n}.samples_per_prompt", self.samples_per_prompt, "be >= 1")
+        require(
+            self.sampling.n in (1, self.samples_per_prompt),
+            f"{n}.sampling.n",
+            self.sampling.n,
+            f"be 1 (unset) or equal samples_per_prompt ({self.samples_per_prompt}): samples_per_prompt is the "
+            "number of responses per prompt that counts; set that key alone",
+        )
         require(self.over_sampling_factor >= 1.0, f"{n}.over_sampling_factor", self.over_sampling_factor, "be >= 1.0")
         require(self.max_generation_rounds >= 1, f"{n}.max_generation_rounds", self.max_generation_rounds, "be >= 1")
         require(self.max_concurrency >= 1, f"{n}.max_concurrency", self.max_concurrency, "be >= 1")
@@ -284,6 +295,11 @@ class RLConfig:
     """The KL reference model's updates (frozen by default)."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model of PPO with a critic (used with advantage_estimator 'gae')."""
+    correct_min_reward: float = 1.0
+    """The reward at or above which a sample counts as correct in the step's `accuracy` and the
+    evaluation's pass@k and maj@k; partial credit below it (0.2 for a well-formed wrong answer) is not
+    correct. A sample whose metadata["correct"] is a bool (set by a rollout function or environment)
+    is judged by that flag instead."""
     seed: int = 0
     log_every: int = 1
 
@@ -321,6 +337,17 @@ class RLConfig:
             f"{self.rollout.samples_per_prompt}: greedy samples of a group are identical, so every advantage "
             "is 0 and nothing is learned",
         )
+        require(
+            not (
+                self.algorithm.advantage_estimator in PEER_BASELINE_ESTIMATORS and self.rollout.samples_per_prompt == 1
+            ),
+            f"{n}.rollout.samples_per_prompt",
+            self.rollout.samples_per_prompt,
+            f"be >= 2 with {self.algorithm.advantage_estimator!r} advantages: they compare each response with the "
+            "others to the same prompt, and a group of one has none (use 'reinforce_pp' or 'remax' for one "
+            "response per prompt)",
+        )
+        require(math.isfinite(self.correct_min_reward), f"{n}.correct_min_reward", self.correct_min_reward, "be finite")
         require(self.max_staleness >= 1, f"{n}.max_staleness", self.max_staleness, "be >= 1")
         require(
             not self.rollout.partial or self.overlap,

@@ -252,6 +252,7 @@ def _evaluation(run: RLRun) -> Any:
         every_steps=run.eval.every_steps,
         sampling=sampling,
         stop_on_error=run.eval.stop_on_error,
+        correct_min_reward=run.rl.correct_min_reward,
     )
 
 
@@ -352,7 +353,7 @@ def cmd_eval(run: RLRun, source: str, checkpoint: str) -> dict[str, float]:
     groups = trio.run(
         evaluate_groups, engine, evaluation.records, prompt_encoder(tokenizer), reward, evaluation.sampling
     )
-    metrics = {**group_metrics(groups), "num_eval": float(len(groups))}
+    metrics = {**group_metrics(groups, min_reward=evaluation.correct_min_reward), "num_eval": float(len(groups))}
     print(json.dumps(metrics))
     return metrics
 

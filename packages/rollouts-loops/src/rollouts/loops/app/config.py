@@ -228,7 +228,7 @@ class EvalSpec:
     every_steps: int = 0
     """Evaluate after every this many steps and after the last; 0: never."""
     samples_per_prompt: int = 1
-    """k of pass@k and maj@k (1: pass@1 only)."""
+    """k of pass@k and maj@k (1: pass@1 only); correct: reward >= rl.correct_min_reward."""
     temperature: float = 0.0
     """0: greedy (then use samples_per_prompt = 1)."""
     stop_on_error: bool = False

@@ -353,7 +353,7 @@ async def _evaluate(
         groups = await evaluate_groups(
             context.engine, evaluation.records, context.encode_prompt, reward, evaluation.sampling
         )
-    return {**group_metrics(groups), "eval_s": time.perf_counter() - start}
+    return {**group_metrics(groups, min_reward=evaluation.correct_min_reward), "eval_s": time.perf_counter() - start}
 
 
 def _no_progress_error(batch: RolloutBatch, metrics: dict[str, float], empty_in_a_row: int) -> RuntimeError:

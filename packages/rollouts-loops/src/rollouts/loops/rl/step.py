@@ -21,6 +21,7 @@ import torch
 from rollouts.backends import TrainingComponents, compute_logprobs, forward_backward, optim_step
 from rollouts.backends.train.value import compute_values, critic_forward_backward
 from rollouts.data import unpack_values
+from rollouts.loops.evaluation import is_correct
 from rollouts.loops.micro_batches import (
     AdvantageFn,
     gae_token_advantages,
@@ -60,8 +61,9 @@ def with_overlong_penalty(
     ]
 
 
-def rollout_metrics(batch: RolloutBatch, state: TrainingState) -> dict[str, float]:
-    """Reward, length, truncation, staleness and accounting figures of one step's rollouts."""
+def rollout_metrics(batch: RolloutBatch, state: TrainingState, *, min_reward: float = 1.0) -> dict[str, float]:
+    """Reward, length, truncation, staleness and accounting figures of one step's rollouts;
+    `accuracy` is the fraction `is_correct` at `min_reward` (RLConfig.correct_min_reward)."""
     samples = batch.samples
     rewards = [s.reward or 0.0 for s in samples]
     lengths = [s.response_length for s in samples]
@@ -73,7 +75,7 @@ def rollout_metrics(batch: RolloutBatch, state: TrainingState) -> dict[str, floa
     out = {
         "reward_mean": mean(rewards),
         "reward_std": float(np.std(rewards)) if rewards else math.nan,
-        "accuracy": mean([r > 0 for r in rewards]),
+        "accuracy": mean([is_correct(s, min_reward=min_reward) for s in samples]),
         "response_length_mean": mean(lengths),
         "response_length_max": float(max(lengths, default=0)),
         "truncated_fraction": mean([s.status is Status.TRUNCATED for s in samples]),
@@ -116,7 +118,7 @@ def rl_step(
         for s in samples
         if s.weight_version is None or state.weight_version - s.weight_version <= config.max_staleness
     ]
-    metrics = rollout_metrics(batch, state)
+    metrics = rollout_metrics(batch, state, min_reward=config.correct_min_reward)
     metrics["num_too_stale"] = float(len(samples) - len(fresh))
     metrics["num_trained"] = float(len(fresh))
     causes = failure_causes(batch)
