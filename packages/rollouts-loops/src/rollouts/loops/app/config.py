@@ -11,8 +11,6 @@ TOML has no null: an optional setting is switched off with the string "none"
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import json
 import math
 import tomllib
 import types
@@ -23,14 +21,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rollouts.loops.algorithms import ALGORITHMS, preset_dicts
+from rollouts.loops.app.overrides import apply_overrides as apply_overrides  # the --set edits, re-exported
 from rollouts.loops.app.toml_out import NONE
+from rollouts.loops.errors import ConfigError as ConfigError  # re-exported: the config's own error
 from rollouts.types import LoraConfig, RLConfig, SFTConfig, check_fields, from_dict, require
 
 EngineKind = Literal["inprocess", "process", "rollout_process", "vllm", "sglang"]
-
-
-class ConfigError(ValueError):
-    """A run config is invalid; the message names the file and the key."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -308,37 +304,6 @@ class RLRun:
                 "be 'merged' unless engine.kind = 'vllm' with engine.sync = 'disk' (vLLM loads the adapter "
                 f"from the trainer's path; got kind {self.engine.kind!r}, sync {self.engine.sync!r})",
             )
-
-
-def _parse_value(text: str) -> Any:
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """A deep copy of `data` with each 'a.b.c=value' override set (tables created as needed)."""
-    out: dict[str, Any] = json.loads(json.dumps(data))
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {item!r}: expected key.path=value")
-        *parents, leaf = key.strip().split(".")
-        node = out
-        for part in parents:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set {item!r}: {part!r} is a value, not a table")
-            node = child
-        value = _parse_value(text.strip())
-        if isinstance(value, datetime.date | datetime.time):  # datetime is a date too
-            raise ConfigError(
-                f"--set {item!r}: {text.strip()} reads as a TOML date or time; quote it for a string: "
-                f"{key.strip()}='{text.strip()}'"
-            )
-        node[leaf] = value
-    return out
 
 
 def _with_preset(data: dict[str, Any]) -> dict[str, Any]:
