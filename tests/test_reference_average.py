@@ -69,14 +69,15 @@ def test_a_bf16_ema_reference_tracks_a_float64_average_of_the_policy(tiny_run_in
     assert len(policies) >= 3
     for policy in policies:
         average = {n: DECAY * a + (1 - DECAY) * policy[n] for n, a in average.items()}
-    moved = 0.0
+    moved = total = 0
     for name, value in _weights(ref, torch.float64).items():
         exact = average[name]
         # half a bf16 unit in the last place is at most 2^-8 of the value; float32 adds ~1e-7 of it
         bound = exact.abs() * (2.0**-8 + 1e-6) + 1e-30
         assert bool(((value - exact).abs() <= bound).all()), (name, float((value - exact).abs().max()))
-        moved = max(moved, float(((exact - start[name]).abs() / bound).max()))
-    assert moved > 4  # the average moved by several bf16 units: rounding each step away would show
+        moved += int(((exact - start[name]).abs() > 4 * bound).sum())
+        total += exact.numel()
+    assert moved > total // 2  # most weights moved by several bf16 units: rounding each step away would show
 
 
 def test_a_bf16_run_resumed_mid_way_ends_bit_for_bit_as_the_straight_run(tiny_run_inputs, tmp_path):
