@@ -13,6 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
 
+from rollouts.loops.app.commands import _with_reward_models
+from rollouts.loops.app.config import RewardModelSpec, RewardSpec
 from rollouts.loops.rollouts.reward_models import (
     ClassifierRewardModel,
     check_reward_model_dir,
@@ -21,6 +23,7 @@ from rollouts.loops.rollouts.reward_models import (
     weighted_reward,
 )
 from rollouts.loops.rollouts.scoring import GroupScorer, Reward
+from rollouts.sync.fake_server import FakeEngineState, serve_fake_engine
 from rollouts.types import Sample
 
 # float32 on both sides, the same ids (none ends in the pad id), the same pooled token: only summation order differs.
@@ -124,6 +127,32 @@ def test_a_reward_scorer_given_the_pad_id_reads_ids_without_trailing_pads():
     samples = [Sample(tokens=ids, num_prompt_tokens=1, loss_mask=[0.0] * len(ids)) for ids in _ending_in_pad(0)]
     trio.run(GroupScorer(reward_model_reward(Recorder(), pad_token_id=0)).score, samples, {})
     assert seen == [[3, 4], [6, 0, 7], [0], [5, 9, 2, 8]]
+
+
+def test_a_run_files_url_reward_model_is_sent_ids_without_trailing_pads(reward_model_dir):
+    """[[reward.models]] with a url: the pad id comes from the config.json in its tokenizer_path, so
+    the server's last-token pooling lands on the last non-pad token, as in process."""
+    pad = json.loads((reward_model_dir / "config.json").read_text())["pad_token_id"]
+    state = FakeEngineState(vocab_size=14)
+    samples = [Sample(tokens=ids, num_prompt_tokens=1, loss_mask=[0.0] * len(ids)) for ids in _ending_in_pad(pad)]
+
+    async def scored():
+        async with serve_fake_engine(state) as server:
+            spec = RewardSpec(
+                weight=0.0, models=(RewardModelSpec(url=server.url, tokenizer_path=str(reward_model_dir)),)
+            )
+            return await GroupScorer(_with_reward_models(None, spec, "run.toml")).score(samples, {})
+
+    rewards = [s.reward for s in trio.run(scored)]
+    assert rewards == [state.score(strip_trailing_pad(ids, pad)) for ids in _ending_in_pad(pad)]
+    assert rewards != [state.score(ids) for ids in _ending_in_pad(pad)]
+
+
+def test_a_url_reward_model_without_a_tokenizer_path_warns_of_the_pad_id():
+    with pytest.warns(UserWarning, match="pad id"):
+        _with_reward_models(
+            None, RewardSpec(weight=0.0, models=(RewardModelSpec(url="http://127.0.0.1:1"),)), "run.toml"
+        )
 
 
 def test_a_weighted_reward_adds_a_verifier_and_a_reward_model(reward_model_dir):

@@ -26,6 +26,7 @@ RejectionLevel = Literal["none", "token", "seq_sum", "seq_mean", "seq_max"]
 KLPlacement = Literal["none", "loss", "reward"]
 ISLevel = Literal["token", "sequence"]
 ISMode = Literal["truncate", "mask"]
+KLHorizonUnit = Literal["steps", "samples"]
 
 __all__ = [
     "GROUP_ESTIMATORS",
@@ -35,6 +36,7 @@ __all__ = [
     "AlgorithmConfig",
     "ISLevel",
     "ISMode",
+    "KLHorizonUnit",
     "KLKind",
     "KLPlacement",
     "LossAggregation",
@@ -102,7 +104,11 @@ class AlgorithmConfig:
     kl_target: float | None = None
     """Adaptive KL controller target (None: kl_coef stays fixed); the loop updates the coefficient."""
     kl_horizon: int = 10_000
-    """Adaptive KL controller horizon in steps (Ziegler et al. 2019)."""
+    """Adaptive KL controller horizon (Ziegler et al. 2019), counted in `kl_horizon_unit`."""
+    kl_horizon_unit: KLHorizonUnit = "steps"
+    """What the adaptive KL horizon counts: RL steps ("steps", the default, so a horizon keeps its
+    meaning when the batch size changes) or the sequences trained ("samples", verl's
+    AdaptiveKLController, which adapts batch-size times faster for the same horizon)."""
     rs_level: RejectionLevel = "none"
     """Rollout rejection: per token, or per sequence by the sum, mean or max of the token statistic."""
     rs_estimator: RejectionEstimator = "k3"

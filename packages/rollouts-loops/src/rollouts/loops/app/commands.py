@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 import json
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -166,19 +167,40 @@ def _with_reward_models(verifier: Any, spec: Any, source: str) -> Any:
             if model.path:
                 check_reward_model_dir(model.path)
                 scorer: Any = ClassifierRewardModel.load(model.path, batch_size=model.batch_size)
+                pad: int | None = scorer.pad_token_id
             else:
                 scorer = VLLMRewardModel(model.url, timeout_s=model.timeout_s, max_batch=model.batch_size)
+                pad = _pad_token_id(model.tokenizer_path)
             encode = (
                 chat_encoder(load_tokenizer(model.tokenizer_path or model.path)) if model.encode == "chat" else None
             )
         except (OSError, ValueError) as e:
             raise ConfigError(f"{source}: reward.models[{i}]: {e}") from e
-        parts.append((reward_model_reward(scorer, encode=encode, timeout_s=model.timeout_s), model.weight))
+        if pad is None:
+            warnings.warn(
+                f"{source}: reward.models[{i}] ({model.url}) has no tokenizer_path to read its pad id from: the "
+                "server scores the last token even where it is a pad id, not the last non-pad token",
+                stacklevel=2,
+            )
+        reward = reward_model_reward(scorer, encode=encode, pad_token_id=pad, timeout_s=model.timeout_s)
+        parts.append((reward, model.weight))
     if not parts:
         raise ConfigError(f"{source}: reward.weight is 0 and there is no reward model: nothing would score the samples")
     return dataclasses.replace(
         weighted_reward(parts, timeout_s=max(m.timeout_s for m in spec.models)), on_error=spec.on_error
     )
+
+
+def _pad_token_id(directory: str) -> int | None:
+    """The pad id of the reward model whose files are in `directory` (none: None): its config.json's,
+    the id its sequence classifier pools by, else its tokenizer's."""
+    if not directory:
+        return None
+    config = Path(directory) / "config.json"
+    pad = json.loads(config.read_text()).get("pad_token_id") if config.is_file() else None
+    if pad is None:
+        pad = load_tokenizer(directory).pad_token_id
+    return None if pad is None else int(pad)
 
 
 def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> Any:

@@ -173,6 +173,8 @@ class RewardModelSpec:
     prompt and response rendered by its own tokenizer's chat template ("chat": tokenizer from
     `tokenizer_path`, else `path`)."""
     tokenizer_path: str = ""
+    """The reward model's tokenizer ("chat"); for a `url` model also where its pad id is read (config.json,
+    else the tokenizer), whose trailing copies are dropped so the server scores the last non-pad token."""
     batch_size: int = 16
     timeout_s: float = 120.0
     """Bound on scoring one group."""

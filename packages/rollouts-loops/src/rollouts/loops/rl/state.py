@@ -1,7 +1,8 @@
 """What an RL run carries from one step to the next, and its checkpoints.
 
 Models: the policy (weights, optimizer, scheduler, RNG) in the checkpoint, with a moving KL
-reference beside its weights (reference.safetensors) and PPO's critic in a checkpoint of its own
+reference beside its weights (reference.safetensors; an EMA reference in bf16 / fp16 with its
+float32 accumulators, reference_average.safetensors) and PPO's critic in a checkpoint of its own
 (checkpoints/critic/step_<n>, written first, so a published policy step always has its critic).
 
 Parts: the rest of the run's state, each an object with `state_dict()` / `load_state_dict()` in
@@ -14,13 +15,16 @@ adaptive KL coefficient).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 import trio
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rollouts.backends import CheckpointWriter, TrainingComponents, load_checkpoint, save_checkpoint
 from rollouts.data import AsyncRolloutManager, DataBuffer
@@ -29,7 +33,7 @@ from rollouts.loops.rl.generation import shared_metadata, sync_engine
 from rollouts.loops.rl.models import RLModels
 from rollouts.loops.run.distributed import global_sum, rank_world
 from rollouts.loops.run.run_dir import CHECKPOINTS_DIR, Stateful, load_parts, parts_state, resume_if_possible
-from rollouts.losses import KLControllerState, adaptive_kl_update
+from rollouts.losses import KLControllerState, adaptive_kl_update, ema_accumulators, ema_update_
 from rollouts.types import ReferenceConfig, RLConfig, RolloutBatch, Sample, TrainingState
 
 __all__ = [
@@ -41,15 +45,23 @@ __all__ = [
     "restore",
     "run_parts",
     "save",
+    "start_reference_average",
     "update_reference",
 ]
 
 REFERENCE_MODEL = "reference"
 """The name a moving reference's weights have in a checkpoint (reference.safetensors)."""
+REFERENCE_AVERAGE = "reference_average"
+"""The float32 accumulators of an EMA reference in bf16 / fp16, beside its weights in a checkpoint
+(reference_average.safetensors, under the parameters' names)."""
 CRITIC_DIR = "critic"
 """The critic's checkpoints: <checkpoints>/critic/step_<n>, beside the policy's step_<n>."""
 
 Manager = AsyncRolloutManager | RemoteRolloutManager
+
+_AVERAGES: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
+"""Each EMA reference's accumulators (rollouts.losses.ema_accumulators), by its model: made when the
+run starts (`restore`), moved by `update_reference`, saved with each checkpoint (`save`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -89,11 +101,22 @@ class PendingBatch:
 class KLController:
     """The adaptive KL controller (Ziegler et al. 2019; verl's AdaptiveKLController): with
     `AlgorithmConfig.kl_target` set, each step trains with the controller's coefficient, moved by
-    the KL the step observed. Without a target the coefficient stays `kl_coef` and nothing is saved."""
+    the KL the step observed, over a horizon of steps or of the sequences trained
+    (`AlgorithmConfig.kl_horizon_unit`). Without a target the coefficient stays `kl_coef` and
+    nothing is saved."""
 
     def __init__(self, config: RLConfig) -> None:
-        adaptive = config.algorithm.kl_target is not None
-        self.state = KLControllerState(coef=config.algorithm.kl_coef) if adaptive else None
+        algorithm = config.algorithm
+        adaptive = algorithm.kl_target is not None
+        self.state = KLControllerState(coef=algorithm.kl_coef) if adaptive else None
+        sequences = config.rollout.batch_size * config.rollout.samples_per_prompt
+        if adaptive and algorithm.kl_horizon_unit == "samples" and sequences > algorithm.kl_horizon:
+            # refused at the start rather than at the first update
+            raise ValueError(
+                f"AlgorithmConfig.kl_horizon ({algorithm.kl_horizon}) must be >= the sequences of a step "
+                f"({sequences}) when kl_horizon_unit is 'samples': one update would move the coefficient "
+                "by more than the horizon allows"
+            )
 
     def step_config(self, config: RLConfig) -> RLConfig:
         """The config one step trains with: the controller's coefficient in place of kl_coef."""
@@ -113,13 +136,16 @@ class KLController:
         else:
             local = metrics.get("kl")
             observed = None if local is None else global_sum(local) / rank_world()[1]
-        if observed is None:  # nothing was trained this step: the coefficient stays
+        # the sequences trained: every rank trains the same batch, so the count is the step's
+        samples = int(metrics.get("num_trained", 0)) if algorithm.kl_horizon_unit == "samples" else None
+        if observed is None or samples == 0:  # nothing was trained this step: the coefficient stays
             return
         self.state = adaptive_kl_update(
             self.state,
             observed_kl=max(float(observed), 0.0),
             target_kl=algorithm.kl_target,
             horizon=algorithm.kl_horizon,
+            num_samples=samples,
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -162,6 +188,68 @@ def saved_models(config: ReferenceConfig, reference: TrainingComponents | None) 
     return {REFERENCE_MODEL: reference.model}
 
 
+def _models_to_save(config: ReferenceConfig, reference: TrainingComponents | None) -> dict[str, torch.nn.Module]:
+    """`saved_models` and, for an EMA reference narrower than float32, its accumulators (a module
+    whose buffers are the full tensors, under the parameters' names). Collective under FSDP2."""
+    models = saved_models(config, reference)
+    if reference is None or config.update != "ema":
+        return models
+    params = dict(reference.model.named_parameters())
+    copies = {n: _full(a) for n, a in _accumulators(reference.model).items() if a is not params[n]}
+    if copies:
+        models[REFERENCE_AVERAGE] = _tensor_module(copies)
+    return models
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on CPU (a DTensor gathered from every rank)."""
+    return (t.full_tensor() if isinstance(t, DTensor) else t.detach()).to("cpu", copy=True)
+
+
+def _tensor_module(tensors: Mapping[str, torch.Tensor]) -> torch.nn.Module:
+    """A module whose state dict is `tensors` under their dotted names (buffers in nested modules)."""
+    root = torch.nn.Module()
+    for name, tensor in tensors.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = module.get_submodule(part)
+        module.register_buffer(leaf, tensor)
+    return root
+
+
+def _accumulators(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The EMA accumulators of the reference `model`: the ones `start_reference_average` made, or
+    float32 copies of its parameters now (an EMA updated outside `restore`)."""
+    if model not in _AVERAGES:
+        _AVERAGES[model] = ema_accumulators(dict(model.named_parameters()))
+    return _AVERAGES[model]
+
+
+def start_reference_average(reference: TrainingComponents, checkpoint: Path | None) -> None:
+    """Make an EMA reference's accumulators when its run starts: float32 copies of its bf16 / fp16
+    parameters, then the accumulators saved with `checkpoint` (a resumed run continues bit for bit;
+    a checkpoint that has none, from a float32 reference or an older run, keeps the copies)."""
+    model = reference.model
+    params = dict(model.named_parameters())
+    _AVERAGES[model] = accumulators = ema_accumulators(params)
+    path = None if checkpoint is None else checkpoint / f"{REFERENCE_AVERAGE}.safetensors"
+    if path is None or not path.is_file():
+        return
+    saved = safetensors.torch.load_file(str(path))  # its size and CRC-32 were checked with the checkpoint
+    expected = {n for n, a in accumulators.items() if a is not params[n]}
+    if saved.keys() != expected:
+        differ = sorted(saved.keys() ^ expected)[:5]
+        raise ValueError(f"{path} does not fit the reference's bf16 / fp16 parameters: these differ: {differ}")
+    for name, tensor in saved.items():
+        accumulator = accumulators[name]
+        if isinstance(accumulator, DTensor):  # this rank's shard of the full tensor
+            tensor = distribute_tensor(tensor.to(accumulator.device), accumulator.device_mesh, accumulator.placements)
+        accumulator.copy_(tensor)
+
+
 @torch.no_grad()
 def update_reference(
     reference: TrainingComponents, policy: TrainingComponents, config: ReferenceConfig, *, step: int
@@ -169,8 +257,9 @@ def update_reference(
     """Move the reference after RL step `step` (1-based, in batches); returns whether it changed.
 
     EMA: reference <- ema_decay * reference + (1 - ema_decay) * policy, parameter by parameter
-    (sharded parameters shard by shard: both models are sharded alike). Reset: a copy of the policy
-    every `reset_every_steps` steps.
+    (sharded parameters shard by shard: both models are sharded alike), accumulated in float32 for
+    bf16 / fp16 parameters (rollouts.losses.ema_update_), whose small steps would round away.
+    Reset: a copy of the policy every `reset_every_steps` steps.
     """
     if config.update == "frozen" or (config.update == "reset" and step % config.reset_every_steps != 0):
         return False
@@ -181,12 +270,11 @@ def update_reference(
         raise ValueError(
             f"the reference and the policy differ in parameters ({missing}): cannot move one toward the other"
         )
+    if config.update == "ema":
+        ema_update_(ref_params, _accumulators(reference.model), policy_params, decay=config.ema_decay)
+        return True
     for name, ref in ref_params.items():
-        source = policy_params[name].detach()
-        if config.update == "ema":
-            ref.lerp_(source.to(ref.dtype), 1.0 - config.ema_decay)
-        else:
-            ref.copy_(source)
+        ref.copy_(policy_params[name].detach())
     return True
 
 
@@ -222,6 +310,8 @@ async def restore(
     )
     if models.critic is not None and resumed is not None:
         load_critic(models.critic, resumed)
+    if models.reference is not None and config.reference.update == "ema":
+        start_reference_average(models.reference, resumed)
     load_parts(parts, _flat_pending_batch(extra, state.step // config.algorithm.num_updates_per_batch))
     if state.step > 0:  # a resumed run: the engine serves the restored weights, under their own version
         state, _ = await sync_engine(
@@ -244,6 +334,7 @@ async def save(
     with its moving reference and the parts; flushed on the writer's thread while training goes on."""
     ckpt, checkpoints = config.checkpoint, files.run_dir / CHECKPOINTS_DIR
     extra = parts_state(parts)
+    more = _models_to_save(config.reference, models.reference)  # gathered here: collective under FSDP2
     if models.critic is not None:
         critic = models.critic
         await trio.to_thread.run_sync(
@@ -266,6 +357,6 @@ async def save(
             save_optimizer=ckpt.save_optimizer,
             tokenizer=files.tokenizer,
             writer=files.writer,
-            models=saved_models(config.reference, models.reference),
+            models=more,
         )
     )
