@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForSequenceClassification
 
-from rollouts.loops.app.commands import _with_reward_models
 from rollouts.loops.app.config import RewardModelSpec, RewardSpec
+from rollouts.loops.app.rl_hooks import _with_reward_models
 from rollouts.loops.rollouts.reward_models import (
     ClassifierRewardModel,
     check_reward_model_dir,

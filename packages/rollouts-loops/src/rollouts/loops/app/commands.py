@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import json
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +17,12 @@ from rollouts.backends import (
     ProcessEngine,
     latest_checkpoint,
     load_hf_model,
-    load_tokenizer,
 )
 from rollouts.backends.train.lora import apply_lora, merged_copy, reference_components
 from rollouts.backends.train.value import build_critic
 from rollouts.data import DataBuffer, load_conversations, load_prompts, prompt_encoder, tokenize_conversation
-from rollouts.loops.app.config import BUILTIN_REWARDS, ConfigError, RLRun, SFTRun
+from rollouts.loops.app.config import ConfigError, RLRun, SFTRun
+from rollouts.loops.app.rl_hooks import resolve_hooks
 from rollouts.loops.app.run_setup import (
     answer_fields,
     check_paths,
@@ -42,22 +40,11 @@ from rollouts.loops.app.run_setup import (
 from rollouts.loops.engines.coalescing import CoalescingEngine, remote_engine
 from rollouts.loops.engines.rollout_process import RolloutProcess
 from rollouts.loops.evaluation import Evaluation, evaluate_groups, group_metrics
-from rollouts.loops.plugins import PluginError, resolve_function
 from rollouts.loops.rl.loop import RLHooks, RunOutputs, run_rl_training
 from rollouts.loops.rl.models import RLModels
-from rollouts.loops.rollouts.reward_models import (
-    ClassifierRewardModel,
-    chat_encoder,
-    check_reward_model_dir,
-    reward_model_reward,
-    weighted_reward,
-)
-from rollouts.loops.rollouts.rewards import builtin_reward
-from rollouts.loops.rollouts.scoring import Reward
 from rollouts.loops.run.distributed import init_distributed, rank_world
 from rollouts.loops.run.run_dir import CHECKPOINTS_DIR
 from rollouts.loops.sft import run_sft_training
-from rollouts.sync.reward_client import VLLMRewardModel
 
 
 def cmd_sft(run: SFTRun, source: str) -> Path:
@@ -96,111 +83,6 @@ def cmd_sft(run: SFTRun, source: str) -> Path:
         release_run(out, rank)
     print(f"sft: finished at step {state.step}; checkpoints in {out / CHECKPOINTS_DIR}", file=sys.stderr)
     return out / CHECKPOINTS_DIR
-
-
-def _beside(spec: str, source: str) -> str:
-    """A "path/to/file.py:name" spec with a relative path read from the run file's directory, as
-    the file's other paths are; one found only from the current directory keeps that meaning."""
-    module, sep, name = spec.rpartition(":")
-    if not (sep and module.endswith(".py")) or Path(module).is_absolute():
-        return spec
-    beside = Path(source).parent / module
-    return f"{beside}:{name}" if beside.is_file() or not Path(module).is_file() else spec
-
-
-# Parameter names of a reward written for peers that pass strings (TRL's reward(prompts, completions,
-# **kwargs)): it binds two positional arguments, so only its names tell it apart before step 1.
-_STRING_REWARD_PARAMETERS = frozenset({"prompts", "completions", "prompt", "completion"})
-
-
-def _refuse_string_rewards(fn: Any, what: str) -> None:
-    try:
-        names = list(inspect.signature(fn).parameters)[:2]
-    except (TypeError, ValueError):  # a builtin without a signature
-        return
-    if _STRING_REWARD_PARAMETERS & set(names):
-        raise PluginError(
-            f"reward.fn: {getattr(fn, '__name__', fn)!r}({', '.join(names)}, ...) reads like a reward over "
-            f"strings (TRL's reward(prompts, completions, **kwargs)); here it must be {what}, getting a "
-            "Sample (sample.response is the completion's text) and the prompt record"
-        )
-
-
-def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
-    """run_rl_training's plug-point arguments from [reward] and [hooks], checked before any work."""
-
-    spec = run.reward
-    try:
-        if spec.fn in BUILTIN_REWARDS:
-            fn = builtin_reward(spec.fn, answer_key=run.data.answer_key)
-        else:
-            what = "reward(samples, records) -> list[float]" if spec.batched else "reward(sample, record) -> float"
-            fn = resolve_function(_beside(spec.fn, source), key="reward.fn", num_positional=2, what=what)
-            _refuse_string_rewards(fn, what)
-        reward = Reward(fn=fn, batched=spec.batched, on_error=spec.on_error, timeout_s=spec.timeout_s)
-        if spec.models:
-            reward = _with_reward_models(reward, spec, source)
-        hooks: dict[str, Any] = {"reward": reward}
-        for key, arg, arity, what in (
-            ("rollout", "rollout", 2, "rollout(record, ctx) -> list[Sample]"),
-            ("filter", "filter_fn", 1, "filter(group) -> str | None"),
-            ("advantages", "advantage_fn", 2, "advantages(rewards_N, groups_N) -> advantages_N"),
-            ("loss", "loss_fn", 2, "loss(logprobs_B_T, batch, *, num_tokens, num_sequences)"),
-        ):
-            path = getattr(run.hooks, key)
-            if path:
-                hooks[arg] = resolve_function(
-                    _beside(path, source), key=f"hooks.{key}", num_positional=arity, what=what
-                )
-    except PluginError as e:
-        raise ConfigError(f"{source}: {e}") from e
-    return hooks
-
-
-def _with_reward_models(verifier: Any, spec: Any, source: str) -> Any:
-    """`verifier` weighted by reward.weight plus each [[reward.models]] score by its weight; every
-    model directory checked (and loaded, for those scored in process) before any work."""
-
-    parts = [(verifier, spec.weight)] if spec.weight != 0 else []
-    for i, model in enumerate(spec.models):
-        try:
-            if model.path:
-                check_reward_model_dir(model.path)
-                scorer: Any = ClassifierRewardModel.load(model.path, batch_size=model.batch_size)
-                pad: int | None = scorer.pad_token_id
-            else:
-                scorer = VLLMRewardModel(model.url, timeout_s=model.timeout_s, max_batch=model.batch_size)
-                pad = _pad_token_id(model.tokenizer_path)
-            encode = (
-                chat_encoder(load_tokenizer(model.tokenizer_path or model.path)) if model.encode == "chat" else None
-            )
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"{source}: reward.models[{i}]: {e}") from e
-        if pad is None:
-            warnings.warn(
-                f"{source}: reward.models[{i}] ({model.url}) has no tokenizer_path to read its pad id from: the "
-                "server scores the last token even where it is a pad id, not the last non-pad token",
-                stacklevel=2,
-            )
-        reward = reward_model_reward(scorer, encode=encode, pad_token_id=pad, timeout_s=model.timeout_s)
-        parts.append((reward, model.weight))
-    if not parts:
-        raise ConfigError(f"{source}: reward.weight is 0 and there is no reward model: nothing would score the samples")
-    return dataclasses.replace(
-        weighted_reward(parts, timeout_s=max(m.timeout_s for m in spec.models)), on_error=spec.on_error
-    )
-
-
-def _pad_token_id(directory: str) -> int | None:
-    """The pad id of the reward model whose files are in `directory` (none: None): its config.json's,
-    the id its sequence classifier pools by, else its tokenizer's."""
-    if not directory:
-        return None
-    config = Path(directory) / "config.json"
-    pad = json.loads(config.read_text()).get("pad_token_id") if config.is_file() else None
-    if pad is None:
-        pad = load_tokenizer(directory).pad_token_id
-    return None if pad is None else int(pad)
 
 
 def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> Any:

@@ -46,6 +46,7 @@ from rollouts.loops.rl.state import (
     KLController,
     Manager,
     PendingBatch,
+    ReferenceAverage,
     RunFiles,
     restore,
     run_parts,
@@ -180,9 +181,11 @@ async def _rl_loop(
     """The run inside trio: restore, then one step per batch until `config.num_updates` updates."""
     lock, updates = trio.Lock(), config.algorithm.num_updates_per_batch
     manager = _manager(buffer, config, reward, hooks, context)
-    pending, kl = PendingBatch(), KLController(config)
+    pending, kl, average = PendingBatch(), KLController(config), ReferenceAverage(models.reference, config.reference)
     parts = run_parts(buffer, manager, pending, kl)
-    state = await restore(models, parts, config, files, resume=output.resume, resume_from=output.resume_from, lock=lock)
+    state = await restore(
+        models, parts, config, files, resume=output.resume, resume_from=output.resume_from, lock=lock, average=average
+    )
     # paused for a sync, evaluation or probe; partial rollouts keep the manager here (a RolloutProcess refuses them)
     pausable = manager if config.rollout.partial and isinstance(manager, AsyncRolloutManager) else None
     probe_prompt: tuple[int, ...] = ()  # rank 0 generates the probe sample and broadcasts it
@@ -205,7 +208,7 @@ async def _rl_loop(
             state = await _sync_if_due(models, state, config, files, lock, pausable, probe_prompt, metrics)
             metrics["kl_coef"] = step_config.algorithm.kl_coef
             if models.reference is not None and metrics["num_trained"]:  # moved after batch index + 1, 1-based
-                update_reference(models.reference, models.policy, config.reference, step=index + 1)
+                update_reference(models.reference, models.policy, config.reference, step=index + 1, average=average)
             kl.observe(config, metrics)
             empty_in_a_row = 0 if metrics["num_trained"] else empty_in_a_row + 1
             if empty_in_a_row > _MAX_EMPTY_BATCHES:
@@ -226,7 +229,7 @@ async def _rl_loop(
             if due(state.step, config.checkpoint.every_steps, config.num_updates):
                 # the batch generated ahead is saved with it: the buffer and carry-over are already past it
                 pending.batch = await batches.wait_ahead() if state.step < config.num_updates else None
-                await save(models, parts, state, config, files)
+                await save(models, parts, state, config, files, average)
             if eval_error is not None and evaluation is not None and evaluation.stop_on_error:
                 raise eval_error  # the step's metrics and checkpoint are written: nothing trained is lost
         nursery.cancel_scope.cancel()  # the producer waits for requests that will not come

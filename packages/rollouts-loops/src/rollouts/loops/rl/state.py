@@ -15,7 +15,6 @@ adaptive KL coefficient).
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +44,7 @@ __all__ = [
     "restore",
     "run_parts",
     "save",
-    "start_reference_average",
+    "ReferenceAverage",
     "update_reference",
 ]
 
@@ -58,10 +57,6 @@ CRITIC_DIR = "critic"
 """The critic's checkpoints: <checkpoints>/critic/step_<n>, beside the policy's step_<n>."""
 
 Manager = AsyncRolloutManager | RemoteRolloutManager
-
-_AVERAGES: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = weakref.WeakKeyDictionary()
-"""Each EMA reference's accumulators (rollouts.losses.ema_accumulators), by its model: made when the
-run starts (`restore`), moved by `update_reference`, saved with each checkpoint (`save`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -188,14 +183,15 @@ def saved_models(config: ReferenceConfig, reference: TrainingComponents | None) 
     return {REFERENCE_MODEL: reference.model}
 
 
-def _models_to_save(config: ReferenceConfig, reference: TrainingComponents | None) -> dict[str, torch.nn.Module]:
+def _models_to_save(
+    config: ReferenceConfig, reference: TrainingComponents | None, average: ReferenceAverage
+) -> dict[str, torch.nn.Module]:
     """`saved_models` and, for an EMA reference narrower than float32, its accumulators (a module
     whose buffers are the full tensors, under the parameters' names). Collective under FSDP2."""
     models = saved_models(config, reference)
     if reference is None or config.update != "ema":
         return models
-    params = dict(reference.model.named_parameters())
-    copies = {n: _full(a) for n, a in _accumulators(reference.model).items() if a is not params[n]}
+    copies = {n: _full(a) for n, a in average.copies().items()}
     if copies:
         models[REFERENCE_AVERAGE] = _tensor_module(copies)
     return models
@@ -220,39 +216,52 @@ def _tensor_module(tensors: Mapping[str, torch.Tensor]) -> torch.nn.Module:
     return root
 
 
-def _accumulators(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The EMA accumulators of the reference `model`: the ones `start_reference_average` made, or
-    float32 copies of its parameters now (an EMA updated outside `restore`)."""
-    if model not in _AVERAGES:
-        _AVERAGES[model] = ema_accumulators(dict(model.named_parameters()))
-    return _AVERAGES[model]
+class ReferenceAverage:
+    """An EMA reference's running average in float32 (rollouts.losses.ema_accumulators): float32
+    copies of its bf16 / fp16 parameters, which small EMA steps would round away in the parameters
+    themselves (float32 parameters are their own). Owned by the run: made at its start, loaded from
+    a resumed checkpoint, moved by `update_reference`, saved with each checkpoint."""
 
+    def __init__(self, reference: TrainingComponents | None, config: ReferenceConfig) -> None:
+        self.params = {} if reference is None else dict(reference.model.named_parameters())
+        self.accumulators = ema_accumulators(self.params) if config.update == "ema" and self.params else {}
 
-def start_reference_average(reference: TrainingComponents, checkpoint: Path | None) -> None:
-    """Make an EMA reference's accumulators when its run starts: float32 copies of its bf16 / fp16
-    parameters, then the accumulators saved with `checkpoint` (a resumed run continues bit for bit;
-    a checkpoint that has none, from a float32 reference or an older run, keeps the copies)."""
-    model = reference.model
-    params = dict(model.named_parameters())
-    _AVERAGES[model] = accumulators = ema_accumulators(params)
-    path = None if checkpoint is None else checkpoint / f"{REFERENCE_AVERAGE}.safetensors"
-    if path is None or not path.is_file():
-        return
-    saved = safetensors.torch.load_file(str(path))  # its size and CRC-32 were checked with the checkpoint
-    expected = {n for n, a in accumulators.items() if a is not params[n]}
-    if saved.keys() != expected:
-        differ = sorted(saved.keys() ^ expected)[:5]
-        raise ValueError(f"{path} does not fit the reference's bf16 / fp16 parameters: these differ: {differ}")
-    for name, tensor in saved.items():
-        accumulator = accumulators[name]
-        if isinstance(accumulator, DTensor):  # this rank's shard of the full tensor
-            tensor = distribute_tensor(tensor.to(accumulator.device), accumulator.device_mesh, accumulator.placements)
-        accumulator.copy_(tensor)
+    def copies(self) -> dict[str, torch.Tensor]:
+        """The accumulators that are copies (of bf16 / fp16 parameters): what a checkpoint keeps."""
+        return {n: a for n, a in self.accumulators.items() if a is not self.params[n]}
+
+    def load(self, checkpoint: Path | None) -> None:
+        """The accumulators saved with `checkpoint` (a resumed run continues bit for bit); a checkpoint
+        without them (a float32 reference, an older run) keeps the copies of the loaded reference."""
+        if not self.accumulators or checkpoint is None:
+            return
+        # the copies were made from the reference before it loaded: remake them from the loaded one
+        self.accumulators = ema_accumulators(self.params)
+        path = checkpoint / f"{REFERENCE_AVERAGE}.safetensors"
+        if not path.is_file():
+            return
+        saved = safetensors.torch.load_file(str(path))  # its size and CRC-32 were checked with the checkpoint
+        expected = set(self.copies())
+        if saved.keys() != expected:
+            differ = sorted(saved.keys() ^ expected)[:5]
+            raise ValueError(f"{path} does not fit the reference's bf16 / fp16 parameters: these differ: {differ}")
+        for name, tensor in saved.items():
+            accumulator = self.accumulators[name]
+            if isinstance(accumulator, DTensor):  # this rank's shard of the full tensor
+                tensor = distribute_tensor(
+                    tensor.to(accumulator.device), accumulator.device_mesh, accumulator.placements
+                )
+            accumulator.copy_(tensor)
 
 
 @torch.no_grad()
 def update_reference(
-    reference: TrainingComponents, policy: TrainingComponents, config: ReferenceConfig, *, step: int
+    reference: TrainingComponents,
+    policy: TrainingComponents,
+    config: ReferenceConfig,
+    *,
+    step: int,
+    average: ReferenceAverage | None = None,
 ) -> bool:
     """Move the reference after RL step `step` (1-based, in batches); returns whether it changed.
 
@@ -271,7 +280,9 @@ def update_reference(
             f"the reference and the policy differ in parameters ({missing}): cannot move one toward the other"
         )
     if config.update == "ema":
-        ema_update_(ref_params, _accumulators(reference.model), policy_params, decay=config.ema_decay)
+        # without the run's average, this step alone accumulates in float32 (small steps may round away)
+        accumulators = ema_accumulators(ref_params) if average is None else average.accumulators
+        ema_update_(ref_params, accumulators, policy_params, decay=config.ema_decay)
         return True
     for name, ref in ref_params.items():
         ref.copy_(policy_params[name].detach())
@@ -298,6 +309,7 @@ async def restore(
     resume: bool,
     resume_from: str | Path | None,
     lock: trio.Lock,
+    average: ReferenceAverage,
 ) -> TrainingState:
     """The state of a resumed run (its models and parts loaded from the run directory's checkpoint),
     or of a fresh one; a resumed run's engine then serves the restored weights."""
@@ -310,8 +322,7 @@ async def restore(
     )
     if models.critic is not None and resumed is not None:
         load_critic(models.critic, resumed)
-    if models.reference is not None and config.reference.update == "ema":
-        start_reference_average(models.reference, resumed)
+    average.load(resumed)
     load_parts(parts, _flat_pending_batch(extra, state.step // config.algorithm.num_updates_per_batch))
     if state.step > 0:  # a resumed run: the engine serves the restored weights, under their own version
         state, _ = await sync_engine(
@@ -328,13 +339,18 @@ async def restore(
 
 
 async def save(
-    models: RLModels, parts: Mapping[str, Stateful], state: TrainingState, config: RLConfig, files: RunFiles
+    models: RLModels,
+    parts: Mapping[str, Stateful],
+    state: TrainingState,
+    config: RLConfig,
+    files: RunFiles,
+    average: ReferenceAverage,
 ) -> None:
     """A checkpoint of the run at `state`, on every rank alike: the critic first, then the policy
     with its moving reference and the parts; flushed on the writer's thread while training goes on."""
     ckpt, checkpoints = config.checkpoint, files.run_dir / CHECKPOINTS_DIR
     extra = parts_state(parts)
-    more = _models_to_save(config.reference, models.reference)  # gathered here: collective under FSDP2
+    more = _models_to_save(config.reference, models.reference, average)  # gathered here: collective under FSDP2
     if models.critic is not None:
         critic = models.critic
         await trio.to_thread.run_sync(
