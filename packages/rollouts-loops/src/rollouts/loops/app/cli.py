@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from rollouts.loops.app.config import ConfigError, RLRun, SFTRun, load_run
-from rollouts.loops.app.engine_cmd import add_engine_parser
 from rollouts.loops.app.failures import RunFailed, print_failure, report
 from rollouts.loops.app.toml_out import documented_toml
 from rollouts.loops.errors import DamagedCheckpointError
@@ -40,6 +39,45 @@ def _version() -> str:
         return version("rollouts-loops")
     except PackageNotFoundError:
         return "unknown (not installed)"
+
+
+def _add_engine_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "engine",
+        help="start an inference server for RL (vLLM with weight sync), print its URL, serve until stopped",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Start a vLLM server that `rollouts rl` drives (dev-mode endpoints and the weight-receiving "
+        "worker extension on), wait for its health, print its URL, and serve until Ctrl-C or SIGTERM. "
+        'Then, in the run file: [engine] kind = "vllm", urls = ["http://HOST:PORT"], sync = "http".',
+    )
+    p.add_argument("kind", choices=("vllm",))
+    p.add_argument("--model", required=True, help="HF-format model directory the server starts from")
+    p.add_argument("--python", default=None, help="python of an environment with vLLM (default: this one)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every one)")
+    p.add_argument("--port", type=int, default=None, help="port (default: a free one)")
+    p.add_argument("--dtype", default="auto", help="vLLM --dtype (auto, bfloat16, float32, ...)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation")
+    p.add_argument("--startup-timeout-s", type=float, default=900.0)
+    p.add_argument("--log", default=None, help="server log file (default: vllm-<port>.log here)")
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=None,
+        help="serve LoRA adapters up to this rank, loaded at run time (model.lora.sync = 'adapter')",
+    )
+    p.add_argument(
+        "--cpu-kv-cache-gb",
+        type=int,
+        default=None,
+        help="on a host without a GPU: GiB of memory for vLLM's KV cache "
+        "(VLLM_CPU_KVCACHE_SPACE; default a quarter of the memory, at most 4)",
+    )
+    p.add_argument(
+        "--vllm-args",
+        default="",
+        help="more vLLM server arguments, one quoted string (e.g. '--gpu-memory-utilization 0.8')",
+    )
 
 
 def _add_export_parser(sub: Any) -> None:
@@ -110,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="PNG of a run's metrics")
     p.add_argument("run_dir")
     p.add_argument("--out", default=None)
-    add_engine_parser(sub)
+    _add_engine_parser(sub)
     _add_export_parser(sub)
     p = sub.add_parser("demo", help="tiny model: SFT then RL on addition, on CPU, in minutes")
     p.add_argument("--quick", action="store_true", help="a sub-minute variant (no accuracy targets)")
@@ -148,15 +186,19 @@ def _command(name: str) -> Callable[..., Any]:
 
 
 def _run_command(args: argparse.Namespace, sets: list[str]) -> int:
-    """Dispatch one parsed command line; returns the exit status."""
+    """Dispatch one parsed command line; returns the exit status. Run files load (and a bad one is
+    refused) before the command's module is imported."""
     if args.command == "sft":
-        _command("sft")(load_run(SFTRun, args.config, sets), args.config)
+        sft = load_run(SFTRun, args.config, sets)
+        _command("sft")(sft, args.config)
     elif args.command == "rl":
-        _command("rl")(load_run(RLRun, args.config, sets), args.config)
+        rl = load_run(RLRun, args.config, sets)
+        _command("rl")(rl, args.config)
     elif args.command == "config":
         print(documented_toml(SFTRun if args.kind == "sft" else RLRun), end="")
     elif args.command == "eval":
-        _command("eval")(load_run(RLRun, args.config, args.set), args.config, args.checkpoint)
+        rl = load_run(RLRun, args.config, args.set)
+        _command("eval")(rl, args.config, args.checkpoint)
     elif args.command == "pipeline":
         sft, rl = load_run(SFTRun, args.sft_config, args.set_sft), load_run(RLRun, args.rl_config, args.set_rl)
         _command("pipeline")(sft, args.sft_config, rl, args.rl_config)

@@ -16,47 +16,8 @@ import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 from rollouts.sync.launch import VLLMServeOptions, free_port, launch_vllm_server
-
-
-def add_engine_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "engine",
-        help="start an inference server for RL (vLLM with weight sync), print its URL, serve until stopped",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__,
-    )
-    p.add_argument("kind", choices=("vllm",))
-    p.add_argument("--model", required=True, help="HF-format model directory the server starts from")
-    p.add_argument("--python", default=None, help="python of an environment with vLLM (default: this one)")
-    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every one)")
-    p.add_argument("--port", type=int, default=None, help="port (default: a free one)")
-    p.add_argument("--dtype", default="auto", help="vLLM --dtype (auto, bfloat16, float32, ...)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation")
-    p.add_argument("--startup-timeout-s", type=float, default=900.0)
-    p.add_argument("--log", default=None, help="server log file (default: vllm-<port>.log here)")
-    p.add_argument(
-        "--max-lora-rank",
-        type=int,
-        default=None,
-        help="serve LoRA adapters up to this rank, loaded at run time (model.lora.sync = 'adapter')",
-    )
-    p.add_argument(
-        "--cpu-kv-cache-gb",
-        type=int,
-        default=None,
-        help="on a host without a GPU: GiB of memory for vLLM's KV cache "
-        "(VLLM_CPU_KVCACHE_SPACE; default a quarter of the memory, at most 4)",
-    )
-    p.add_argument(
-        "--vllm-args",
-        default="",
-        help="more vLLM server arguments, one quoted string (e.g. '--gpu-memory-utilization 0.8')",
-    )
-
 
 _CPU_KV_CACHE_MAX_GB = 4  # enough for the small models a CPU serves; vLLM's own default takes most of the host
 
