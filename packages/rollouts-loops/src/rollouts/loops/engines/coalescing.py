@@ -61,7 +61,9 @@ class CoalescingEngine:
     `max_prompts_per_call` prompts: the first caller after a quiet spell waits while others are
     still joining (a few scheduler passes for a burst of `start_soon` tasks; at most `window_s`;
     `adaptive=False` waits `window_s` flat), and calls that queue while a batch runs form the
-    next. Seeded one-prompt calls that differ only in their seed go out together too, with a seed
+    next. An inner engine with `check_prompts(prompts, params)` (InProcessEngine) has each call's
+    prompts checked before they queue: a prompt it refuses fails its own caller at once, naming the
+    cause, and the batch goes out without it. Seeded one-prompt calls that differ only in their seed go out together too, with a seed
     per prompt: each prompt keeps its own random stream, so a seeded run's samples do not depend
     on which calls happened to share a batch. Other methods pass straight through.
 
@@ -189,7 +191,12 @@ class CoalescingEngine:
         return batch
 
     async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
-        """Queue the call; it returns once a batch holding it has run (led by this caller or another)."""
+        """Queue the call; it returns once a batch holding it has run (led by this caller or another).
+        Prompts the inner engine refuses by its `check_prompts(prompts, params)`, where it has one
+        (InProcessEngine: empty, ids outside the vocabulary, too long), fail this call at once."""
+        check = getattr(self.inner, "check_prompts", None)
+        if callable(check):  # a bad prompt never joins a batch, whose failure would run every caller alone
+            check(prompts, params)
         request = _Request(prompts=prompts, params=params)
         self._queue.append(request)
         try:
