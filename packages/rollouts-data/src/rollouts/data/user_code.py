@@ -43,7 +43,7 @@ __all__ = [
 
 T = TypeVar("T")
 
-DEFAULT_USER_THREADS = 16
+DEFAULT_USER_THREADS = 40  # as many as trio lends by default: user code keeps its parallelism, in threads of its own
 """Threads of the pool that user code gets when its caller names none (one per event loop)."""
 
 
