@@ -258,11 +258,13 @@ def test_an_rl_record_without_its_answer_is_refused_at_load_time_naming_file_and
 
 
 @pytest.mark.parametrize("on_error", ["raise", "zero"])
+@pytest.mark.parametrize("fails", ["every call", "every other call"])
 def test_a_failing_reward_functions_message_reaches_the_error_and_the_jsonl(
-    tiny_run_inputs, tmp_path, capsys, on_error
+    tiny_run_inputs, tmp_path, capsys, on_error, fails
 ):
     """A reward given by file path that raises: its exception type and message are in the run's error
-    (on_error = "raise") or in each step's JSONL failure_causes (on_error = "zero")."""
+    (on_error = "raise", or any policy once every reward of a step failed) or in each step's JSONL
+    failure_causes (on_error = "zero")."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -272,7 +274,15 @@ def test_a_failing_reward_functions_message_reaches_the_error_and_the_jsonl(
     from rollouts.loops.app.cli import main
 
     rewards = tmp_path / "my_rewards.py"
-    rewards.write_text("def strict(sample, record):\n    raise KeyError(f'no field named score in {sorted(record)}')\n")
+    every = fails == "every call"
+    rewards.write_text(
+        "import itertools\n"
+        "_calls = itertools.count()\n"
+        "def strict(sample, record):\n"
+        f"    if {every} or next(_calls) % 2:\n"
+        "        raise KeyError(f'no field named score in {sorted(record)}')\n"
+        "    return 1.0\n"
+    )
     config = rl_toml(
         tiny_run_inputs,
         tmp_path / "run",
@@ -282,11 +292,12 @@ def test_a_failing_reward_functions_message_reaches_the_error_and_the_jsonl(
     text = config.read_text().replace('[reward]\nfn = "exact_match"\n', "")
     config.write_text(text)
     args = ["rl", "--config", str(config), "--set", "rl.num_steps=2"]
-    if on_error == "raise":
+    if on_error == "raise" or every:
+        count = "16 of 16" if every else "8 of 16"
         assert main(args) == 1  # one paragraph on the screen, the traceback in the run's error.log
         err = capsys.readouterr().err
         assert re.search(
-            r"rollouts rl failed: RewardError: 16 of 16 rewards failed; first: .KeyError: .no field named score", err
+            rf"rollouts rl failed: RewardError: {count} rewards failed; first: .KeyError: .no field named score", err
         )
     else:
         assert main(args) == 0, capsys.readouterr().err

@@ -3,11 +3,20 @@
 import asyncio
 import functools
 import threading
+import time
 
+import anyio
 import pytest
 import trio
 
-from rollouts.data.user_code import UserCodeError, call_user, function_name, user_error_text
+from rollouts.data.user_code import (
+    UserCodeError,
+    UserThreads,
+    UserThreadsExhausted,
+    call_user,
+    function_name,
+    user_error_text,
+)
 
 
 def _both(main):
@@ -101,3 +110,71 @@ def test_a_partial_is_named_by_its_function():
         return 0.0
 
     assert function_name(functools.partial(reward, 1)).endswith("reward")
+
+
+def test_hung_calls_hold_only_their_own_pool_and_then_fail_fast_naming_it():
+    release = threading.Event()
+
+    def hangs():
+        release.wait(60)
+
+    async def main():
+        pool = UserThreads(2)
+        for _ in range(2):
+            with pytest.raises(TimeoutError, match="hangs took longer than 0.02 s"):
+                await call_user(hangs, timeout_s=0.02, limiter=pool)
+        assert pool.hung == 2
+        with pytest.raises(UserThreadsExhausted, match=r"hangs not started: all 2 threads for user code are held"):
+            await call_user(hangs, timeout_s=60.0, limiter=pool)
+        # the loop's own threads are untouched by the hung calls
+        assert await anyio.to_thread.run_sync(lambda: "free") == "free"
+        return pool
+
+    try:
+        pools = _both(main)
+    finally:
+        release.set()
+    for pool in pools:  # a hung thread that returns at last gives its slot back
+        deadline = time.monotonic() + 10
+        while pool.hung and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pool.hung == 0
+
+
+def test_a_plain_limiter_is_counted_as_a_pool_of_its_own():
+    release = threading.Event()
+
+    async def main():
+        limiter = anyio.CapacityLimiter(1)
+        with pytest.raises(TimeoutError):
+            await call_user(release.wait, 60, timeout_s=0.02, limiter=limiter)
+        with pytest.raises(UserThreadsExhausted, match="all 1 threads"):
+            await call_user(release.wait, 60, timeout_s=60.0, limiter=limiter)
+
+    try:
+        trio.run(main)
+    finally:
+        release.set()
+
+
+def test_an_async_function_that_blocks_the_event_loop_fails_naming_the_rule():
+    async def blocks():
+        time.sleep(0.1)  # noqa: ASYNC251 (the mistake under test)
+        return 1
+
+    async def raises_late():
+        time.sleep(0.1)  # noqa: ASYNC251
+        raise ValueError("late")
+
+    async def main():
+        for fn in (blocks, raises_late):
+            with pytest.raises(TimeoutError, match=rf"{fn.__name__} took .* past its bound of 0.01 s.* must not block"):
+                await call_user(fn, timeout_s=0.01)
+        assert await call_user(blocks, timeout_s=5.0) == 1  # inside its bound: a short block is let through
+
+    _both(main)
+
+
+def test_a_pool_needs_a_thread():
+    with pytest.raises(ValueError, match="size >= 1"):
+        UserThreads(0)

@@ -1,8 +1,11 @@
 """Rewards as users write them (per sample, batched, sync, async), their error policy, and plugin paths."""
 
 import math
+import re
 import threading
+import time
 
+import numpy as np
 import pytest
 import trio
 from hypothesis import given, settings
@@ -71,9 +74,13 @@ def test_reward_errors_score_zero_and_say_why(bad, message):
     scored = _score(Reward(fn=bad, on_error="zero"))
     assert [s.reward for s in scored] == [0.0] * 3
     assert all(message in s.metadata[REWARD_ERROR_KEY] for s in scored)
-    check_reward_errors(scored, "zero")  # counted, not raised
-    with pytest.raises(RewardError, match=f"3 of 3 rewards failed; first: .*{message.split(':')[0]}"):
-        check_reward_errors(scored, "raise")
+    good = Sample(tokens=(1, 2, 3), num_prompt_tokens=2, loss_mask=(0.0, 0.0, 1.0)).with_reward(1.0)
+    check_reward_errors([*scored, good], "zero")  # counted, not raised: one reward of the step is left
+    with pytest.raises(RewardError, match=f"3 of 4 rewards failed; first: .*{message.split(':')[0]}"):
+        check_reward_errors([*scored, good], "raise")
+    for on_error in ("raise", "zero"):  # a step whose every reward failed stops whatever the policy
+        with pytest.raises(RewardError, match=f"3 of 3 rewards failed; first: .*{message.split(':')[0]}"):
+            check_reward_errors(scored, on_error)
 
 
 def test_a_hung_reward_times_out_within_its_bound():
@@ -307,3 +314,80 @@ def test_groups_that_joined_a_cancelled_leader_score_their_own_samples():
     followers, cancelled = trio.run(main)
     assert cancelled
     assert [[s.reward for s in g] for g in followers] == [[0.0, 1.0], [0.0, 1.0]]
+
+
+# ---------------------------------------------------------------- hostile plug-ins
+
+
+def test_fifty_hung_sync_rewards_leave_the_loops_threads_free():
+    release = threading.Event()
+
+    def hangs(sample, record):
+        release.wait(3600)  # hangs until the test ends: abandoned at its bound
+        return 1.0
+
+    async def main():
+        scorer = GroupScorer(Reward(fn=hangs, timeout_s=0.02, on_error="zero", max_threads=4))
+        scored = await scorer.score(_group(50), {"answer": "1"})
+        with trio.fail_after(10):  # the training step's hop to a thread: served, not queued behind hung rewards
+            assert await trio.to_thread.run_sync(lambda: "trained") == "trained"
+        return scored
+
+    try:
+        scored = trio.run(main)
+    finally:
+        release.set()
+    errors = [s.metadata[REWARD_ERROR_KEY] for s in scored]
+    assert sum("took longer than 0.02 s" in e for e in errors) == 4  # one per thread of the pool
+    assert all("all 4 threads for user code are held by calls abandoned" in e for e in errors[4:])
+
+
+def test_an_async_reward_that_blocks_the_event_loop_is_named():
+    async def blocks(sample, record):
+        time.sleep(0.1)  # noqa: ASYNC251 (the mistake under test)
+        return 1.0
+
+    scored = _score(Reward(fn=blocks, timeout_s=0.01, on_error="zero"), samples=_group(1))
+    assert "blocks took" in scored[0].metadata[REWARD_ERROR_KEY]
+    assert "must not block; make it sync" in scored[0].metadata[REWARD_ERROR_KEY]
+
+
+def test_a_reward_editing_its_record_in_place_changes_no_other_samples_grading():
+    def pops(sample, record):
+        answers = record["answers"]
+        answer = answers.pop()  # the mistake under test: edits the record it was handed
+        record["seen"] = True
+        return float(sample.response == answer)
+
+    async def async_pops(sample, record):
+        return pops(sample, record)
+
+    @batched_reward
+    def batched_pops(samples, records):
+        return [pops(s, r) for s, r in zip(samples, records, strict=True)]
+
+    for fn in (pops, async_pops, batched_pops):
+        record = {"answers": ["0", "1"]}
+        scored = _score(Reward.of(fn, on_error="zero"), samples=_group(2), record=record)
+        assert [s.reward for s in scored] == [0.0, 1.0], fn
+        assert record == {"answers": ["0", "1"]}
+
+
+@pytest.mark.parametrize("values", [[1.0, 2.0, 3.0], (1.0, 2.0, 3.0), np.array([1.0, 2.0, 3.0])])
+def test_a_batched_reward_may_return_any_one_dimensional_sequence(values):
+    scored = _score(Reward(fn=lambda s, r: values, batched=True))
+    assert [s.reward for s in scored] == [1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        (np.ones((3, 1)), r"1-D sequence of 3 numbers .* got ndarray of shape \(3, 1\)"),
+        ({"a": 1.0}, "1-D sequence of 3 numbers .* got dict of length 1"),
+        ("123", "1-D sequence of 3 numbers .* got str of length 3"),
+        (np.ones(2), "must return 3 numbers, one per sample, got ndarray of length 2"),
+    ],
+)
+def test_a_batched_reward_of_another_shape_is_refused_naming_its_type_and_length(values, message):
+    scored = _score(Reward(fn=lambda s, r: values, batched=True, on_error="zero"))
+    assert all(re.search(message, s.metadata[REWARD_ERROR_KEY]) for s in scored), scored[0].metadata

@@ -4,9 +4,14 @@ Every place a loop calls a function a user gave it (a reward, a rollout function
 reset and step, a tool, a reward model's scorer, a generate function) calls it through `call_user`:
 
 - a coroutine function is awaited in the running event loop;
-- a plain function runs in a worker thread (Python cannot cancel a running thread: past the bound
-  the thread is abandoned and its result discarded), and an awaitable it returns is awaited too;
-- past `timeout_s` the call raises TimeoutError naming the function and the bound;
+- a plain function runs in a worker thread of a pool for user code (`UserThreads`), apart from the
+  threads the loop itself starts; Python cannot cancel a running thread: past the bound the thread
+  is abandoned, its result discarded, and it is counted as hung until it returns. While every
+  thread of the pool is hung, a new call fails at once (UserThreadsExhausted) instead of waiting;
+  an awaitable the function returns is awaited too;
+- past `timeout_s` the call raises TimeoutError naming the function and the bound; an async
+  function that blocks the event loop cannot be interrupted, so one that comes back past its bound
+  without having yielded to it fails the same way, naming the rule it broke;
 - an exception the function raised comes out as UserCodeError naming the function, the
   exception's type and message, with the exception itself as `__cause__`.
 
@@ -17,12 +22,29 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
+import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
+from anyio.lowlevel import RunVar
 
-__all__ = ["UserCodeError", "call_user", "function_name", "user_error_text"]
+__all__ = [
+    "DEFAULT_USER_THREADS",
+    "UserCodeError",
+    "UserThreads",
+    "UserThreadsExhausted",
+    "call_user",
+    "function_name",
+    "own_copy",
+    "user_error_text",
+]
+
+T = TypeVar("T")
+
+DEFAULT_USER_THREADS = 40  # as many as trio lends by default: user code keeps its parallelism, in threads of its own
+"""Threads of the pool that user code gets when its caller names none (one per event loop)."""
 
 
 class UserCodeError(RuntimeError):
@@ -31,6 +53,90 @@ class UserCodeError(RuntimeError):
     def __init__(self, name: str, error: Exception) -> None:
         super().__init__(f"{name} raised {type(error).__name__}: {error}")
         self.error = error
+
+
+class UserThreadsExhausted(RuntimeError):
+    """Every thread of a user-code pool is held by a call abandoned past its bound."""
+
+
+class UserThreads:
+    """A bounded pool of worker threads for user code: its own CapacityLimiter of `size` threads,
+    so user code never takes the threads the loop needs (trio's default limiter serves the
+    training step), and the count of threads still held by abandoned calls (`hung`)."""
+
+    def __init__(self, size: int = DEFAULT_USER_THREADS, *, limiter: anyio.CapacityLimiter | None = None) -> None:
+        if limiter is None and size < 1:
+            raise ValueError(f"a user-code thread pool needs size >= 1, got {size}")
+        self.limiter = limiter if limiter is not None else anyio.CapacityLimiter(size)
+        self._lock = threading.Lock()
+        self._hung = 0
+
+    @property
+    def hung(self) -> int:
+        """Threads still running a call that was abandoned past its bound."""
+        with self._lock:
+            return self._hung
+
+    async def run_sync(self, work: Callable[[], T], *, name: str) -> T:
+        """work() in one of the pool's threads; cancelled (a bound), the thread is abandoned and
+        counted as hung until `work` returns. Raises UserThreadsExhausted naming `name` when every
+        thread is hung."""
+        size = self.limiter.total_tokens
+        if self.hung >= size:
+            raise UserThreadsExhausted(
+                f"{name} not started: all {size} threads for user code are held by calls abandoned past "
+                "their time bound (hung), so no call could run; fix what hangs, or raise its timeout"
+            )
+        state = {"done": False, "abandoned": False}
+
+        def body() -> T:
+            try:
+                return work()
+            finally:
+                with self._lock:
+                    state["done"] = True
+                    self._hung -= state["abandoned"]
+
+        try:
+            return await anyio.to_thread.run_sync(body, abandon_on_cancel=True, limiter=self.limiter)
+        except BaseException:
+            with self._lock:
+                if not state["done"]:  # cancelled while the thread runs on: it keeps its slot
+                    state["abandoned"] = True
+                    self._hung += 1
+            raise
+
+
+_DEFAULT_POOL: RunVar[UserThreads] = RunVar("rollouts_user_threads")
+_POOLS: weakref.WeakKeyDictionary[Any, UserThreads] = weakref.WeakKeyDictionary()
+
+
+def _pool(limiter: anyio.CapacityLimiter | UserThreads | None) -> UserThreads:
+    """The pool for `limiter`: itself, one kept per CapacityLimiter, or this event loop's default."""
+    if isinstance(limiter, UserThreads):
+        return limiter
+    if limiter is not None:
+        pool = _POOLS.get(limiter)
+        if pool is None:
+            pool = _POOLS[limiter] = UserThreads(limiter=limiter)
+        return pool
+    try:
+        return _DEFAULT_POOL.get()
+    except LookupError:
+        pool = UserThreads()
+        _DEFAULT_POOL.set(pool)
+        return pool
+
+
+def own_copy(record: Any) -> Any:
+    """`record` with its JSON containers (dicts, lists) copied all the way down, other values shared:
+    what a call of user code gets of a record shared with others (a prompt record graded for each
+    sample of a group), so an edit in place changes no other call's record."""
+    if isinstance(record, dict):
+        return {key: own_copy(value) for key, value in record.items()}
+    if isinstance(record, list):
+        return [own_copy(value) for value in record]
+    return record
 
 
 def function_name(fn: Any) -> str:
@@ -49,22 +155,46 @@ def user_error_text(error: BaseException) -> str:
 
 
 async def call_user(
-    fn: Callable[..., Any], *args: Any, timeout_s: float, limiter: anyio.CapacityLimiter | None = None
+    fn: Callable[..., Any],
+    *args: Any,
+    timeout_s: float,
+    limiter: anyio.CapacityLimiter | UserThreads | None = None,
 ) -> Any:
-    """fn(*args), sync or async, bounded by `timeout_s` seconds (module docstring). `limiter` bounds
-    the worker threads of sync functions (anyio's default limiter when None)."""
-    scope = anyio.CancelScope(deadline=anyio.current_time() + timeout_s)
+    """fn(*args), sync or async, bounded by `timeout_s` seconds (module docstring). `limiter` is
+    the pool for the worker threads of sync functions: a UserThreads, a CapacityLimiter (counted
+    as one), or None for this event loop's pool of DEFAULT_USER_THREADS."""
+    start = anyio.current_time()
+    scope = anyio.CancelScope(deadline=start + timeout_s)
     with scope:
+        if inspect.iscoroutinefunction(fn):
+            try:
+                return _unless_blocked(fn, await fn(*args), start, timeout_s)
+            except (UserCodeError, UserThreadsExhausted):
+                raise  # from a call_user inside fn: it names the function that failed
+            except Exception as e:
+                _unless_blocked(fn, None, start, timeout_s)
+                raise UserCodeError(function_name(fn), e) from e
         try:
-            if inspect.iscoroutinefunction(fn):
-                return await fn(*args)
             # boxed: a thread that returns a coroutine is refused by trio; a sync function may hand
             # back an awaitable (a lambda around an async call), awaited here in the event loop
-            (result,) = await anyio.to_thread.run_sync(lambda: (fn(*args),), abandon_on_cancel=True, limiter=limiter)
+            (result,) = await _pool(limiter).run_sync(lambda: (fn(*args),), name=function_name(fn))
             return await result if inspect.isawaitable(result) else result
-        except UserCodeError:
-            raise  # from a call_user inside fn: it names the function that failed
+        except (UserCodeError, UserThreadsExhausted):
+            raise
         except Exception as e:
             raise UserCodeError(function_name(fn), e) from e
     # only the deadline above ends the block without a return: an outer cancellation propagates
     raise TimeoutError(f"{function_name(fn)} took longer than {timeout_s} s")
+
+
+def _unless_blocked(fn: Any, value: Any, start: float, timeout_s: float) -> Any:
+    """`value`, unless the async `fn` came back past its bound: the deadline had no await to end
+    it at, so `fn` held the event loop (and every other task) the whole time."""
+    took_s = anyio.current_time() - start
+    if took_s > timeout_s:
+        raise TimeoutError(
+            f"{function_name(fn)} took {took_s:.2f} s, past its bound of {timeout_s} s, without yielding to the "
+            "event loop: an async function (a reward, a tool, an environment step) must not block; make it sync "
+            "(it then runs in a worker thread) or await its slow work"
+        )
+    return value

@@ -12,7 +12,7 @@ import torch
 
 from rollouts.backends.checkpoint.export import load_model_weights, read_weights
 from rollouts.backends.checkpoint.lora_files import ADAPTER_CONFIG, load_adapter_dir
-from rollouts.backends.sampling.sampler import generate
+from rollouts.backends.sampling.sampler import check_prompts, generate
 from rollouts.types import Sample, SamplingParams
 
 __all__ = ["InProcessEngine"]
@@ -83,6 +83,12 @@ class InProcessEngine:
             should_abort=self._abort.is_set,
             tokenizer=self._tokenizer,
         )
+
+    def check_prompts(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
+        """Raise ValueError naming the first of `prompts` that `sample` would refuse (empty, ids
+        outside the vocabulary, too long for the model's positions), without sampling: a batching
+        caller (CoalescingEngine) checks each request's prompts on their own before batching them."""
+        check_prompts(self._model, prompts, params.max_new_tokens)
 
     async def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, seeds: Sequence[int | None] | None = None

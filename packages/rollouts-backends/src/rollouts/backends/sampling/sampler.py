@@ -24,7 +24,7 @@ from rollouts.backends.train.inputs import attention_mask_4d
 from rollouts.losses import truncation_mask
 from rollouts.types import LogProbs, LossMask, Sample, SamplingParams, Status, TokenIds
 
-__all__ = ["generate", "sample_next_tokens"]
+__all__ = ["check_prompts", "generate", "sample_next_tokens"]
 
 _PAD_TOKEN_ID = 0
 """Filler for left padding; masked out, so any valid id works."""
@@ -75,6 +75,21 @@ def _uniforms(
     return torch.cat(parts)
 
 
+def check_prompts(model: torch.nn.Module, prompt_token_ids: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    """Raise ValueError naming the first prompt `generate` would refuse for `model`: none at all, an
+    empty one, one with ids outside the vocabulary (naming them), or a prompt that with
+    `max_new_tokens` would run past the model's positions. Cheap (no tensor work): an engine runs it
+    on each caller's prompts before batching them, so a bad one fails only its own caller."""
+    config = model_attr(model, "config")
+    max_len = max(len(p) for p in _check_prompts(prompt_token_ids, config.vocab_size))
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and max_len + max_new_tokens > limit:
+        raise ValueError(
+            f"longest prompt ({max_len}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"max_position_embeddings ({limit})"
+        )
+
+
 def _check_prompts(prompt_token_ids: Sequence[Sequence[int]], vocab_size: int) -> list[list[int]]:
     prompts = [list(p) for p in prompt_token_ids]
     if not prompts:
@@ -82,8 +97,8 @@ def _check_prompts(prompt_token_ids: Sequence[Sequence[int]], vocab_size: int) -
     for i, p in enumerate(prompts):
         if not p:
             raise ValueError(f"prompt {i} is empty: sampling needs at least one token to condition on")
-        bad = [t for t in p if not 0 <= t < vocab_size]
-        if bad:
+        if min(p) < 0 or max(p) >= vocab_size:  # the scan below only for a prompt that fails
+            bad = [t for t in p if not 0 <= t < vocab_size]
             raise ValueError(f"prompt {i} has token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
     return prompts
 
@@ -170,15 +185,10 @@ def generate(
     partial response with the remaining budget.
     """
     n, max_new_tokens, temperature = params.n, params.max_new_tokens, params.temperature
+    check_prompts(model, prompt_token_ids, max_new_tokens)
     config = model_attr(model, "config")
-    prompts = _check_prompts(prompt_token_ids, config.vocab_size)
+    prompts = [list(p) for p in prompt_token_ids]
     max_len = max(len(p) for p in prompts)
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit is not None and max_len + max_new_tokens > limit:
-        raise ValueError(
-            f"longest prompt ({max_len}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-            f"max_position_embeddings ({limit})"
-        )
     device = next(model.parameters()).device
     per_prompt = seeds is not None
     if seeds is not None:

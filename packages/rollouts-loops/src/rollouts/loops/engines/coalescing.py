@@ -61,7 +61,11 @@ class CoalescingEngine:
     `max_prompts_per_call` prompts: the first caller after a quiet spell waits while others are
     still joining (a few scheduler passes for a burst of `start_soon` tasks; at most `window_s`;
     `adaptive=False` waits `window_s` flat), and calls that queue while a batch runs form the
-    next. Seeded one-prompt calls that differ only in their seed go out together too, with a seed
+    next. An inner engine with `check_prompts(prompts, params)` (InProcessEngine) has each call's
+    prompts checked before they queue: a prompt it refuses fails its own caller at once, naming the
+    cause, and the batch goes out without it; a batch that fails anyway runs again in halves, split
+    again where they fail, so only the calls that fail by themselves see an error. Seeded
+    one-prompt calls that differ only in their seed go out together too, with a seed
     per prompt: each prompt keeps its own random stream, so a seeded run's samples do not depend
     on which calls happened to share a batch. Other methods pass straight through.
 
@@ -128,13 +132,17 @@ class CoalescingEngine:
             if len(batch) == 1:  # the request sees its failure (and may retry)
                 self._finish(batch, error=e)
                 return
-            # One bad request (a prompt too long for the model, say) must not fail the others with it:
-            # each runs alone, so only the requests that fail by themselves see an error.
-            for i, r in enumerate(batch):
+            # One bad request must not fail the others with it: the batch runs again as two halves,
+            # each split again only if it fails, so only the requests that fail by themselves see an
+            # error, and one bad request among N costs about 2 log2(N) calls, not N.
+            half = len(batch) // 2
+            parts = [batch[:half], batch[half:]]
+            for i, part in enumerate(parts):
                 try:
-                    await self._run_batch([r])
-                except trio.Cancelled:  # [r] went back to the queue's front; the rest follow it
-                    self._queue[1:1] = batch[i + 1 :]
+                    await self._run_batch(part)
+                except trio.Cancelled:  # part's unfinished requests went back to the queue's front
+                    back = sum(not r.finished for r in part)
+                    self._queue[back:back] = [r for later in parts[i + 1 :] for r in later]
                     raise
             return
         if len(samples) != len(prompts) * params.n:
@@ -189,7 +197,12 @@ class CoalescingEngine:
         return batch
 
     async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
-        """Queue the call; it returns once a batch holding it has run (led by this caller or another)."""
+        """Queue the call; it returns once a batch holding it has run (led by this caller or another).
+        Prompts the inner engine refuses by its `check_prompts(prompts, params)`, where it has one
+        (InProcessEngine: empty, ids outside the vocabulary, too long), fail this call at once."""
+        check = getattr(self.inner, "check_prompts", None)
+        if callable(check):  # a bad prompt never joins a batch, whose failure would run every caller alone
+            check(prompts, params)
         request = _Request(prompts=prompts, params=params)
         self._queue.append(request)
         try:

@@ -4,12 +4,16 @@ A reward function is one of (rollouts.types.RewardFn and BatchedRewardFn)
   per sample:  reward(sample, record) -> float            (or an awaitable of one)
   batched:     reward(samples, records) -> list[float]    (marked with `batched_reward`, or
                                                            `batched = true` in the config)
-where `record` is the prompt record the samples were generated from (its answer, tests, ...).
-`GroupScorer` scores groups with one; it is called through rollouts.data.user_code.call_user.
+where `record` is the prompt record the samples were generated from (its answer, tests, ...),
+each call its own copy of it (`own_copy`: an edit in place never reaches the next sample's grading). A batched
+reward returns any 1-D sequence of numbers, one per sample (a list, a tuple, a numpy array).
+`GroupScorer` scores groups with one; it is called through rollouts.data.user_code.call_user, its
+sync calls in worker threads of a pool of `Reward.max_threads` of their own.
 A reward that raises, times out, or returns a non-number or a non-finite value is a *reward error*:
 with on_error="raise" the step stops with the first error's message and the count; with "zero"
 the sample scores 0.0 and carries the error in metadata["reward_error"], counted in the step's
-metrics. Errors are never retried (a deterministic grader fails the same way again).
+metrics, unless every reward of the step failed: nothing is left to learn from, and the step stops
+as with "raise". Errors are never retried (a deterministic grader fails the same way again).
 """
 
 from __future__ import annotations
@@ -24,7 +28,15 @@ from typing import Any, Literal
 
 import trio
 
-from rollouts.data.user_code import call_user, function_name, user_error_text
+from rollouts.data.user_code import (
+    DEFAULT_USER_THREADS,
+    UserThreads,
+    UserThreadsExhausted,
+    call_user,
+    function_name,
+    own_copy,
+    user_error_text,
+)
 from rollouts.types import BatchedRewardFn, RewardFn, Sample
 
 OnError = Literal["raise", "zero"]
@@ -48,6 +60,9 @@ class Reward:
     on_error: OnError = "raise"
     timeout_s: float = 60.0
     """Bound on one call (a hung grader or sandbox fails that call, not the run)."""
+    max_threads: int = DEFAULT_USER_THREADS
+    """Worker threads for sync calls, apart from the loop's own; a call abandoned at its bound
+    holds its thread until it returns, and once all are held new calls fail at once."""
 
     def __post_init__(self) -> None:
         if not callable(self.fn):
@@ -56,6 +71,8 @@ class Reward:
             raise ValueError(f"Reward.on_error must be 'raise' or 'zero', got {self.on_error!r}")
         if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
             raise ValueError(f"Reward.timeout_s must be a finite number of seconds > 0, got {self.timeout_s!r}")
+        if isinstance(self.max_threads, bool) or not isinstance(self.max_threads, int) or self.max_threads < 1:
+            raise ValueError(f"Reward.max_threads must be an int >= 1, got {self.max_threads!r}")
 
     @classmethod
     def of(cls, fn: RewardFn | BatchedRewardFn | Reward, **options: Any) -> Reward:
@@ -77,6 +94,7 @@ class _Calls:
         self.results: list[Any] = [_PENDING] * num_calls
         self.current, self.started = 0, time.monotonic()
         self.abandoned = False
+        self.refused: UserThreadsExhausted | None = None  # no thread of the pool was free of hung calls
         self.spent_s = 0.0  # seconds the finished calls took
 
 
@@ -103,6 +121,7 @@ class _Grader:
 
     fn: Callable[..., Any]
     timeout_s: float
+    pool: UserThreads
     gathering: list[_Job] | None = None
     call_s: float | None = None  # mean seconds per call measured so far; None before any
 
@@ -155,7 +174,7 @@ class _Grader:
     async def _calls(self, jobs: list[_Job]) -> list[Any]:
         samples = [s for j in jobs for s in j.samples]
         values, spent_s = await _sync_rewards(
-            self.fn, samples, [j.record for j in jobs for _ in j.samples], timeout_s=self.timeout_s
+            self.fn, samples, [j.record for j in jobs for _ in j.samples], timeout_s=self.timeout_s, pool=self.pool
         )
         if samples:  # the calls' own time in their thread (not the hop's), a running mean
             per_call = spent_s / len(samples)
@@ -175,7 +194,7 @@ def _split(jobs: list[_Job], parts: int) -> list[list[_Job]]:
 
 
 async def _sync_rewards(
-    fn: Callable[..., Any], samples: Sequence[Sample], records: Sequence[Any], *, timeout_s: float
+    fn: Callable[..., Any], samples: Sequence[Sample], records: Sequence[Any], *, timeout_s: float, pool: UserThreads
 ) -> tuple[list[Any], float]:
     """fn(sample, record) for each sample and its record in turn, in ONE worker thread; (an entry
     per sample, the seconds the calls took). Each entry is the value (an awaitable one awaited
@@ -193,7 +212,7 @@ async def _sync_rewards(
                     return
                 calls.current, calls.started = i, time.monotonic()
             try:
-                value: Any = fn(sample, record)
+                value: Any = fn(sample, own_copy(record))
             except Exception as e:
                 value = e
             with calls.lock:
@@ -203,7 +222,10 @@ async def _sync_rewards(
     finished = trio.Event()
 
     async def run() -> None:
-        await trio.to_thread.run_sync(work, abandon_on_cancel=True)
+        try:
+            await pool.run_sync(work, name=function_name(fn))
+        except UserThreadsExhausted as e:
+            calls.refused = e
         finished.set()
 
     async with trio.open_nursery() as nursery:
@@ -221,14 +243,16 @@ async def _sync_rewards(
                 await finished.wait()
     with calls.lock:
         results, spent_s = list(calls.results), calls.spent_s
+    if calls.refused is not None:
+        return [calls.refused] * len(samples), 0.0
     for i, value in enumerate(results):
         if i == calls.current and value is _PENDING:
             results[i] = TimeoutError(f"{function_name(fn)} took longer than {timeout_s} s")
             spent_s += timeout_s
         elif value is _PENDING:  # after the abandoned call: each alone, its own bound
-            results[i] = await _bounded_result(fn, samples[i], records[i], timeout_s=timeout_s)
+            results[i] = await _bounded_result(fn, samples[i], own_copy(records[i]), timeout_s=timeout_s, pool=pool)
         elif inspect.isawaitable(value):  # the sync reward handed back an awaitable: awaited here, bounded
-            results[i] = await _bounded_result(_awaited, value, timeout_s=timeout_s)
+            results[i] = await _bounded_result(_awaited, value, timeout_s=timeout_s, pool=pool)
     return results, spent_s
 
 
@@ -236,10 +260,10 @@ async def _awaited(value: Awaitable[Any]) -> Any:
     return await value
 
 
-async def _bounded_result(fn: Callable[..., Any], *args: Any, timeout_s: float) -> Any:
+async def _bounded_result(fn: Callable[..., Any], *args: Any, timeout_s: float, pool: UserThreads) -> Any:
     """call_user's value, or the exception it raised."""
     try:
-        return await call_user(fn, *args, timeout_s=timeout_s)
+        return await call_user(fn, *args, timeout_s=timeout_s, limiter=pool)
     except Exception as e:
         return e
 
@@ -251,12 +275,6 @@ def _as_reward(value: Any) -> float:
     if not math.isfinite(number):
         raise ValueError(f"the reward returned {number}, not a finite number")
     return number
-
-
-def _error_text(error: BaseException, timeout_s: float) -> str:
-    if isinstance(error, TimeoutError):  # the bound's, not one the reward raised (that is a UserCodeError)
-        return f"TimeoutError: the reward took longer than {timeout_s} s"
-    return user_error_text(error)
 
 
 class GroupScorer:
@@ -275,29 +293,28 @@ class GroupScorer:
 
     def __init__(self, reward: Reward) -> None:
         self.reward = reward
-        self._grader = _Grader(fn=reward.fn, timeout_s=reward.timeout_s)
+        self._pool = UserThreads(reward.max_threads)
+        self._grader = _Grader(fn=reward.fn, timeout_s=reward.timeout_s, pool=self._pool)
 
     async def score(self, samples: Sequence[Sample], record: Mapping[str, Any] | Any) -> list[Sample]:
         """The group's samples with rewards; failed ones per the error policy (module docstring)."""
         reward = self.reward
         if reward.batched:
-            results = await _batched_results(reward, samples, record)
+            results = await _batched_results(reward, samples, record, self._pool)
         elif not inspect.iscoroutinefunction(reward.fn):
             results = [
-                _error_text(value, reward.timeout_s)
-                if isinstance(value, Exception)
-                else _checked(value, reward.timeout_s)
+                user_error_text(value) if isinstance(value, Exception) else _checked(value)
                 for value in await self._grader.run(samples, record)  # an entry per sample: value or exception
             ]
         else:
             results = []
             for sample in samples:
                 try:
-                    value = await call_user(reward.fn, sample, record, timeout_s=reward.timeout_s)
+                    value = await call_user(reward.fn, sample, own_copy(record), timeout_s=reward.timeout_s)
                 except Exception as e:
-                    results.append(_error_text(e, reward.timeout_s))
+                    results.append(user_error_text(e))
                 else:
-                    results.append(_checked(value, reward.timeout_s))
+                    results.append(_checked(value))
         out = []
         for sample, result in zip(samples, results, strict=True):
             if isinstance(result, str):
@@ -307,23 +324,51 @@ class GroupScorer:
         return out
 
 
-async def _batched_results(reward: Reward, samples: Sequence[Sample], record: Any) -> list[float | str]:
+async def _batched_results(
+    reward: Reward, samples: Sequence[Sample], record: Any, pool: UserThreads
+) -> list[float | str]:
     """A batched reward's value or error text per sample; one error fails the whole group."""
+    records = [own_copy(record) for _ in samples]
     try:
-        values = await call_user(reward.fn, list(samples), [record] * len(samples), timeout_s=reward.timeout_s)
-        if not isinstance(values, Sequence) or len(values) != len(samples):
-            raise TypeError(f"a batched reward must return {len(samples)} numbers, got {values!r:.80}")
+        values = _one_per_sample(
+            await call_user(reward.fn, list(samples), records, timeout_s=reward.timeout_s, limiter=pool), len(samples)
+        )
     except Exception as e:
-        return [_error_text(e, reward.timeout_s)] * len(samples)
-    return [_checked(v, reward.timeout_s) for v in values]
+        return [user_error_text(e)] * len(samples)
+    return [_checked(v) for v in values]
 
 
-def _checked(value: Any, timeout_s: float) -> float | str:
+def _one_per_sample(values: Any, num: int) -> list[Any]:
+    """A batched reward's return as a list of `num` entries: any 1-D sequence (list, tuple, numpy
+    array, ...) of that length; anything else is a TypeError naming its type and length or shape."""
+    shape = getattr(values, "shape", None)
+    one_d = shape is not None and len(shape) == 1  # an array: numpy's is no collections Sequence
+    if isinstance(values, (str, bytes)) or not (one_d or (shape is None and isinstance(values, Sequence))):
+        size = (
+            f"shape {tuple(shape)}"
+            if shape is not None
+            else f"length {len(values)}"
+            if hasattr(values, "__len__")
+            else "no length"
+        )
+        raise TypeError(
+            f"a batched reward must return a 1-D sequence of {num} numbers (list, tuple, numpy array), "
+            f"got {type(values).__name__} of {size}: {values!r:.80}"
+        )
+    if len(values) != num:
+        raise TypeError(
+            f"a batched reward must return {num} numbers, one per sample, got {type(values).__name__} of "
+            f"length {len(values)}: {values!r:.80}"
+        )
+    return list(values)
+
+
+def _checked(value: Any) -> float | str:
     """The reward `value` as a finite float, or the error text of why it is not one."""
     try:
         return _as_reward(value)
     except (TypeError, ValueError) as e:
-        return _error_text(e, timeout_s)
+        return user_error_text(e)
 
 
 def reward_errors(samples: Sequence[Sample]) -> list[str]:
@@ -332,13 +377,17 @@ def reward_errors(samples: Sequence[Sample]) -> list[str]:
 
 
 def check_reward_errors(samples: Sequence[Sample], on_error: OnError) -> None:
-    """Raise RewardError quoting the first errors when on_error="raise" and any sample failed."""
+    """Raise RewardError quoting the first errors when on_error="raise" and any sample failed, or
+    whatever on_error is, when every sample failed (a step of zeros has nothing to learn from)."""
     errors = reward_errors(samples)
-    if errors and on_error == "raise":
-        raise RewardError(
-            f"{len(errors)} of {len(samples)} rewards failed; first: {summarize(errors)} "
-            '(set on_error = "zero" to score failures 0 and go on)'
+    every = bool(errors) and len(errors) == len(samples)
+    if errors and (on_error == "raise" or every):
+        hint = (
+            "every reward of the step failed: a step of zeros has nothing to learn from, whatever on_error says"
+            if every
+            else 'set on_error = "zero" to score failures 0 and go on'
         )
+        raise RewardError(f"{len(errors)} of {len(samples)} rewards failed; first: {summarize(errors)} ({hint})")
 
 
 def summarize(errors: Sequence[str], *, limit: int = 3) -> str:
