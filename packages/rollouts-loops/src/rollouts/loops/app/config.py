@@ -207,6 +207,9 @@ class RewardSpec:
     """What a reward that raises or returns a non-finite value does: stop the run, or score 0 (counted)."""
     timeout_s: float = 60.0
     """Bound on one reward call."""
+    max_threads: int = 40
+    """Worker threads for sync reward calls, apart from the loop's own: a call abandoned at
+    timeout_s keeps its thread, and once every thread is held so, new calls fail at once."""
     weight: float = 1.0
     """The weight of `fn`'s reward when reward models are added (0: the reward models alone)."""
     models: tuple[RewardModelSpec, ...] = ()
@@ -216,6 +219,7 @@ class RewardSpec:
         check_fields(self)
         require(bool(self.fn), "RewardSpec.fn", self.fn, f"be one of {list(BUILTIN_REWARDS)} or an import path")
         require(self.timeout_s > 0, "RewardSpec.timeout_s", self.timeout_s, "be > 0")
+        require(self.max_threads >= 1, "RewardSpec.max_threads", self.max_threads, "be >= 1")
         require(math.isfinite(self.weight), "RewardSpec.weight", self.weight, "be a finite number")
 
 

@@ -64,7 +64,13 @@ def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
             what = "reward(samples, records) -> list[float]" if spec.batched else "reward(sample, record) -> float"
             fn = resolve_function(_beside(spec.fn, source), key="reward.fn", num_positional=2, what=what)
             _refuse_string_rewards(fn, what)
-        reward = Reward(fn=fn, batched=spec.batched, on_error=spec.on_error, timeout_s=spec.timeout_s)
+        reward = Reward(
+            fn=fn,
+            batched=spec.batched,
+            on_error=spec.on_error,
+            timeout_s=spec.timeout_s,
+            max_threads=spec.max_threads,
+        )
         if spec.models:
             reward = _with_reward_models(reward, spec, source)
         hooks: dict[str, Any] = {"reward": reward}
