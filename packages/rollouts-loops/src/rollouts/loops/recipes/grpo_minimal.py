@@ -208,30 +208,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     records = addition_problems(2000, digits=2, seed=args.seed)
     tokenizer = build_tokenizer((r["prompt"] + r["answer"] for r in records), vocab_size=32)
-    policy = build_tiny_model(
-        len(tokenizer),
-        hidden_size=64,
-        num_heads=2,
-        num_kv_heads=1,
-        num_layers=1,
-        intermediate_size=128,
-        max_position_embeddings=32,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        seed=args.seed,
-    )
-    sampler = build_tiny_model(
-        len(tokenizer),
-        hidden_size=64,
-        num_heads=2,
-        num_kv_heads=1,
-        num_layers=1,
-        intermediate_size=128,
-        max_position_embeddings=32,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        seed=args.seed,
-    )
+
+    def model() -> torch.nn.Module:  # the same seed: the sampler starts as an exact copy of the policy
+        return build_tiny_model(
+            len(tokenizer),
+            hidden_size=64,
+            num_heads=2,
+            num_kv_heads=1,
+            num_layers=1,
+            intermediate_size=128,
+            max_position_embeddings=32,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            seed=args.seed,
+        )
+
+    policy, sampler = model(), model()
     optimizer = OptimizerConfig(lr=args.lr, schedule="constant", warmup_steps=0, max_grad_norm=1.0)
     sampling = SamplingParams(
         temperature=1.0, max_new_tokens=4, stop_token_ids=(tokenizer.eos_token_id,), seed=args.seed
