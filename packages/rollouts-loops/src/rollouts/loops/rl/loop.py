@@ -202,7 +202,7 @@ async def _rl_loop(
             if config.overlap and index + 1 < config.num_steps:
                 await batches.request(index + 1, _version_after_step(config, state))
             check_reward_errors(batch.samples, reward.on_error)
-            log_completions(batch, state.step + 1, output.num_logged_completions)
+            log_completions(batch, state.step + 1, output.num_logged_completions, run_dir=files.run_dir)
             step_config = kl.step_config(config)
             state, metrics = await _train(models, state, batch, step_config, hooks)
             state = await _sync_if_due(models, state, config, files, lock, pausable, probe_prompt, metrics)

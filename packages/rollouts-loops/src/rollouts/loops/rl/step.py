@@ -11,9 +11,12 @@ of a micro-batch.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -279,12 +282,27 @@ def failure_causes(batch: RolloutBatch) -> list[str]:
     return [str(e) for e in batch.metadata.get("errors", ())] + reward_errors(batch.samples)
 
 
-def log_completions(batch: RolloutBatch, step: int, num: int) -> None:
-    """A few of the step's completions at INFO level (rank 0): prompt, response and reward."""
-    if rank_world()[0] != 0:
+COMPLETIONS_FILE = "completions.jsonl"
+"""Where a run directory keeps the completions the loop shows each step (one JSON line each)."""
+
+
+def log_completions(batch: RolloutBatch, step: int, num: int, *, run_dir: Path | None = None) -> None:
+    """A few of the step's completions (rank 0): prompt, response and reward, appended to the run
+    directory's completions.jsonl, and logged at INFO on a terminal (DEBUG otherwise: a log file
+    keeps the progress lines readable)."""
+    if rank_world()[0] != 0 or num < 1:
         return
-    for sample in batch.samples[:num]:
-        log.info(
+    shown = batch.samples[:num]
+    if run_dir is not None:
+        with (run_dir / COMPLETIONS_FILE).open("a", encoding="utf-8") as f:
+            for s in shown:
+                f.write(
+                    json.dumps({"step": step, "prompt": s.prompt, "response": s.response, "reward": s.reward}) + "\n"
+                )
+    level = logging.INFO if sys.stderr.isatty() else logging.DEBUG
+    for sample in shown:
+        log.log(
+            level,
             "step %d completion: prompt=%.200r response=%.300r reward=%s",
             step,
             sample.prompt,
