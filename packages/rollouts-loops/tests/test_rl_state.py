@@ -12,7 +12,7 @@ from rollouts.backends import CheckpointWriter, build_components, save_checkpoin
 from rollouts.data import DataBuffer
 from rollouts.loops.recipes.tiny import build_tiny_model
 from rollouts.loops.rl.models import RLModels
-from rollouts.loops.rl.state import KLController, PendingBatch, RunFiles, restore, run_parts
+from rollouts.loops.rl.state import KLController, PendingBatch, ReferenceAverage, RunFiles, restore, run_parts
 from rollouts.loops.run.run_dir import CHECKPOINTS_DIR, parts_state
 from rollouts.types import AlgorithmConfig, OptimizerConfig, RLConfig, RolloutBatch, Sample, TrainingState
 
@@ -46,7 +46,8 @@ def _restore(tmp_path, extra: dict, config: RLConfig) -> tuple[TrainingState, Pe
     parts["buffer"] = buffer  # as rank 0 holds it
     with CheckpointWriter() as writer:
         files = RunFiles(run_dir=tmp_path, writer=writer)
-        run = functools.partial(restore, resume=True, resume_from=None, lock=trio.Lock())
+        average = ReferenceAverage(None, config.reference)  # no reference: nothing to average
+        run = functools.partial(restore, resume=True, resume_from=None, lock=trio.Lock(), average=average)
         state = trio.run(run, _models(), parts, config, files)
     return state, pending, kl, buffer
 
