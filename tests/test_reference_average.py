@@ -2,22 +2,15 @@
 float64 average of the policy within bf16 rounding, and saves the float32 average with each
 checkpoint, so a run resumed mid-way ends bit for bit where the straight run does."""
 
-import copy
 import dataclasses
 import json
 import shutil
 
 import torch
 from run_configs import tiny_rl_config
-from test_reference_updates import KL, _length
+from test_reference_updates import KL, run_with_reference
 from test_rl_loop import _setup
 
-from rollouts.backends import InProcessEngine, build_components
-from rollouts.data import DataBuffer
-from rollouts.loops.engines.coalescing import CoalescingEngine
-from rollouts.loops.rl.loop import RunOutputs, run_rl_training
-from rollouts.loops.rl.models import RLModels
-from rollouts.loops.run.loggers import NullLogger
 from rollouts.types import CheckpointConfig, ReferenceConfig
 
 DECAY = 0.99
@@ -33,23 +26,7 @@ def _bf16_run(inputs, run_dir, *, steps, resume=False, on_step=None):
         reference=ReferenceConfig(update="ema", ema_decay=DECAY),
         checkpoint=CheckpointConfig(every_steps=2, keep_last=2),
     )
-    components = build_components(model, config.optimizer, num_training_steps=steps)
-    ref = dataclasses.replace(components, model=copy.deepcopy(model).eval())
-    after_step = None if on_step is None else lambda state, metrics: on_step(components.model, metrics)
-    state, _ = run_rl_training(
-        RLModels(
-            policy=components,
-            engine=CoalescingEngine(InProcessEngine(model, tokenizer=tokenizer), max_prompts_per_call=4),
-            engine_shares_model=True,
-            reference=ref,
-        ),
-        DataBuffer(records, seed=0),
-        config,
-        reward=_length,
-        encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
-        output=RunOutputs(run_dir=run_dir, logger=NullLogger(), resume=resume, on_step=after_step),
-    )
-    return state, components.model, ref.model
+    return run_with_reference(tokenizer, model, records, config, run_dir, resume=resume, on_step=on_step)
 
 
 def _weights(model, dtype=None):

@@ -22,17 +22,13 @@ from rollouts.types import ReferenceConfig, RLConfig
 KL = dataclasses.replace(ALGORITHMS["grpo"], kl_coef=0.05, kl_placement="loss", kl_kind="k3")
 
 
-def _run(inputs, run_dir, *, reference, steps, start=None, resume=False):
-    """(policy model, reference model) after `steps` RL steps from the tiny model (or `start`)."""
-    tokenizer, model, records = _setup(inputs)
-    if start is not None:
-        model.load_state_dict(start)
-    config = dataclasses.replace(
-        tiny_rl_config(tokenizer, algorithm=KL, steps=steps, lr=3e-2, prompts=4, n=4), reference=reference
-    )
-    components = build_components(model, config.optimizer, num_training_steps=steps)
+def run_with_reference(tokenizer, model, records, config, run_dir, *, resume=False, on_step=None):
+    """(final state, policy model, reference model) of `config`'s RL run from `model`, its reference a
+    copy of `model`; `on_step(policy model, metrics)` after each step."""
+    components = build_components(model, config.optimizer, num_training_steps=config.num_steps)
     ref = dataclasses.replace(components, model=copy.deepcopy(model).eval())
-    run_rl_training(
+    after_step = None if on_step is None else lambda state, metrics: on_step(components.model, metrics)
+    state, _ = run_rl_training(
         RLModels(
             policy=components,
             engine=CoalescingEngine(InProcessEngine(model, tokenizer=tokenizer), max_prompts_per_call=4),
@@ -43,9 +39,21 @@ def _run(inputs, run_dir, *, reference, steps, start=None, resume=False):
         config,
         reward=_length,
         encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
-        output=RunOutputs(run_dir=run_dir, logger=NullLogger(), resume=resume),
+        output=RunOutputs(run_dir=run_dir, logger=NullLogger(), resume=resume, on_step=after_step),
     )
-    return components.model, ref.model
+    return state, components.model, ref.model
+
+
+def _run(inputs, run_dir, *, reference, steps, start=None, resume=False):
+    """(policy model, reference model) after `steps` RL steps from the tiny model (or `start`)."""
+    tokenizer, model, records = _setup(inputs)
+    if start is not None:
+        model.load_state_dict(start)
+    config = dataclasses.replace(
+        tiny_rl_config(tokenizer, algorithm=KL, steps=steps, lr=3e-2, prompts=4, n=4), reference=reference
+    )
+    _, policy, ref = run_with_reference(tokenizer, model, records, config, run_dir, resume=resume)
+    return policy, ref
 
 
 def _length(sample, record):
