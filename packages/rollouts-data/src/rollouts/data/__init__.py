@@ -21,7 +21,7 @@ from rollouts.data.buffer import DataBuffer
 from rollouts.data.chat import tokenize_conversation, tokenize_conversation_turns, tokenize_conversations
 from rollouts.data.loading import load_conversations, load_prompts
 from rollouts.data.manager import AsyncRolloutManager
-from rollouts.data.prompts import prompt_encoder
+from rollouts.data.prompts import MAX_CHARS_PER_TOKEN, encode_bounded, prompt_encoder
 
 
 def _version() -> str:
@@ -42,6 +42,8 @@ __all__ = [
     "load_prompts",
     "pack_samples",
     "plan_micro_batches",
+    "MAX_CHARS_PER_TOKEN",
+    "encode_bounded",
     "prompt_encoder",
     "segment_attention_mask",
     "tokenize_conversation",

@@ -102,6 +102,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+def check_port_free(host: str, port: int) -> None:
+    """ValueError when another process listens on `port`: a server started there would fail to
+    bind while /health answers from the other one, which would pass for this server's start."""
+    probe_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        if s.connect_ex((probe_host, port)) == 0:
+            raise ValueError(f"port {port} on {probe_host} is in use by another process; choose another (or none)")
+
+
 def vllm_server_command(
     model_dir: str | os.PathLike[str],
     *,
@@ -184,6 +194,8 @@ def launch_vllm_server(
     if not startup_timeout_s > 0:
         raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s}")
     python = python or sys.executable
+    if port is not None:
+        check_port_free(host, port)
     port = port if port is not None else free_port(host)
     with tempfile.TemporaryDirectory(prefix="rollouts-vllm-") as extension_dir:
         shutil.copyfile(_EXTENSION_SOURCE, Path(extension_dir) / f"{EXTENSION_MODULE}.py")

@@ -29,6 +29,7 @@ from rollouts.loops.app.run_setup import (
     default_out_dir,
     load_data,
     local_model,
+    preflight,
     prepare_run,
     raise_reported,
     release_run,
@@ -54,10 +55,10 @@ def cmd_sft(run: SFTRun, source: str) -> Path:
 
     rank, world = init_distributed()
     conversations = load_data(load_conversations, run.data.train_path)  # bad data refused before the run dir is touched
+    tokenizer = preflight(run, source, "sft")
     run, resume = prepare_run(run, "sft", source)
     out = Path(run.run.out_dir)
     try:
-        tokenizer = run_tokenizer(run)
         samples = [
             tokenize_conversation(list(c), tokenizer, max_length=run.sft.max_length, train_on=run.sft.train_on)
             for c in conversations
@@ -176,10 +177,10 @@ def cmd_rl(run: RLRun, source: str) -> Path:
     )
     if run.data.prompt_key != "prompt":
         records = [{**r, "prompt": r[run.data.prompt_key]} for r in records]
+    tokenizer = preflight(run, source, "rl")
     run, resume = prepare_run(run, "rl", source)
     out = Path(run.run.out_dir)
     try:
-        tokenizer = run_tokenizer(run)
         components = run_components(run, run.rl.optimizer, run.rl.num_updates)
         shares = run.engine.kind == "inprocess" and not run.rl.overlap and world == 1
         critic = None

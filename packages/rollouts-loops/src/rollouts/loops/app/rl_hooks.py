@@ -74,16 +74,18 @@ def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
         if spec.models:
             reward = _with_reward_models(reward, spec, source)
         hooks: dict[str, Any] = {"reward": reward}
-        for key, arg, arity, what in (
-            ("rollout", "rollout", 2, "rollout(record, ctx) -> list[Sample]"),
-            ("filter", "filter_fn", 1, "filter(group) -> str | None"),
-            ("advantages", "advantage_fn", 2, "advantages(rewards_N, groups_N) -> advantages_N"),
-            ("loss", "loss_fn", 2, "loss(logprobs_B_T, batch, *, num_tokens, num_sequences)"),
+        # the loss is always called with the step's counts as keywords (rollouts-backends' forward_backward)
+        counts = ("num_tokens", "num_sequences")
+        for key, arg, arity, keywords, what in (
+            ("rollout", "rollout", 2, (), "rollout(record, ctx) -> list[Sample]"),
+            ("filter", "filter_fn", 1, (), "filter(group) -> str | None"),
+            ("advantages", "advantage_fn", 2, (), "advantages(rewards_N, groups_N) -> advantages_N"),
+            ("loss", "loss_fn", 2, counts, "loss(logprobs_B_T, batch, *, num_tokens, num_sequences)"),
         ):
             path = getattr(run.hooks, key)
             if path:
                 hooks[arg] = resolve_function(
-                    _beside(path, source), key=f"hooks.{key}", num_positional=arity, what=what
+                    _beside(path, source), key=f"hooks.{key}", num_positional=arity, what=what, keywords=keywords
                 )
     except PluginError as e:
         raise ConfigError(f"{source}: {e}") from e

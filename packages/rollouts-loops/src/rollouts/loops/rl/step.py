@@ -122,6 +122,9 @@ def rl_step(
         if s.weight_version is None or state.weight_version - s.weight_version <= config.max_staleness
     ]
     metrics = rollout_metrics(batch, state, min_reward=config.correct_min_reward)
+    if config.algorithm.overlong_buffer_length:  # the penalty apart: reward_mean is the task's reward alone
+        penalties = [(s.reward or 0.0) - (b.reward or 0.0) for s, b in zip(samples, batch.samples, strict=True)]
+        metrics["overlong_penalty_mean"] = sum(penalties) / max(len(penalties), 1)
     metrics["num_too_stale"] = float(len(samples) - len(fresh))
     metrics["num_trained"] = float(len(fresh))
     causes = failure_causes(batch)
