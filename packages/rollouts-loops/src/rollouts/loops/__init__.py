@@ -14,6 +14,8 @@ from typing import Any
 
 _EXPORTS = {
     # the loops and their steps
+    "train": "app.api",
+    "RunResult": "app.api",
     "run_rl_training": "rl.loop",
     "rl_step": "rl.step",
     "RLHooks": "rl.loop",
