@@ -1,7 +1,7 @@
 """Log-probabilities and entropy straight from hidden states and the output projection, never holding
 the logits: `fused_token_logprobs`, and `fused_block_shape`, the C x U blocks it works in by default.
-The kernel is in fused_kernel.py, the top-k / top-p path in truncated_logprobs.py. The legend and
-the float32 rule are those of logprobs.py.
+The torch kernel is in fused_kernel.py, the Triton one in triton_logprobs.py, the top-k / top-p path
+in truncated_logprobs.py. The legend and the float32 rule are those of logprobs.py.
 
 Legend: K flattened tokens, C tokens per block, V vocabulary, U vocabulary rows per block, H hidden.
 """
@@ -184,7 +184,7 @@ def fused_token_logprobs(
     draws from (`truncation_mask`, renormalised), so importance ratios and KL compare the policy
     that was sampled; this path ranks whole rows, so it chunks tokens only (chunk_size, by default
     1/16 of the tokens) and recomputes each chunk in backward (checkpointed). Not with
-    return_entropy or vocab_chunk_size.
+    return_entropy or a (C, U) chunk_size.
 
     `matmul_dtype`: the dtype h and W are multiplied in; the vocabulary-axis arithmetic is float32
     whatever it is. By default, bf16 (fp16) inputs on CUDA are multiplied as they are, on the

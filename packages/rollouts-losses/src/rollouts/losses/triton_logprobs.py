@@ -34,14 +34,18 @@ from torch import Tensor
 
 __all__ = ["TritonBlocks", "TritonTokenLogprobs", "default_triton_blocks", "triton_interpreting"]
 
-BACKWARD_BLOCK_BYTES = 16 * 2**20
-"""Target size of the backward's [K, U] gradient buffer; U is at least MIN_BACKWARD_ROWS whatever K."""
 MIN_BACKWARD_ROWS = 2048
-"""Fewest vocabulary rows per backward block: each block reads and writes the [K, H] float32 dh
-accumulator once, so U rows give its matmul U / 4 flops per byte of that traffic; 2048 keeps it
-compute-bound on an H100 (about 300 flops per byte of HBM bandwidth)."""
-PROGRAMS_PER_SM = 2
-"""Forward programs to aim for per streaming multiprocessor: the vocabulary is split until there are."""
+"""Fewest vocabulary rows U per backward block: each block reads and writes the [K, H] float32 dh
+accumulator once, so its matmul does U / 4 flops per byte of that traffic; 2048 keeps it
+compute-bound on an H100 (about 300 flops per byte of HBM bandwidth). Above that U = 2 H, so the
+[K, U] bf16 buffer is about the size of the accumulator: the extra memory stays about 2 K H float32.
+With few tokens U grows to MIN_BACKWARD_BYTES instead, so each block's kernels still fill the GPU."""
+MIN_BACKWARD_BYTES = 16 * 2**20
+"""Smallest [K, U] gradient buffer the backward aims for (U = this / 2 K rows, for K under 4096 at bf16)."""
+FORWARD_WAVES = 8
+"""Forward programs per streaming multiprocessor to aim for (the vocabulary is split until there
+are that many): with one large tile per multiprocessor at a time, a grid of a few waves leaves up to
+a wave's worth of multiprocessors idle at its end; eight waves keep that under 1/8."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -58,7 +62,8 @@ class TritonBlocks:
     num_stages: int
 
 
-_CUDA_BLOCKS = TritonBlocks(block_k=128, block_v=128, block_h=64, num_warps=8, num_stages=3)
+_CUDA_BLOCKS = TritonBlocks(block_k=128, block_v=256, block_h=64, num_warps=8, num_stages=3)
+"""Chosen on an H100 among 128 x 128, 128 x 256, 64 x 128 and 128 x 64 tiles with 4 or 8 warps: the largest, 8 warps."""
 _INTERPRETER_BLOCKS = TritonBlocks(block_k=16, block_v=32, block_h=16, num_warps=4, num_stages=1)
 
 
@@ -168,7 +173,7 @@ def _num_splits(num_tokens: int, vocab_size: int, blocks: TritonBlocks, device: 
     """Vocabulary splits S so the forward grid fills the GPU; every split gets at least one tile."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     token_blocks = triton.cdiv(max(num_tokens, 1), blocks.block_k)
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sms, token_blocks)
+    wanted = triton.cdiv(FORWARD_WAVES * sms, token_blocks)
     return int(max(1, min(wanted, triton.cdiv(vocab_size, blocks.block_v))))
 
 
@@ -261,9 +266,9 @@ class TritonTokenLogprobs(torch.autograd.Function):
         grad_w_V_H = torch.empty_like(weight_V_H) if need_w else None
         if n == 0:
             grad_w_V_H = torch.zeros_like(weight_V_H) if need_w else None
-        rows = min(v, max(MIN_BACKWARD_ROWS, BACKWARD_BLOCK_BYTES // max(n * hidden_K_H.element_size(), 1)))
         blocks = ctx.blocks
-        rows = triton.cdiv(rows, blocks.block_v) * blocks.block_v
+        wanted = max(MIN_BACKWARD_ROWS, 2 * hid, MIN_BACKWARD_BYTES // max(n * hidden_K_H.element_size(), 1))
+        rows = triton.cdiv(min(v, wanted), blocks.block_v) * blocks.block_v
         grad_K_U = torch.empty(n * rows, dtype=hidden_K_H.dtype, device=device)
         for vs in range(0, v if n > 0 else 0, rows):
             ve = min(vs + rows, v)
