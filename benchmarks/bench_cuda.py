@@ -6,9 +6,11 @@ logprobs  `fused_token_logprobs` against naive log_softmax(h @ W.T).gather, forw
           sum(g * log p) for a random upstream gradient g, at Qwen2-0.5B's output layer (H=896,
           V=151936) and Qwen2-7B's (H=3584, V=152064), 1k to 32k tokens. Naive in bf16 is what
           bf16 models do: a bf16 matmul, the [K, V] logits upcast to float32 for the softmax. Fused
-          runs with its default operands (on CUDA, bf16 inputs multiplied as they are, float32
-          accumulation and logits) and, for bf16, with matmul_dtype=float32 (exact upcast, as on
-          CPU) for comparison.
+          (kernel="torch") runs with its default operands (on CUDA, bf16 inputs multiplied as they
+          are, float32 accumulation and logits) and, for bf16, with matmul_dtype=float32 (exact
+          upcast, as on CPU) for comparison; triton is kernel="triton" (the default on CUDA for
+          bf16 / fp16); liger is Liger's fused linear cross-entropy (reduction="none", log p =
+          -loss), when liger_kernel is installed.
           - time: CUDA events around forward + backward, median of `--repeats` after a warm-up;
           - memory beyond inputs: torch.cuda.max_memory_allocated during the step, less the memory
             allocated before it and the bytes every variant returns (dh, dW, the [K] log-probs);
@@ -142,15 +144,37 @@ def _naive(hidden_K_H: torch.Tensor, weight_V_H: torch.Tensor, labels_K: torch.T
     return torch.log_softmax(logits_K_V.float(), dim=-1).gather(-1, labels_K[:, None]).squeeze(-1)
 
 
-def _fused(matmul_dtype: torch.dtype | None):
+def _fused(matmul_dtype: torch.dtype | None, kernel: str = "torch"):
     from rollouts.losses import fused_token_logprobs
 
     def run(hidden_K_H: torch.Tensor, weight_V_H: torch.Tensor, labels_K: torch.Tensor) -> torch.Tensor:
-        out = fused_token_logprobs(hidden_K_H[None], weight_V_H, labels_K[None], matmul_dtype=matmul_dtype)
+        out = fused_token_logprobs(
+            hidden_K_H[None], weight_V_H, labels_K[None], matmul_dtype=matmul_dtype, kernel=kernel
+        )
         assert isinstance(out, torch.Tensor)
         return out[0]
 
     return run
+
+
+def _liger():
+    """Liger's fused linear cross-entropy with reduction="none" (log p = -loss), or None if not installed."""
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError:
+        return None
+
+    def run(hidden_K_H: torch.Tensor, weight_V_H: torch.Tensor, labels_K: torch.Tensor) -> torch.Tensor:
+        loss = liger_fused_linear_cross_entropy(hidden_K_H, weight_V_H, labels_K, reduction="none")
+        return -(loss[0] if isinstance(loss, tuple) else loss)
+
+    return run
+
+
+def _triton_available(device: torch.device) -> bool:
+    import importlib.util
+
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
 def _exact(hidden_K_H, weight_V_H, labels_K, g_K):
@@ -208,13 +232,22 @@ def section_logprobs(device: torch.device, repeats: int, quick: bool) -> list[di
                 variants = [("naive", _naive), ("fused", _fused(None))]
                 if dtype != torch.float32:
                     variants.append(("fused-upcast", _fused(torch.float32)))
+                variants.append(("triton", _fused(None, "triton") if _triton_available(device) else None))
+                variants.append(("liger", _liger() if device.type == "cuda" else None))
                 base = None
                 for name, fn in variants:
+                    if fn is None:
+                        reason = "not installed" if device.type == "cuda" else "needs CUDA"
+                        print(f"{hid:>5} {vocab:>7} {str(dtype)[6:]:>9} {k:>6} {name:>14}  {reason}")
+                        continue
                     try:
                         r = logprob_case(fn, hidden, weight, labels, g, repeats, exact)
                     except torch.OutOfMemoryError:
                         print(f"{hid:>5} {vocab:>7} {str(dtype)[6:]:>9} {k:>6} {name:>14}  out of memory")
                         torch.cuda.empty_cache()
+                        continue
+                    except (RuntimeError, TypeError, ValueError) as e:  # a peer's API or kernel refusing the case
+                        print(f"{hid:>5} {vocab:>7} {str(dtype)[6:]:>9} {k:>6} {name:>14}  failed: {e!r:.120}")
                         continue
                     if name == "naive":
                         base = r
