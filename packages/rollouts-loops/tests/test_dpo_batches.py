@@ -63,7 +63,9 @@ def _step(loss: str, max_tokens: int):
     pairs = _pairs([(5, 12), (7, 20), (9, 3), (10, 10)])
     ref_N = -np.linspace(5.0, 30.0, 2 * len(pairs))  # any fixed reference values
     config = DPOConfig(loss=loss, max_length=24, max_tokens_per_micro_batch=max_tokens, optimizer=optimizer)
-    _, metrics = dpo_step(components, TrainingState(), pairs, ref_N if config.preference.needs_reference else None, config)
+    _, metrics = dpo_step(
+        components, TrainingState(), pairs, ref_N if config.preference.needs_reference else None, config
+    )
     return metrics, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
