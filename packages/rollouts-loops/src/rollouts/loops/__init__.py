@@ -29,6 +29,10 @@ _EXPORTS = {
     "AdvantageFn": "micro_batches",
     "run_sft_training": "sft",
     "sft_step": "sft",
+    "run_dpo_training": "dpo.loop",
+    "dpo_step": "dpo.loop",
+    "PreferenceData": "dpo.loop",
+    "PreferenceLossFn": "dpo.batches",
     "grpo_minimal": "recipes.grpo_minimal",
     # plug points and their built-ins
     "Reward": "rollouts.scoring",
