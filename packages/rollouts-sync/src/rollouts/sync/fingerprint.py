@@ -3,8 +3,8 @@
 A tensor's checksum: its raw little-endian bytes, zero-padded to a multiple of 4, read as unsigned
 32-bit words w_0 .. w_{n-1}; S = sum_i (i + 1) * w_i mod 2^64; checksum = (S + nbytes * _LENGTH_MIX)
 mod 2^64 (the length folded in, so trailing zero bytes count). Integer arithmetic only, so numpy
-(`checksum`, `fingerprint`) and torch on any device (`checksum_torch`, `fingerprint_torch`, which
-import torch only when called) give the same int: sums of int64 wrap around mod 2^64 in both.
+(`checksum`, `fingerprint`) and torch on any device (`checksum_torch`, `fingerprint_torch`, given
+torch tensors: this module never imports torch itself) give the same int: sums of int64 wrap around mod 2^64 in both.
 
 What it catches for sure, in a tensor under 16 GiB (fewer than 2^32 words): one flipped bit changes
 S by +-2^k * (i + 1), nonzero and below 2^64 in magnitude, so never 0 mod 2^64; two unequal words
@@ -82,7 +82,7 @@ def checksum(value: Any) -> int:
 
 def checksum_torch(tensor: Any) -> int:
     """The checksum of a torch tensor, computed where it lives (CPU or GPU) with torch's int64 ops."""
-    import torch  # an engine's or trainer's process only: rollouts.sync itself never needs torch
+    torch = sys.modules["torch"]  # loaded already: `tensor` is one of its tensors
 
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
     nbytes = int(flat.numel())
