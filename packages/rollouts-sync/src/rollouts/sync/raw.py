@@ -20,7 +20,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DTYPE_BYTES", "RawTensor", "as_raw", "decode_safetensors", "encode_safetensors", "read_safetensors_dir"]
+__all__ = [
+    "DTYPE_BYTES",
+    "RawTensor",
+    "as_raw",
+    "bfloat16",
+    "decode_safetensors",
+    "encode_safetensors",
+    "read_safetensors_dir",
+]
 
 DTYPE_BYTES = {
     "BOOL": 1,
@@ -122,6 +130,15 @@ class RawTensor:
         """The elements as a numpy array of `shape` (16-bit floats numpy lacks, e.g. BF16, as their
         uint16 bit patterns; a view, no copy)."""
         return self.data.view(_VIEW_DTYPES[self.dtype]).reshape(self.shape)
+
+
+def bfloat16(values: np.ndarray) -> RawTensor:
+    """float32 `values` rounded to bfloat16 (to nearest, ties to even: torch's `.to(torch.bfloat16)`)."""
+    bits = np.ascontiguousarray(values, dtype="<f4").view("<u4").astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")  # uint64: no overflow on the add
+    return RawTensor(
+        dtype="BF16", shape=tuple(int(d) for d in np.shape(values)), data=rounded.reshape(-1).view(np.uint8)
+    )
 
 
 def as_raw(value: Any, *, name: str = "tensor") -> RawTensor:
