@@ -1,10 +1,11 @@
 """Fingerprints of checkpoint-format weights: one checksum per tensor, bit-exact and position-sensitive.
 
 A tensor's checksum: its raw little-endian bytes, zero-padded to a multiple of 4, read as unsigned
-32-bit words w_0 .. w_{n-1}; S = sum_i (i + 1) * w_i mod 2^64; checksum = (S + nbytes * _LENGTH_MIX)
-mod 2^64 (the length folded in, so trailing zero bytes count). Integer arithmetic only, so numpy
-(`checksum`, `fingerprint`) and torch on any device (`checksum_torch`, `fingerprint_torch`, given
-torch tensors: this module never imports torch itself) give the same int: sums of int64 wrap around mod 2^64 in both.
+32-bit words w_0 .. w_{n-1}; S = sum_i (i + 1) * w_i mod 2^64; checksum = (S + nbytes * M) mod 2^64
+with M an odd constant (the length folded in, so trailing zero bytes count). Integer arithmetic only,
+so numpy (`checksum`, `fingerprint`) and torch on any device (`checksum_torch`, `fingerprint_torch`,
+from rollouts.sync.fingerprint_torch, which vLLM's workers import too) give the same int: sums of
+int64 wrap around mod 2^64 in both.
 
 What it catches for sure, in a tensor under 16 GiB (fewer than 2^32 words): one flipped bit changes
 S by +-2^k * (i + 1), nonzero and below 2^64 in magnitude, so never 0 mod 2^64; two unequal words
@@ -23,14 +24,20 @@ fault on and off in a server that keeps running.
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from rollouts.sync.fingerprint_torch import (
+    FAULT_ENV,
+    checksum_torch,
+    combine,
+    fingerprint_torch,
+    flip_bit_torch,
+    sync_fault_target,
+)
 from rollouts.sync.raw import as_raw, read_safetensors_dir
 
 __all__ = [
@@ -46,21 +53,8 @@ __all__ = [
     "sync_fault_target",
 ]
 
-FAULT_ENV = "ROLLOUTS_SYNC_FAULT"
-_MASK = (1 << 64) - 1
-_LENGTH_MIX = 0x9E3779B97F4A7C15  # an odd constant (2^64 / golden ratio): the length spread over all bits
-_CHUNK_WORDS = 1 << 16  # numpy: 512 KiB int64 temporaries stay in cache (several times faster than 2^22)
-_TORCH_CHUNK_WORDS = 1 << 22  # torch: few kernel launches per tensor on a GPU; 32 MiB temporaries
+_CHUNK_WORDS = 1 << 16  # 512 KiB int64 temporaries stay in cache (several times faster than 2^22)
 _NAMES_SHOWN = 20  # an error lists this many tensor names, then a count
-
-
-def _combine(weighted_sums: list[int], sums: list[int], nbytes: int, chunk_words: int) -> int:
-    """S from per-chunk sums (the same S whatever the chunk size): chunk c (words c * chunk_words ..)
-    adds sum_j (j + 1) w_j + c * chunk_words * sum_j w_j, j counted within the chunk."""
-    total = 0
-    for c, (weighted, plain) in enumerate(zip(weighted_sums, sums, strict=True)):
-        total += (weighted & _MASK) + c * chunk_words * (plain & _MASK)
-    return (total + nbytes * _LENGTH_MIX) & _MASK
 
 
 def checksum(value: Any) -> int:
@@ -77,35 +71,12 @@ def checksum(value: Any) -> int:
         sums.append(int(chunk.sum(dtype=np.uint64)))
         np.multiply(chunk, weights[: len(chunk)], out=chunk)  # wraps mod 2^64, as the definition wants
         weighted_sums.append(int(chunk.sum(dtype=np.uint64)))
-    return _combine(weighted_sums, sums, nbytes, _CHUNK_WORDS)
-
-
-def checksum_torch(tensor: Any) -> int:
-    """The checksum of a torch tensor, computed where it lives (CPU or GPU) with torch's int64 ops."""
-    torch = sys.modules["torch"]  # loaded already: `tensor` is one of its tensors
-
-    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    nbytes = int(flat.numel())
-    if nbytes % 4 or flat.storage_offset() % 4:  # an unaligned or ragged byte view cannot be read as words
-        flat = torch.cat([flat, flat.new_zeros(-nbytes % 4)])
-    words = flat.view(torch.int32)
-    weights = torch.arange(1, min(words.numel(), _TORCH_CHUNK_WORDS) + 1, dtype=torch.int64, device=words.device)
-    parts = []
-    for start in range(0, words.numel(), _TORCH_CHUNK_WORDS):
-        chunk = words[start : start + _TORCH_CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF  # unsigned words
-        parts.append(torch.stack([(chunk * weights[: chunk.numel()]).sum(), chunk.sum()]))
-    pairs = torch.stack(parts).tolist() if parts else []  # one device sync for the whole tensor
-    return _combine([p[0] for p in pairs], [p[1] for p in pairs], nbytes, _TORCH_CHUNK_WORDS)
+    return combine(weighted_sums, sums, nbytes, _CHUNK_WORDS)
 
 
 def fingerprint(tensors: Mapping[str, Any]) -> dict[str, int]:
     """{name: checksum} of numpy arrays, RawTensors or torch tensors (numpy does the arithmetic)."""
     return {name: checksum(value) for name, value in tensors.items()}
-
-
-def fingerprint_torch(tensors: Mapping[str, Any]) -> dict[str, int]:
-    """{name: checksum} of torch tensors, each computed on its own device."""
-    return {name: checksum_torch(value) for name, value in tensors.items()}
 
 
 def fingerprint_dir(path: str | Path) -> dict[str, int]:
@@ -155,23 +126,3 @@ def check_attestation(
     missing = tuple(name for name in expected if name not in reported)
     if mismatched or missing:
         raise AttestationError(engine=engine, weight_version=weight_version, mismatched=mismatched, missing=missing)
-
-
-def sync_fault_target(environ: Mapping[str, str] = os.environ) -> str | None:
-    """The tensor name ROLLOUTS_SYNC_FAULT asks an engine to corrupt after receiving it (None: none)."""
-    spec = environ.get(FAULT_ENV, "")
-    if spec.startswith("file:"):
-        path = Path(spec.removeprefix("file:"))
-        spec = path.read_text().strip() if path.is_file() else ""
-    if not spec:
-        return None
-    if not spec.startswith("corrupt:") or spec == "corrupt:":
-        raise ValueError(f"{FAULT_ENV} must be 'corrupt:<tensor name>' or 'file:<path>', got {spec!r}")
-    return spec.removeprefix("corrupt:")
-
-
-def flip_bit_torch(tensor: Any) -> None:
-    """Flip the lowest bit of `tensor`'s first byte, in place (the injected fault)."""
-    torch = sys.modules["torch"]  # loaded already: `tensor` is one of its tensors
-    if tensor.numel():
-        tensor.detach().reshape(-1).view(torch.uint8)[0] ^= 1  # detached: a parameter changes in place too

@@ -2,8 +2,8 @@
 
 Start the server with `--worker-extension-cls rollouts.sync.worker_extension.SafetensorsWeightLoader`
 (this module runs inside vLLM's worker process; it touches tensors only through safetensors' torch
-loader and vLLM's own methods, and nothing in rollouts.sync imports it, so rollouts.sync itself
-never imports torch).
+loader, vLLM's own methods and rollouts.sync.fingerprint_torch, and nothing in rollouts.sync imports
+it, so rollouts.sync itself never imports torch).
 
 Partial updates: a request may name only some checkpoint tensors. vLLM reloads a layer as a whole
 (on CPU it repacks linear weights and drops the originals, and a fused qkv_proj is built from
@@ -26,7 +26,10 @@ from typing import Any
 from safetensors.torch import load as load_bytes
 from safetensors.torch import load_file
 
-from rollouts.sync.fingerprint import checksum_torch, flip_bit_torch, sync_fault_target
+try:
+    from rollouts.sync.fingerprint_torch import checksum_torch, flip_bit_torch, sync_fault_target
+except ModuleNotFoundError:  # in a server started by rollouts.sync.launch: its copy beside this one's
+    from rollouts_fingerprint_torch import checksum_torch, flip_bit_torch, sync_fault_target  # type: ignore[no-redef,import-not-found]
 
 _SAFETENSORS_SUFFIX = ".safetensors"
 
