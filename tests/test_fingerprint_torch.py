@@ -33,7 +33,7 @@ def test_numpy_and_torch_give_the_same_checksum(dtype, shape, seed, strided):
 
 
 def test_large_tensors_agree_across_chunks():
-    """Past both implementations' chunk sizes (2^16 words for numpy, 2^22 for torch), with wrap-around."""
+    """Past the chunk sizes (2^16 words on CPU, 2^22 for torch on a GPU), with wrap-around."""
     tensor = torch.randint(-(2**31), 2**31 - 1, (2**22 + 2**16 + 3,), dtype=torch.int32)
     assert checksum_torch(tensor) == checksum(tensor)
     assert fingerprint_torch({"t": tensor}) == fingerprint({"t": tensor})

@@ -18,7 +18,8 @@ __all__ = ["FAULT_ENV", "checksum_torch", "combine", "fingerprint_torch", "flip_
 FAULT_ENV = "ROLLOUTS_SYNC_FAULT"
 _MASK = (1 << 64) - 1
 _LENGTH_MIX = 0x9E3779B97F4A7C15  # an odd constant (2^64 / golden ratio): the length spread over all bits
-_TORCH_CHUNK_WORDS = 1 << 22  # few kernel launches per tensor on a GPU; 32 MiB temporaries
+_GPU_CHUNK_WORDS = 1 << 22  # few kernel launches per tensor on a GPU; 32 MiB temporaries
+_CPU_CHUNK_WORDS = 1 << 16  # 512 KiB temporaries stay in cache: several times faster than 2^22 on CPU
 
 
 def combine(weighted_sums: list[int], sums: list[int], nbytes: int, chunk_words: int) -> int:
@@ -38,13 +39,14 @@ def checksum_torch(tensor: Any) -> int:
     if nbytes % 4 or flat.storage_offset() % 4:  # an unaligned or ragged byte view cannot be read as words
         flat = torch.cat([flat, flat.new_zeros(-nbytes % 4)])
     words = flat.view(torch.int32)
-    weights = torch.arange(1, min(words.numel(), _TORCH_CHUNK_WORDS) + 1, dtype=torch.int64, device=words.device)
+    size = _CPU_CHUNK_WORDS if words.device.type == "cpu" else _GPU_CHUNK_WORDS
+    weights = torch.arange(1, min(words.numel(), size) + 1, dtype=torch.int64, device=words.device)
     parts = []
-    for start in range(0, words.numel(), _TORCH_CHUNK_WORDS):
-        chunk = words[start : start + _TORCH_CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF  # unsigned words
+    for start in range(0, words.numel(), size):
+        chunk = words[start : start + size].to(torch.int64) & 0xFFFFFFFF  # unsigned words
         parts.append(torch.stack([(chunk * weights[: chunk.numel()]).sum(), chunk.sum()]))
     pairs = torch.stack(parts).tolist() if parts else []  # one device sync for the whole tensor
-    return combine([p[0] for p in pairs], [p[1] for p in pairs], nbytes, _TORCH_CHUNK_WORDS)
+    return combine([p[0] for p in pairs], [p[1] for p in pairs], nbytes, size)
 
 
 def fingerprint_torch(tensors: Mapping[str, Any]) -> dict[str, int]:

@@ -355,7 +355,7 @@ def read_raw_weights(path: str | os.PathLike[str]) -> dict[str, RawTensor]:
     """Every tensor of the safetensors files in directory `path`, in the dtype it was written in."""
     if not any(Path(path).glob("*.safetensors")):
         raise ValueError(f"{path} holds no .safetensors file to send")
-    return read_safetensors_dir(path)
+    return read_safetensors_dir(Path(path))
 
 
 class BoundedSync(_Wrapped):
