@@ -5,6 +5,9 @@
    write (safetensors to disk) / reload (pause + collective_rpc reload_weights) / cache reset
    seconds (skipped with a message when the vLLM venv is absent).
 
+3. Attestation (`--attest`: this section alone): seconds to checksum Qwen2-0.5B-shaped random bf16
+   weights (rollouts.sync.fingerprint), numpy and torch on CPU, torch on CUDA where there is a GPU.
+
 Run: OMP_NUM_THREADS=1 uv run python benchmarks/bench_sync.py
 """
 
@@ -22,8 +25,9 @@ import numpy as np
 import trio
 from safetensors.numpy import load_file, save_file
 
-from rollouts.sync import HTTPOptions, VLLMEngine, sync_weights_to_engines
+from rollouts.sync import HTTPOptions, VLLMEngine, fingerprint, sync_weights_to_engines
 from rollouts.sync.fake_server import FakeEngineState, serve_fake_engine
+from rollouts.sync.fingerprint import fingerprint_torch
 from rollouts.sync.testing import build_tiny_model, find_vllm_python, launch_vllm_server, vllm_unavailable_reason
 
 RELOAD_DELAY_S = 0.5
@@ -116,7 +120,56 @@ def bench_e2e(tmp: Path) -> None:
     )
 
 
+def qwen2_05b_shapes() -> dict[str, tuple[int, ...]]:
+    """Qwen2-0.5B's checkpoint tensors (tied embeddings: 494M parameters, 0.99 GB in bf16)."""
+    hidden, inter, kv, vocab = 896, 4864, 128, 151936
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for i in range(24):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.q_proj.bias": (hidden,)}
+        shapes |= {p + "self_attn.k_proj.weight": (kv, hidden), p + "self_attn.k_proj.bias": (kv,)}
+        shapes |= {p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.v_proj.bias": (kv,)}
+        shapes |= {p + "self_attn.o_proj.weight": (hidden, hidden), p + "mlp.down_proj.weight": (hidden, inter)}
+        shapes |= {p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden)}
+        shapes |= {p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,)}
+    return shapes
+
+
+def bench_attest() -> None:
+    """Checksum seconds per sync of Qwen2-0.5B-shaped bf16 weights: what attestation adds (the sender's
+    fingerprint plus the engine's, each computed once per sync)."""
+    import torch  # this section only: the rest of the benchmark runs without torch
+
+    generator = torch.Generator().manual_seed(0)
+    weights = {
+        name: torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator).view(torch.bfloat16)
+        for name, shape in qwen2_05b_shapes().items()
+    }
+    gigabytes = sum(t.numel() * 2 for t in weights.values()) / 1e9
+    rows = [("numpy, CPU", lambda: fingerprint(weights)), ("torch, CPU", lambda: fingerprint_torch(weights))]
+    if torch.cuda.is_available():
+        on_gpu = {name: t.cuda() for name, t in weights.items()}
+        rows.append((f"torch, {torch.cuda.get_device_name()}", lambda: fingerprint_torch(on_gpu)))
+    results = {}
+    print(f"attestation: checksums of Qwen2-0.5B-shaped bf16 weights ({len(weights)} tensors, {gigabytes:.2f} GB)")
+    print(f"  {'implementation':<34} {'seconds (median of 3)':>22} {'GB/s':>8}")
+    for label, run in rows:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            results[label] = run()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+        print(f"  {label:<34} {seconds:>22.3f} {gigabytes / seconds:>8.2f}")
+    assert len({tuple(sorted(r.items())) for r in results.values()}) == 1, "implementations disagree"
+
+
 def main() -> None:
+    if "--attest" in sys.argv:
+        bench_attest()
+        return
     with tempfile.TemporaryDirectory() as tmp:
         bench_fanout(Path(tmp))
         if "--no-vllm" not in sys.argv:

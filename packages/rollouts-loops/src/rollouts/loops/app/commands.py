@@ -122,6 +122,7 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
             dtype=run.model.dtype,
             attn_implementation=run.model.attn_implementation,
             timeout_s=run.engine.timeout_s,
+            attest=run.engine.attest,
         )
         tokenizer_dir = run.model.tokenizer_path or run.model.path
         if run.engine.kind == "rollout_process":  # the rollout manager runs there too, batching its groups
@@ -142,6 +143,7 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
             sync_timeout_s=run.engine.sync_timeout_s,
             sync=run.engine.sync,
             partial=run.rl.rollout.partial,
+            attest=run.engine.attest,
         )
     if shares:
         model = components.model

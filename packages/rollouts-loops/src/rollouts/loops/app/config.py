@@ -90,6 +90,11 @@ class EngineSpec:
     bodies, chunked (no shared disk; vLLM started with the worker extension: `rollouts engine vllm`)."""
     num_threads: int = 1
     """Torch threads of the engine process (kind = "process" or "rollout_process")."""
+    attest: bool = True
+    """After every sync the engine reports checksums of the weights it loaded, computed where they live
+    (vLLM's worker extension, the engine process), and a mismatch with the trainer's stops the run naming
+    the tensors (rollouts.sync.fingerprint). Off: for an engine that cannot report (SGLang; vLLM without
+    the worker extension). The in-process engine loads in the trainer's own process: nothing to attest."""
 
     def __post_init__(self) -> None:
         check_fields(self)
