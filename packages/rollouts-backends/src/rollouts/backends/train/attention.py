@@ -76,7 +76,7 @@ def document_sdpa_forward(
         return out
     if dropout:
         raise ValueError(f"attention dropout ({dropout}) is not supported with packed rows under {DOCUMENT_SDPA!r}")
-    flex = _compiled_flex() if query_B_H_T_D.is_cuda else flex_attention
+    flex = _compiled_flex() if query_B_H_T_D.is_cuda else cast(Callable[..., torch.Tensor], flex_attention)
     out_B_H_T_D = flex(
         query_B_H_T_D,
         key_B_H_T_D,

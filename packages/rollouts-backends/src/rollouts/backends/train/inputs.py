@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 from rollouts.backends.train.attention import DOCUMENT_SDPA, SDPA_IMPLEMENTATIONS, document_block_mask
 from rollouts.types import MicroBatch
@@ -189,6 +190,7 @@ def model_inputs(
         # row of them, broadcast over the batch: the rotary angles are computed once, not per row.
         positions_1_T = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None]
         return {"input_ids": batch.input_ids, "position_ids": positions_1_T, "attention_mask": None}
+    mask: torch.Tensor | BlockMask | None
     if packed_only(model):
         if not layout.all_real:
             raise ValueError(f"attn_implementation {impl!r} needs the packed layout without padding")
