@@ -41,6 +41,9 @@ class ModelSpec:
     device: str = "cpu"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     gradient_checkpointing: bool = False
+    compile: Literal["none", "layers"] = "none"
+    """`layers`: each decoder layer compiled with torch.compile (fused norms, rotary and activations;
+    the first steps pay the compile time)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters instead of full fine-tuning (rank 0: off); needs rollouts-backends[lora]."""
 

@@ -30,6 +30,7 @@ from rollouts.backends import (
 )
 from rollouts.backends.train.distributed import enable_activation_checkpointing
 from rollouts.backends.train.lora import apply_lora, check_lora_targets
+from rollouts.backends.train.regional_compile import compile_layers
 from rollouts.loops.app.config import ConfigError
 from rollouts.loops.app.failures import RunFailed, RunState, report
 from rollouts.loops.app.toml_out import to_toml
@@ -235,6 +236,7 @@ def run_components(run: Any, optimizer: OptimizerConfig, num_training_steps: int
         )
         if run.model.gradient_checkpointing:  # as under torchrun: recompute each layer in backward
             enable_activation_checkpointing(components.model)
+        compile_layers(components.model, run.model.compile)
         return components
     model = sharded_model(run, device)
     opt = build_optimizer(model, optimizer)
@@ -256,6 +258,7 @@ def sharded_model(run: Any, device: str) -> torch.nn.Module:
     )
     if run.model.lora.enabled:  # the adapter goes in before sharding; only its weights train
         model = apply_lora(model, run.model.lora)
+    compile_layers(model, run.model.compile)  # before sharding: each sharded unit wraps a compiled layer
     return shard_model(model, activation_checkpointing=run.model.gradient_checkpointing)
 
 
