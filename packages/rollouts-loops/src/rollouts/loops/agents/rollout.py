@@ -37,6 +37,7 @@ AgentFn = Callable[[str, Any], "Awaitable[float | None] | float | None"]
 AGENT_REWARD_KEY = "agent_reward"
 """Sample.metadata: the reward the agent returned for its episode."""
 
+_CLEANUP_PASSES = 4  # event loop passes for the close tasks of clients collected when the agent returns
 _THREAD_GRACE_S = 5.0  # the thread's own bound ends it first; the outer one only catches an agent that blocks
 
 
@@ -75,25 +76,24 @@ def agent_rollout(
         def decode(ids: Sequence[int]) -> str:
             return str(tok.decode(list(ids), skip_special_tokens=True))
 
-        async with serve_agent_endpoint(ctx.engine, tok, ctx.sampling, endpoint_limits) as endpoint:
+        try:
+            async with serve_agent_endpoint(ctx.engine, tok, ctx.sampling, endpoint_limits) as endpoint:
 
-            async def one(i: int) -> None:
-                episode = endpoint.open_episode(index=i, seed=ctx.sampling.seed)
-                try:
-                    reward = await _run_agent(agent_fn, label, episode, record, timeout_s)
-                finally:
-                    endpoint.close_episode(episode)
-                _check_episode(episode, label)
-                metadata = {} if reward is None else {AGENT_REWARD_KEY: reward}
-                results[i] = episode.samples(decode=decode, metadata=metadata)
+                async def one(i: int) -> None:
+                    episode = endpoint.open_episode(index=i, seed=ctx.sampling.seed)
+                    try:
+                        reward = await _run_agent(agent_fn, label, episode, record, timeout_s)
+                    finally:
+                        endpoint.close_episode(episode)
+                    _check_episode(episode, label)
+                    metadata = {} if reward is None else {AGENT_REWARD_KEY: reward}
+                    results[i] = episode.samples(decode=decode, metadata=metadata)
 
-            try:
                 async with trio.open_nursery() as nursery:
                     for i in range(n):
                         nursery.start_soon(one, i)
-            except BaseExceptionGroup as group:  # the first failed episode's own error, not a group
-                first = group.exceptions[0]
-                raise first if isinstance(first, Exception) else group from None
+        except BaseExceptionGroup as group:  # the first failed episode's own error, not a group
+            raise _first(group) from None
         return [s for samples in results for s in samples]
 
     return rollout
@@ -105,7 +105,10 @@ async def _run_agent(agent_fn: AgentFn, label: str, episode: Episode, record: An
     def in_thread() -> Any:
         async def bounded() -> Any:
             value = agent_fn(episode.base_url, own_copy(record))
-            return await asyncio.wait_for(value, timeout_s) if inspect.isawaitable(value) else value
+            value = await asyncio.wait_for(value, timeout_s) if inspect.isawaitable(value) else value
+            for _ in range(_CLEANUP_PASSES):  # clients the agent left open close now, not on a closed loop
+                await asyncio.sleep(0)
+            return value
 
         return asyncio.run(bounded())
 
@@ -125,6 +128,17 @@ async def _run_agent(agent_fn: AgentFn, label: str, episode: Episode, record: An
     ):
         raise AgentError(f"{where}: returned {value!r:.80}; an agent returns its reward (a finite number) or None")
     return None if value is None else float(value)
+
+
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first exception of `group`, out of any groups nested in it (cancellations last)."""
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        error = stack.pop(0)
+        stack[:0] = list(error.exceptions) if isinstance(error, BaseExceptionGroup) else []
+        leaves += [] if isinstance(error, BaseExceptionGroup) else [error]
+    return next((e for e in leaves if isinstance(e, Exception)), group)
 
 
 def _check_episode(episode: Episode, label: str) -> None:
