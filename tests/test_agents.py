@@ -240,6 +240,7 @@ def test_an_agent_trains_through_the_endpoint_and_its_reward_rises(tiny, tmp_pat
         hooks=RLHooks(rollout=agent_rollout(sevens_agent, timeout_s=60.0)),
         tokenizer=tokenizer,
     )
+    assert all(h["num_split_episodes"] == 0 for h in history)  # the tiny template is append-only
     rewards = [h["reward_mean"] for h in history]
     assert state.step == config.num_steps
     assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
