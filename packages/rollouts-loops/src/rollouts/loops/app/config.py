@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rollouts.loops.algorithms import ALGORITHMS, preset_dicts
+from rollouts.loops.app.agent_spec import AgentSpec
 from rollouts.loops.app.overrides import apply_overrides as apply_overrides  # the --set edits, re-exported
 from rollouts.loops.app.toml_out import NONE
 from rollouts.loops.errors import ConfigError as ConfigError  # re-exported: the config's own error
@@ -299,6 +300,7 @@ class RLRun:
     run: RunSpec = field(default_factory=RunSpec)
     reward: RewardSpec = field(default_factory=RewardSpec)
     hooks: HooksSpec = field(default_factory=HooksSpec)
+    agent: AgentSpec = field(default_factory=AgentSpec)
     eval: EvalSpec = field(default_factory=EvalSpec)
     log: LogSpec = field(default_factory=LogSpec)
     preset: str = ""
@@ -310,6 +312,14 @@ class RLRun:
         require(
             not self.preset or self.preset in ALGORITHMS, "RLRun.preset", self.preset, f"be one of {sorted(ALGORITHMS)}"
         )
+        if self.agent.fn:  # the agent is the rollout, in this process (its endpoint is the engine's)
+            require(not self.hooks.rollout, "RLRun.hooks.rollout", self.hooks.rollout, "be empty with [agent] fn")
+            require(
+                self.engine.kind != "rollout_process",
+                "RLRun.engine.kind",
+                self.engine.kind,
+                "not be 'rollout_process' with [agent] fn",
+            )
         if self.model.lora.enabled and self.model.lora.sync == "adapter" and self.engine.kind != "inprocess":
             require(
                 self.engine.kind == "vllm" and self.engine.sync == "disk",

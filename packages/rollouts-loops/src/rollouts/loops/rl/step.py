@@ -24,6 +24,8 @@ import torch
 from rollouts.backends import TrainingComponents, compute_logprobs, forward_backward, optim_step
 from rollouts.backends.train.value import compute_values, critic_forward_backward
 from rollouts.data import unpack_values
+from rollouts.data.rollout import EPISODE_KEY
+from rollouts.loops.agents.episode import PIECES_KEY
 from rollouts.loops.evaluation import is_correct
 from rollouts.loops.micro_batches import (
     AdvantageFn,
@@ -89,6 +91,9 @@ def rollout_metrics(batch: RolloutBatch, state: TrainingState, *, min_reward: fl
         "num_carried_over": float(batch.num_carried_over),
         "num_reward_errors": float(len(reward_errors(samples))),
     }
+    episodes = {s.metadata[EPISODE_KEY]: s.metadata.get(PIECES_KEY, 1) for s in samples if EPISODE_KEY in s.metadata}
+    if episodes:  # agent episodes: how many were split where their chat template rewrote earlier turns
+        out["num_split_episodes"] = float(sum(pieces > 1 for pieces in episodes.values()))
     for key in ("groups_requested", "groups_partial", "groups_restarted", "num_rounds", "generate_s"):
         if key in batch.metadata:
             out[key] = float(batch.metadata[key])

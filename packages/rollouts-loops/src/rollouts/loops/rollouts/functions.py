@@ -21,6 +21,7 @@ import trio
 from rollouts.data import AsyncRolloutManager, DataBuffer, encode_bounded
 from rollouts.data.manager import TailCut
 from rollouts.data.prompts import MAX_CHARS_PER_TOKEN
+from rollouts.data.rollout import num_episodes
 from rollouts.data.user_code import call_user
 from rollouts.loops.rollouts.multiturn import ToolExecutor, ToolParser, run_tool_rollout
 from rollouts.loops.rollouts.scoring import REWARD_ERROR_KEY, GroupScorer, Reward
@@ -231,7 +232,12 @@ def group_generator(
         sampling = _seeded(ctx.sampling, n, seed)
         group_ctx = ctx if sampling is ctx.sampling else dataclasses.replace(ctx, sampling=sampling)
         samples = await call_user(rollout, record, group_ctx, timeout_s=_ROLLOUT_TIMEOUT_S)
-        if not isinstance(samples, Sequence) or len(samples) != n or not all(isinstance(s, Sample) for s in samples):
+        # n episodes: one Sample each, or several for an episode split into pieces (rollouts.data EPISODE_KEY)
+        if (
+            not isinstance(samples, Sequence)
+            or not all(isinstance(s, Sample) for s in samples)
+            or num_episodes(samples) != n
+        ):
             raise TypeError(f"the rollout function must return {n} Samples, got {samples!r:.120}")
         return await _finish_group(rollout, ctx, scorer, samples, record, greedy_baseline=greedy_baseline)
 
