@@ -99,6 +99,7 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
             dtype=run.model.dtype,
             attn_implementation=run.model.attn_implementation,
             timeout_s=run.engine.timeout_s,
+            weights_transport=run.engine.weights_transport,
         )
         tokenizer_dir = run.model.tokenizer_path or run.model.path
         if run.engine.kind == "rollout_process":  # the rollout manager runs there too, batching its groups

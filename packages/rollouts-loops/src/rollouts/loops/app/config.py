@@ -90,6 +90,11 @@ class EngineSpec:
     bodies, chunked (no shared disk; vLLM started with the worker extension: `rollouts engine vllm`)."""
     num_threads: int = 1
     """Torch threads of the engine process (kind = "process" or "rollout_process")."""
+    weights_transport: Literal["auto", "shared_memory", "cuda_ipc"] = "auto"
+    """How a sync hands the weights to the engine process (kind = "process" or "rollout_process"):
+    "cuda_ipc" by CUDA IPC handles, device to device (the engine on the trainer's GPU);
+    "shared_memory" through a file in /dev/shm; "auto": "cuda_ipc" where the trainer's weights are
+    on the engine's GPU, else "shared_memory"."""
 
     def __post_init__(self) -> None:
         check_fields(self)
