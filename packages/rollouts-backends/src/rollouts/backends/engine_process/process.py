@@ -96,6 +96,8 @@ def start_process(model_dir: Path, args: list[str], *, owned_dir: Path | None, m
     command = [sys.executable, "-m", module, "--model-dir", str(model_dir)]
     command += ["--requests-fd", str(requests_r), "--answers-fd", str(answers_w), "--control", control_name]
     command += ["--weights", weights_name, *args]
+    # What the engine process removes itself if this process dies first (SIGTERM, SIGKILL: no reap here).
+    command += ["--sweep", control_name, weights_name, stderr_name, *([] if owned_dir is None else [str(owned_dir)])]
     try:
         process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, pass_fds=(requests_r, answers_w)

@@ -26,7 +26,15 @@ from typing import Any
 
 import trio
 
-from rollouts.backends.engine_process.worker import EngineWorker, Handler, handlers_of, parser, serve, start_worker
+from rollouts.backends.engine_process.worker import (
+    EngineWorker,
+    Handler,
+    handlers_of,
+    parser,
+    serve,
+    serve_swept,
+    start_worker,
+)
 from rollouts.data import AsyncRolloutManager, DataBuffer, prompt_encoder
 from rollouts.loops.engines.coalescing import CoalescingEngine
 from rollouts.loops.engines.rollout_process import records_from_jsonl
@@ -146,15 +154,16 @@ class _Rollouts:
         return self.configured
 
 
-async def _serve(worker: EngineWorker, requests_fd: int, answers_fd: int) -> None:
-    """Answer requests, the engine's and the rollout manager's, until the pipe closes or "close"."""
+async def _serve(worker: EngineWorker, requests_fd: int, answers_fd: int) -> bool:
+    """Answer requests, the engine's and the rollout manager's, until the pipe closes or "close";
+    whether the parent went away."""
     handlers = {**handlers_of(worker), **_Rollouts(worker).handlers()}
-    await trio.to_thread.run_sync(serve, handlers, requests_fd, answers_fd)
+    return await trio.to_thread.run_sync(serve, handlers, requests_fd, answers_fd)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    trio.run(_serve, start_worker(args), args.requests_fd, args.answers_fd)
+    serve_swept(args.sweep, lambda: trio.run(_serve, start_worker(args), args.requests_fd, args.answers_fd))
 
 
 if __name__ == "__main__":
