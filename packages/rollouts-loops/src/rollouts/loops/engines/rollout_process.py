@@ -14,8 +14,11 @@ and drives the remote manager (`RemoteRolloutManager`) as it drives a local one:
 (with the remote DataBuffer's position after it, which the loop gives the trainer's buffer), its
 state in checkpoints.
 
-What must be true for that: the reward, rollout and filter functions are importable by name
-(defined at a module's top level, or in the script being run); the prompts are encoded by
+What must be true for that (`check_crossing` decides it before any work; the `rollouts rl`
+command before it loads the model): the reward, rollout and filter functions are importable by
+name (defined at a module's top level or in the script being run, or bound to a top-level name of
+a plugin file or the script, as the tool example's `rollout = environment_rollout(...)`), or are a
+functools.partial of such a function with JSON keywords (a built-in reward with its answer key); the prompts are encoded by
 `rollouts.data.prompt_encoder` (rebuilt over the engine's copy of the tokenizer) or by a function
 importable by name; the prompt records are JSON. Partial rollouts are refused: their sync pauses
 the manager mid-step, which this process's request order cannot do. Everything else the engine
