@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import shutil
-import signal
 import subprocess
 import tempfile
 import threading
@@ -40,8 +39,8 @@ import safetensors.torch
 import torch
 
 from rollouts.backends.checkpoint.export import model_tensors
-from rollouts.backends.engine_process.cuda_ipc import TRANSPORTS, IpcStorage, buckets, choose_transport, stage_bucket
-from rollouts.backends.engine_process.process import CLOSE_TIMEOUT_S, start_process
+from rollouts.backends.engine_process.cuda_ipc import TRANSPORTS, choose_transport, load_by_ipc
+from rollouts.backends.engine_process.process import CLOSE_TIMEOUT_S, exit_status, start_process
 from rollouts.backends.engine_process.shared_weights import DTYPE_NAMES, DTYPES, check_fits, shared_size, write_shared
 from rollouts.backends.engine_process.wire import ChildGone, encode_frame, read_frame, write_frame
 from rollouts.backends.sampling.engine import check_version_grows
@@ -53,16 +52,6 @@ __all__ = ["EngineProcessError", "EngineProcessOptions", "ProcessEngine"]
 _STDERR_TAIL_BYTES = 2000  # enough for a Python traceback's last frames and its message
 _ERROR_TYPES = {"ValueError": ValueError, "TypeError": TypeError}
 """The engine process's errors raised here as their own type (a bad request); others as RuntimeError."""
-
-
-def _exit_status(returncode: int | None) -> str:
-    """How a process ended, its signal named: "killed by SIGKILL (exit code -9)", "exit code 1"."""
-    if returncode is not None and returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name} (exit code {returncode})"
-        except ValueError:  # a signal number this platform has no name for
-            pass
-    return f"exit code {returncode}"
 
 
 class EngineProcessError(RuntimeError):
@@ -284,7 +273,7 @@ class ProcessEngine:
         transport = choose_transport(self._transport, (t.device for t in tensors.values()), self._device)
         with self._held():  # the engine process reads the weights only while it answers this request
             if transport == "cuda_ipc":
-                answer = self._load_by_ipc(tensors, weight_version)
+                answer = load_by_ipc(tensors, weight_version, self._device, self._bucket_bytes, self._exchange)
             else:
                 header, size = shared_size(tensors)
                 write_shared(self._child.map_weights(max(size, 1)), tensors, header)
@@ -296,27 +285,6 @@ class ProcessEngine:
                     kill=True,
                 )
         self._weight_version = weight_version
-
-    def _load_by_ipc(self, tensors: Mapping[str, torch.Tensor], weight_version: int) -> dict[str, Any]:
-        """One request per staging bucket, each waited for before its bucket is freed; the last
-        answer (or the first refusal)."""
-        groups = buckets(tensors, self._bucket_bytes)
-        torch.cuda.synchronize(self._device)  # the trainer's writes, on any stream, end before staging reads
-        answer: dict[str, Any] = {}
-        for i, names in enumerate(groups):
-            flat, layout = stage_bucket({name: tensors[name] for name in names}, self._device)
-            request = {
-                "op": "load_cuda_ipc",
-                "storage": IpcStorage.of(flat.untyped_storage()).to_json(),  # records the staging copies' event
-                "tensors": [entry.to_json() for entry in layout],
-                "weight_version": weight_version,
-                "last": i == len(groups) - 1,
-            }
-            answer, _ = self._exchange(request)
-            del flat  # the engine process has dropped its mapping: the bucket is freed here
-            if not answer.get("ok"):
-                break
-        return answer
 
     async def weight_version(self) -> int | None:
         """The version of the weights sampled from now."""
@@ -390,7 +358,7 @@ class ProcessEngine:
         text = tail.decode(errors="replace").strip()
         self._error = EngineProcessError(
             f"{self._name}: engine process {process.pid} {what}; "
-            + ("killed" if kill else _exit_status(process.returncode))
+            + ("killed" if kill else exit_status(process.returncode))
             + (f"; stderr tail:\n{text}" if text else "; no stderr")
         )
         return self._error

@@ -25,7 +25,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -39,6 +39,7 @@ __all__ = [
     "buckets",
     "choose_transport",
     "ipc_tensors",
+    "load_by_ipc",
     "mapped_views",
     "stage_bucket",
 ]
@@ -210,6 +211,35 @@ def stage_bucket(tensors: Mapping[str, torch.Tensor], device: torch.device) -> t
         target = flat[entry.offset_bytes : entry.offset_bytes + entry.num_bytes()]
         target.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
     return flat, layout
+
+
+def load_by_ipc(
+    tensors: Mapping[str, torch.Tensor],
+    weight_version: int,
+    device: torch.device,
+    bucket_bytes: int,
+    exchange: Callable[[dict[str, Any]], tuple[dict[str, Any], bytes]],
+) -> dict[str, Any]:
+    """Send `tensors` (on `device`) to the engine process by `exchange` (a request and its answer),
+    one "load_cuda_ipc" request per staging bucket, each answered before its bucket is freed; the
+    last answer, or the first refusal."""
+    groups = buckets(tensors, bucket_bytes)
+    torch.cuda.synchronize(device)  # the trainer's writes, on any stream, end before staging reads
+    answer: dict[str, Any] = {}
+    for i, names in enumerate(groups):
+        flat, layout = stage_bucket({name: tensors[name] for name in names}, device)
+        request = {
+            "op": "load_cuda_ipc",
+            "storage": IpcStorage.of(flat.untyped_storage()).to_json(),  # records the staging copies' event
+            "tensors": [entry.to_json() for entry in layout],
+            "weight_version": weight_version,
+            "last": i == len(groups) - 1,
+        }
+        answer, _ = exchange(request)
+        del flat  # the engine process has dropped its mapping: the bucket is freed here
+        if not answer.get("ok"):
+            break
+    return answer
 
 
 # ---------------------------------------------------------------- the engine process's side
