@@ -193,7 +193,8 @@ async def sync_engine(
     start = time.perf_counter()
     direct = direct_loader(engine, components, shares_model=shares_model)
     if direct is not None:
-        await _load(engine, lock, manager, lambda: direct(model_tensors(components.model), version))
+        # on the model's device: an engine on the same GPU takes them by CUDA IPC, device to device
+        await _load(engine, lock, manager, lambda: direct(model_tensors(components.model, keep_device=True), version))
         return state.with_weight_version(version), {"sync_export_s": 0.0, "sync_s": time.perf_counter() - start}
     path = run_dir / WEIGHTS_DIR
     if not shares_model and syncs_adapter(components.model):  # LoRA: the adapter alone, in PEFT's format
