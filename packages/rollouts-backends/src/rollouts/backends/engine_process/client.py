@@ -1,9 +1,7 @@
 """ProcessEngine: the in-process sampler in a process of its own, behind the InferenceEngine protocol.
 
-The in-process sampler is many small torch ops driven from Python, so beside training in the same
-process the two share one interpreter lock: an overlapped run (generate step n+1 while step n
-trains) serialises much of the work it meant to overlap. In its own process the sampler runs
-truly beside training, on its own core.
+Beside training in one process the sampler's many small torch ops share the interpreter lock, so
+an overlapped run serialises much of what it meant to overlap; in its own process it runs beside.
 
 The engine process (rollouts.backends.engine_process.worker, started and reaped by
 rollouts.backends.engine_process.process) loads the model from a local HF directory, and each call
@@ -25,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import shutil
 import subprocess
 import tempfile
@@ -44,6 +43,7 @@ from rollouts.backends.engine_process.process import CLOSE_TIMEOUT_S, exit_statu
 from rollouts.backends.engine_process.shared_weights import DTYPE_NAMES, DTYPES, check_fits, shared_size, write_shared
 from rollouts.backends.engine_process.wire import ChildGone, encode_frame, read_frame, write_frame
 from rollouts.backends.sampling.engine import check_version_grows
+from rollouts.backends.sampling.sampler import check_prompt_ids
 from rollouts.sync import is_adapter_dir
 from rollouts.sync.fingerprint import check_attestation, checksum_torch
 from rollouts.types import Sample, SamplingParams
@@ -142,6 +142,8 @@ class ProcessEngine:
         if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
             raise ValueError(f"tokenizer_dir {str(tokenizer_dir)!r} is not a directory holding a saved tokenizer")
         self._name, self._timeout_s = name, options.timeout_s
+        config = json.loads((Path(model_dir) / "config.json").read_text())  # what check_prompts checks against
+        self._vocab_size, self._max_positions = int(config["vocab_size"]), config.get("max_position_embeddings")
         self._transport, self._bucket_bytes = options.weights_transport, options.ipc_bucket_bytes
         self._weight_version = weight_version
         self._attest, self._dtype = options.attest, DTYPES[options.dtype]
@@ -224,6 +226,17 @@ class ProcessEngine:
             self._child.control[0] = 0
 
     # ------------------------------------------------------------ the protocol
+
+    def check_prompts(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
+        """ValueError naming the first prompt the engine process would refuse (empty, ids outside the
+        vocabulary, too long for the model's positions): checked here, so a bad prompt fails its own
+        caller before it is batched with others (CoalescingEngine)."""
+        check_prompt_ids(
+            prompts,
+            vocab_size=self._vocab_size,
+            max_positions=self._max_positions,
+            max_new_tokens=params.max_new_tokens,
+        )
 
     def sample(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int | None] | None = None
