@@ -30,7 +30,15 @@ from rollouts.loops.run.run_dir import ADAPTER_DIR, WEIGHTS_DIR
 from rollouts.types import Abortable, InferenceEngine, RolloutBatch, Sample, SamplingParams, TrainingState, WeightLoader
 from rollouts.types.wire import batch_from_bytes, batch_to_parts
 
-_SHARED_METADATA = ("errors", "groups_requested", "groups_partial", "groups_restarted", "num_rounds", "generate_s")
+_SHARED_METADATA = (
+    "errors",
+    "error_causes",
+    "groups_requested",
+    "groups_partial",
+    "groups_restarted",
+    "num_rounds",
+    "generate_s",
+)
 """The batch metadata the other ranks receive (what every rank logs or raises on)."""
 
 
