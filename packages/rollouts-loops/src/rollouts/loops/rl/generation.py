@@ -47,6 +47,8 @@ def shared_metadata(batch: RolloutBatch) -> dict[str, Any]:
     metadata = {k: v for k, v in batch.metadata.items() if k in _SHARED_METADATA}
     if "errors" in metadata:
         metadata["errors"] = [str(e) for e in metadata["errors"]]
+    if "error_causes" in metadata:  # frozen in the batch: a plain dict for JSON
+        metadata["error_causes"] = {str(cause): int(num) for cause, num in metadata["error_causes"].items()}
     return metadata
 
 
