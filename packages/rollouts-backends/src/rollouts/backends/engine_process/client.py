@@ -228,15 +228,10 @@ class ProcessEngine:
     # ------------------------------------------------------------ the protocol
 
     def check_prompts(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
-        """ValueError naming the first prompt the engine process would refuse (empty, ids outside the
-        vocabulary, too long for the model's positions): checked here, so a bad prompt fails its own
-        caller before it is batched with others (CoalescingEngine)."""
-        check_prompt_ids(
-            prompts,
-            vocab_size=self._vocab_size,
-            max_positions=self._max_positions,
-            max_new_tokens=params.max_new_tokens,
-        )
+        """ValueError naming the first prompt the engine process would refuse (empty, unknown ids, too
+        long), checked here: a bad prompt fails its own caller before batching (CoalescingEngine)."""
+        limits = {"vocab_size": self._vocab_size, "max_positions": self._max_positions}
+        check_prompt_ids(prompts, **limits, max_new_tokens=params.max_new_tokens)
 
     def sample(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int | None] | None = None
