@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from rollouts.loops.algorithms import ALGORITHMS, preset_dicts
 from rollouts.loops.app.overrides import apply_overrides as apply_overrides  # the --set edits, re-exported
+from rollouts.loops.app.run_sections import DistillSpec, JudgeSpec
 from rollouts.loops.app.toml_out import NONE
 from rollouts.loops.errors import ConfigError as ConfigError  # re-exported: the config's own error
 from rollouts.types import LoraConfig, RLConfig, SFTConfig, check_fields, from_dict, require
@@ -205,8 +206,9 @@ class RewardSpec:
     weighted and summed with any reward models."""
 
     fn: str = "math_answer"
-    """'math_answer' (math-verify grading against the answer field), 'exact_match', or an import path
-    of reward(sample, record) -> float (sync or async) or, with `batched`, reward(samples, records)."""
+    """'math_answer' (math-verify grading against the answer field), 'exact_match', 'judge' (an LLM
+    judge, [reward.judge]), or an import path of reward(sample, record) -> float (sync or async) or,
+    with `batched`, reward(samples, records)."""
     batched: bool = False
     on_error: Literal["raise", "zero"] = "raise"
     """What a reward that raises or returns a non-finite value does: stop the run, or score 0 (counted)."""
@@ -219,9 +221,13 @@ class RewardSpec:
     """The weight of `fn`'s reward when reward models are added (0: the reward models alone)."""
     models: tuple[RewardModelSpec, ...] = ()
     """Learned reward models ([[reward.models]] tables), each weighted and added to `fn`'s reward."""
+    judge: JudgeSpec = field(default_factory=JudgeSpec)
+    """The LLM judge when fn = "judge"."""
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.fn == "judge":
+            self.judge.check_used()
         require(bool(self.fn), "RewardSpec.fn", self.fn, f"be one of {list(BUILTIN_REWARDS)} or an import path")
         require(self.timeout_s > 0, "RewardSpec.timeout_s", self.timeout_s, "be > 0")
         require(self.max_threads >= 1, "RewardSpec.max_threads", self.max_threads, "be >= 1")
@@ -301,6 +307,8 @@ class RLRun:
     preset: str = ""
     """Name of an algorithm preset (grpo, drgrpo, dapo, gspo, cispo, rloo, reinforce_pp, ppo, ppo_no_critic, ...)."""
     rl: RLConfig = field(default_factory=RLConfig)
+    distill: DistillSpec = field(default_factory=DistillSpec)
+    """On-policy distillation from a teacher (off unless distill.path or distill.url is set)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
