@@ -135,7 +135,7 @@ class _Judge:
     max_concurrency: int
     max_tokens: int
     version: int | None = None
-    calls: dict[tuple[str, ...], _Call] = field(default_factory=dict)
+    calls: dict[tuple[Any, ...], _Call] = field(default_factory=dict)
     loop: object = None
     client: ChatClient | None = None
     slots: trio.Semaphore | None = None
@@ -149,11 +149,13 @@ class _Judge:
             self.slots = trio.Semaphore(self.max_concurrency)
         return self.client, self.slots
 
-    def _cached(self, sample: Sample, key: tuple[str, ...]) -> tuple[_Call, bool]:
-        """The call for `key` and whether this caller makes it; a sample of a newer weight version
-        starts a new step's cache."""
-        if sample.weight_version is not None and sample.weight_version != self.version:
-            self.version, self.calls = sample.weight_version, {}
+    def _cached(self, key: tuple[Any, ...]) -> tuple[_Call, bool]:
+        """The call for `key` (weight version, messages) and whether this caller makes it; a newer
+        weight version (the next step's rollouts) drops the older versions' calls."""
+        version = key[0]
+        if version is not None and (self.version is None or version > self.version):
+            self.version = version
+            self.calls = {k: c for k, c in self.calls.items() if k[0] is None or k[0] >= version}
         if key in self.calls:
             return self.calls[key], False
         if len(self.calls) >= _MAX_CACHED_CALLS:
@@ -169,7 +171,8 @@ class _Judge:
         except KeyError as e:
             return e
         client, slots = self._session()
-        call, mine = self._cached(sample, tuple(m["content"] for m in messages))
+        key = (sample.weight_version, *(m["content"] for m in messages))
+        call, mine = self._cached(key)
         if not mine:
             await call.done.wait()
             assert call.result is not None
@@ -182,7 +185,7 @@ class _Judge:
             call.result = e
         finally:
             if call.result is None:  # cancelled: a later identical call asks again
-                self.calls.pop(tuple(m["content"] for m in messages), None)
+                self.calls.pop(key, None)
                 call.result = TimeoutError("the judge call was cancelled (the group's time limit)")
             call.done.set()
         return call.result
