@@ -9,7 +9,14 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollouts.loops.rollouts.judge import JudgeParseError, JudgeScale, judge_reward, parse_score, render_rubric
+from rollouts.loops.rollouts.judge import (
+    JudgeLimits,
+    JudgeParseError,
+    JudgeScale,
+    judge_reward,
+    parse_score,
+    render_rubric,
+)
 from rollouts.loops.rollouts.scoring import GroupScorer, reward_errors, summarize
 from rollouts.sync.fake_server import FakeEngineState, Fault, serve_fake_engine
 from rollouts.types import Sample
@@ -60,9 +67,7 @@ def _judged(script, samples_by_group, *, later=(), max_concurrency=4, faults=(),
             reward = judge_reward(
                 server.url,
                 template="Rate 0-10. Q: {prompt} A: {response}",
-                max_concurrency=max_concurrency,
-                timeout_s=5,
-                max_retries=1,
+                limits=JudgeLimits(max_concurrency=max_concurrency, timeout_s=5, max_retries=1),
                 **options,
             )
             scorer = GroupScorer(reward)
@@ -105,7 +110,7 @@ def test_at_most_max_concurrency_calls_are_in_flight():
     async def main():
         nonlocal in_flight, peak
         async with serve_fake_engine(state) as server:
-            reward = judge_reward(server.url, template="{response}", max_concurrency=2, timeout_s=5)
+            reward = judge_reward(server.url, template="{response}", limits=JudgeLimits(max_concurrency=2, timeout_s=5))
             from rollouts.loops.rollouts import judge as judge_module
 
             real = judge_module.ChatClient.complete

@@ -13,7 +13,7 @@ from typing import Any
 from rollouts.backends import load_tokenizer
 from rollouts.loops.app.config import BUILTIN_REWARDS, ConfigError, RLRun
 from rollouts.loops.plugins import PluginError, resolve_function
-from rollouts.loops.rollouts.judge import JudgeScale, judge_reward
+from rollouts.loops.rollouts.judge import JudgeLimits, JudgeScale, judge_reward
 from rollouts.loops.rollouts.reward_models import (
     ClassifierRewardModel,
     chat_encoder,
@@ -117,10 +117,12 @@ def _judge(spec: Any, source: str) -> Reward:
                 pattern=judge.pattern,
             ),
             system=judge.system,
-            timeout_s=judge.timeout_s,
-            max_retries=judge.max_retries,
-            max_concurrency=judge.max_concurrency,
-            group_timeout_s=judge.group_timeout_s,
+            limits=JudgeLimits(
+                timeout_s=judge.timeout_s,
+                max_retries=judge.max_retries,
+                max_concurrency=judge.max_concurrency,
+                group_timeout_s=judge.group_timeout_s,
+            ),
             on_error=spec.on_error,
         )
     except ValueError as e:

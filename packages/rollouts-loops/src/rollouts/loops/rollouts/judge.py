@@ -32,7 +32,7 @@ from rollouts.loops.rollouts.scoring import OnError, Reward
 from rollouts.sync import ChatClient
 from rollouts.types import Sample
 
-__all__ = ["JudgeParseError", "JudgeScale", "judge_reward", "parse_score", "render_rubric"]
+__all__ = ["JudgeLimits", "JudgeParseError", "JudgeScale", "judge_reward", "parse_score", "render_rubric"]
 
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
 _MAX_CACHED_CALLS = 100_000  # a step's distinct judge calls kept at most (a bound, not an expected size)
@@ -202,6 +202,32 @@ class _Judge:
         return results
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JudgeLimits:
+    """The bounds on a judge's calls."""
+
+    timeout_s: float = 60.0
+    """One attempt of one call."""
+    max_retries: int = 2
+    """Attempts after the first (transport errors and 5xx only)."""
+    max_concurrency: int = 16
+    """Calls in flight at once, over every group."""
+    group_timeout_s: float = 600.0
+    """One group's calls, waits for a free slot included."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_retries", "max_concurrency"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "max_concurrency"):
+                raise ValueError(
+                    f"JudgeLimits.{name} must be an int >= {int(name == 'max_concurrency')}, got {value!r}"
+                )
+        for name in ("timeout_s", "group_timeout_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"JudgeLimits.{name} must be a finite number of seconds > 0, got {value!r}")
+
+
 def judge_reward(
     url: str,
     *,
@@ -210,26 +236,24 @@ def judge_reward(
     api_key_env: str = "",
     scale: JudgeScale | None = None,
     system: str = "",
-    timeout_s: float = 60.0,
-    max_retries: int = 2,
-    max_concurrency: int = 16,
-    group_timeout_s: float = 600.0,
+    limits: JudgeLimits | None = None,
     on_error: OnError = "zero",
 ) -> Reward:
     """A Reward that asks the chat model at `url` (an OpenAI-compatible server) to judge each sample
-    with `template` (module docstring). `api_key_env`: the environment variable holding the API key.
-    `timeout_s` bounds one attempt of one call (at most max_retries + 1 attempts); `group_timeout_s`
-    one group's calls, waits for a free slot among `max_concurrency` included."""
+    with `template` (module docstring). `api_key_env`: the environment variable holding the API key."""
     _check_template(template)
-    if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
-        raise ValueError(f"max_concurrency must be an int >= 1, got {max_concurrency!r}")
+    limits = limits if limits is not None else JudgeLimits()
     api_key = None
     if api_key_env:
         api_key = os.environ.get(api_key_env)
         if not api_key:
             raise ValueError(f"the judge's API key variable {api_key_env} is not set in the environment")
     options: dict[str, Any] = dict(
-        model=model, api_key=api_key, timeout_s=timeout_s, max_retries=max_retries, max_connections=max_concurrency
+        model=model,
+        api_key=api_key,
+        timeout_s=limits.timeout_s,
+        max_retries=limits.max_retries,
+        max_connections=limits.max_concurrency,
     )
     ChatClient(url, **options)  # a bad URL or option fails here, not at the first step
     judge = _Judge(
@@ -238,11 +262,11 @@ def judge_reward(
         template=template,
         system=system,
         scale=scale if scale is not None else JudgeScale(),
-        max_concurrency=max_concurrency,
+        max_concurrency=limits.max_concurrency,
         max_tokens=256,
     )
 
     async def judge_group(samples: Sequence[Sample], records: Sequence[Any]) -> list[Any]:
         return await judge(samples, records)  # a failed sample's exception in its place (scoring.py)
 
-    return Reward(fn=judge_group, batched=True, on_error=on_error, timeout_s=group_timeout_s)
+    return Reward(fn=judge_group, batched=True, on_error=on_error, timeout_s=limits.group_timeout_s)
