@@ -5,6 +5,7 @@ import importlib.metadata
 from rollouts.sync._common import is_adapter_dir
 from rollouts.sync._http import DEFAULT_HTTP, EngineError, HTTPOptions, RetryPolicy
 from rollouts.sync.fingerprint import AttestationError, check_attestation, fingerprint, fingerprint_dir
+from rollouts.sync.openai_clients import ChatClient, PromptLogprobsClient
 from rollouts.sync.pool import EnginePool, NoHealthyEngineError
 from rollouts.sync.raw import RawTensor
 from rollouts.sync.sglang import SGLangEngine
@@ -25,12 +26,14 @@ __version__ = _version()
 __all__ = [
     "DEFAULT_HTTP",
     "AttestationError",
+    "ChatClient",
     "WORKER_EXTENSION_CLS",
     "EngineError",
     "EngineFailure",
     "EnginePool",
     "HTTPOptions",
     "NoHealthyEngineError",
+    "PromptLogprobsClient",
     "RawTensor",
     "RetryPolicy",
     "SGLangEngine",

@@ -25,6 +25,7 @@ import anyio
 import numpy as np
 from anyio.abc import ByteStream, SocketAttribute
 
+from rollouts.sync.fake_chat import ChatReply, chat_completion, prompt_logprobs
 from rollouts.sync.fake_http import Fault, HTTPError, json_response, pop_fault, read_request, send_response
 from rollouts.sync.fake_rpc import collective_rpc, load_dir
 
@@ -45,6 +46,10 @@ class FakeEngineState:
     """Seconds each generate request stays in flight (a pause in mode "wait" drains it)."""
     abort_after_tokens: int | None = None  # cut /v1/completions choices there, finish_reason "abort"
     model_name: str = "fake-model"
+    chat_reply: ChatReply | None = None
+    """The reply to a /v1/chat/completions request's messages (None: `fake_chat.default_reply`)."""
+    chat_requests: list[list[dict[str, Any]]] = field(default_factory=list)
+    """The messages of every chat request, in arrival order."""
     weights: dict[str, np.ndarray] = field(default_factory=dict)
     """The loaded weights, each in its own dtype (bfloat16 as its uint16 bit patterns)."""
     corrupt: str | None = None
@@ -146,6 +151,7 @@ async def _generate_vllm(state: FakeEngineState, body: dict[str, Any]) -> tuple[
     n = int(body.get("n", 1))
     want_lp = body.get("logprobs") is not None
     as_ids = bool(body.get("return_tokens_as_token_ids"))
+    want_prompt_lp = body.get("prompt_logprobs") is not None
     rng = np.random.default_rng(body.get("seed"))
     choices: list[dict[str, Any]] = []
     for prompt in prompts:
@@ -176,7 +182,7 @@ async def _generate_vllm(state: FakeEngineState, body: dict[str, Any]) -> tuple[
                     "finish_reason": finish,
                     "stop_reason": ids[-1] if finish == "stop" else None,
                     "token_ids": ids if body.get("return_token_ids") else None,
-                    "prompt_logprobs": None,
+                    "prompt_logprobs": prompt_logprobs(state, prompt) if want_prompt_lp else None,
                     "prompt_token_ids": None,
                 }
             )
@@ -246,6 +252,8 @@ async def _dispatch(state: FakeEngineState, method: str, target: str, body: byte
             {"index": i, "label": None, "probs": [state.score(ids)], "num_classes": 1} for i, ids in enumerate(inputs)
         ]
         return json_response(200, {"object": "list", "model": state.model_name, "data": rows})
+    if route == ("POST", "/v1/chat/completions"):
+        return chat_completion(state, data)
     if route in (("POST", "/v1/completions"), ("POST", "/generate")):
         await _wait_unpaused(state)
         state.num_in_flight += 1

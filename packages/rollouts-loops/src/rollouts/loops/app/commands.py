@@ -5,11 +5,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import trio
 
 from rollouts.backends import (
@@ -25,6 +27,7 @@ from rollouts.data import DataBuffer, load_conversations, load_prompts, prompt_e
 from rollouts.loops.app.config import ConfigError, RLRun, SFTRun
 from rollouts.loops.app.rl_hooks import check_rollout_process, resolve_hooks
 from rollouts.loops.app.run_setup import (
+    _config_value,
     answer_fields,
     check_paths,
     default_out_dir,
@@ -42,12 +45,13 @@ from rollouts.loops.app.run_setup import (
 from rollouts.loops.engines.coalescing import CoalescingEngine, remote_engine
 from rollouts.loops.engines.rollout_process import RolloutProcess
 from rollouts.loops.evaluation import Evaluation, evaluate_groups, group_metrics
+from rollouts.loops.rl.distill import Distillation, EngineTeacher
 from rollouts.loops.rl.loop import RLHooks, RunOutputs, run_rl_training
 from rollouts.loops.rl.models import RLModels
 from rollouts.loops.run.distributed import init_distributed, rank_world
 from rollouts.loops.run.run_dir import CHECKPOINTS_DIR
 from rollouts.loops.sft import run_sft_training
-from rollouts.types import TrainingState
+from rollouts.types import LoraConfig, TrainingState
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -162,6 +166,39 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
     )
 
 
+def _distillation(run: RLRun, components: Any, world: int) -> Distillation | None:
+    """The [distill] teacher: a frozen HF model beside the policy (sharded like it under torchrun),
+    or a vLLM server's prompt log-probs; None when the section names no teacher."""
+    spec = run.distill
+    if not spec.enabled:
+        return None
+    teacher: Any
+    if spec.url:
+        api_key = os.environ.get(spec.api_key_env) if spec.api_key_env else None
+        if spec.api_key_env and not api_key:
+            raise ConfigError(f"distill.api_key_env: {spec.api_key_env} is not set in the environment")
+        vocab = _config_value(spec.path, "vocab_size") if spec.path else None
+        teacher = EngineTeacher(
+            spec.url,
+            model=spec.model or None,
+            api_key=api_key,
+            timeout_s=spec.timeout_s,
+            max_retries=spec.max_retries,
+            vocab_size=vocab,
+        )
+    else:
+        model = (
+            sharded_model(
+                dataclasses.replace(run, model=dataclasses.replace(run.model, path=spec.path, lora=LoraConfig())),
+                str(components.device),
+            )
+            if world > 1
+            else load_hf_model(spec.path, dtype=getattr(torch, run.model.dtype), device=components.device)
+        )
+        teacher = dataclasses.replace(components, model=model.eval())  # its optimizer is never stepped
+    return Distillation(teacher=teacher, coef=spec.coef, mode=spec.mode)
+
+
 def _evaluation(run: RLRun) -> Any:
     """The run's Evaluation from [eval] and data.eval_path, or None."""
 
@@ -224,6 +261,7 @@ def cmd_rl(run: RLRun, source: str) -> RunResult:
         elif world > 1 and run.rl.algorithm.needs_reference:
             # The starting model, sharded like the trained one (one process copies it itself).
             ref_components = dataclasses.replace(components, model=sharded_model(run, str(components.device)).eval())
+        distill = _distillation(run, components, world)
         logger = run_loggers(run, out, "rl", run.rl.num_updates, rank=rank)
         engine = _rl_engine(run, components, tokenizer, shares=shares)
         try:
@@ -234,6 +272,7 @@ def cmd_rl(run: RLRun, source: str) -> RunResult:
                     engine_shares_model=shares,
                     reference=ref_components,
                     critic=critic,
+                    distill=distill,
                 ),
                 DataBuffer(records, seed=run.rl.seed),
                 run.rl,

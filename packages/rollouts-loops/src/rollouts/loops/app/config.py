@@ -25,6 +25,7 @@ from rollouts.loops.app.overrides import apply_overrides as apply_overrides  # t
 from rollouts.loops.app.reward_spec import BUILTIN_REWARDS as BUILTIN_REWARDS  # re-exported
 from rollouts.loops.app.reward_spec import RewardModelSpec as RewardModelSpec
 from rollouts.loops.app.reward_spec import RewardSpec as RewardSpec
+from rollouts.loops.app.run_sections import DistillSpec
 from rollouts.loops.app.toml_out import NONE
 from rollouts.loops.errors import ConfigError as ConfigError  # re-exported: the config's own error
 from rollouts.types import LoraConfig, RLConfig, SFTConfig, check_fields, from_dict, require
@@ -244,6 +245,8 @@ class RLRun:
     preset: str = ""
     """Name of an algorithm preset (grpo, drgrpo, dapo, gspo, cispo, rloo, reinforce_pp, ppo, ppo_no_critic, ...)."""
     rl: RLConfig = field(default_factory=RLConfig)
+    distill: DistillSpec = field(default_factory=DistillSpec)
+    """On-policy distillation from a teacher (off unless distill.path or distill.url is set)."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -4,9 +4,10 @@ reward models ([[reward.models]]), each weighted."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
+from rollouts.loops.app.run_sections import JudgeSpec
 from rollouts.types import check_fields, require
 
 BUILTIN_REWARDS = ("math_answer", "exact_match", "environment")
@@ -55,8 +56,9 @@ class RewardSpec:
     weighted and summed with any reward models."""
 
     fn: str = "math_answer"
-    """'math_answer' (math-verify grading against the answer field), 'exact_match', or an import path
-    of reward(sample, record) -> float (sync or async) or, with `batched`, reward(samples, records)."""
+    """'math_answer' (math-verify grading against the answer field), 'exact_match', 'judge' (an LLM
+    judge, [reward.judge]), or an import path of reward(sample, record) -> float (sync or async) or,
+    with `batched`, reward(samples, records)."""
     batched: bool = False
     on_error: Literal["raise", "zero"] = "raise"
     """What a reward that raises or returns a non-finite value does: stop the run, or score 0 (counted)."""
@@ -69,9 +71,13 @@ class RewardSpec:
     """The weight of `fn`'s reward when reward models are added (0: the reward models alone)."""
     models: tuple[RewardModelSpec, ...] = ()
     """Learned reward models ([[reward.models]] tables), each weighted and added to `fn`'s reward."""
+    judge: JudgeSpec = field(default_factory=JudgeSpec)
+    """The LLM judge when fn = "judge"."""
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.fn == "judge":
+            self.judge.check_used()
         require(bool(self.fn), "RewardSpec.fn", self.fn, f"be one of {list(BUILTIN_REWARDS)} or an import path")
         require(self.timeout_s > 0, "RewardSpec.timeout_s", self.timeout_s, "be > 0")
         require(self.max_threads >= 1, "RewardSpec.max_threads", self.max_threads, "be >= 1")

@@ -17,6 +17,7 @@ from rollouts.loops.agents.rollout import agent_reward, agent_rollout
 from rollouts.loops.app.config import BUILTIN_REWARDS, ConfigError, RLRun
 from rollouts.loops.engines.rollout_process import check_crossing, records_to_jsonl
 from rollouts.loops.plugins import PluginError, resolve_function
+from rollouts.loops.rollouts.judge import JudgeLimits, JudgeScale, judge_reward
 from rollouts.loops.rollouts.reward_models import (
     ClassifierRewardModel,
     chat_encoder,
@@ -62,19 +63,16 @@ def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
 
     spec = run.reward
     try:
-        if spec.fn in BUILTIN_REWARDS:
-            fn = builtin_reward(spec.fn, answer_key=run.data.answer_key)
+        if spec.fn == "judge":
+            reward = _judge(spec, source)
         else:
-            what = "reward(samples, records) -> list[float]" if spec.batched else "reward(sample, record) -> float"
-            fn = resolve_function(_beside(spec.fn, source), key="reward.fn", num_positional=2, what=what)
-            _refuse_string_rewards(fn, what)
-        reward = Reward(
-            fn=fn,
-            batched=spec.batched,
-            on_error=spec.on_error,
-            timeout_s=spec.timeout_s,
-            max_threads=spec.max_threads,
-        )
+            reward = Reward(
+                fn=_reward_fn(run, source),
+                batched=spec.batched,
+                on_error=spec.on_error,
+                timeout_s=spec.timeout_s,
+                max_threads=spec.max_threads,
+            )
         if spec.models:
             reward = _with_reward_models(reward, spec, source)
         hooks: dict[str, Any] = {"reward": reward}
@@ -109,6 +107,45 @@ def _agent_hooks(run: RLRun, source: str, reward: Reward) -> dict[str, Any]:
     )
     rollout = agent_rollout(fn, timeout_s=spec.timeout_s, limits=limits, name=spec.fn)
     return {"rollout": rollout, "reward": agent_reward(reward)}
+
+
+def _reward_fn(run: RLRun, source: str) -> Any:
+    """reward.fn as a function: a built-in, or one named by import path (checked for its arity)."""
+    spec = run.reward
+    if spec.fn in BUILTIN_REWARDS:
+        return builtin_reward(spec.fn, answer_key=run.data.answer_key)
+    what = "reward(samples, records) -> list[float]" if spec.batched else "reward(sample, record) -> float"
+    fn = resolve_function(_beside(spec.fn, source), key="reward.fn", num_positional=2, what=what)
+    _refuse_string_rewards(fn, what)
+    return fn
+
+
+def _judge(spec: Any, source: str) -> Reward:
+    """The [reward.judge] LLM judge as a Reward (its API key read from the environment now)."""
+    judge = spec.judge
+    try:
+        return judge_reward(
+            judge.url,
+            template=judge.template,
+            model=judge.model or None,
+            api_key_env=judge.api_key_env,
+            scale=JudgeScale(
+                low=judge.low,
+                high=judge.high,
+                labels={label.label: label.score for label in judge.labels},
+                pattern=judge.pattern,
+            ),
+            system=judge.system,
+            limits=JudgeLimits(
+                timeout_s=judge.timeout_s,
+                max_retries=judge.max_retries,
+                max_concurrency=judge.max_concurrency,
+                group_timeout_s=judge.group_timeout_s,
+            ),
+            on_error=spec.on_error,
+        )
+    except ValueError as e:
+        raise ConfigError(f"{source}: reward.judge: {e}") from e
 
 
 def _with_reward_models(verifier: Any, spec: Any, source: str) -> Any:

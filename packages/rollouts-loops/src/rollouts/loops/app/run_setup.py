@@ -200,6 +200,18 @@ def preflight(run: Any, source: str, command: str) -> Any:
                     f"{source}: rl.critic.path {critic!r} has vocab_size {vocab[critic]}, the policy "
                     f"{run.model.path!r} {vocab[run.model.path]}: the critic reads the policy's tokens"
                 )
+        teacher = run.distill.path
+        if teacher:
+            if not (Path(teacher) / "config.json").is_file():
+                raise ConfigError(
+                    f"{source}: distill.path {teacher!r} must be a local HF-format model directory (config.json)"
+                )
+            vocab = {p: _config_value(p, "vocab_size") for p in (run.model.path, teacher)}
+            if vocab[teacher] != vocab[run.model.path]:
+                raise ConfigError(
+                    f"{source}: distill.path {teacher!r} has vocab_size {vocab[teacher]}, the student "
+                    f"{run.model.path!r} {vocab[run.model.path]}: the teacher scores the student's token ids"
+                )
         if getattr(tokenizer, "eos_token_id", None) is None and _config_value(run.model.path, "eos_token_id") is None:
             log.warning(
                 "%s: neither the tokenizer nor the model's config names an EOS token: responses never stop "

@@ -249,6 +249,7 @@ async def _train(
         config,
         ref_components=models.reference,
         critic=models.critic,
+        distill=models.distill,
         advantage_fn=hooks.advantage_fn,
         loss_fn=hooks.loss_fn,
     )

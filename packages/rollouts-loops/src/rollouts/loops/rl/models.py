@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from rollouts.backends import InProcessEngine, TrainingComponents
 from rollouts.backends.train.lora import has_lora, reference_components
 from rollouts.backends.train.value import build_critic
+from rollouts.loops.rl.distill import Distillation, check_teacher
 from rollouts.types import InferenceEngine, RLConfig
 
 __all__ = ["RLModels", "check_models", "default_critic", "default_reference", "with_defaults"]
@@ -34,6 +35,8 @@ class RLModels:
     """The KL reference; default: the starting weights (with LoRA: the adapter switched off)."""
     critic: TrainingComponents | None = None
     """PPO's value model (advantage_estimator 'gae'); default: built from the starting policy."""
+    distill: Distillation | None = None
+    """On-policy distillation: a teacher scoring each sampled token (on every rank, like the reference)."""
 
     def __post_init__(self) -> None:
         sampler = _in_process_engine(self.engine)
@@ -74,6 +77,8 @@ def check_models(models: RLModels, config: RLConfig, *, rank: int, world: int) -
     if world > 1 and models.engine_shares_model:
         raise ValueError("under torchrun the engine needs its own weights (rank 0 samples; the model is sharded)")
     lora = has_lora(models.policy.model)
+    if models.distill is not None:
+        check_teacher(models.distill, models.policy.model)
     if world > 1 and config.algorithm.needs_reference and models.reference is None and not lora:
         raise ValueError(
             "under torchrun a KL term needs RLModels.reference on every rank: the starting model, "

@@ -37,6 +37,7 @@ from rollouts.loops.micro_batches import (
     whole_batch,
     with_arrays,
 )
+from rollouts.loops.rl.distill import Distillation, distill_advantages
 from rollouts.loops.rollouts.scoring import reward_errors, summarize
 from rollouts.loops.run.distributed import global_sum, rank_world
 from rollouts.losses import LossFn, kl_penalty, loss_fn_from_config, overlong_penalty
@@ -110,9 +111,11 @@ def rl_step(
     advantage_fn: AdvantageFn | None = None,
     loss_fn: LossFn | None = None,
     critic: TrainingComponents | None = None,
+    distill: Distillation | None = None,
 ) -> tuple[TrainingState, dict[str, float]]:
     """Train on one step's rollouts: overlong penalty, staleness filter, update; (state, metrics).
-    `critic`: PPO's value model (GAE), updated with the policy.
+    `critic`: PPO's value model (GAE), updated with the policy. `distill`: a teacher whose per-token
+    log-probs give (or add to) the advantages (rollouts.loops.rl.distill).
 
     Under torchrun every rank calls it with the same batch. A batch with no fresh sample leaves
     the state as it is (metrics say why).
@@ -145,6 +148,7 @@ def rl_step(
             advantage_fn=advantage_fn,
             loss_fn=loss_fn,
             critic=critic,
+            distill=distill,
         )
         metrics.update(train_metrics)
     return state, metrics
@@ -174,8 +178,10 @@ def rl_update(
     advantage_fn: AdvantageFn | None = None,
     loss_fn: LossFn | None = None,
     critic: TrainingComponents | None = None,
+    distill: Distillation | None = None,
 ) -> tuple[TrainingState, dict[str, float]]:
     """Advantages, log-probs and `num_updates_per_batch` optimizer steps on one batch of samples.
+    With `distill`, each trained token's advantage is (or gains) coef * (teacher - student log-prob).
 
     With GAE (PPO with a critic) the critic's values give the advantages and returns, and after the
     policy's steps the critic takes as many, on the clipped value loss (RLConfig.critic).
@@ -193,7 +199,7 @@ def rl_update(
     mbs = list(shard.micro_batches)
     masks = unpack_values(real, [mb.loss_mask for mb in real])
     metrics: dict[str, float] = {}
-    need_old = algorithm.num_updates_per_batch > 1 or algorithm.kl_placement == "reward"
+    need_old = algorithm.num_updates_per_batch > 1 or algorithm.kl_placement == "reward" or distill is not None
     # The policy trained is the one sampled from: logits / sampling temperature, truncated by top-k
     # and top-p and renormalised, as the engine drew from it (temperature 0, greedy: the plain softmax).
     sampling = config.rollout.sampling
@@ -234,6 +240,12 @@ def rl_update(
         )
     else:
         advantages = token_advantages(samples, algorithm, masks=all_masks, kl=all_kl, advantage_fn=advantage_fn)
+    if distill is not None:
+        assert old is not None
+        advantages, distill_metrics = distill_advantages(
+            distill, advantages, shard=shard, micro_batches=mbs, student=old, masks=masks
+        )
+        metrics.update(distill_metrics)
     mbs = scatter_token_values(mbs, "advantages", {i: advantages[rank + i * world] for i in mine})
     loss_fn = loss_fn if loss_fn is not None else default_loss_fn(config)
     for _ in range(algorithm.num_updates_per_batch):

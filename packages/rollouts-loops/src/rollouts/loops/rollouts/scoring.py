@@ -6,7 +6,7 @@ A reward function is one of (rollouts.types.RewardFn and BatchedRewardFn)
                                                            `batched = true` in the config)
 where `record` is the prompt record the samples were generated from (its answer, tests, ...),
 each call its own copy of it (`own_copy`: an edit in place never reaches the next sample's grading). A batched
-reward returns any 1-D sequence of numbers, one per sample (a list, a tuple, a numpy array).
+reward returns any 1-D sequence of numbers, one per sample (a list, a tuple, a numpy array; an exception fails its sample alone).
 `GroupScorer` scores groups with one; it is called through rollouts.data.user_code.call_user, its
 sync calls in worker threads of a pool of `Reward.max_threads` of their own.
 A reward that raises, times out, or returns a non-number or a non-finite value is a *reward error*:
@@ -366,7 +366,7 @@ def _one_per_sample(values: Any, num: int) -> list[Any]:
 def _checked(value: Any) -> float | str:
     """The reward `value` as a finite float, or the error text of why it is not one."""
     try:
-        return _as_reward(value)
+        return _as_reward(value) if not isinstance(value, Exception) else user_error_text(value)
     except (TypeError, ValueError) as e:
         return user_error_text(e)
 
