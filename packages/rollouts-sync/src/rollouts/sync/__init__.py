@@ -4,6 +4,7 @@ import importlib.metadata
 
 from rollouts.sync._common import is_adapter_dir
 from rollouts.sync._http import DEFAULT_HTTP, EngineError, HTTPOptions, RetryPolicy
+from rollouts.sync.broadcast_wire import DEFAULT_BROADCAST, BroadcastOptions
 from rollouts.sync.pool import EnginePool, NoHealthyEngineError
 from rollouts.sync.sglang import SGLangEngine
 from rollouts.sync.vllm import WORKER_EXTENSION_CLS, VLLMEngine
@@ -20,8 +21,10 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = [
+    "DEFAULT_BROADCAST",
     "DEFAULT_HTTP",
     "WORKER_EXTENSION_CLS",
+    "BroadcastOptions",
     "EngineError",
     "EngineFailure",
     "EnginePool",
