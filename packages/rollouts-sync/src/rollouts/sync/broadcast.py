@@ -216,18 +216,24 @@ class BroadcastSync:
     def _broadcast_all(self, plan: BroadcastPlan, tensors: dict[str, torch.Tensor], live: list[_Link]) -> None:
         """Every bucket to every live group, gathered once per bucket; a group that fails is dropped
         (its engine's receive fails within the bucket bound) and the rest go on."""
-        for bucket in plan.buckets:
-            full = [_full(tensors[spec.name]).to(self.device) for spec in bucket]
-            flat = _pack(bucket, full, self.device) if any(k.receiver.layout == "flat" for k in live) else None
-            for link in live:
-                if link.group is None:
-                    continue
-                try:
-                    for tensor in [flat] if link.receiver.layout == "flat" else full:
-                        broadcast_from_trainer(link.group, tensor)
-                except RuntimeError as exc:
-                    link.error = f"broadcast failed: {exc}"
-                    link.group = None  # a broken group is never used again
+        for index, bucket in enumerate(plan.buckets):
+            self._send_bucket(index, bucket, [_full(tensors[spec.name]).to(self.device) for spec in bucket], live)
+
+    def _send_bucket(
+        self, index: int, bucket: tuple[TensorSpec, ...], full: list[torch.Tensor], live: list[_Link]
+    ) -> None:
+        del index  # where a test injects a fault
+        flat = _pack(bucket, full, self.device) if any(k.receiver.layout == "flat" for k in live) else None
+        for link in live:
+            group = link.group
+            if group is None:
+                continue
+            try:
+                for tensor in [flat] if link.receiver.layout == "flat" else full:
+                    broadcast_from_trainer(group, tensor)
+            except RuntimeError as exc:
+                link.error = f"broadcast failed: {exc}"
+                link.group = None  # a broken group is never used again
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
