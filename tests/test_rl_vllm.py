@@ -203,48 +203,12 @@ timeout_s = 60.0
     assert all(r["groups_requested"] >= 8 + r["groups_partial"] for r in records)  # a group cut short is asked again
 
 
-async def _broadcast(url, tensors, options=None):
-    from rollouts.sync.broadcast import BroadcastSync
-
-    async with VLLMEngine(url, http=HTTPOptions(timeout_s=60.0)) as engine:
-        version = (await engine.weight_version() or 0) + 1
-        sync = BroadcastSync(options or BroadcastOptions(bucket_bytes=64 * 1024))
-        await sync.connect([engine])
-        result = await sync.push(tensors, version)
-        return result, version, (await engine.generate([[3, 4, 5, 6]], GREEDY_4))[0]
-
-
 GREEDY_4 = SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=True)
 
 
-def _perturbed(model_dir, out, seed):
-    """bf16 tensors of `model_dir`'s weights plus noise, and `out`: the same weights (exact in float32) as a
-    model directory for the transformers reference."""
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    weights = load_file(str(model_dir / "model.safetensors"))
-    generator = torch.Generator().manual_seed(seed)
-    sent = {n: (w + torch.randn(w.shape, generator=generator) * 0.3).bfloat16() for n, w in weights.items()}
-    shutil.copytree(model_dir, out)
-    save_file({n: t.float() for n, t in sent.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return sent
-
-
-def test_a_broadcast_sync_serves_the_trainers_bf16_weights(tiny_run_inputs, vllm_for_tiny_model, tmp_path):
-    """bf16 on the wire (the bytes of the bf16 model), several buckets; vLLM (float32) then serves
-    exactly the bf16 values: greedy tokens equal transformers' and log-probs agree to float32 tolerance."""
-    sent = _perturbed(tiny_run_inputs / "model", tmp_path / "v1", seed=5)
-    result, version, sample = trio.run(_broadcast, vllm_for_tiny_model.url, sent)
-    assert result.weight_version == version and len(result.updated) == 1
-    tokens, logprobs = reference_greedy(tmp_path / "v1", [3, 4, 5, 6], 4, python=find_vllm_python())
-    assert list(sample.response_tokens) == tokens
-    np.testing.assert_allclose(sample.rollout_logprobs, logprobs, rtol=0, atol=1e-4)
-
-
 def test_fsdp2_on_two_gloo_ranks_broadcasts_to_one_engine(tiny_run_inputs, vllm_for_tiny_model, tmp_path):
+    """Each DTensor gathered bucket by bucket: the engine then serves exactly what it serves after a
+    disk sync of the full weights the ranks gathered (greedy tokens and log-probs, bit for bit)."""
     version = trio.run(_served_version, vllm_for_tiny_model.url) + 1
     worker = os.path.join(os.path.dirname(__file__), "broadcast_fsdp_worker.py")
     model, out = tiny_run_inputs / "model", tmp_path / "sent"
@@ -259,10 +223,16 @@ def test_fsdp2_on_two_gloo_ranks_broadcasts_to_one_engine(tiny_run_inputs, vllm_
         async with VLLMEngine(vllm_for_tiny_model.url, http=HTTPOptions(timeout_s=60.0)) as engine:
             return (await engine.generate([[3, 4, 5, 6]], GREEDY_4))[0]
 
-    sample = trio.run(served)
-    tokens, logprobs = reference_greedy(out, [3, 4, 5, 6], 4, python=find_vllm_python())
-    assert list(sample.response_tokens) == tokens
-    np.testing.assert_allclose(sample.rollout_logprobs, logprobs, rtol=0, atol=1e-4)
+    broadcast = trio.run(served)
+    trio.run(_disk_sync, vllm_for_tiny_model.url, str(out), version + 1)  # the same weights, from disk
+    disk = trio.run(served)
+    assert broadcast.response_tokens == disk.response_tokens
+    np.testing.assert_array_equal(broadcast.rollout_logprobs, disk.rollout_logprobs)
+
+
+async def _disk_sync(url, path, version):
+    async with VLLMEngine(url, http=HTTPOptions(timeout_s=60.0)) as engine:
+        await engine.update_weights_from_disk(path, version)
 
 
 @pytest.fixture
@@ -290,7 +260,9 @@ def test_an_engine_killed_mid_broadcast_is_named_and_the_other_loads(
                 os.killpg(doomed_vllm.pid, signal.SIGKILL)
             super()._send_bucket(index, bucket, full, live)
 
-    sent = _perturbed(tiny_run_inputs / "model", tmp_path / "v1", seed=6)
+    from safetensors.torch import load_file
+
+    sent = {n: t.bfloat16() for n, t in load_file(str(tiny_run_inputs / "model" / "model.safetensors")).items()}
 
     async def run():
         http = HTTPOptions(timeout_s=60.0)
@@ -299,7 +271,7 @@ def test_an_engine_killed_mid_broadcast_is_named_and_the_other_loads(
             VLLMEngine(doomed_vllm.url, http=http) as bad,
         ):
             version = max(await good.weight_version() or 0, await bad.weight_version() or 0) + 1
-            sync = KillsBeforeBucket2(BroadcastOptions(bucket_bytes=64 * 1024, bucket_timeout_s=bucket_timeout_s))
+            sync = KillsBeforeBucket2(BroadcastOptions(bucket_bytes=8 * 1024, bucket_timeout_s=bucket_timeout_s))
             await sync.connect([good, bad])
             start = trio.current_time()
             with pytest.raises(WeightSyncError) as info:
