@@ -194,3 +194,19 @@ async def test_an_engine_that_never_joins_is_named_within_the_setup_timeout():
             await sync.connect([engine])
         assert time.monotonic() - start < 1.0 + 5.0
         assert info.value.failures[0].engine == engine.name
+
+
+@pytest.mark.anyio
+async def test_connect_again_after_a_broken_group_syncs_again():
+    state = FakeEngineState(weights=_fake_weights())
+    async with serve_fake_engine(state) as server, SGLangEngine(server.url) as engine:
+        sync = BroadcastSync(FAST)
+        await sync.connect([engine])
+        state.faults.append(Fault(path="/update_weights_from_distributed", kind="status", status=500))
+        with pytest.raises(WeightSyncError):
+            await sync.push({"w": torch.ones(64, 32)}, 1)
+        assert not sync.connected
+        await sync.connect([engine])  # fresh group names on the same store
+        assert sync.connected
+        await sync.push({"w": torch.ones(64, 32)}, 2)
+        assert (state.weights["w"] == 1).all() and await engine.weight_version() == 2

@@ -84,8 +84,14 @@ class BroadcastSync:
         self.rank = rank
         self._links: list[_Link] = []
         self._store: Any = None
+        self._num_connects = 0  # each connect's groups get fresh names: the store still holds the old keys
         self.last_num_bytes = 0
         """Bytes of the weights the last push sent to each engine."""
+
+    @property
+    def connected(self) -> bool:
+        """Whether every engine of the last connect still has its group (False once one broke)."""
+        return bool(self._links) and all(link.group is not None for link in self._links)
 
     @property
     def device(self) -> torch.device:
@@ -108,6 +114,7 @@ class BroadcastSync:
         host = self.options.host or local_address_toward(_engine_host(names[0]))
         if self._store is None:
             self._store = await anyio.to_thread.run_sync(self._make_store, host)
+        self._num_connects += 1
         failures: list[EngineFailure] = []
 
         async def join(i: int, link: _Link) -> None:
@@ -132,7 +139,7 @@ class BroadcastSync:
 
     async def _join(self, i: int, link: _Link, host: str) -> None:
         world_size = 1 + await link.receiver.num_workers()
-        group = f"{_GROUP_PREFIX}-{i}"
+        group = f"{_GROUP_PREFIX}-{self._num_connects}-{i}"
         address = self.options.host or local_address_toward(_engine_host(link.receiver.name))
         result: dict[str, Any] = {}
 

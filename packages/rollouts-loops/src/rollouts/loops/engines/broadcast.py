@@ -1,6 +1,7 @@
 """An engine synced by collective broadcast (`[engine] sync = "broadcast"`): each weight update
 reads the exported weights here, in the trainer's process and dtype, and broadcasts them into the
-engine's workers through a process group joined at the first update (rollouts.sync.broadcast)."""
+engine's workers through a process group joined at the first update, and joined again after a sync
+that broke it (rollouts.sync.broadcast)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ class BroadcastWeights(_Wrapped):
     def __init__(self, engine: InferenceEngine, options: BroadcastOptions = DEFAULT_BROADCAST) -> None:
         super().__init__(engine)
         self.sync = BroadcastSync(options, rank=0)  # only the rank that owns the engines syncs them
-        self._connected = False
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
         if is_adapter_dir(path):
@@ -32,9 +32,8 @@ class BroadcastWeights(_Wrapped):
                 f"{path!r} is a LoRA adapter: engine.sync = 'broadcast' sends full weights only; use "
                 "engine.sync = 'disk' (the engine loads the adapter from that path) or model.lora.sync = 'merged'"
             )
-        if not self._connected:
+        if not self.sync.connected:  # the first sync, or the last one broke the group (a restarted engine)
             await self.sync.connect([self.engine])
-            self._connected = True
         tensors = await trio.to_thread.run_sync(read_torch_weights, path)
         await self.sync.push(tensors, weight_version)
 
