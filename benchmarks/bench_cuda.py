@@ -6,9 +6,11 @@ logprobs  `fused_token_logprobs` against naive log_softmax(h @ W.T).gather, forw
           sum(g * log p) for a random upstream gradient g, at Qwen2-0.5B's output layer (H=896,
           V=151936) and Qwen2-7B's (H=3584, V=152064), 1k to 32k tokens. Naive in bf16 is what
           bf16 models do: a bf16 matmul, the [K, V] logits upcast to float32 for the softmax. Fused
-          runs with its default operands (on CUDA, bf16 inputs multiplied as they are, float32
-          accumulation and logits) and, for bf16, with matmul_dtype=float32 (exact upcast, as on
-          CPU) for comparison.
+          (kernel="torch") runs with its default operands (on CUDA, bf16 inputs multiplied as they
+          are, float32 accumulation and logits) and, for bf16, with matmul_dtype=float32 (exact
+          upcast, as on CPU) for comparison; triton is kernel="triton" (the default on CUDA for
+          bf16 / fp16); liger is Liger's fused linear cross-entropy (reduction="none", log p =
+          -loss), when liger_kernel is installed.
           - time: CUDA events around forward + backward, median of `--repeats` after a warm-up;
           - memory beyond inputs: torch.cuda.max_memory_allocated during the step, less the memory
             allocated before it and the bytes every variant returns (dh, dW, the [K] log-probs);
@@ -24,12 +26,19 @@ train     `rl_step` (advantages, packing into micro-batches of 8192 tokens, forw
           - fsdp2-fp32: FSDP2 in float32 throughout;
           - bf16: the unsharded model in bf16 (what `dtype = "bfloat16"` on one device gives), the
             library's AdamW (torch's fused kernel for plain weights on CPU or CUDA);
+          - a suffix -compile (bf16-compile, fsdp2-bf16-compile): each decoder layer compiled
+            (`compile_layers`, the run file's `model.compile = "layers"`);
+          - trl, trl-compile, liger: the peer steps of train_peers.py on the same model and batch (HF
+            forward + TRL's selective_log_softmax over logits_to_keep; the same with regional
+            compilation; HF decoder + liger_kernel's fused linear cross-entropy, "not installed"
+            without it), torch's fused AdamW, the same clipping;
           - a suffix -loop-adam, -foreach-adam or -fused-adam (e.g. bf16-loop-adam) swaps in that
             implementation of torch's AdamW; -loop-adam is the AdamW the library used before (the norm
             and clipping stay the library's).
           Step time (median of `--steps` after 2 warm-up steps), its forward + backward and
           optimizer parts, tokens per second, peak GPU memory, and 6 N tokens / time (N the
-          parameter count) as a rough model TFLOP/s. `--micro-tokens` sets the micro-batch size.
+          parameter count) as a rough model TFLOP/s; `compile s`: the first step's time less the
+          median (the compile time, for compiled variants). `--micro-tokens` sets the micro-batch size.
 grpo      whole GRPO steps on the GPU: the in-process sampler (sharing the trained bf16 model)
           generates 8 prompts x 8 completions x 128 new tokens from 64-token prompts, then
           `rl_step` trains on them; generate and train times, median of `--steps` after 1 warm-up.
@@ -94,6 +103,7 @@ import sys
 import time
 
 import torch
+from train_peers import PEERS, batch_tensors, peer_step_fn
 
 GIB = 2.0**30
 LOGPROB_SHAPES = {  # (H, V): token counts, by dtype
@@ -101,7 +111,10 @@ LOGPROB_SHAPES = {  # (H, V): token counts, by dtype
     (3584, 152064): {torch.bfloat16: (4096, 16384, 32768), torch.float32: ()},
 }
 QUICK_SHAPES = {(64, 1000): {torch.bfloat16: (64, 256), torch.float32: (64,)}}
-TRAIN_VARIANTS = ("fsdp2-bf16", "fsdp2-bf16-loop-adam", "bf16", "bf16-loop-adam", "fsdp2-fp32")
+TRAIN_VARIANTS = (
+    "trl", "trl-compile", "liger", "bf16", "bf16-compile", "fsdp2-bf16", "fsdp2-bf16-loop-adam", "bf16-loop-adam",
+    "fsdp2-fp32",
+)  # fmt: skip
 ADAMW_SUFFIXES = {"-loop-adam": {"foreach": False}, "-foreach-adam": {"foreach": True}, "-fused-adam": {"fused": True}}
 CHECK_TOKENS = 256
 
@@ -142,15 +155,37 @@ def _naive(hidden_K_H: torch.Tensor, weight_V_H: torch.Tensor, labels_K: torch.T
     return torch.log_softmax(logits_K_V.float(), dim=-1).gather(-1, labels_K[:, None]).squeeze(-1)
 
 
-def _fused(matmul_dtype: torch.dtype | None):
+def _fused(matmul_dtype: torch.dtype | None, kernel: str = "torch"):
     from rollouts.losses import fused_token_logprobs
 
     def run(hidden_K_H: torch.Tensor, weight_V_H: torch.Tensor, labels_K: torch.Tensor) -> torch.Tensor:
-        out = fused_token_logprobs(hidden_K_H[None], weight_V_H, labels_K[None], matmul_dtype=matmul_dtype)
+        out = fused_token_logprobs(
+            hidden_K_H[None], weight_V_H, labels_K[None], matmul_dtype=matmul_dtype, kernel=kernel
+        )
         assert isinstance(out, torch.Tensor)
         return out[0]
 
     return run
+
+
+def _liger():
+    """Liger's fused linear cross-entropy with reduction="none" (log p = -loss), or None if not installed."""
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError:
+        return None
+
+    def run(hidden_K_H: torch.Tensor, weight_V_H: torch.Tensor, labels_K: torch.Tensor) -> torch.Tensor:
+        loss = liger_fused_linear_cross_entropy(hidden_K_H, weight_V_H, labels_K, reduction="none")
+        return -(loss[0] if isinstance(loss, tuple) else loss)
+
+    return run
+
+
+def _triton_available(device: torch.device) -> bool:
+    import importlib.util
+
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
 
 
 def _exact(hidden_K_H, weight_V_H, labels_K, g_K):
@@ -208,13 +243,22 @@ def section_logprobs(device: torch.device, repeats: int, quick: bool) -> list[di
                 variants = [("naive", _naive), ("fused", _fused(None))]
                 if dtype != torch.float32:
                     variants.append(("fused-upcast", _fused(torch.float32)))
+                variants.append(("triton", _fused(None, "triton") if _triton_available(device) else None))
+                variants.append(("liger", _liger() if device.type == "cuda" else None))
                 base = None
                 for name, fn in variants:
+                    if fn is None:
+                        reason = "not installed" if device.type == "cuda" else "needs CUDA"
+                        print(f"{hid:>5} {vocab:>7} {str(dtype)[6:]:>9} {k:>6} {name:>14}  {reason}")
+                        continue
                     try:
                         r = logprob_case(fn, hidden, weight, labels, g, repeats, exact)
                     except torch.OutOfMemoryError:
                         print(f"{hid:>5} {vocab:>7} {str(dtype)[6:]:>9} {k:>6} {name:>14}  out of memory")
                         torch.cuda.empty_cache()
+                        continue
+                    except (RuntimeError, TypeError, ValueError) as e:  # a peer's API or kernel refusing the case
+                        print(f"{hid:>5} {vocab:>7} {str(dtype)[6:]:>9} {k:>6} {name:>14}  failed: {e!r:.120}")
                         continue
                     if name == "naive":
                         base = r
@@ -285,6 +329,7 @@ def train_worker(variant: str, steps: int, quick: bool, profile: str = "", micro
     from rollouts.backends import build_components, build_optimizer, build_scheduler
     from rollouts.backends.train.components import TrainingComponents
     from rollouts.backends.train.distributed import shard_model
+    from rollouts.backends.train.regional_compile import compile_layers
     from rollouts.loops.rl.step import rl_step
     from rollouts.types import AlgorithmConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams, TrainingState
 
@@ -305,6 +350,18 @@ def train_worker(variant: str, steps: int, quick: bool, profile: str = "", micro
     )
     model = _model(quick)
     num_params = sum(p.numel() for p in model.parameters())
+    batch = _batch(model.config.vocab_size, samples, prompt, response, group)
+    if variant in PEERS:  # the same model and batch through a peer library's step (train_peers.py)
+        model = model.to(device, torch.bfloat16)
+        ids_N_T, adv_N = batch_tensors(batch, device)
+        try:
+            peer = peer_step_fn(variant, model, optimizer_config)
+        except ImportError as e:
+            return {"variant": variant, "missing": str(e)}
+        return _timed_steps(
+            variant, lambda: peer(ids_N_T, adv_N, prompt, micro, _sync), warmup, steps, device,
+            {"micro_tokens": micro, "params": num_params, "tokens": samples * (prompt + response)},
+        )  # fmt: skip
     if variant.startswith("fsdp2"):
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -313,6 +370,7 @@ def train_worker(variant: str, steps: int, quick: bool, profile: str = "", micro
         if device.type == "cuda":
             torch.cuda.set_device(device)
         model = model.to(device)
+        compile_layers(model, "layers" if "-compile" in variant else "none")  # before sharding
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if "bf16" in variant else None
         model = shard_model(model, mixed_precision=mp)
         opt = build_optimizer(model, optimizer_config)
@@ -324,6 +382,7 @@ def train_worker(variant: str, steps: int, quick: bool, profile: str = "", micro
         components = build_components(
             model.to(torch.bfloat16), optimizer_config, num_training_steps=warmup + steps, device=str(device)
         )
+        compile_layers(components.model, "layers" if "-compile" in variant else "none")
     for suffix, implementation in ADAMW_SUFFIXES.items():
         if variant.endswith(suffix):  # the same groups and hyperparameters, another implementation
             groups = [
@@ -355,23 +414,18 @@ def train_worker(variant: str, steps: int, quick: bool, profile: str = "", micro
             timed(module, "forward_backward", "forward_backward")
         if hasattr(module, "optim_step"):
             timed(module, "optim_step", "optimizer")
-    batch = _batch(model.config.vocab_size, samples, prompt, response, group)
-    tokens = samples * (prompt + response)
-    state, records = TrainingState(), []
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    for step in range(warmup + steps):
+    state = TrainingState()
+
+    def one_step() -> dict[str, float]:
+        nonlocal state
         parts.clear()
-        _sync()
-        t0 = time.perf_counter()
         state, metrics = rl_step(components, state, dataclasses.replace(batch, step=state.step + 1), config)
-        _sync()
-        total = time.perf_counter() - t0
-        if step >= warmup:
-            records.append({"total": total, **parts})
-        loss = float(metrics.get("loss", float("nan")))
-        if not (loss == loss):
-            raise FloatingPointError(f"{variant}: step {step} loss {loss}")
+        return {**parts, "loss": float(metrics.get("loss", float("nan")))}
+
+    result = _timed_steps(
+        variant, one_step, warmup, steps, device,
+        {"micro_tokens": micro, "params": num_params, "tokens": samples * (prompt + response)},
+    )  # fmt: skip
     if profile:  # one more step under the profiler: its busiest kernels and ops, to `profile`
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -384,13 +438,32 @@ def train_worker(variant: str, steps: int, quick: bool, profile: str = "", micro
         with open(profile, "w") as f:
             for key in ("cuda_time_total", "cpu_time_total", "self_cpu_time_total"):
                 f.write(f"== sorted by {key}\n{table.table(sort_by=key, row_limit=30, max_name_column_width=70)}\n")
-    med = {key: statistics.median(r.get(key, 0.0) for r in records) for key in records[0]}
-    peak = torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else float("nan")
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    return result
+
+
+def _timed_steps(variant: str, one_step, warmup: int, steps: int, device: torch.device, info: dict) -> dict:
+    """Median figures of `steps` steps after `warmup`; compile_s: the first step's time less the median."""
+    records, first = [], 0.0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(warmup + steps):
+        _sync()
+        t0 = time.perf_counter()
+        parts = one_step()
+        _sync()
+        total = time.perf_counter() - t0
+        first = first or total
+        if step >= warmup:
+            records.append({"total": total, **{k: v for k, v in parts.items() if k != "loss"}})
+        if not (parts["loss"] == parts["loss"]):
+            raise FloatingPointError(f"{variant}: step {step} loss {parts['loss']}")
+    med = {key: statistics.median(r.get(key, 0.0) for r in records) for key in records[0]}
+    peak = torch.cuda.max_memory_allocated() / GIB if device.type == "cuda" else float("nan")
     return {
-        "variant": variant, "micro_tokens": micro, "params": num_params, "tokens": tokens, "peak_gib": peak, **med,
-        "tokens_per_s": tokens / med["total"], "tflops": 6 * num_params * tokens / med["total"] / 1e12,
+        "variant": variant, **info, "peak_gib": peak, **med, "compile_s": first - med["total"],
+        "tokens_per_s": info["tokens"] / med["total"], "tflops": 6 * info["params"] * info["tokens"] / med["total"] / 1e12,
     }  # fmt: skip
 
 
@@ -398,7 +471,7 @@ def section_train(steps: int, quick: bool, variants: list[str], profile_dir: str
     print("\n== training steps: rl_step on a Qwen2-0.5B-shaped model" + (" (quick sizes)" if quick else ""))
     print(
         f"{'variant':>22} {'step ms':>9} {'fwd+bwd ms':>10} {'optim ms':>9} {'other ms':>9} "
-        f"{'tokens/s':>10} {'6N tok/s TF':>11} {'peak GiB':>9}"
+        f"{'tokens/s':>10} {'6N tok/s TF':>11} {'peak GiB':>9} {'compile s':>9}"
     )
     rows = []
     for variant in variants:
@@ -413,12 +486,15 @@ def section_train(steps: int, quick: bool, variants: list[str], profile_dir: str
             print(f"{variant:>22}  failed (rc {proc.returncode}): {proc.stderr.strip().splitlines()[-3:]}")
             continue
         r = json.loads(lines[-1])
+        if "missing" in r:
+            print(f"{variant:>22}  not installed ({r['missing']})")
+            continue
         variant = f"{variant}@{r['micro_tokens']}" if micro_tokens else variant
         other = r["total"] - r.get("forward_backward", 0.0) - r.get("optimizer", 0.0)
         print(
             f"{variant:>22} {1e3 * r['total']:9.1f} {1e3 * r.get('forward_backward', 0):10.1f} "
             f"{1e3 * r.get('optimizer', 0):9.1f} {1e3 * other:9.1f} {r['tokens_per_s']:10.0f} "
-            f"{r['tflops']:11.1f} {r['peak_gib']:9.2f}",
+            f"{r['tflops']:11.1f} {r['peak_gib']:9.2f} {r['compile_s']:9.1f}",
             flush=True,
         )
         rows.append(r)

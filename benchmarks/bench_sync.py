@@ -6,8 +6,10 @@
    beside its bare transport in the same run (a file write+read, a POST to a local sink, a plain
    gloo broadcast between two processes, of the same bytes); target <= 1.3x. Skipped with a
    message when the vLLM venv is absent.
+3. Attestation (`--attest`: this section alone): seconds to checksum Qwen2-0.5B-shaped random bf16
+   weights (rollouts.sync.fingerprint), numpy and torch on CPU, torch on CUDA where there is a GPU.
 
-Run: OMP_NUM_THREADS=1 uv run python benchmarks/bench_sync.py [--quick] [--no-vllm]
+Run: OMP_NUM_THREADS=1 uv run python benchmarks/bench_sync.py [--quick] [--no-vllm] [--attest]
 """
 
 from __future__ import annotations
@@ -31,14 +33,14 @@ import trio
 from safetensors.numpy import save_file
 from safetensors.torch import save_file as save_torch_file
 
-from rollouts.sync import BroadcastOptions, HTTPOptions, VLLMEngine, sync_weights_to_engines
+from rollouts.sync import BroadcastOptions, HTTPOptions, VLLMEngine, fingerprint, sync_weights_to_engines
 from rollouts.sync.broadcast import BroadcastSync
 from rollouts.sync.broadcast_wire import plan_buckets
 from rollouts.sync.fake_server import FakeEngineState, serve_fake_engine
+from rollouts.sync.fingerprint import fingerprint_torch
 from rollouts.sync.launch import VLLMServeOptions, free_port
 from rollouts.sync.launch import launch_vllm_server as launch_server
 from rollouts.sync.testing import build_tiny_model, find_vllm_python, vllm_unavailable_reason
-from rollouts.sync.vllm import tensor_rpc_bodies
 
 RELOAD_DELAY_S = 0.5
 NUM_REPEATS = 5
@@ -82,10 +84,9 @@ QWEN2_0_5B = {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermed
 QUICK = {"hidden": 256, "layers": 2, "heads": 4, "kv_heads": 2, "intermediate": 512, "vocab": 1024}
 
 
-def qwen2_tensors(shape: dict[str, int], seed: int) -> dict[str, torch.Tensor]:
-    """Random bf16 weights under Qwen2's checkpoint names (tied lm_head, so none of its own)."""
+def qwen2_shapes(shape: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """Qwen2's checkpoint tensors for `shape` (tied lm_head, so none of its own)."""
     h, kv = shape["hidden"], shape["kv_heads"] * (shape["hidden"] // shape["heads"])
-    g = torch.Generator().manual_seed(seed)
     per_layer = {
         "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),
@@ -103,7 +104,13 @@ def qwen2_tensors(shape: dict[str, int], seed: int) -> dict[str, torch.Tensor]:
     shapes = {"model.embed_tokens.weight": (shape["vocab"], h), "model.norm.weight": (h,)}
     for i in range(shape["layers"]):
         shapes |= {f"model.layers.{i}.{n}": s for n, s in per_layer.items()}
-    return {n: (torch.randn(s, generator=g) * 0.02).bfloat16() for n, s in shapes.items()}
+    return shapes
+
+
+def qwen2_tensors(shape: dict[str, int], seed: int) -> dict[str, torch.Tensor]:
+    """Random bf16 weights under Qwen2's checkpoint names."""
+    g = torch.Generator().manual_seed(seed)
+    return {n: (torch.randn(s, generator=g) * 0.02).bfloat16() for n, s in qwen2_shapes(shape).items()}
 
 
 def write_model(out: Path, shape: dict[str, int], tokenizer_dir: Path) -> dict[str, torch.Tensor]:
@@ -208,14 +215,13 @@ async def transports(url: str, tensors: dict[str, torch.Tensor], tmp: Path, repe
             ("disk", statistics.median(times), disk_bytes, median_s(lambda: bare_file(disk_bytes, tmp), repeats))
         )
 
-        arrays = {n: t.float().numpy() for n, t in tensors.items()}  # what update_weights_from_tensors takes
-        body_bytes = sum(len(b["kwargs"]["data_b64"]) for b in tensor_rpc_bodies(arrays, chunk_bytes=256 << 20))
         times = []
-        for _ in range(repeats):
+        for _ in range(repeats):  # http: the tensors in their own dtype, base64 safetensors in JSON bodies
             start = time.perf_counter()
-            await engine.update_weights_from_tensors(arrays, version)
+            upload = await engine.update_weights_from_tensors(tensors, version)
             times.append(time.perf_counter() - start)
             version += 1
+        body_bytes = upload.body_bytes
         sink = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
         threading.Thread(target=sink.serve_forever, daemon=True).start()
         blob = b"x" * body_bytes
@@ -270,10 +276,42 @@ def bench_transports(tmp: Path, quick: bool) -> None:
             f"  {name:<10} {seconds:>8.3f} {num_bytes / 1e6:>9.1f} {bare:>8.3f} {seconds / bare:>6.2f}x  "
             f"{bare_names[name]}"
         )
-    print("  (http carries float32 base64 in JSON: numpy has no bfloat16; its bytes are the request bodies')")
+    print("  (http's bytes are its request bodies: base64 safetensors of the bf16 tensors, in JSON)")
+
+
+def bench_attest() -> None:
+    """Checksum seconds per sync of Qwen2-0.5B-shaped bf16 weights: what attestation adds (the sender's
+    fingerprint plus the engine's, each computed once per sync)."""
+    generator = torch.Generator().manual_seed(0)
+    weights = {
+        name: torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator).view(torch.bfloat16)
+        for name, shape in qwen2_shapes(QWEN2_0_5B).items()
+    }
+    gigabytes = sum(t.numel() * 2 for t in weights.values()) / 1e9
+    rows = [("numpy, CPU", lambda: fingerprint(weights)), ("torch, CPU", lambda: fingerprint_torch(weights))]
+    if torch.cuda.is_available():
+        on_gpu = {name: t.cuda() for name, t in weights.items()}
+        rows.append((f"torch, {torch.cuda.get_device_name()}", lambda: fingerprint_torch(on_gpu)))
+    results = {}
+    print(f"attestation: checksums of Qwen2-0.5B-shaped bf16 weights ({len(weights)} tensors, {gigabytes:.2f} GB)")
+    print(f"  {'implementation':<34} {'seconds (median of 3)':>22} {'GB/s':>8}")
+    for label, run in rows:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            results[label] = run()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+        print(f"  {label:<34} {seconds:>22.3f} {gigabytes / seconds:>8.2f}")
+    assert len({tuple(sorted(r.items())) for r in results.values()}) == 1, "implementations disagree"
 
 
 def main() -> None:
+    if "--attest" in sys.argv:
+        bench_attest()
+        return
     with tempfile.TemporaryDirectory() as tmp:
         bench_fanout(Path(tmp))
         if "--no-vllm" not in sys.argv:

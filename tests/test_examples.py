@@ -9,6 +9,7 @@ import pytest
 
 from rollouts.loops.app.cli import main
 from rollouts.loops.app.config import RLRun, SFTRun, load_run
+from rollouts.loops.app.dpo_run import DPORun
 from rollouts.loops.run.loggers import read_jsonl
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -34,7 +35,7 @@ def test_the_examples_cover_what_users_start_from():
 
 @pytest.mark.parametrize("name", TOMLS)
 def test_every_example_loads_and_validates(name):
-    kind = SFTRun if "sft" in name else RLRun
+    kind = SFTRun if "sft" in name else DPORun if "dpo" in name else RLRun
     run = load_run(kind, str(EXAMPLES / name))
     assert run.model.path  # a document of a real run, not an empty template
     tomllib.loads((EXAMPLES / name).read_text())
@@ -58,6 +59,17 @@ def test_every_example_runs_a_step_or_two(name, tiny_run_inputs, tmp_path, monke
             "model.gradient_checkpointing=false",
         ]
         command, metrics = "sft", "metrics_sft.jsonl"
+    elif "dpo" in name:  # its own tiny data: addition pairs the tiny model's tokenizer spells
+        sets = [
+            *common,
+            "dpo.num_steps=2",
+            "dpo.batch_size=4",
+            "dpo.max_length=32",
+            "dpo.max_tokens_per_micro_batch=256",
+            "model.dtype='float32'",
+            "model.device='cpu'",
+        ]
+        command, metrics = "dpo", "metrics_dpo.jsonl"
     else:
         sets = [*common, f"data.train_path='{tiny_run_inputs / 'prompts.jsonl'}'", *SMALL_RL]
         if name == "dapo.toml":  # dynamic sampling drops groups whose rewards agree: give them a spread

@@ -209,7 +209,7 @@ GREEDY_4 = SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=True)
 def test_fsdp2_on_two_gloo_ranks_broadcasts_to_one_engine(tiny_run_inputs, vllm_for_tiny_model, tmp_path):
     """Each DTensor gathered bucket by bucket: the engine then serves exactly what it serves after a
     disk sync of the full weights the ranks gathered (greedy tokens and log-probs, bit for bit)."""
-    version = trio.run(_served_version, vllm_for_tiny_model.url) + 1
+    version = (trio.run(_served_version, vllm_for_tiny_model.url) or 0) + 1
     worker = os.path.join(os.path.dirname(__file__), "broadcast_fsdp_worker.py")
     model, out = tiny_run_inputs / "model", tmp_path / "sent"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", worker]

@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from rollouts.sync.fingerprint import fingerprint, fingerprint_dir
 from rollouts.sync.vllm import tensor_rpc_bodies
 from rollouts.sync.worker_extension import SafetensorsWeightLoader
 
@@ -40,7 +41,7 @@ def _send(worker, tensors, chunk_bytes=1 << 20):
 def test_a_chunked_update_applies_all_its_tensors_at_its_last_chunk(worker):
     bodies = tensor_rpc_bodies({"a": np.full(4, 1.0, np.float32), "b": np.full(4, 2.0, np.float32)}, chunk_bytes=16)
     assert [(b["kwargs"]["first"], b["kwargs"]["apply"]) for b in bodies] == [("1", "0"), ("0", "1")]
-    assert worker.rollouts_load_weights(**bodies[0]["kwargs"]) == {"num_tensors": 1, "applied": False}
+    assert worker.rollouts_load_weights(**bodies[0]["kwargs"])["applied"] is False
     assert worker.loaded is None
     worker.rollouts_load_weights(**bodies[1]["kwargs"])
     assert worker.loaded == {"a": [1.0] * 4, "b": [2.0] * 4, "c": [0.0] * 4}
@@ -69,3 +70,28 @@ def test_a_failed_reload_keeps_the_cached_weights(tmp_path):
     worker.fail_reload = False
     _send(worker, {"b": np.full(4, 2.0, np.float32)})
     assert worker.loaded == {"a": [0.0] * 4, "b": [2.0] * 4, "c": [0.0] * 4}
+
+
+def test_each_load_answers_the_checksums_of_what_the_worker_received(worker):
+    sent = {"a": torch.randn(4, dtype=torch.bfloat16), "b": torch.randn(4)}
+    (body,) = tensor_rpc_bodies(sent, chunk_bytes=1 << 20)
+    answer = worker.rollouts_load_weights(**body["kwargs"])
+    assert answer["checksums"] == fingerprint(sent)
+    assert worker.loaded["a"] == sent["a"].float().tolist()  # bf16 sent as bf16, cast by the loader
+
+
+def test_the_fault_hook_corrupts_the_named_tensor_after_receipt(worker, monkeypatch):
+    monkeypatch.setenv("ROLLOUTS_SYNC_FAULT", "corrupt:b")
+    sent = {"a": torch.ones(4), "b": torch.ones(4)}
+    (body,) = tensor_rpc_bodies(sent, chunk_bytes=1 << 20)
+    answer = worker.rollouts_load_weights(**body["kwargs"])
+    expected = fingerprint(sent)
+    assert answer["checksums"]["a"] == expected["a"] and answer["checksums"]["b"] != expected["b"]
+    assert worker.loaded["b"] != [1.0] * 4  # the corruption reached the model, as a real fault would
+
+
+def test_the_fingerprint_rpc_reads_the_checkpoint_a_disk_reload_loaded(worker, tmp_path):
+    directory = tmp_path / "v1"
+    directory.mkdir()
+    save_file({"a": torch.randn(4, dtype=torch.bfloat16), "c": torch.randn(4)}, str(directory / "model.safetensors"))
+    assert worker.rollouts_fingerprint(str(directory)) == {"checksums": fingerprint_dir(directory)}

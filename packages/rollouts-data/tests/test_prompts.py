@@ -79,3 +79,30 @@ def test_bad_input_is_refused_naming_it(chatml_tokenizer):
         prompt_encoder(chatml_tokenizer)({"prompt": 3})
     with pytest.raises(KeyError):
         prompt_encoder(chatml_tokenizer)({"question": "no prompt field"})
+
+
+@settings(max_examples=80, deadline=None)
+@given(text=st.text(alphabet="ab ", max_size=3000), max_tokens=st.integers(min_value=0, max_value=60))
+def test_encode_bounded_is_encode_under_the_bound_and_none_over_it(text, max_tokens):
+    from rollouts.data import encode_bounded
+
+    def words(t):  # a token per word: tokens of any length, so prefixes do the measuring
+        return t.split()
+
+    ids = encode_bounded(words, text, max_tokens)
+    assert ids == (words(text) if len(words(text)) <= max_tokens else None)
+
+
+def test_encode_bounded_reads_a_prefix_of_a_huge_text():
+    from rollouts.data import MAX_CHARS_PER_TOKEN, encode_bounded
+
+    seen = []
+
+    def chars(t):
+        seen.append(len(t))
+        return list(t)
+
+    assert encode_bounded(chars, "z" * 10_000_000, 100) is None
+    assert seen == [100 * MAX_CHARS_PER_TOKEN]
+    with pytest.raises(ValueError, match="max_tokens must be >= 0, got -1"):
+        encode_bounded(chars, "z", -1)

@@ -33,3 +33,22 @@ def test_the_cache_is_at_least_one_gib_and_at_most_a_quarter_or_four(memory_byte
         cpu_server_env(has_gpu=False, environ={}, memory_bytes=memory_bytes, kv_cache_gb=None)["VLLM_CPU_KVCACHE_SPACE"]
     )
     assert 1 <= gb <= 4 and (gb == 1 or gb * GIB <= memory_bytes // 4)
+
+
+def test_a_port_another_server_holds_is_refused_before_anything_starts(tmp_path, capsys):
+    import json
+    import socket
+
+    from rollouts.loops.app.cli import main
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        code = main(
+            ["engine", "vllm", "--model", str(tmp_path), "--port", str(port), "--python", "/nonexistent/python"]
+        )
+    err = capsys.readouterr()
+    assert code == 2 and "engine ready" not in err.out
+    assert f"port {port} on 127.0.0.1 is in use by another process" in err.err

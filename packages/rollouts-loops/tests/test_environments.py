@@ -182,3 +182,70 @@ def test_an_openenv_result_without_done_is_named():
     env.reset({})
     with pytest.raises(TypeError, match="has no 'reward'"):
         env.step("1", [49])
+
+
+class CountingTokenizer(CharTokenizer):
+    """Counts the characters it was asked to encode."""
+
+    def __init__(self):
+        self.encoded = 0
+
+    def encode(self, text, add_special_tokens=False):
+        self.encoded += len(text)
+        return super().encode(text)
+
+
+def test_a_huge_observation_ends_the_episode_without_being_tokenized_whole():
+    huge = "x" * 20_000_000
+
+    class Floods:
+        def reset(self, record):
+            return "go"
+
+        def step(self, text, ids):
+            return EnvStep(observation=huge)
+
+    tok = CountingTokenizer()
+    ctx = RolloutContext(
+        engine=ScriptedEngine(["a"]),
+        sampling=SamplingParams(n=1, max_new_tokens=16),
+        encode_prompt=lambda r: tok.encode(r["prompt"]),
+        tokenizer=tok,
+    )
+    rollout = environment_rollout(Floods, max_turns=4, max_total_tokens=48, step_timeout_s=5.0)
+    (sample,) = trio.run(rollout, {"prompt": "Q:"}, ctx)
+    assert sample.status is Status.TRUNCATED and len(sample.tokens) == len("goa")
+    assert tok.encoded < 48 * 64 + 100  # a prefix of at most 64 characters per token of room
+
+
+def test_a_huge_first_observation_is_named_without_being_tokenized_whole():
+    class Floods:
+        def reset(self, record):
+            return "y" * 5_000_000
+
+        def step(self, text, ids):
+            return EnvStep(observation="", done=True)
+
+    tok = CountingTokenizer()
+    ctx = RolloutContext(
+        engine=ScriptedEngine(["a"]),
+        sampling=SamplingParams(n=1, max_new_tokens=16),
+        encode_prompt=lambda r: tok.encode(r["prompt"]),
+        tokenizer=tok,
+    )
+    rollout = environment_rollout(Floods, max_total_tokens=48, step_timeout_s=5.0)
+    with pytest.raises(ValueError, match=r"first observation \(5000000 characters\) leaves no room"):
+        trio.run(rollout, {"prompt": "Q:"}, ctx)
+    assert tok.encoded < 48 * 64
+
+
+def test_a_huge_prompt_record_is_refused_without_being_tokenized_whole():
+    from rollouts.loops.rollouts.functions import check_prompt_lengths
+
+    tok = CountingTokenizer()
+    records = [{"prompt": "1+1="}, {"prompt": "9" * 100_000_000}]
+    with pytest.raises(ValueError, match=r"1 of 2 prompts cannot fit.*record 1 \(100000000 characters, over 40 prompt"):
+        check_prompt_lengths(
+            records, lambda r: tok.encode(r["prompt"]), max_new_tokens=8, max_context=48, max_sample_tokens=None
+        )
+    assert tok.encoded < 48 * 64

@@ -128,3 +128,24 @@ def test_sft_step_plans_packed_rows_under_flash_attention(model, monkeypatch):
             components, TrainingState(), _samples([10, 10, 9]), SFTConfig(max_length=16, max_tokens_per_micro_batch=64)
         )
     assert seen == [None]
+
+
+def test_plan_shard_packs_when_packed_rows_attend_within_their_sequences():
+    """The short completions that pad under the dense mask pack when DOCUMENT_SDPA runs them on CUDA."""
+    import dataclasses
+
+    from rollouts.backends import build_components
+    from rollouts.backends.train.components import use_document_attention
+    from rollouts.types import OptimizerConfig
+
+    fresh = build_tiny_model(
+        16, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=64
+    )
+    components = build_components(fresh, OptimizerConfig(), num_training_steps=1)
+    use_document_attention(components.model)
+    lengths = [22] * 20 + [7, 9, 11, 13, 15, 17] * 2
+    on_cpu = plan_shard(components, _samples(lengths), max_tokens_per_micro_batch=8192)
+    assert [mb.input_ids.shape for mb in on_cpu.micro_batches] == [(32, 22)]  # the dense mask there
+    on_cuda = dataclasses.replace(components, device=torch.device("cuda"))  # planning only: nothing runs
+    shard = plan_shard(on_cuda, _samples(lengths), max_tokens_per_micro_batch=8192)
+    assert [mb.input_ids.shape for mb in shard.micro_batches] == [(1, sum(lengths))]

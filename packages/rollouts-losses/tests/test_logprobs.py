@@ -14,6 +14,9 @@ from rollouts.losses.fused_logprobs import (
     resolve_matmul_dtype,
 )
 
+ALL_TOKENS = 10**6
+"""A token chunk larger than any test's token count: one chunk of all tokens."""
+
 
 def _naive(logits_B_T_V, labels_B_T):
     logp = torch.log_softmax(logits_B_T_V, dim=-1)
@@ -79,8 +82,7 @@ def test_fused_matches_naive_with_entropy(temperature, chunk_size, vocab_chunk_s
         hidden,
         weight,
         labels,
-        chunk_size=chunk_size,
-        vocab_chunk_size=vocab_chunk_size,
+        chunk_size=(chunk_size, vocab_chunk_size) if vocab_chunk_size else chunk_size,
         temperature=temperature,
         return_entropy=True,
     )
@@ -139,9 +141,9 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="hidden size"):
         fused_token_logprobs(hidden, weight[:, :3], labels)
     with pytest.raises(ValueError, match="chunk_size"):
-        fused_token_logprobs(hidden, weight, labels, vocab_chunk_size=0)
-    with pytest.raises(ValueError, match="vocab_chunk_size"):
-        fused_token_logprobs(hidden, weight, labels, top_k=3, vocab_chunk_size=4)
+        fused_token_logprobs(hidden, weight, labels, chunk_size=(4, 0))
+    with pytest.raises(ValueError, match=r"a \(C, U\) chunk_size"):
+        fused_token_logprobs(hidden, weight, labels, top_k=3, chunk_size=(4, 4))
 
 
 _floats = st.floats(-30.0, 30.0, allow_nan=False, width=32)
@@ -175,7 +177,7 @@ def test_fused_equals_token_logprobs_for_any_block_shape(seed, chunk_a, vocab_ch
     hidden, weight, labels = _inputs(seed, t=t)
     hidden.requires_grad_()
     weight.requires_grad_()
-    fused = fused_token_logprobs(hidden, weight, labels, chunk_size=chunk_a, vocab_chunk_size=vocab_chunk)
+    fused = fused_token_logprobs(hidden, weight, labels, chunk_size=(chunk_a, vocab_chunk))
     grads_fused = torch.autograd.grad(fused.sum(), [hidden, weight])
     plain = token_logprobs(hidden @ weight.T, labels, chunk_size=chunk_b)
     grads_plain = torch.autograd.grad(plain.sum(), [hidden, weight])
@@ -221,8 +223,7 @@ def test_fused_bfloat16_matches_float64_reference(temperature, with_entropy, chu
         hidden,
         weight,
         labels,
-        chunk_size=chunk_size,
-        vocab_chunk_size=vocab_chunk_size,
+        chunk_size=(chunk_size or ALL_TOKENS, vocab_chunk_size) if vocab_chunk_size else chunk_size,
         temperature=temperature,
         return_entropy=with_entropy,
     )
@@ -254,7 +255,7 @@ def _native_case(seed, temperature, with_entropy, device):
     labels = torch.randint(0, 700, (2, 24), generator=g).to(device)
     g_lp, g_ent = torch.randn(2, 24, generator=g).to(device), torch.randn(2, 24, generator=g).to(device)
     out = fused_token_logprobs(
-        hidden, weight, labels, vocab_chunk_size=128, chunk_size=16, temperature=temperature,
+        hidden, weight, labels, chunk_size=(16, 128), temperature=temperature,
         return_entropy=with_entropy, matmul_dtype=None if device == "cuda" else torch.bfloat16,
     )  # fmt: skip
     lp, ent = out if with_entropy else (out, None)
@@ -373,7 +374,7 @@ def test_fused_kept_blocks_match_recomputed_ones():
     hidden.requires_grad_()
     weight.requires_grad_()
     g_lp = torch.randn(labels.shape, dtype=hidden.dtype)
-    lp = fused_token_logprobs(hidden, weight, labels, vocab_chunk_size=7)
+    lp = fused_token_logprobs(hidden, weight, labels, chunk_size=(ALL_TOKENS, 7))
     first = torch.autograd.grad((lp * g_lp).sum(), [hidden, weight], retain_graph=True)
     second = torch.autograd.grad((lp * g_lp).sum(), [hidden, weight])
     ref_lp = _naive(hidden @ weight.T, labels)[0]

@@ -22,6 +22,7 @@ from rollouts.sync.broadcast import BroadcastSync  # noqa: E402
 from rollouts.sync.broadcast_wire import ALIGN_BYTES, BroadcastOptions, plan_buckets  # noqa: E402
 from rollouts.sync.fake_http import Fault  # noqa: E402
 from rollouts.sync.fake_server import FakeEngineState, serve_fake_engine  # noqa: E402
+from rollouts.sync.fingerprint_torch import checksum_torch  # noqa: E402
 from rollouts.sync.worker_extension import SafetensorsWeightLoader, join_group  # noqa: E402
 
 FAST = BroadcastOptions(bucket_bytes=1024, setup_timeout_s=30.0, bucket_timeout_s=10.0, load_timeout_s=30.0)
@@ -127,7 +128,9 @@ def test_the_worker_extension_loads_only_once_every_bucket_arrived(worker, stop_
     trainer.start()
     _join_worker(worker, store)
     if stop_after_buckets is None:
-        assert worker.rollouts_receive_broadcast(plan.to_json())["num_tensors"] == 3
+        answer = worker.rollouts_receive_broadcast(plan.to_json())
+        assert answer["num_tensors"] == 3
+        assert answer["checksums"] == {n: checksum_torch(t) for n, t in tensors.items()}  # what attestation compares
         assert all(torch.equal(worker.loaded[n], t) and worker.loaded[n].dtype == t.dtype for n, t in tensors.items())
     else:
         start = time.monotonic()

@@ -1,5 +1,6 @@
 """Against a real vLLM CPU server: generate with logprobs; weights changed on disk or sent in the body
-are what the engine then serves (greedy tokens and logprobs equal a transformers float32 forward pass)."""
+(bf16 as bf16) are what the engine then serves (greedy tokens and logprobs equal a transformers
+float32 forward pass); a tensor corrupted in the engine's worker fails the sync's attestation."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from rollouts.sync import HTTPOptions, VLLMEngine, sync_weights_to_engines
+from rollouts.sync import AttestationError, HTTPOptions, VLLMEngine, sync_weights_to_engines
+from rollouts.sync.raw import bfloat16
 from rollouts.sync.testing import reference_greedy
 from rollouts.types import SamplingParams, Status
 
@@ -81,3 +83,32 @@ async def test_generate_sync_from_disk_and_from_tensors(vllm_server, vllm_python
         assert after_body.weight_version == base + 2
         assert_matches_reference(after_body, v2, vllm_python)
         assert after_body.rollout_logprobs != after_disk.rollout_logprobs
+
+
+@pytest.mark.anyio
+async def test_a_bf16_http_sync_serves_the_bf16_weights_and_attestation_catches_a_corrupted_one(
+    vllm_server, vllm_python, vllm_fault_file, tmp_path
+):
+    """The server runs float32; the weights travel as bf16 (2 bytes each) and the engine then serves
+    their float32 values, as transformers does from the same bf16 values."""
+    v0 = vllm_server.model_dir
+    weights = load_file(str(v0 / "model.safetensors"))
+    rng = np.random.default_rng(7)
+    sent = {n: bfloat16(w + rng.standard_normal(w.shape).astype(np.float32) * 0.3) for n, w in weights.items()}
+    reference = tmp_path / "bf16_as_float32"
+    shutil.copytree(v0, reference)
+    widened = {n: (t.view().astype(np.uint32) << 16).view(np.float32) for n, t in sent.items()}  # exact
+    save_file(widened, str(reference / "model.safetensors"), metadata={"format": "pt"})
+
+    async with VLLMEngine(vllm_server.url, http=HTTPOptions(timeout_s=120.0)) as engine:
+        base = (await engine.weight_version() or 0) + 1
+        upload = await engine.update_weights_from_tensors(sent, base)
+        assert upload.tensor_bytes == sum(2 * w.size for w in weights.values())
+        assert_matches_reference((await engine.generate([PROMPT], GREEDY))[0], reference, vllm_python)
+
+        corrupted = "model.layers.0.mlp.down_proj.weight"
+        vllm_fault_file.write_text(f"corrupt:{corrupted}")
+        with pytest.raises(AttestationError) as info:
+            await engine.update_weights_from_tensors(sent, base + 1)
+        assert info.value.mismatched == (corrupted,) and corrupted in str(info.value)
+        assert await engine.weight_version() == base  # a sync that failed attestation claims no version

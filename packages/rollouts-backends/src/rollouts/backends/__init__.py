@@ -27,7 +27,7 @@ from rollouts.backends.train.components import (
 )
 from rollouts.backends.train.cpu_memory import retain_freed_cpu_memory
 from rollouts.backends.train.distributed import shard_model, transformer_blocks
-from rollouts.backends.train.inputs import attention_mask_4d, micro_batch_to_torch, packed_only
+from rollouts.backends.train.inputs import attention_mask_4d, document_masked, micro_batch_to_torch, packed_only
 from rollouts.backends.train.step import (
     NonFiniteError,
     compute_logprobs,
@@ -60,6 +60,7 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "compute_logprobs",
+    "document_masked",
     "export_weights",
     "forward_backward",
     "generate",

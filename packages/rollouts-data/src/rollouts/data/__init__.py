@@ -21,7 +21,8 @@ from rollouts.data.buffer import DataBuffer
 from rollouts.data.chat import tokenize_conversation, tokenize_conversation_turns, tokenize_conversations
 from rollouts.data.loading import load_conversations, load_prompts
 from rollouts.data.manager import AsyncRolloutManager
-from rollouts.data.prompts import prompt_encoder
+from rollouts.data.preferences import PreferencePair, load_preference_pairs, tokenize_preference_pair
+from rollouts.data.prompts import MAX_CHARS_PER_TOKEN, encode_bounded, prompt_encoder
 
 
 def _version() -> str:
@@ -36,16 +37,21 @@ __version__ = _version()
 __all__ = [
     "AsyncRolloutManager",
     "DataBuffer",
+    "PreferencePair",
     "StepPlan",
     "best_fit_decreasing",
     "load_conversations",
+    "load_preference_pairs",
     "load_prompts",
     "pack_samples",
     "plan_micro_batches",
+    "MAX_CHARS_PER_TOKEN",
+    "encode_bounded",
     "prompt_encoder",
     "segment_attention_mask",
     "tokenize_conversation",
     "tokenize_conversation_turns",
     "tokenize_conversations",
+    "tokenize_preference_pair",
     "unpack_values",
 ]

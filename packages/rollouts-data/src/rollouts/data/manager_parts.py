@@ -11,7 +11,7 @@ from typing import Any
 
 import anyio
 
-from rollouts.data.rollout import Transformed, is_partial
+from rollouts.data.rollout import Transformed, is_partial, num_episodes
 from rollouts.types import Sample, thaw
 
 __all__ = ["FirstN", "dump_state", "parse_state", "request_seed", "takes_seed", "too_stale"]
@@ -118,8 +118,8 @@ def parse_state(
         raise ValueError(f"manager state keys must be {sorted(required | optional)}, got {sorted(state)}")
     groups = [tuple(Sample.from_dict(d) for d in g) for g in state["carry_over"]]
     for i, g in enumerate(groups):
-        if len(g) != expected:
-            raise ValueError(f"carry_over[{i}] has {len(g)} samples, expected samples_per_prompt={expected}")
+        if num_episodes(g) != expected:
+            raise ValueError(f"carry_over[{i}] has {num_episodes(g)} episodes, expected samples_per_prompt={expected}")
     carry_prompts = list(state.get("carry_over_prompts", [None] * len(groups)))  # None: not known (older states)
     carry_positions = list(state.get("carry_over_positions", [None] * len(groups)))
     if len(carry_prompts) != len(groups) or len(carry_positions) != len(groups):

@@ -15,10 +15,31 @@ whose two paths disagree (a wrapper that normalizes, splits special tokens, ...)
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["TokenizerEncoder", "prompt_encoder"]
+__all__ = ["MAX_CHARS_PER_TOKEN", "TokenizerEncoder", "encode_bounded", "prompt_encoder"]
+
+MAX_CHARS_PER_TOKEN = 64
+"""A prefix of a text this many characters per allowed token is encoded first: a text whose prefix
+already has too many tokens is refused without tokenizing the rest (a 100 MB prompt line or
+observation would take gigabytes to tokenize whole)."""
+
+
+def encode_bounded(encode: Callable[[str], Sequence[int]], text: str, max_tokens: int) -> list[int] | None:
+    """`encode(text)`, or None when it has more than `max_tokens` tokens, found by encoding growing
+    prefixes (MAX_CHARS_PER_TOKEN characters per allowed token, then 4x longer each time) rather
+    than the whole text: what a text too long costs stays proportional to `max_tokens` for any
+    tokenizer whose tokens average fewer characters than that."""
+    if max_tokens < 0:
+        raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+    head = max(max_tokens, 1) * MAX_CHARS_PER_TOKEN
+    while head < len(text):
+        if len(encode(text[:head])) > max_tokens:  # a prefix's tokens are (about) a prefix of the text's
+            return None
+        head *= 4
+    ids = list(encode(text))
+    return ids if len(ids) <= max_tokens else None
 
 
 def prompt_encoder(tokenizer: Any, *, field: str = "prompt", chat: bool | None = None) -> TokenizerEncoder:

@@ -16,6 +16,7 @@ from typing import Any
 from rollouts.types import FilterFn, RewardFn, RolloutBatch, Sample, Status
 
 __all__ = [
+    "EPISODE_KEY",
     "Transformed",
     "apply_sample_transforms",
     "assign_groups",
@@ -23,8 +24,20 @@ __all__ = [
     "convert_to_batch",
     "group_samples",
     "is_partial",
+    "num_episodes",
     "validate_group",
 ]
+
+EPISODE_KEY = "episode_id"
+"""Sample.metadata: the episode a sample is a piece of. A group holds one episode per response; an
+episode may be several Samples (an agent episode split where its chat template rewrote earlier
+turns), which share this id. A sample without it is an episode of its own."""
+
+
+def num_episodes(group: Sequence[Sample]) -> int:
+    """How many episodes `group` holds (EPISODE_KEY)."""
+    ids = {s.metadata.get(EPISODE_KEY, ("sample", i)) for i, s in enumerate(group)}
+    return len(ids)
 
 
 def is_partial(sample: Sample) -> bool:
@@ -34,20 +47,23 @@ def is_partial(sample: Sample) -> bool:
 
 
 def validate_group(result: Any, n: int, *, prompt: Any, allow_partial: bool = False) -> tuple[Sample, ...]:
-    """Check a generate function's output: exactly `n` Samples, none failed or aborted (with
+    """Check a generate function's output: Samples of exactly `n` episodes (`num_episodes`: one
+    Sample each, unless split), none failed or aborted (with
     `allow_partial`, aborted ones may be partial responses, `is_partial`)."""
     if isinstance(result, (str, bytes, Mapping)) or not isinstance(result, Sequence):
         raise TypeError(
             f"generate_fn must return a sequence of {n} Samples, got {type(result).__name__} for prompt {prompt!r:.80}"
         )
     group = tuple(result)
-    if len(group) != n:
-        raise ValueError(
-            f"generate_fn returned {len(group)} samples for prompt {prompt!r:.80}, expected {n} (one group)"
-        )
     for i, s in enumerate(group):
         if not isinstance(s, Sample):
             raise TypeError(f"generate_fn returned {type(s).__name__} at position {i}, expected Sample")
+    if num_episodes(group) != n:
+        raise ValueError(
+            f"generate_fn returned {num_episodes(group)} episodes ({len(group)} samples) for prompt {prompt!r:.80}, "
+            f"expected {n} (one group)"
+        )
+    for i, s in enumerate(group):
         if s.status in (Status.FAILED, Status.ABORTED, Status.PENDING) and not (allow_partial and is_partial(s)):
             raise ValueError(f"generate_fn returned a sample with status {s.status.value!r} at position {i}")
     return group

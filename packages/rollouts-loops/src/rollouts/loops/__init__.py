@@ -14,6 +14,8 @@ from typing import Any
 
 _EXPORTS = {
     # the loops and their steps
+    "train": "app.api",
+    "RunResult": "app.api",
     "run_rl_training": "rl.loop",
     "rl_step": "rl.step",
     "RLHooks": "rl.loop",
@@ -27,6 +29,10 @@ _EXPORTS = {
     "AdvantageFn": "micro_batches",
     "run_sft_training": "sft",
     "sft_step": "sft",
+    "run_dpo_training": "dpo.loop",
+    "dpo_step": "dpo.loop",
+    "PreferenceData": "dpo.loop",
+    "PreferenceLossFn": "dpo.batches",
     "grpo_minimal": "recipes.grpo_minimal",
     # plug points and their built-ins
     "Reward": "rollouts.scoring",
@@ -45,6 +51,11 @@ _EXPORTS = {
     "environment_reward": "rollouts.environments",
     "CalculatorEnv": "rollouts.environments",
     "OpenEnvAdapter": "rollouts.environments",
+    "agent_rollout": "agents.rollout",
+    "agent_reward": "agents.rollout",
+    "AgentError": "agents.rollout",
+    "EndpointLimits": "agents.endpoint",
+    "serve_agent_endpoint": "agents.endpoint",
     "load_object": "plugins",
     "resolve_function": "plugins",
     "PluginError": "plugins",

@@ -19,7 +19,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from rollouts.backends import TrainingComponents, packed_only
+from rollouts.backends import TrainingComponents, document_masked, packed_only
 from rollouts.data import plan_micro_batches
 from rollouts.loops.rollouts.functions import GREEDY_REWARD_KEY
 from rollouts.loops.run.distributed import all_gather_arrays, global_counts, rank_world, same_count_on_every_rank
@@ -111,10 +111,12 @@ def plan_shard(
         raise ValueError(f"{what} of {len(samples)} samples cannot give each of {world} ranks one")
     local = tuple(samples[rank::world])
     model = components.model
+    # Packed rows that attend within their sequences only cost no attention across them.
+    document = document_masked(model, components.device)
     layout = choose_layout(
         local,
         packed_only=packed_only(model),
-        pair_cost=attention_pair_cost(getattr(model, "config", None)),
+        pair_cost=None if document else attention_pair_cost(getattr(model, "config", None)),
         max_tokens=max_tokens_per_micro_batch,
     )
     plan = plan_micro_batches(local, max_tokens=max_tokens_per_micro_batch, layout=layout)

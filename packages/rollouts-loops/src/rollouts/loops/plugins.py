@@ -62,8 +62,11 @@ def _load_file(path: Path, *, key: str, spec: str) -> Any:
     return module
 
 
-def check_function(fn: Any, *, key: str, num_positional: int, what: str) -> Callable[..., Any]:
-    """`fn` if it is callable with `num_positional` positional arguments, else a PluginError."""
+def check_function(
+    fn: Any, *, key: str, num_positional: int, what: str, keywords: tuple[str, ...] = ()
+) -> Callable[..., Any]:
+    """`fn` if it is callable with `num_positional` positional arguments and the keyword arguments
+    `keywords` (the ones its caller always passes), else a PluginError."""
     if not callable(fn):
         raise PluginError(f"{key}: {fn!r} is a {type(fn).__name__}, not a function; it must be {what}")
     function: Callable[..., Any] = fn
@@ -72,16 +75,19 @@ def check_function(fn: Any, *, key: str, num_positional: int, what: str) -> Call
     except (TypeError, ValueError):
         return function  # a builtin without a signature: trust it
     try:
-        signature.bind(*range(num_positional))
-    except TypeError:
+        signature.bind(*range(num_positional), **dict.fromkeys(keywords, 0))
+    except TypeError as e:
+        named = f" and keyword argument(s) {', '.join(keywords)}" if keywords else ""
         raise PluginError(
             f"{key}: {getattr(fn, '__name__', fn)!r}{signature} cannot be called with "
-            f"{num_positional} positional argument(s); it must be {what}"
+            f"{num_positional} positional argument(s){named} ({e}); it must be {what}"
         ) from None
     return function
 
 
-def resolve_function(spec: str | Callable[..., Any], *, key: str, num_positional: int, what: str) -> Callable[..., Any]:
-    """A function given directly or by import path, checked for its positional arity."""
+def resolve_function(
+    spec: str | Callable[..., Any], *, key: str, num_positional: int, what: str, keywords: tuple[str, ...] = ()
+) -> Callable[..., Any]:
+    """A function given directly or by import path, checked for its arity (and the keywords its caller passes)."""
     fn = load_object(spec, key=key) if isinstance(spec, str) else spec
-    return check_function(fn, key=key, num_positional=num_positional, what=what)
+    return check_function(fn, key=key, num_positional=num_positional, what=what, keywords=keywords)

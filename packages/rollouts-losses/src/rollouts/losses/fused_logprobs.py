@@ -1,12 +1,15 @@
 """Log-probabilities and entropy straight from hidden states and the output projection, never holding
 the logits: `fused_token_logprobs`, and `fused_block_shape`, the C x U blocks it works in by default.
-The kernel is in fused_kernel.py, the top-k / top-p path in truncated_logprobs.py. The legend and
-the float32 rule are those of logprobs.py.
+The torch kernel is in fused_kernel.py, the Triton one in triton_logprobs.py, the top-k / top-p path
+in truncated_logprobs.py. The legend and the float32 rule are those of logprobs.py.
 
 Legend: K flattened tokens, C tokens per block, V vocabulary, U vocabulary rows per block, H hidden.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import os
 
 import torch
 from torch import Tensor
@@ -17,6 +20,7 @@ from rollouts.losses.truncated_logprobs import truncated_chunk_size, truncated_t
 
 __all__ = [
     "FUSED_MEMORY_BUDGET_BYTES",
+    "KERNELS",
     "fused_block_shape",
     "fused_token_logprobs",
     "resolve_matmul_dtype",
@@ -102,32 +106,85 @@ def resolve_matmul_dtype(hidden: Tensor, weight: Tensor, matmul_dtype: torch.dty
     return matmul_dtype
 
 
+KERNELS = ("auto", "torch", "triton")
+"""The values of `fused_token_logprobs(kernel=...)`."""
+
+
+def _triton_refusal(hidden: Tensor, weight: Tensor, chunk_size: object, matmul_dtype: torch.dtype | None) -> str:
+    """Why the Triton kernel cannot run these inputs and options, or "" when it can."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install 'rollouts-losses[triton]')"
+    if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return f"it needs CUDA tensors (or TRITON_INTERPRET=1 for CPU ones), got {hidden.device}"
+    if hidden.dtype != weight.dtype or hidden.dtype not in (*_LOW_PRECISION, torch.float32):
+        return f"it needs hidden and weight of one dtype among bf16, fp16, float32, got {hidden.dtype}, {weight.dtype}"
+    if chunk_size is not None or matmul_dtype not in (None, hidden.dtype):
+        return (
+            "chunk_size and matmul_dtype are the torch kernel's options (the Triton one multiplies h and W as they are)"
+        )
+    return ""
+
+
+def _use_triton(
+    kernel: str, hidden: Tensor, weight: Tensor, chunk_size: object, matmul_dtype: torch.dtype | None, truncated: bool
+) -> bool:
+    """Whether `fused_token_logprobs` runs the Triton kernel: always for "triton" (or a ValueError saying why it
+    cannot), for "auto" on bf16 / fp16 CUDA tensors whenever it can."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "torch" or (kernel == "auto" and (truncated or not hidden.is_cuda or hidden.dtype == torch.float32)):
+        return False
+    refusal = "top_k / top_p truncation ranks whole rows in torch" if truncated else ""
+    refusal = refusal or _triton_refusal(hidden, weight, chunk_size, matmul_dtype)
+    if refusal and kernel == "triton":
+        raise ValueError(f"kernel='triton' cannot run here: {refusal}")
+    return not refusal
+
+
+def _triton_logprobs(
+    hidden_K_H: Tensor, weight_V_H: Tensor, labels_K: Tensor, temperature: float, with_entropy: bool
+) -> tuple[Tensor, Tensor]:
+    from rollouts.losses.triton_logprobs import TritonTokenLogprobs, default_triton_blocks  # imports triton
+
+    blocks = default_triton_blocks(hidden_K_H.device)
+    out: tuple[Tensor, Tensor] = TritonTokenLogprobs.apply(
+        hidden_K_H.contiguous(), weight_V_H.contiguous(), labels_K.contiguous(), temperature, with_entropy, blocks
+    )
+    return out
+
+
 def fused_token_logprobs(
     hidden_B_T_H: Tensor,
     lm_head_weight_V_H: Tensor,
     labels_B_T: Tensor,
     *,
-    chunk_size: int | None = None,
-    vocab_chunk_size: int | None = None,
+    chunk_size: int | tuple[int, int] | None = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
     top_k: int = -1,
     top_p: float = 1.0,
     matmul_dtype: torch.dtype | None = None,
+    kernel: str = "auto",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """[B, T, H] hidden, [V, H] output projection, [B, T] labels -> [B, T] log p(label) of softmax(h W.T / temperature).
 
     With return_entropy, returns ([B, T] log-probs, [B, T] entropy), both differentiable. The
-    B x T x V logits are never materialized, in forward or backward: the work goes in blocks of
-    chunk_size tokens by vocab_chunk_size vocabulary rows, by default `fused_block_shape(B * T, V)`,
-    which bounds the extra memory by a fraction of naive's at every size; the result does not
-    depend on the block shape beyond float rounding.
+    B x T x V logits are never materialized, in forward or backward.
+
+    `kernel`: "torch" works in blocks of C tokens by U vocabulary rows, `chunk_size=(C, U)` (an
+    int sets C alone), by default `fused_block_shape(B * T, V)`, which bounds the extra memory by a
+    fraction of naive's at every size; the result does not depend on the block shape beyond float
+    rounding. "triton" runs Triton kernels (the `triton` extra; CUDA tensors, or CPU tensors under
+    TRITON_INTERPRET=1) on bf16, fp16 or float32 h and W of one dtype, multiplied as they are with
+    float32 accumulation and float32 logits, as the torch kernel on CUDA; it takes no chunk_size,
+    matmul_dtype, top_k or top_p. "auto" (default) is "triton" for bf16 / fp16 CUDA tensors when
+    triton is installed and none of those options is given, else "torch".
 
     `top_k` (> 0) / `top_p` (< 1): the log-probs of the distribution a sampler with those settings
     draws from (`truncation_mask`, renormalised), so importance ratios and KL compare the policy
     that was sampled; this path ranks whole rows, so it chunks tokens only (chunk_size, by default
     1/16 of the tokens) and recomputes each chunk in backward (checkpointed). Not with
-    return_entropy or vocab_chunk_size.
+    return_entropy or a (C, U) chunk_size.
 
     `matmul_dtype`: the dtype h and W are multiplied in; the vocabulary-axis arithmetic is float32
     whatever it is. By default, bf16 (fp16) inputs on CUDA are multiplied as they are, on the
@@ -135,30 +192,37 @@ def fused_token_logprobs(
     float32. Pass float32 to upcast on CUDA too (slower), or the inputs' dtype on CPU (the logits
     are then rounded to it, as naive bf16 logits are).
     """
-    for size in (chunk_size, vocab_chunk_size):
+    block_c, block_u = chunk_size if isinstance(chunk_size, tuple) else (chunk_size, None)
+    for size in (block_c, block_u):
         if size is not None:
             check_chunk_size(size)
     _check_shapes(hidden_B_T_H, lm_head_weight_V_H, labels_B_T)
     _check_options(temperature, top_k, top_p)
+    truncated = 0 < top_k < lm_head_weight_V_H.shape[0] or top_p < 1.0
+    use_triton = _use_triton(kernel, hidden_B_T_H, lm_head_weight_V_H, chunk_size, matmul_dtype, truncated)
     operand_dtype = resolve_matmul_dtype(hidden_B_T_H, lm_head_weight_V_H, matmul_dtype)
     (b, t, h), v = hidden_B_T_H.shape, lm_head_weight_V_H.shape[0]
     hidden_K_H, labels_K = hidden_B_T_H.reshape(b * t, h), labels_B_T.reshape(b * t).long()
-    if 0 < top_k < v or top_p < 1.0:
-        if return_entropy or vocab_chunk_size is not None or matmul_dtype in _LOW_PRECISION:
+    if truncated:
+        if return_entropy or block_u is not None or matmul_dtype in _LOW_PRECISION:
             raise ValueError(
-                "return_entropy, vocab_chunk_size and a low-precision matmul_dtype are not supported with top_k / "
+                "return_entropy, a (C, U) chunk_size and a low-precision matmul_dtype are not supported with top_k / "
                 "top_p truncation (the truncated path ranks whole float32 vocabulary rows)"
             )
-        c = chunk_size or truncated_chunk_size(b * t, v, FUSED_MEMORY_BUDGET_BYTES)
+        c = block_c or truncated_chunk_size(b * t, v, FUSED_MEMORY_BUDGET_BYTES)
         logprobs_K = truncated_token_logprobs(
             hidden_K_H, lm_head_weight_V_H, labels_K, c, float(temperature), top_k, float(top_p)
         )
         return logprobs_K.view(b, t)
-    auto_c, auto_u = fused_block_shape(b * t, v)
-    block_shape = (chunk_size or auto_c, vocab_chunk_size or auto_u)
-    fused: tuple[Tensor, Tensor] = FusedTokenLogprobs.apply(
-        hidden_K_H, lm_head_weight_V_H, labels_K, block_shape, float(temperature), return_entropy, operand_dtype
-    )
+    fused: tuple[Tensor, Tensor]
+    if use_triton:
+        fused = _triton_logprobs(hidden_K_H, lm_head_weight_V_H, labels_K, float(temperature), return_entropy)
+    else:
+        auto_c, auto_u = fused_block_shape(b * t, v)
+        block_shape = (block_c or auto_c, block_u or auto_u)
+        fused = FusedTokenLogprobs.apply(
+            hidden_K_H, lm_head_weight_V_H, labels_K, block_shape, float(temperature), return_entropy, operand_dtype
+        )
     logprobs_K, entropy_K = fused
     if return_entropy:
         return logprobs_K.view(b, t), entropy_K.view(b, t)

@@ -5,8 +5,11 @@ import importlib.metadata
 from rollouts.sync._common import is_adapter_dir
 from rollouts.sync._http import DEFAULT_HTTP, EngineError, HTTPOptions, RetryPolicy
 from rollouts.sync.broadcast_wire import DEFAULT_BROADCAST, BroadcastOptions
+from rollouts.sync.fingerprint import AttestationError, check_attestation, fingerprint, fingerprint_dir
 from rollouts.sync.pool import EnginePool, NoHealthyEngineError
+from rollouts.sync.raw import RawTensor
 from rollouts.sync.sglang import SGLangEngine
+from rollouts.sync.tensor_rpc import TensorUpload
 from rollouts.sync.vllm import WORKER_EXTENSION_CLS, VLLMEngine
 from rollouts.sync.weight_sync import EngineFailure, SyncResult, WeightSyncError, sync_weights_to_engines
 
@@ -23,6 +26,7 @@ __version__ = _version()
 __all__ = [
     "DEFAULT_BROADCAST",
     "DEFAULT_HTTP",
+    "AttestationError",
     "WORKER_EXTENSION_CLS",
     "BroadcastOptions",
     "EngineError",
@@ -30,11 +34,16 @@ __all__ = [
     "EnginePool",
     "HTTPOptions",
     "NoHealthyEngineError",
+    "RawTensor",
     "RetryPolicy",
     "SGLangEngine",
     "SyncResult",
+    "TensorUpload",
     "VLLMEngine",
     "WeightSyncError",
+    "check_attestation",
+    "fingerprint",
+    "fingerprint_dir",
     "is_adapter_dir",
     "sync_weights_to_engines",
 ]

@@ -14,7 +14,9 @@ its own shards: each DTensor is gathered as its bucket is sent (`full_tensor()`)
 holds more than one bucket beyond its shard; only rank 0 sends.
 
 Bounds: joining by `setup_timeout_s`, each bucket by `bucket_timeout_s` (on both sides), the load
-by `load_timeout_s`; an engine that fails any of them is named in a WeightSyncError.
+by `load_timeout_s`; an engine that fails any of them is named in a WeightSyncError. Attested
+(`BroadcastOptions.attest`): each vLLM worker answers the checksums of what it received, checked
+against the trainer's before the version is set; a mismatch raises AttestationError naming the tensors.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from rollouts.sync.broadcast_wire import (
     plan_buckets,
     receiver_for,
 )
+from rollouts.sync.fingerprint import AttestationError, check_attestation
+from rollouts.sync.fingerprint_torch import checksum_torch
 from rollouts.sync.weight_sync import EngineFailure, SyncResult, WeightSyncError
 from rollouts.sync.worker_extension import broadcast_from_trainer, join_group, local_address_toward
 
@@ -186,9 +190,10 @@ class BroadcastSync:
 
     async def _push(self, plan: BroadcastPlan, tensors: dict[str, torch.Tensor]) -> SyncResult:
         links = self._links
-        outcomes: list[EngineFailure | float | None] = [None] * len(links)
+        outcomes: list[EngineFailure | AttestationError | float | None] = [None] * len(links)
         paused = [anyio.Event() for _ in links]
-        go = anyio.Event()
+        go, sent = anyio.Event(), anyio.Event()
+        expected: dict[str, int] = {}  # checksums of the tensors as sent, filled by the broadcast
         start_s = time.perf_counter()
 
         async def engine(i: int, link: _Link) -> None:
@@ -198,10 +203,18 @@ class BroadcastSync:
                 async with link.receiver.paused():
                     paused[i].set()
                     await go.wait()  # every engine paused: the broadcast starts now
-                    await link.receiver.receive(plan, self.options)
+                    reported = await link.receiver.receive(plan, self.options)
+                    if self.options.attest and reported is not None:
+                        await sent.wait()
+                        for checksums in reported:
+                            check_attestation(
+                                expected, checksums, engine=link.receiver.name, weight_version=plan.weight_version
+                            )
                     await link.receiver.finish(plan.weight_version)
                 await link.receiver.check_version(plan.weight_version)
                 outcomes[i] = time.perf_counter() - start_s
+            except AttestationError as exc:  # it loaded other weights than those sent: raised once all are done
+                outcomes[i] = exc
             except Exception as exc:  # noqa: BLE001 - each engine's failure is reported by name
                 if go.is_set():  # it failed mid-sync: its group may hold half a bucket, so no more sends on it
                     link.group = None
@@ -217,14 +230,23 @@ class BroadcastSync:
                 await event.wait()
             live = [link for link, o in zip(links, outcomes, strict=True) if o is None]
             go.set()
-            await anyio.to_thread.run_sync(self._broadcast_all, plan, tensors, live)
+            try:
+                await anyio.to_thread.run_sync(self._broadcast_all, plan, tensors, live, expected)
+            finally:
+                sent.set()
         return _result(plan.weight_version, links, outcomes)
 
-    def _broadcast_all(self, plan: BroadcastPlan, tensors: dict[str, torch.Tensor], live: list[_Link]) -> None:
+    def _broadcast_all(
+        self, plan: BroadcastPlan, tensors: dict[str, torch.Tensor], live: list[_Link], expected: dict[str, int]
+    ) -> None:
         """Every bucket to every live group, gathered once per bucket; a group that fails is dropped
-        (its engine's receive fails within the bucket bound) and the rest go on."""
+        (its engine's receive fails within the bucket bound) and the rest go on. With attestation,
+        `expected` gets each tensor's checksum as sent."""
         for index, bucket in enumerate(plan.buckets):
-            self._send_bucket(index, bucket, [_full(tensors[spec.name]).to(self.device) for spec in bucket], live)
+            full = [_full(tensors[spec.name]).to(self.device) for spec in bucket]
+            if self.options.attest:
+                expected.update({spec.name: checksum_torch(t) for spec, t in zip(bucket, full, strict=True)})
+            self._send_bucket(index, bucket, full, live)
 
     def _send_bucket(
         self, index: int, bucket: tuple[TensorSpec, ...], full: list[torch.Tensor], live: list[_Link]
@@ -270,7 +292,14 @@ def _failure(link: _Link, exc: BaseException, timeout_text: str) -> EngineFailur
     return EngineFailure(engine=name, url=name, status=None, text=text)
 
 
-def _result(version: int, links: list[_Link], outcomes: list[EngineFailure | float | None]) -> SyncResult:
+def _result(
+    version: int, links: list[_Link], outcomes: list[EngineFailure | AttestationError | float | None]
+) -> SyncResult:
+    """The SyncResult; a WeightSyncError naming the failed engines; or, before either, the first
+    AttestationError (an engine serving weights other than those sent: no caller should go on)."""
+    for outcome in outcomes:
+        if isinstance(outcome, AttestationError):
+            raise outcome
     failures = [o for o in outcomes if isinstance(o, EngineFailure)]
     updated = [link.receiver.name for link, o in zip(links, outcomes, strict=True) if isinstance(o, float)]
     if failures:

@@ -61,6 +61,10 @@ class BroadcastOptions:
     """Address the engines reach the trainer at (None: this machine's address on the route to each engine)."""
     port: int = 0
     """Port of the trainer's rendezvous store (0: a free one)."""
+    attest: bool = True
+    """Check the checksums each vLLM worker reports of what it received against the trainer's own
+    (rollouts.sync.fingerprint); a mismatch fails that engine before its version is set. SGLang
+    reports none: its syncs go unattested."""
 
     def __post_init__(self) -> None:
         size = self.bucket_bytes
@@ -167,8 +171,9 @@ class BroadcastReceiver(Protocol):
         """An async context manager: generation paused for its body, resumed after it."""
         ...
 
-    async def receive(self, plan: BroadcastPlan, options: BroadcastOptions) -> None:
-        """Receive `plan`'s buckets and load them (the caller broadcasts them meanwhile); under paused()."""
+    async def receive(self, plan: BroadcastPlan, options: BroadcastOptions) -> list[dict[str, int]] | None:
+        """Receive `plan`'s buckets and load them (the caller broadcasts them meanwhile); under paused().
+        Returns each worker's checksums of what it received (None: the engine reports none)."""
         ...
 
     async def finish(self, weight_version: int) -> None:
@@ -231,8 +236,11 @@ class VLLMReceiver:
     def paused(self) -> Any:
         return self.engine._paused("/pause", "/resume", params={"mode": self.engine.pause_mode})
 
-    async def receive(self, plan: BroadcastPlan, options: BroadcastOptions) -> None:
-        await self._rpc("rollouts_receive_broadcast", {"plan_json": plan.to_json()}, receive_timeout_s(plan, options))
+    async def receive(self, plan: BroadcastPlan, options: BroadcastOptions) -> list[dict[str, int]] | None:
+        results = await self._rpc(
+            "rollouts_receive_broadcast", {"plan_json": plan.to_json()}, receive_timeout_s(plan, options)
+        )
+        return [dict(r.get("checksums") or {}) for r in results if isinstance(r, dict)]
 
     async def finish(self, weight_version: int) -> None:
         await self.engine.reset_prefix_cache()
@@ -287,7 +295,7 @@ class SGLangReceiver:
     def paused(self) -> Any:
         return self.engine._paused("/pause_generation", "/continue_generation")
 
-    async def receive(self, plan: BroadcastPlan, options: BroadcastOptions) -> None:
+    async def receive(self, plan: BroadcastPlan, options: BroadcastOptions) -> list[dict[str, int]] | None:
         tensors = [t for bucket in plan.buckets for t in bucket]
         body = {
             "names": [t.name for t in tensors],
@@ -298,6 +306,7 @@ class SGLangReceiver:
             "weight_version": str(plan.weight_version),
         }
         await self._post("/update_weights_from_distributed", body, receive_timeout_s(plan, options))
+        return None  # SGLang reports no checksums of what it loaded
 
     async def finish(self, weight_version: int) -> None:
         del weight_version  # SGLang records it and flushes its cache within the update itself

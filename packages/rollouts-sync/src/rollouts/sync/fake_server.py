@@ -11,10 +11,8 @@ serve/dev/{rpc,cache}/api_router.py) and SGLang (srt/entrypoints/http_server.py,
 
 from __future__ import annotations
 
-import base64
 import json
 import math
-import os
 import zlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,11 +24,10 @@ from urllib.parse import parse_qs, urlsplit
 import anyio
 import numpy as np
 from anyio.abc import ByteStream, SocketAttribute
-from safetensors.numpy import load as load_safetensors_bytes
-from safetensors.numpy import load_file
 
 from rollouts.sync import fake_broadcast
 from rollouts.sync.fake_http import Fault, HTTPError, json_response, pop_fault, read_request, send_response
+from rollouts.sync.fake_rpc import collective_rpc, load_dir
 
 _PAUSE_WAIT_S = 60.0  # a generate request waits at most this long for /resume
 
@@ -50,6 +47,10 @@ class FakeEngineState:
     abort_after_tokens: int | None = None  # cut /v1/completions choices there, finish_reason "abort"
     model_name: str = "fake-model"
     weights: dict[str, np.ndarray] = field(default_factory=dict)
+    """The loaded weights, each in its own dtype (bfloat16 as its uint16 bit patterns)."""
+    corrupt: str | None = None
+    """Flip one bit of this tensor whenever it is received: the fault ROLLOUTS_SYNC_FAULT injects
+    in a real engine (the fake's checksums then report it)."""
     staged_weights: dict[str, np.ndarray] = field(default_factory=dict)
     """Tensors of an update sent in chunks, waiting for its last chunk."""
     weight_version: str = "default"
@@ -116,13 +117,7 @@ class FakeEngineState:
 
     def load_dir(self, path: str) -> None:
         """Load every *.safetensors file of checkpoint dir `path` (raises if there is none)."""
-        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {path}")
-        weights: dict[str, np.ndarray] = {}
-        for f in files:
-            weights.update(load_file(os.path.join(path, f)))
-        self.weights = weights
+        load_dir(self, path)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -237,36 +232,6 @@ async def _generate_sglang(state: FakeEngineState, body: dict[str, Any]) -> tupl
     return json_response(200, outs if batched else outs[0])
 
 
-async def _collective_rpc(state: FakeEngineState, body: dict[str, Any]) -> tuple[int, bytes]:
-    method, kwargs = body.get("method"), body.get("kwargs") or {}
-    if method is None:
-        raise HTTPError(400, "Missing 'method' in request body")
-    if method == "reload_weights":
-        await anyio.sleep(state.reload_delay_s)
-        try:
-            state.load_dir(kwargs["weights_path"])
-        except (OSError, KeyError) as exc:
-            raise HTTPError(500, f"reload_weights failed: {type(exc).__name__}: {exc}") from exc
-        return 200, b""  # vLLM answers an empty 200 when every worker returned None
-    if method == "rollouts_load_weights":
-        await anyio.sleep(state.reload_delay_s)
-        # Staged like the worker extension: the first chunk clears, the last applies, an error drops all.
-        if kwargs.get("first", "1") == "1":
-            state.staged_weights = {}
-        incoming = load_safetensors_bytes(base64.b64decode(kwargs["data_b64"]))
-        unknown = sorted(set(incoming) - set(state.weights)) if state.weights else []
-        if unknown:
-            state.staged_weights = {}
-            raise HTTPError(500, f"tensors not in the model's checkpoint: {unknown}")
-        state.staged_weights.update(incoming)
-        applied = kwargs.get("apply") == "1"
-        if applied:
-            state.weights = {**state.weights, **state.staged_weights}
-            state.staged_weights = {}
-        return json_response(200, {"results": [{"num_tensors": len(incoming), "applied": applied}]})
-    raise HTTPError(500, f"AttributeError: worker has no method {method!r}")
-
-
 async def _dispatch(state: FakeEngineState, method: str, target: str, body: bytes) -> tuple[int, bytes]:
     path = urlsplit(target).path
     query = parse_qs(urlsplit(target).query)
@@ -316,7 +281,7 @@ async def _dispatch(state: FakeEngineState, method: str, target: str, body: byte
     if route in fake_broadcast.ROUTES:
         return await fake_broadcast.dispatch(state, path, data)
     if route == ("POST", "/collective_rpc"):
-        return await _collective_rpc(state, data)
+        return await collective_rpc(state, data)
     if route in (("POST", "/reset_prefix_cache"), ("POST", "/flush_cache"), ("GET", "/flush_cache")):
         state.num_cache_resets += 1
         if path == "/reset_prefix_cache":

@@ -42,9 +42,11 @@ __all__ = [
 
 EXTENSION_MODULE = "rollouts_worker_extension"
 """The worker extension's module name in the server's environment: the launcher copies
-rollouts/sync/worker_extension.py (standard library and torch only) into a directory of its own on
+rollouts/sync/worker_extension.py (standard library, torch and safetensors only; with
+fingerprint_torch.py beside it as rollouts_fingerprint_torch) into a directory of its own on
 the server's PYTHONPATH, so nothing else of this environment leaks into vLLM's."""
 _EXTENSION_SOURCE = Path(__file__).with_name("worker_extension.py")
+_FINGERPRINT_SOURCE = Path(__file__).with_name("fingerprint_torch.py")  # the extension's one import of ours
 _POLL_INTERVAL_S = 1.0
 _STOP_GRACE_S = 15.0  # SIGTERM first, SIGKILL after this
 _MAX_LORAS = 2  # the adapter being replaced and its successor, both loaded during a sync
@@ -100,6 +102,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         s.bind((host, 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def check_port_free(host: str, port: int) -> None:
+    """ValueError when another process listens on `port`: a server started there would fail to
+    bind while /health answers from the other one, which would pass for this server's start."""
+    probe_host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        if s.connect_ex((probe_host, port)) == 0:
+            raise ValueError(f"port {port} on {probe_host} is in use by another process; choose another (or none)")
 
 
 def vllm_server_command(
@@ -184,9 +196,12 @@ def launch_vllm_server(
     if not startup_timeout_s > 0:
         raise ValueError(f"startup_timeout_s must be > 0, got {startup_timeout_s}")
     python = python or sys.executable
+    if port is not None:
+        check_port_free(host, port)
     port = port if port is not None else free_port(host)
     with tempfile.TemporaryDirectory(prefix="rollouts-vllm-") as extension_dir:
         shutil.copyfile(_EXTENSION_SOURCE, Path(extension_dir) / f"{EXTENSION_MODULE}.py")
+        shutil.copyfile(_FINGERPRINT_SOURCE, Path(extension_dir) / "rollouts_fingerprint_torch.py")
         log = Path(log_path) if log_path is not None else Path(extension_dir) / "server.log"
         cmd = vllm_server_command(model_dir, python=python, host=host, port=port, options=options)
         server_env = {

@@ -17,7 +17,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -112,9 +112,11 @@ def launch_vllm_server(
     api_key: str | None = None,
     extra_args: Sequence[str] = (),
     log_path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Iterator[VLLMServer]:
     """The tests' vLLM CPU server for `model_dir` on loopback (rollouts.sync.launch with float32,
-    eager mode and a 1 GiB KV cache); start-up takes 70 to 100 s on CPU."""
+    eager mode and a 1 GiB KV cache); start-up takes 70 to 100 s on CPU. `env`: more environment
+    variables for the server (e.g. ROLLOUTS_SYNC_FAULT)."""
     python = python if python is not None else find_vllm_python()
     if python is None:
         raise RuntimeError(vllm_unavailable_reason() or "no vLLM python")
@@ -133,7 +135,7 @@ def launch_vllm_server(
         port=port,
         startup_timeout_s=startup_timeout_s,
         api_key=api_key,
-        env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+        env={"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})},
         log_path=log,
     ) as server:
         yield server

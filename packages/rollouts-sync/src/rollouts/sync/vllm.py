@@ -17,18 +17,25 @@ Legend: P prompts, G samples per prompt, R response tokens.
 
 from __future__ import annotations
 
-import base64
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import anyio
 import httpx
-import numpy as np
-from safetensors.numpy import save as safetensors_save
 
 from rollouts.sync._common import check_params, check_prompts, check_weight_version, is_adapter_dir, make_sample
 from rollouts.sync._http import DEFAULT_HTTP, EngineError, HTTPEngineBase, HTTPOptions
+from rollouts.sync.fingerprint import check_attestation, fingerprint, fingerprint_dir
 from rollouts.sync.partial import PARTIAL
+from rollouts.sync.tensor_rpc import (
+    TensorUpload,
+    merge_checksums,
+    raise_on_rpc_error,
+    raw_tensors,
+    tensor_rpc_bodies,
+    upload_of,
+)
 from rollouts.types import Sample, SamplingParams, Status
 
 WORKER_EXTENSION_CLS = "rollouts.sync.worker_extension.SafetensorsWeightLoader"
@@ -55,6 +62,7 @@ class VLLMEngine(HTTPEngineBase):
         adapter_prefix: str = "rollouts",
         logprobs_mode: str = "processed_logprobs",
         keep_partial: bool = False,
+        attest: bool = True,
     ) -> None:
         """`http`: the per-attempt timeout, retries and connection pool. `model`: the served model's
         name (None: asked from /v1/models once). `pause_mode`: how a weight update pauses generation
@@ -65,7 +73,12 @@ class VLLMEngine(HTTPEngineBase):
         distribution their log-probs describe from it (metadata["logprobs_of"]).
         `keep_partial`: a response cut short by an abort (finish_reason "abort", a pause in mode
         "abort") comes back as a partial Sample (status ABORTED, metadata["partial"]) to continue
-        with rollouts.sync.partial.continue_partials, instead of failing the request."""
+        with rollouts.sync.partial.continue_partials, instead of failing the request.
+        `attest`: after each weight update, check the checksums the worker extension reports of the
+        weights it received (rollouts.sync.fingerprint) against the sender's, and raise AttestationError
+        naming the tensors that differ; a disk update asks for them with the `rollouts_fingerprint` rpc
+        and reads the checkpoint here too (so the path must be readable by this process as well). Needs
+        the server started with the worker extension; LoRA adapter loads are not attested."""
         if pause_mode not in ("wait", "abort", "keep"):
             raise ValueError(f"pause_mode must be 'wait', 'abort' or 'keep', got {pause_mode!r}")
         if logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
@@ -77,6 +90,9 @@ class VLLMEngine(HTTPEngineBase):
         self._model = model
         self.adapter_prefix = adapter_prefix
         self._adapter: str | None = None  # the LoRA adapter generation is routed to, once one is loaded
+        self.attest = attest
+        self.last_upload: TensorUpload | None = None
+        """What the last `update_weights_from_tensors` moved (None before the first)."""
 
     @property
     def adapter(self) -> str | None:
@@ -142,7 +158,18 @@ class VLLMEngine(HTTPEngineBase):
             await self._load_adapter(path, version)
             return
         rpc = {"method": "reload_weights", "kwargs": {"weights_path": path}}
-        await self._paused_update([rpc], version)
+
+        async def expected() -> dict[str, int]:  # read here once the engine has loaded the same files
+            try:
+                return await anyio.to_thread.run_sync(fingerprint_dir, path)
+            except (OSError, ValueError) as e:
+                raise ValueError(
+                    f"{self.name}: attesting a disk sync reads the checkpoint here too, and {path!r} cannot be "
+                    f"read here ({e}); pass attest=False (engine.attest = false) where only the server sees it"
+                ) from e
+
+        check = {"method": "rollouts_fingerprint", "kwargs": {"weights_path": path}}
+        await self._paused_update([rpc], version, expected=expected if self.attest else None, fingerprint_rpc=check)
 
     async def _load_adapter(self, path: str, version: int) -> None:
         """Load the adapter at `path` as `<prefix>-v<version>`, route generation to it, drop the old one."""
@@ -170,27 +197,71 @@ class VLLMEngine(HTTPEngineBase):
         await self._check_version(version)
 
     async def update_weights_from_tensors(
-        self, tensors: Mapping[str, np.ndarray], weight_version: int, *, chunk_bytes: int = _DEFAULT_CHUNK_BYTES
-    ) -> None:
-        """Send `tensors` (HF checkpoint names; a subset updates only those) in the request body.
+        self, tensors: Mapping[str, Any], weight_version: int, *, chunk_bytes: int = _DEFAULT_CHUNK_BYTES
+    ) -> TensorUpload:
+        """Send `tensors` (HF checkpoint names; a subset updates only those) in the request body, each
+        in its own dtype: numpy arrays, torch tensors of any dtype (bfloat16 included) or RawTensors.
+        Returns (and keeps as `last_upload`) the bytes moved.
 
         Needs the server started with --worker-extension-cls WORKER_EXTENSION_CLS; no shared disk.
         """
         version = check_weight_version(weight_version)
-        rpcs = tensor_rpc_bodies(tensors, chunk_bytes=chunk_bytes)
-        await self._paused_update(rpcs, version)
+        raw = raw_tensors(tensors)
+        rpcs = tensor_rpc_bodies(raw, chunk_bytes=chunk_bytes)
+        sent = await anyio.to_thread.run_sync(fingerprint, raw) if self.attest else {}
 
-    async def _paused_update(self, rpcs: list[dict[str, Any]], version: int) -> None:
+        async def expected() -> dict[str, int]:
+            return sent
+
+        await self._paused_update(rpcs, version, expected=expected if self.attest else None)
+        self.last_upload = upload_of(raw, rpcs)
+        return self.last_upload
+
+    async def _paused_update(
+        self,
+        rpcs: list[dict[str, Any]],
+        version: int,
+        *,
+        expected: Callable[[], Awaitable[dict[str, int]]] | None = None,
+        fingerprint_rpc: dict[str, Any] | None = None,
+    ) -> None:
+        """Run `rpcs` paused; with `expected` (the sender's checksums, asked once they ran), compare the
+        checksums each worker reported (those of `fingerprint_rpc`'s answer where given) with them."""
         # Pause so no request straddles two weight versions; resume even when the update fails,
         # so a failed sync leaves the engine serving (old weights) rather than stuck paused.
         async with self._paused("/pause", "/resume", params={"mode": self.pause_mode}):
+            reported: list[dict[str, int]] = []
             for rpc in rpcs:
-                data = self._json_or_empty(await self._call("POST", "/collective_rpc", json=rpc))
-                _raise_on_rpc_error(data, engine=self.name, url=f"{self.name}/collective_rpc")
+                reported = merge_checksums(reported, await self._rpc(rpc))
+            if expected is not None:  # before the version is set: a failed check never claims it
+                if fingerprint_rpc is not None:
+                    reported = merge_checksums([], await self._fingerprint_rpc(fingerprint_rpc))
+                sent = await expected()
+                for worker in reported or [{}]:
+                    check_attestation(sent, worker, engine=self.name, weight_version=version)
             await self.reset_prefix_cache()
             await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
             self._adapter = None  # full weights: the base model serves again
         await self._check_version(version)
+
+    async def _rpc(self, rpc: dict[str, Any]) -> dict[str, Any]:
+        data = self._json_or_empty(await self._call("POST", "/collective_rpc", json=rpc))
+        raise_on_rpc_error(data, engine=self.name, url=f"{self.name}/collective_rpc")
+        return data
+
+    async def _fingerprint_rpc(self, rpc: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return await self._rpc(rpc)
+        except EngineError as e:
+            raise EngineError(
+                f"{e} (attestation asks the worker extension for the checksums of what it loaded: start the "
+                f"server with --worker-extension-cls {WORKER_EXTENSION_CLS}, as `rollouts engine vllm` does, "
+                "or pass attest=False / set engine.attest = false)",
+                engine=e.engine,
+                url=e.url,
+                status=e.status,
+                text=e.text,
+            ) from e
 
     async def _check_version(self, version: int) -> None:
         got = await self.weight_version()
@@ -221,48 +292,6 @@ class VLLMEngine(HTTPEngineBase):
             return {}
         data = response.json()
         return data if isinstance(data, dict) else {"results": data}
-
-
-def _raise_on_rpc_error(data: Mapping[str, Any], *, engine: str, url: str) -> None:
-    for result in data.get("results") or []:
-        if isinstance(result, dict) and result.get("error"):
-            raise EngineError(
-                f"{engine}: collective_rpc failed: {result['error']}",
-                engine=engine,
-                url=url,
-                status=200,
-                text=str(result["error"]),
-            )
-
-
-def tensor_rpc_bodies(tensors: Mapping[str, np.ndarray], *, chunk_bytes: int) -> list[dict[str, Any]]:
-    """/collective_rpc bodies carrying `tensors` as base64 safetensors, at most ~chunk_bytes each.
-
-    All but the last body only stage their tensors; the last one applies everything staged.
-    """
-    if not isinstance(tensors, Mapping) or not tensors:
-        raise ValueError("tensors must be a non-empty mapping of name -> numpy array")
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    chunks: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, array in tensors.items():
-        if not isinstance(array, np.ndarray):
-            raise TypeError(f"tensors[{name!r}] must be a numpy array, got {type(array).__name__}")
-        if chunks[-1] and size + array.nbytes > chunk_bytes:
-            chunks.append({})
-            size = 0
-        chunks[-1][name] = np.ascontiguousarray(array)
-        size += array.nbytes
-    bodies = []
-    for i, chunk in enumerate(chunks):
-        payload = base64.b64encode(safetensors_save(chunk)).decode("ascii")
-        apply = "1" if i == len(chunks) - 1 else "0"
-        first = "1" if i == 0 else "0"
-        bodies.append(
-            {"method": "rollouts_load_weights", "kwargs": {"data_b64": payload, "apply": apply, "first": first}}
-        )
-    return bodies
 
 
 def parse_completion_response(

@@ -15,6 +15,7 @@ import anyio
 
 from rollouts.sync._common import check_seconds, check_weight_version
 from rollouts.sync._http import EngineError
+from rollouts.sync.fingerprint import AttestationError
 from rollouts.types import InferenceEngine
 
 
@@ -70,7 +71,9 @@ async def sync_weights_to_engines(
     """Load `checkpoint_dir` into every engine concurrently; each engine gets at most `timeout_s`.
 
     Raises WeightSyncError naming every failed engine (URL, status, response text) and the
-    engines that did update, so the caller can decide whether to go on with a partial pool.
+    engines that did update, so the caller can decide whether to go on with a partial pool; but an
+    engine whose attestation failed (it loaded weights other than the ones sent) raises its
+    AttestationError, naming the tensors, once every engine is done: no caller should go on from it.
     """
     if not engines:
         raise ValueError("engines is empty: nothing to sync")
@@ -83,7 +86,7 @@ async def sync_weights_to_engines(
     names = [e.name for e in engines]
     if len(set(names)) != len(names):
         raise ValueError(f"engine names must be unique (they identify engines in errors), got {names}")
-    outcomes: list[EngineFailure | float | None] = [None] * len(engines)
+    outcomes: list[EngineFailure | AttestationError | float | None] = [None] * len(engines)
 
     async def one(i: int, engine: InferenceEngine) -> None:
         start_s = time.perf_counter()
@@ -100,6 +103,8 @@ async def sync_weights_to_engines(
                 )
                 return
             outcomes[i] = time.perf_counter() - start_s
+        except AttestationError as exc:
+            outcomes[i] = exc
         except TimeoutError:
             outcomes[i] = EngineFailure(
                 engine=engine.name, url=engine.name, status=None, text=f"did not finish within timeout_s={timeout_s}"
@@ -115,6 +120,11 @@ async def sync_weights_to_engines(
         for i, engine in enumerate(engines):
             tg.start_soon(one, i, engine)
 
+    attestation = [o for o in outcomes if isinstance(o, AttestationError)]
+    if attestation:
+        for other in attestation[1:]:
+            attestation[0].add_note(str(other))
+        raise attestation[0]
     failures = [o for o in outcomes if isinstance(o, EngineFailure)]
     updated = [n for n, o in zip(names, outcomes, strict=True) if isinstance(o, float)]
     if failures:

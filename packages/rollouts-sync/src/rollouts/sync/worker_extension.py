@@ -1,14 +1,20 @@
 """vLLM worker extension: load weights sent as safetensors bytes in a /collective_rpc body.
 
 Start the server with `--worker-extension-cls rollouts.sync.worker_extension.SafetensorsWeightLoader`
-(this module runs inside vLLM's worker process: standard library and torch only; in rollouts.sync
-only the broadcast transport's torch half imports it, for the process-group helpers both sides share).
+(this module runs inside vLLM's worker process: standard library, torch and
+rollouts.sync.fingerprint_torch; in rollouts.sync only the broadcast transport's torch half imports it,
+for the process-group helpers both sides share).
 
 Partial updates: a request may name only some checkpoint tensors. vLLM reloads a layer as a whole
 (on CPU it repacks linear weights and drops the originals, and a fused qkv_proj is built from
 q/k/v together), so the extension keeps the full checkpoint-format weights in host memory:
 loaded once from the model directory the server last loaded, updated by each request, and fed
 whole to vLLM's in-place `reload_weights`. Cost: one extra copy of the weights in host memory.
+
+Attestation: each load answers the checksums (rollouts.sync.fingerprint) of the tensors this worker
+received, and `rollouts_fingerprint` those of the checkpoint files a disk reload read, computed here
+in the worker. ROLLOUTS_SYNC_FAULT (see rollouts.sync.fingerprint) flips a bit of the named tensor
+after receipt, for tests of the check.
 
 Broadcast: `rollouts_init_broadcast` joins a process group made for the sync (a TCPStore client
 of the trainer's store and a gloo or NCCL group on it; vLLM's own groups are never touched), and
@@ -30,6 +36,11 @@ import torch.distributed as dist
 from safetensors.torch import load as load_bytes
 from safetensors.torch import load_file
 
+try:
+    from rollouts.sync.fingerprint_torch import checksum_torch, flip_bit_torch, sync_fault_target
+except ModuleNotFoundError:  # in a server started by rollouts.sync.launch: its copy beside this one's
+    from rollouts_fingerprint_torch import checksum_torch, flip_bit_torch, sync_fault_target  # type: ignore[no-redef,import-not-found]
+
 _SAFETENSORS_SUFFIX = ".safetensors"
 
 
@@ -41,6 +52,26 @@ def _files_signature(model_dir: str) -> tuple[tuple[str, int, int], ...]:
             st = os.stat(os.path.join(model_dir, name))
             out.append((name, st.st_size, st.st_mtime_ns))
     return tuple(out)
+
+
+def _received(tensors: dict[str, Any]) -> dict[str, Any]:
+    """`tensors` as received, with the fault ROLLOUTS_SYNC_FAULT asks for injected (a test hook)."""
+    target = sync_fault_target()
+    if target is not None and target in tensors:
+        flip_bit_torch(tensors[target])
+    return tensors
+
+
+def _checksums(tensors: dict[str, Any]) -> dict[str, int]:
+    return {name: checksum_torch(tensor) for name, tensor in tensors.items()}
+
+
+def _read_dir(path: str) -> dict[str, Any]:
+    tensors: dict[str, Any] = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(_SAFETENSORS_SUFFIX):
+            tensors.update(load_file(os.path.join(path, name), device="cpu"))
+    return tensors
 
 
 def local_address_toward(host: str) -> str:
@@ -186,12 +217,13 @@ class SafetensorsWeightLoader:
 
     def rollouts_receive_broadcast(self, plan_json: str) -> dict[str, Any]:
         """Receive every bucket of the plan, then reload with them (all or nothing: a failure before the
-        last bucket, or in the load, leaves the weights as they were)."""
+        last bucket, or in the load, leaves the weights as they were). Answers the checksums of the
+        tensors as received, for the trainer's attestation."""
         group = getattr(self, "_rollouts_group", None)
         if group is None:
             raise RuntimeError("no broadcast group: call rollouts_init_broadcast first")
         plan = json.loads(plan_json)
-        incoming = receive_flat_buckets(group, plan, self._rollouts_group_device)
+        incoming = _received(receive_flat_buckets(group, plan, self._rollouts_group_device))
         weights = self._rollouts_base_weights()
         unknown = sorted(set(incoming) - set(weights))
         if unknown:
@@ -204,7 +236,8 @@ class SafetensorsWeightLoader:
         self.reload_weights(weights_iterator=iter(list({**weights, **incoming}.items())))  # type: ignore[attr-defined]
         # the cache is host memory: GPU buffers are copied out, CPU ones kept (they outlive the bucket)
         weights.update({name: tensor.to("cpu") for name, tensor in incoming.items()})
-        return {"num_tensors": len(incoming), "num_bytes": sum(int(b["nbytes"]) for b in plan["buckets"])}
+        num_bytes = sum(int(b["nbytes"]) for b in plan["buckets"])
+        return {"num_tensors": len(incoming), "num_bytes": num_bytes, "checksums": _checksums(incoming)}
 
     def rollouts_load_weights(self, data_b64: str, apply: str = "1", first: str = "1") -> dict[str, Any]:
         """Stage the tensors in `data_b64` (base64 safetensors); with apply="1" reload the model with them.
@@ -213,14 +246,15 @@ class SafetensorsWeightLoader:
         update left staged), the last apply="1". The staged tensors join the cached weights only
         once the reload succeeds, and any error drops them, so a failed update never leaks into a
         later one. Each request is checked whole before anything is staged. Returns
-        {"num_tensors": tensors in this request, "applied": bool}. Unknown tensor names are an
-        error (named), so a typo cannot silently leave a weight stale.
+        {"num_tensors": tensors in this request, "applied": bool, "checksums": {name: checksum of
+        the tensor as received}}. Unknown tensor names are an error (named), so a typo cannot
+        silently leave a weight stale.
         """
         if first == "1" or not hasattr(self, "_rollouts_staged"):
             self._rollouts_staged: dict[str, Any] = {}
         try:
             weights = self._rollouts_base_weights()
-            incoming = load_bytes(base64.b64decode(data_b64))
+            incoming = _received(load_bytes(base64.b64decode(data_b64)))
             unknown = sorted(set(incoming) - set(weights))
             if unknown:
                 raise ValueError(f"tensors not in the model's checkpoint: {unknown[:10]} ({len(unknown)} in all)")
@@ -239,4 +273,9 @@ class SafetensorsWeightLoader:
         except BaseException:
             self._rollouts_staged = {}
             raise
-        return {"num_tensors": len(incoming), "applied": applied}
+        return {"num_tensors": len(incoming), "applied": applied, "checksums": _checksums(incoming)}
+
+    def rollouts_fingerprint(self, weights_path: str) -> dict[str, Any]:
+        """{"checksums": {name: checksum}} of the checkpoint tensors at `weights_path` as this worker
+        reads them (the files a disk reload from there loaded)."""
+        return {"checksums": _checksums(_received(_read_dir(weights_path)))}

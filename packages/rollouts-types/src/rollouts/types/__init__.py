@@ -18,6 +18,7 @@ from rollouts.types.configs import (
 from rollouts.types.frozen import freeze, thaw
 from rollouts.types.lora import DEFAULT_LORA_TARGETS, LoraConfig, LoraSync
 from rollouts.types.micro_batch import MicroBatch
+from rollouts.types.preference import DPOConfig, PreferenceConfig, PreferenceLoss
 from rollouts.types.protocols import (
     Abortable,
     BatchedRewardFn,
@@ -57,6 +58,7 @@ __all__ = [
     "AlgorithmConfig",
     "CheckpointConfig",
     "CriticConfig",
+    "DPOConfig",
     "EnvStep",
     "Environment",
     "FilterFn",
@@ -65,6 +67,8 @@ __all__ = [
     "MetricsLogger",
     "MicroBatch",
     "OptimizerConfig",
+    "PreferenceConfig",
+    "PreferenceLoss",
     "Prompt",
     "RLConfig",
     "ReferenceConfig",

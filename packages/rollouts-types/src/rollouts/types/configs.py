@@ -372,6 +372,21 @@ class RLConfig:
             "be true: the off-policy correction (algorithm.is_cap, or overlap_is_cap with overlap) weighs "
             "samples by the engine's log-probs",
         )
+        buffer = self.algorithm.overlong_buffer_length
+        require(
+            buffer < longest,
+            f"{n}.algorithm.overlong_buffer_length",
+            buffer,
+            f"be < rollout.sampling.max_new_tokens ({longest}): a buffer as long as the budget penalizes every "
+            "response, however short (0 turns the penalty off)",
+        )
+        require(
+            self.critic == CriticConfig() or self.algorithm.advantage_estimator == "gae",
+            f"{n}.critic",
+            self.critic,
+            "be left unset unless algorithm.advantage_estimator is 'gae' (preset 'ppo'): only GAE reads a "
+            f"value model, and {self.algorithm.advantage_estimator!r} advantages would train none",
+        )
         require(self.sync_probe_tokens >= 0, f"{n}.sync_probe_tokens", self.sync_probe_tokens, "be >= 0")
         require(self.sync_probe_tolerance > 0, f"{n}.sync_probe_tolerance", self.sync_probe_tolerance, "be > 0")
         require(self.seed >= 0, f"{n}.seed", self.seed, "be >= 0")

@@ -37,11 +37,13 @@ from typing import Any, Self
 import safetensors.torch
 import torch
 
-from rollouts.backends.checkpoint.export import model_tensors
+from rollouts.backends.checkpoint.export import model_tensors, read_weights
 from rollouts.backends.engine_process.process import CLOSE_TIMEOUT_S, start_process
 from rollouts.backends.engine_process.shared_weights import DTYPE_NAMES, DTYPES, check_fits, shared_size, write_shared
 from rollouts.backends.engine_process.wire import ChildGone, encode_frame, read_frame, write_frame
 from rollouts.backends.sampling.engine import check_version_grows
+from rollouts.sync import is_adapter_dir
+from rollouts.sync.fingerprint import check_attestation, checksum_torch
 from rollouts.types import Sample, SamplingParams
 from rollouts.types.wire import batch_from_bytes
 
@@ -71,6 +73,10 @@ class EngineProcessOptions:
     """Bound on each request's answer; past it the engine process is killed."""
     start_timeout_s: float = 300.0
     """Bound on loading the model until the engine process says it is ready."""
+    attest: bool = True
+    """After each full-weight sync, the engine process answers the checksums of its weights
+    (rollouts.sync.fingerprint) and the client checks them against those of the weights sent, cast
+    to `dtype` (AttestationError naming the tensors that differ). LoRA adapter loads are not attested."""
 
     def __post_init__(self) -> None:
         if self.num_threads < 1:
@@ -123,6 +129,7 @@ class ProcessEngine:
             raise ValueError(f"tokenizer_dir {str(tokenizer_dir)!r} is not a directory holding a saved tokenizer")
         self._name, self._timeout_s = name, options.timeout_s
         self._weight_version = weight_version
+        self._attest, self._dtype = options.attest, DTYPES[options.dtype]
         self._lock = threading.Lock()  # one request at a time on the pipes
         self._error: EngineProcessError | None = None
         args = [*options.args(), "--attn", options.attn_implementation]
@@ -235,7 +242,10 @@ class ProcessEngine:
         check_version_grows(self._weight_version, weight_version)
         if not Path(path).is_dir():
             raise ValueError(f"weight path {path!r} is not a directory of HF safetensors weights")
-        self.request({"op": "update", "path": str(Path(path).resolve()), "weight_version": weight_version})
+        header = {"op": "update", "path": str(Path(path).resolve()), "weight_version": weight_version}
+        expected = self._expected(read_weights(path)) if self._attest and not is_adapter_dir(path) else None
+        answer, _ = self.request(header | ({} if expected is None else {"attest": sorted(expected)}))
+        self._check(expected, answer, weight_version)
         self._weight_version = weight_version
 
     async def load_weights(self, tensors: Mapping[str, torch.Tensor], weight_version: int) -> None:
@@ -253,16 +263,27 @@ class ProcessEngine:
         check_version_grows(self._weight_version, weight_version)
         check_fits(tensors, shapes=self._shapes, storages=self._storage, engine=self._name)
         header, size = shared_size(tensors)
+        expected = self._expected(tensors) if self._attest else None
+        request = {"op": "load_shared", "tensors": header, "weight_version": weight_version}
         with self._held():  # the engine process reads the file only while it answers this request
             write_shared(self._child.map_weights(max(size, 1)), tensors, header)
-            answer, _ = self._exchange({"op": "load_shared", "tensors": header, "weight_version": weight_version})
+            answer, _ = self._exchange(request | ({} if expected is None else {"attest": sorted(expected)}))
             if not answer.get("ok"):
                 raise self._broken(
                     f"refused the weight load of version {weight_version} ({answer.get('error_type')}: "
                     f"{answer.get('error')}), and part of it may be loaded",
                     kill=True,
                 )
+        self._check(expected, answer, weight_version)
         self._weight_version = weight_version
+
+    def _expected(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+        """Checksums of `tensors` as the engine process's model holds them: cast to its dtype."""
+        return {name: checksum_torch(tensor.to(self._dtype)) for name, tensor in tensors.items()}
+
+    def _check(self, expected: Mapping[str, int] | None, answer: Mapping[str, Any], version: int) -> None:
+        if expected is not None:
+            check_attestation(expected, answer.get("checksums") or {}, engine=self._name, weight_version=version)
 
     async def weight_version(self) -> int | None:
         """The version of the weights sampled from now."""

@@ -37,6 +37,7 @@ from rollouts.backends.engine_process.shared_weights import DTYPES, shared_views
 from rollouts.backends.engine_process.wire import encode_frame, next_request, write_frame
 from rollouts.backends.sampling.engine import config_eos, load_weights_dir, sample_prompts
 from rollouts.backends.train.components import load_hf_model
+from rollouts.sync.fingerprint import fingerprint_torch, flip_bit_torch, sync_fault_target
 from rollouts.types import RolloutBatch, Sample, SamplingParams, from_dict
 from rollouts.types.wire import batch_to_bytes
 
@@ -91,17 +92,32 @@ class EngineWorker:
                     shared.close()
                 except BufferError:  # a failed load's traceback still holds a view: closed when it goes
                     pass
-        return self._serve(header["weight_version"])
+        return self._serve(header["weight_version"], header.get("attest"))
 
     def update(self, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
         load_weights_dir(self.model, Path(header["path"]))
-        return self._serve(header["weight_version"])
+        return self._serve(header["weight_version"], header.get("attest"))
 
-    def _serve(self, version: int) -> tuple[dict[str, Any], bytes]:
-        """Sample as `version` from now on, to the end again (a weight update clears an abort)."""
+    def _serve(self, version: int, attest: list[str] | None = None) -> tuple[dict[str, Any], bytes]:
+        """Sample as `version` from now on, to the end again (a weight update clears an abort); with
+        `attest` (weight names), answer their checksums as the model now holds them."""
         self.weight_version = version
         self.control[0] = 0
-        return {"ok": True, "weight_version": version}, b""
+        answer: dict[str, Any] = {"ok": True, "weight_version": version}
+        if attest is not None:
+            answer["checksums"] = loaded_checksums(self.model, attest)
+        return answer, b""
+
+
+def loaded_checksums(model: torch.nn.Module, names: Sequence[str]) -> dict[str, int]:
+    """Checksums (rollouts.sync.fingerprint) of the model's weights named `names`, as it holds them;
+    a name it lacks is left out. The fault ROLLOUTS_SYNC_FAULT asks for is injected first, into the
+    model itself (a test hook)."""
+    state = model.state_dict()
+    target = sync_fault_target()
+    if target is not None and target in state:
+        flip_bit_torch(state[target])
+    return fingerprint_torch({name: state[name] for name in names if name in state})
 
 
 def handlers_of(worker: EngineWorker) -> dict[str, Handler]:

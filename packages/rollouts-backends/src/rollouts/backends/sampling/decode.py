@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rollouts.backends.train.attention import SDPA_IMPLEMENTATIONS
 from rollouts.backends.train.components import model_attr
 
 __all__ = ["FastDecoder", "fast_decoder"]
@@ -63,7 +64,7 @@ def fast_decoder(model: torch.nn.Module, total_length: int) -> FastDecoder | Non
     config = model_attr(model, "config")
     if getattr(config, "hidden_act", None) != "silu":
         return None
-    if getattr(config, "_attn_implementation", "sdpa") != "sdpa":
+    if getattr(config, "_attn_implementation", "sdpa") not in SDPA_IMPLEMENTATIONS:
         return None  # eager (probabilities cast to the model dtype before @ V) or flash kernels round differently
     if any(hasattr(p, "device_mesh") for p in model.parameters()):
         return None  # FSDP-sharded weights: the HF forward gathers them

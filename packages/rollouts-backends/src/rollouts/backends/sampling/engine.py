@@ -52,6 +52,16 @@ class InProcessEngine:
         self._weight_version = weight_version
         self._abort = threading.Event()
 
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model this engine samples from."""
+        return self._model
+
+    @property
+    def shares_training_model(self) -> bool:
+        """Whether the model is the trained one (weight updates then only set the version)."""
+        return self._shares
+
     def abort(self) -> None:
         """Cut generations in progress (and any started before `resume` or a weight update) short."""
         self._abort.set()

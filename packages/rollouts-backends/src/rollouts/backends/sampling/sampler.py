@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from rollouts.backends.sampling.decode import FastDecoder, fast_decoder
+from rollouts.backends.train.attention import SDPA_IMPLEMENTATIONS
 from rollouts.backends.train.components import model_attr
 from rollouts.backends.train.inputs import attention_mask_4d
 from rollouts.losses import truncation_mask
@@ -124,11 +125,11 @@ def _decode_mask(model: torch.nn.Module, mask_B_K: torch.Tensor) -> torch.Tensor
 
 def _dense_mask(model: torch.nn.Module) -> bool:
     # A ready 4D mask skips transformers' per-step mask construction; flash kernels take 2D ones.
-    return getattr(model.config, "_attn_implementation", "sdpa") in ("sdpa", "eager")
+    return getattr(model.config, "_attn_implementation", "sdpa") in (*SDPA_IMPLEMENTATIONS, "eager")
 
 
 def _additive_dtype(model: torch.nn.Module) -> torch.dtype | None:
-    if getattr(model.config, "_attn_implementation", "sdpa") == "sdpa":
+    if getattr(model.config, "_attn_implementation", "sdpa") in SDPA_IMPLEMENTATIONS:
         return None
     return next(model.parameters()).dtype
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rollouts.backends.train.attention import DOCUMENT_SDPA
 from rollouts.backends.train.cpu_memory import retain_freed_cpu_memory
 from rollouts.types import LoraConfig, OptimizerConfig
 
@@ -27,6 +28,7 @@ __all__ = [
     "lr_multiplier",
     "model_attr",
     "set_model_attr",
+    "use_document_attention",
 ]
 
 _NO_DECAY_NAME_PARTS = ("norm", "bias")
@@ -124,15 +126,27 @@ def load_hf_model(
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
 ) -> torch.nn.Module:
-    """Load a local HF-format causal LM directory (config.json + safetensors); never downloads."""
+    """Load a local HF-format causal LM directory (config.json + safetensors); never downloads.
+
+    "sdpa" on CUDA loads as DOCUMENT_SDPA: packed rows attend through FlexAttention (train.attention).
+    """
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
     check_model_dir(path)
+    if attn_implementation == "sdpa" and torch.device(device).type == "cuda":
+        attn_implementation = DOCUMENT_SDPA
     model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
     )
     return model.to(torch.device(device))
+
+
+def use_document_attention(model: torch.nn.Module) -> None:
+    """Switch an "sdpa" model to DOCUMENT_SDPA: the same SDPA for every mask but a packed row's,
+    which attends through FlexAttention within each sequence (train.attention). Others unchanged."""
+    if getattr(model_attr(model, "config"), "_attn_implementation", None) == "sdpa":
+        model_attr(model, "set_attn_implementation")(DOCUMENT_SDPA)
 
 
 def _decays(name: str, param: torch.Tensor) -> bool:
@@ -211,13 +225,16 @@ def build_components(
     attn_implementation: str = "sdpa",
     lora: LoraConfig | None = None,
 ) -> TrainingComponents:
-    """Model (loaded from a local path, or given), AdamW and schedule, bundled.
+    """Model (loaded from a local path, or given), AdamW and schedule, bundled. On CUDA an "sdpa"
+    model attends through DOCUMENT_SDPA (`use_document_attention`).
 
     With `lora` (rank > 0) the model gets a PEFT LoRA adapter and the optimizer holds only its weights.
     On CPU, glibc's malloc is told to keep freed memory for reuse (`retain_freed_cpu_memory`).
     """
     if isinstance(model_path, torch.nn.Module):
         model = model_path.to(torch.device(device))
+        if torch.device(device).type == "cuda":
+            use_document_attention(model)
     else:
         model = load_hf_model(model_path, dtype=dtype, device=device, attn_implementation=attn_implementation)
     if lora is not None and lora.enabled:

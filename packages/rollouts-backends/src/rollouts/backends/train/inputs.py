@@ -8,7 +8,9 @@ input_ids, position_ids, segment_ids, attention_mask [B, T] int and loss_mask [B
 padded (B rows) or packed (B == 1, sequences concatenated) layout, plus optional per-token float
 arrays (advantages, old/ref/rollout logprobs, extras). Attention is restricted to each sequence by
 an explicit block-diagonal causal mask built from `segment_ids`, so packing never lets one
-sequence see another, whatever the transformers version does with restarting position_ids.
+sequence see another, whatever the transformers version does with restarting position_ids: a
+dense [B, 1, T, T] mask under "sdpa" and "eager" (and on CPU), a FlexAttention BlockMask under
+DOCUMENT_SDPA on CUDA (rollouts.backends.train.attention).
 """
 
 from __future__ import annotations
@@ -18,12 +20,15 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
+from rollouts.backends.train.attention import DOCUMENT_SDPA, SDPA_IMPLEMENTATIONS, document_block_mask
 from rollouts.types import MicroBatch
 
 __all__ = [
     "HostLayout",
     "attention_mask_4d",
+    "document_masked",
     "host_layout",
     "micro_batch_to_torch",
     "model_inputs",
@@ -157,6 +162,13 @@ def packed_only(model: torch.nn.Module) -> bool:
     return impl.startswith(("flash", "kernels"))
 
 
+def document_masked(model: torch.nn.Module, device: torch.device) -> bool:
+    """Whether a packed row on `device` costs attention within its sequences only (flash kernels, or
+    DOCUMENT_SDPA's FlexAttention on CUDA), not over the whole row."""
+    impl = getattr(model.config, "_attn_implementation", None)
+    return packed_only(model) or (impl == DOCUMENT_SDPA and torch.device(device).type == "cuda")
+
+
 def one_sequence_per_row(batch: MicroBatch[torch.Tensor]) -> bool:
     """Whether each row holds one sequence from position 0, then only right padding.
 
@@ -169,6 +181,7 @@ def one_sequence_per_row(batch: MicroBatch[torch.Tensor]) -> bool:
 def model_inputs(
     model: torch.nn.Module, batch: MicroBatch[torch.Tensor], layout: HostLayout | None = None
 ) -> dict[str, Any]:
+    """input_ids, position_ids and attention_mask for the model's forward (see the module docstring)."""
     impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
     if layout is None:
         layout = host_layout(batch, loss_positions_only=False)
@@ -177,11 +190,14 @@ def model_inputs(
         # row of them, broadcast over the batch: the rotary angles are computed once, not per row.
         positions_1_T = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)[None]
         return {"input_ids": batch.input_ids, "position_ids": positions_1_T, "attention_mask": None}
+    mask: torch.Tensor | BlockMask | None
     if packed_only(model):
         if not layout.all_real:
             raise ValueError(f"attn_implementation {impl!r} needs the packed layout without padding")
         mask = None
-    elif impl == "sdpa":
+    elif impl == DOCUMENT_SDPA and batch.segment_ids.is_cuda:
+        mask = document_block_mask(batch.segment_ids)
+    elif impl in SDPA_IMPLEMENTATIONS:  # FlexAttention has no backward on CPU: the dense mask there
         mask = attention_mask_4d(batch.segment_ids)
     else:
         mask = attention_mask_4d(batch.segment_ids, dtype=next(model.parameters()).dtype)

@@ -102,6 +102,18 @@ def _peft_targets(config: LoraConfig, targets: dict[str, torch.nn.Linear]) -> li
     return sorted(targets)
 
 
+def check_lora_targets(model_dir: str, config: LoraConfig) -> None:
+    """The checks `apply_lora` makes (every target matches a linear layer, the rank fits each
+    layer, the output projection stays out), on the model at `model_dir` built on the meta device:
+    no weights read, so a run refuses bad LoRA settings before it loads anything."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        config_of_model = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        model = AutoModelForCausalLM.from_config(config_of_model)  # type: ignore[no-untyped-call]  # unannotated upstream
+    _targets(model, config)
+
+
 def apply_lora(model: torch.nn.Module, config: LoraConfig) -> torch.nn.Module:
     """Inject a LoRA adapter ('default') into `model` in place and freeze every other weight.
 

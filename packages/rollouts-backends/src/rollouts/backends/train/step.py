@@ -162,7 +162,9 @@ def forward_backward(
     model.train()
     num_ranks = data_parallel_size(model)
     with_entropy = bool(getattr(loss_fn, "needs_entropy", False))
-    loss_total = 0.0
+    # Each micro-batch's loss stays on the device until the last backward is queued: reading it
+    # there would make the host wait for that backward before queueing the next forward.
+    losses: list[torch.Tensor] = []
     weighted: dict[str, float] = {}
     weight_total = 0.0
     num_real = 0
@@ -180,7 +182,7 @@ def forward_backward(
         # FSDP averages gradients over ranks; the loss already divides by global counts, so
         # scaling by the rank count turns that average into the sum the step needs.
         (loss * num_ranks if num_ranks > 1 else loss).backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-        loss_total += float(loss.detach())
+        losses.append(loss.detach())
         weight = float(max(layout.num_loss_tokens, 1))
         for key, value in metrics.items():
             weighted[key] = weighted.get(key, 0.0) + weight * float(value)
@@ -189,7 +191,7 @@ def forward_backward(
         num_loss += layout.num_loss_tokens
     out = {key: value / weight_total for key, value in weighted.items()}
     out.update(
-        loss=loss_total,
+        loss=sum(torch.stack(losses).double().tolist()),  # one read, summed in micro-batch order
         num_micro_batches=float(len(micro_batches)),
         num_real_tokens=float(num_real),
         num_loss_tokens=float(num_loss),
@@ -211,15 +213,19 @@ def compute_logprobs(
     was_training = model.training
     model.eval()
     try:
-        out = []
+        flat = []
         for micro_batch in micro_batches:
             batch = micro_batch_to_torch(micro_batch, components.device)
             layout = host_layout(micro_batch, loss_positions_only=False)
             logprobs_B_T, _ = _token_logprobs(
                 model, batch, layout, temperature=temperature, with_entropy=False, top_k=top_k, top_p=top_p
             )
-            out.append(logprobs_B_T.float().cpu().numpy())
-        return out
+            flat.append(logprobs_B_T.float().reshape(-1))
+        # One copy to the host after the last forward is queued, not one wait per micro-batch.
+        host = torch.cat(flat).cpu().numpy()
+        shapes = [np.shape(mb.input_ids) for mb in micro_batches]
+        ends = np.cumsum([math.prod(shape) for shape in shapes])
+        return [part.reshape(shape) for part, shape in zip(np.split(host, ends[:-1]), shapes, strict=True)]
     finally:
         model.train(was_training)
 

@@ -1,4 +1,4 @@
-"""The `rollouts` command: sft, rl, pipeline, plot, demo.
+"""The `rollouts` command: sft, rl, dpo, pipeline, plot, demo.
 
 Configs are checked completely (file, keys, types, ranges, data files, model directory) before any
 work starts; a bad one exits with status 2 and a message naming the file and the key.
@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from rollouts.loops.app.config import ConfigError, RLRun, SFTRun, load_run
+from rollouts.loops.app.dpo_run import DPORun
 from rollouts.loops.app.failures import RunFailed, print_failure, report
 from rollouts.loops.app.toml_out import documented_toml
 from rollouts.loops.errors import DamagedCheckpointError
 
 _SECTIONS = {
-    "sft": "[model] path, dtype, device, attn_implementation, gradient_checkpointing\n"
+    "sft": "[model] path, dtype, device, attn_implementation, gradient_checkpointing, compile\n"
     "  [data] train_path (chat JSONL: messages)\n  [run] out_dir, resume\n"
     "  [log] wandb, tensorboard\n  [sft] num_steps, batch_size, max_length, ... [sft.optimizer] [sft.checkpoint]",
     "rl": "preset = grpo | drgrpo | dapo | ...\n  [model] path, ...\n  [data] train_path, eval_path, prompt_key, answer_key\n"
@@ -31,7 +32,11 @@ _SECTIONS = {
     "  [eval] every_steps, samples_per_prompt, temperature\n  [log] wandb, tensorboard, num_sample_completions\n"
     "  [rl] num_steps, overlap, ... [rl.rollout] [rl.rollout.sampling] [rl.algorithm] [rl.optimizer] [rl.checkpoint]\n"
     "  [rl.reference] update (frozen | ema | reset), ema_decay, reset_every_steps",
+    "dpo": "[model] path, dtype, device, ...\n  [data] train_path, eval_path (JSONL: prompt, chosen, rejected), num_eval\n"
+    "  [run] out_dir, resume\n  [log] wandb, tensorboard\n  [dpo] loss (sigmoid | robust | ipo | hinge | simpo | orpo | kto), "
+    "beta, label_smoothing, num_steps, batch_size, ... [dpo.optimizer] [dpo.checkpoint]",
 }
+_RUNS: dict[str, type] = {"sft": SFTRun, "rl": RLRun, "dpo": DPORun}
 
 
 def _version() -> str:
@@ -102,7 +107,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="rollouts",
         description="SFT and RL post-training for LLMs.",
         epilog="Every key of a run file, with its default and meaning: "
-        "rollouts config show sft|rl. Examples: examples/*.toml.",
+        "rollouts config show sft|rl|dpo. Examples: examples/*.toml.",
     )
     parser.add_argument("--version", action="version", version=f"rollouts {_version()}")
     parser.add_argument(
@@ -112,7 +117,11 @@ def _parser() -> argparse.ArgumentParser:
         help="level of the library's log messages on stderr (default INFO)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, what in (("sft", "supervised fine-tuning"), ("rl", "reinforcement learning")):
+    for name, what in (
+        ("sft", "supervised fine-tuning"),
+        ("rl", "reinforcement learning"),
+        ("dpo", "offline preference optimization (DPO, IPO, SimPO, ORPO, KTO, ...)"),
+    ):
         p = sub.add_parser(
             name,
             help=what,
@@ -135,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
         )
     p = sub.add_parser("config", help="print a run file with every key, its default and what it means")
     p.add_argument("action", choices=("show",))
-    p.add_argument("kind", choices=("sft", "rl"))
+    p.add_argument("kind", choices=tuple(_RUNS))
     p = sub.add_parser("eval", help="evaluate a saved model: mean reward, pass@1, pass@k, maj@k (JSON)")
     p.add_argument("--config", required=True, help="TOML RL run file ([data] eval_path, [reward], [eval])")
     p.add_argument("--checkpoint", required=True, help="HF-format model directory, e.g. a run's checkpoints/step_N")
@@ -169,6 +178,7 @@ def _parser() -> argparse.ArgumentParser:
 _COMMANDS = {
     "sft": "rollouts.loops.app.commands:cmd_sft",
     "rl": "rollouts.loops.app.commands:cmd_rl",
+    "dpo": "rollouts.loops.app.dpo_cmd:cmd_dpo",
     "eval": "rollouts.loops.app.commands:cmd_eval",
     "pipeline": "rollouts.loops.app.commands:cmd_pipeline",
     "engine": "rollouts.loops.app.engine_cmd:cmd_engine",
@@ -194,8 +204,11 @@ def _run_command(args: argparse.Namespace, sets: list[str]) -> int:
     elif args.command == "rl":
         rl = load_run(RLRun, args.config, sets)
         _command("rl")(rl, args.config)
+    elif args.command == "dpo":
+        dpo = load_run(DPORun, args.config, sets)
+        _command("dpo")(dpo, args.config)
     elif args.command == "config":
-        print(documented_toml(SFTRun if args.kind == "sft" else RLRun), end="")
+        print(documented_toml(_RUNS[args.kind]), end="")
     elif args.command == "eval":
         rl = load_run(RLRun, args.config, args.set)
         _command("eval")(rl, args.config, args.checkpoint)

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from rollouts.loops.app.run_setup import (
     default_out_dir,
     load_data,
     local_model,
+    preflight,
     prepare_run,
     raise_reported,
     release_run,
@@ -45,19 +47,40 @@ from rollouts.loops.rl.models import RLModels
 from rollouts.loops.run.distributed import init_distributed, rank_world
 from rollouts.loops.run.run_dir import CHECKPOINTS_DIR
 from rollouts.loops.sft import run_sft_training
+from rollouts.types import TrainingState
 
 
-def cmd_sft(run: SFTRun, source: str) -> Path:
-    """Tokenize conversations with the model's chat template and train; returns the checkpoint root."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunResult:
+    """What a finished `sft` or `rl` run leaves: where it is, its final state, and its metrics."""
+
+    command: str
+    """'sft' or 'rl'."""
+    run_dir: Path
+    checkpoints: Path
+    """The checkpoint root (`run_dir / "checkpoints"`); its newest complete step is the trained model."""
+    state: TrainingState
+    history: tuple[dict[str, Any], ...]
+    """Every step's logged metrics, in order (of this invocation: a resumed run's earlier steps are in
+    its metrics JSONL)."""
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """The last step's metrics ({} when no step ran)."""
+        return dict(self.history[-1]) if self.history else {}
+
+
+def cmd_sft(run: SFTRun, source: str) -> RunResult:
+    """Tokenize conversations with the model's chat template and train."""
     run = local_model(run, source)
     check_paths(run, source)
 
     rank, world = init_distributed()
     conversations = load_data(load_conversations, run.data.train_path)  # bad data refused before the run dir is touched
+    tokenizer = preflight(run, source, "sft")
     run, resume = prepare_run(run, "sft", source)
     out = Path(run.run.out_dir)
     try:
-        tokenizer = run_tokenizer(run)
         samples = [
             tokenize_conversation(list(c), tokenizer, max_length=run.sft.max_length, train_on=run.sft.train_on)
             for c in conversations
@@ -65,7 +88,7 @@ def cmd_sft(run: SFTRun, source: str) -> Path:
         components = run_components(run, run.sft.optimizer, run.sft.num_steps)
         logger = run_loggers(run, out, "sft", run.sft.num_steps, rank=rank)
         try:
-            state, _ = run_sft_training(
+            state, history = run_sft_training(
                 components,
                 samples,
                 run.sft,
@@ -82,7 +105,7 @@ def cmd_sft(run: SFTRun, source: str) -> Path:
     finally:
         release_run(out, rank)
     print(f"sft: finished at step {state.step}; checkpoints in {out / CHECKPOINTS_DIR}", file=sys.stderr)
-    return out / CHECKPOINTS_DIR
+    return RunResult(command="sft", run_dir=out, checkpoints=out / CHECKPOINTS_DIR, state=state, history=tuple(history))
 
 
 def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> Any:
@@ -99,6 +122,7 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
             dtype=run.model.dtype,
             attn_implementation=run.model.attn_implementation,
             timeout_s=run.engine.timeout_s,
+            attest=run.engine.attest,
         )
         tokenizer_dir = run.model.tokenizer_path or run.model.path
         if run.engine.kind == "rollout_process":  # the rollout manager runs there too, batching its groups
@@ -119,6 +143,7 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
             sync_timeout_s=run.engine.sync_timeout_s,
             sync=run.engine.sync,
             partial=run.rl.rollout.partial,
+            attest=run.engine.attest,
         )
     if shares:
         model = components.model
@@ -160,8 +185,8 @@ def _evaluation(run: RLRun) -> Any:
     )
 
 
-def cmd_rl(run: RLRun, source: str) -> Path:
-    """RL from the configured model against the configured engine(s); returns the checkpoint root."""
+def cmd_rl(run: RLRun, source: str) -> RunResult:
+    """RL from the configured model against the configured engine(s)."""
     run = local_model(run, source)
     check_paths(run, source)
 
@@ -176,10 +201,10 @@ def cmd_rl(run: RLRun, source: str) -> Path:
     )
     if run.data.prompt_key != "prompt":
         records = [{**r, "prompt": r[run.data.prompt_key]} for r in records]
+    tokenizer = preflight(run, source, "rl")
     run, resume = prepare_run(run, "rl", source)
     out = Path(run.run.out_dir)
     try:
-        tokenizer = run_tokenizer(run)
         components = run_components(run, run.rl.optimizer, run.rl.num_updates)
         shares = run.engine.kind == "inprocess" and not run.rl.overlap and world == 1
         critic = None
@@ -200,7 +225,7 @@ def cmd_rl(run: RLRun, source: str) -> Path:
         logger = run_loggers(run, out, "rl", run.rl.num_updates, rank=rank)
         engine = _rl_engine(run, components, tokenizer, shares=shares)
         try:
-            state, _ = run_rl_training(
+            state, history = run_rl_training(
                 RLModels(
                     policy=components,
                     engine=engine,
@@ -236,7 +261,7 @@ def cmd_rl(run: RLRun, source: str) -> Path:
         f"checkpoints in {out / CHECKPOINTS_DIR}",
         file=sys.stderr,
     )
-    return out / CHECKPOINTS_DIR
+    return RunResult(command="rl", run_dir=out, checkpoints=out / CHECKPOINTS_DIR, state=state, history=tuple(history))
 
 
 def cmd_eval(run: RLRun, source: str, checkpoint: str) -> dict[str, float]:
@@ -262,9 +287,8 @@ def cmd_eval(run: RLRun, source: str, checkpoint: str) -> dict[str, float]:
     return metrics
 
 
-def cmd_pipeline(sft: SFTRun, sft_source: str, rl: RLRun, rl_source: str) -> Path:
-    """SFT, then RL from SFT's newest checkpoint; both configs checked before any work. Returns RL's
-    checkpoint root."""
+def cmd_pipeline(sft: SFTRun, sft_source: str, rl: RLRun, rl_source: str) -> RunResult:
+    """SFT, then RL from SFT's newest checkpoint; both configs checked before any work. Returns RL's result."""
 
     check_paths(rl, rl_source, model=False)  # the RL stage starts from what SFT will write
     init_distributed()
@@ -272,7 +296,7 @@ def cmd_pipeline(sft: SFTRun, sft_source: str, rl: RLRun, rl_source: str) -> Pat
         root = default_out_dir("pipeline")
         sft = dataclasses.replace(sft, run=dataclasses.replace(sft.run, out_dir=sft.run.out_dir or f"{root}/sft"))
         rl = dataclasses.replace(rl, run=dataclasses.replace(rl.run, out_dir=rl.run.out_dir or f"{root}/rl"))
-    checkpoint = latest_checkpoint(cmd_sft(sft, sft_source))
+    checkpoint = latest_checkpoint(cmd_sft(sft, sft_source).checkpoints)
     if checkpoint is None:
         raise ConfigError(f"{sft_source}: SFT wrote no complete checkpoint to start RL from")
     checkpoint = checkpoint.absolute()  # recorded in RL's resolved config: where its weights came from

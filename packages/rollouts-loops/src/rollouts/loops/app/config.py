@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from rollouts.loops.algorithms import ALGORITHMS, preset_dicts
+from rollouts.loops.app.agent_spec import AgentSpec
 from rollouts.loops.app.overrides import apply_overrides as apply_overrides  # the --set edits, re-exported
 from rollouts.loops.app.toml_out import NONE
 from rollouts.loops.errors import ConfigError as ConfigError  # re-exported: the config's own error
@@ -41,6 +42,9 @@ class ModelSpec:
     device: str = "cpu"
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     gradient_checkpointing: bool = False
+    compile: Literal["none", "layers"] = "none"
+    """`layers`: each decoder layer compiled with torch.compile (fused norms, rotary and activations;
+    the first steps pay the compile time)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters instead of full fine-tuning (rank 0: off); needs rollouts-backends[lora]."""
 
@@ -92,6 +96,11 @@ class EngineSpec:
     vLLM with the worker extension, or SGLang)."""
     num_threads: int = 1
     """Torch threads of the engine process (kind = "process" or "rollout_process")."""
+    attest: bool = True
+    """After every sync the engine reports checksums of the weights it loaded, computed where they live
+    (vLLM's worker extension, the engine process), and a mismatch with the trainer's stops the run naming
+    the tensors (rollouts.sync.fingerprint). Off: for an engine that cannot report (SGLang; vLLM without
+    the worker extension). The in-process engine loads in the trainer's own process: nothing to attest."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -302,6 +311,7 @@ class RLRun:
     run: RunSpec = field(default_factory=RunSpec)
     reward: RewardSpec = field(default_factory=RewardSpec)
     hooks: HooksSpec = field(default_factory=HooksSpec)
+    agent: AgentSpec = field(default_factory=AgentSpec)
     eval: EvalSpec = field(default_factory=EvalSpec)
     log: LogSpec = field(default_factory=LogSpec)
     preset: str = ""
@@ -313,6 +323,14 @@ class RLRun:
         require(
             not self.preset or self.preset in ALGORITHMS, "RLRun.preset", self.preset, f"be one of {sorted(ALGORITHMS)}"
         )
+        if self.agent.fn:  # the agent is the rollout, in this process (its endpoint is the engine's)
+            require(not self.hooks.rollout, "RLRun.hooks.rollout", self.hooks.rollout, "be empty with [agent] fn")
+            require(
+                self.engine.kind != "rollout_process",
+                "RLRun.engine.kind",
+                self.engine.kind,
+                "not be 'rollout_process' with [agent] fn",
+            )
         if self.model.lora.enabled and self.model.lora.sync == "adapter" and self.engine.kind != "inprocess":
             require(
                 self.engine.kind == "vllm" and self.engine.sync == "disk",

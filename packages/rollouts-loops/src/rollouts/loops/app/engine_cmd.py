@@ -17,7 +17,8 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
-from rollouts.sync.launch import VLLMServeOptions, free_port, launch_vllm_server
+from rollouts.loops.app.config import ConfigError
+from rollouts.sync.launch import VLLMServeOptions, check_port_free, free_port, launch_vllm_server
 
 _CPU_KV_CACHE_MAX_GB = 4  # enough for the small models a CPU serves; vLLM's own default takes most of the host
 
@@ -41,6 +42,11 @@ def _host_has_gpu() -> bool:
 
 def cmd_engine(args: argparse.Namespace) -> int:
     """Start the server, print 'engine ready: URL' once healthy, and serve until a signal."""
+    if args.port:  # else "engine ready" would announce the server already there
+        try:
+            check_port_free(args.host, args.port)
+        except ValueError as e:
+            raise ConfigError(f"--port: {e}") from None
     port = args.port or free_port(args.host if args.host not in ("0.0.0.0", "") else "127.0.0.1")
     log = Path(args.log or f"vllm-{port}.log").absolute()
     extra = shlex.split(args.vllm_args)

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from rollouts.backends import load_tokenizer
+from rollouts.loops.agents.endpoint import EndpointLimits
+from rollouts.loops.agents.rollout import agent_reward, agent_rollout
 from rollouts.loops.app.config import BUILTIN_REWARDS, ConfigError, RLRun
 from rollouts.loops.plugins import PluginError, resolve_function
 from rollouts.loops.rollouts.reward_models import (
@@ -74,20 +76,37 @@ def resolve_hooks(run: RLRun, source: str) -> dict[str, Any]:
         if spec.models:
             reward = _with_reward_models(reward, spec, source)
         hooks: dict[str, Any] = {"reward": reward}
-        for key, arg, arity, what in (
-            ("rollout", "rollout", 2, "rollout(record, ctx) -> list[Sample]"),
-            ("filter", "filter_fn", 1, "filter(group) -> str | None"),
-            ("advantages", "advantage_fn", 2, "advantages(rewards_N, groups_N) -> advantages_N"),
-            ("loss", "loss_fn", 2, "loss(logprobs_B_T, batch, *, num_tokens, num_sequences)"),
+        # the loss is always called with the step's counts as keywords (rollouts-backends' forward_backward)
+        counts = ("num_tokens", "num_sequences")
+        for key, arg, arity, keywords, what in (
+            ("rollout", "rollout", 2, (), "rollout(record, ctx) -> list[Sample]"),
+            ("filter", "filter_fn", 1, (), "filter(group) -> str | None"),
+            ("advantages", "advantage_fn", 2, (), "advantages(rewards_N, groups_N) -> advantages_N"),
+            ("loss", "loss_fn", 2, counts, "loss(logprobs_B_T, batch, *, num_tokens, num_sequences)"),
         ):
             path = getattr(run.hooks, key)
             if path:
                 hooks[arg] = resolve_function(
-                    _beside(path, source), key=f"hooks.{key}", num_positional=arity, what=what
+                    _beside(path, source), key=f"hooks.{key}", num_positional=arity, what=what, keywords=keywords
                 )
+        if run.agent.fn:
+            hooks.update(_agent_hooks(run, source, hooks["reward"]))
     except PluginError as e:
         raise ConfigError(f"{source}: {e}") from e
     return hooks
+
+
+def _agent_hooks(run: RLRun, source: str, reward: Reward) -> dict[str, Any]:
+    """[agent]: the agent's rollout, and the reward it returns (the run's reward where it returns None)."""
+    spec = run.agent
+    fn = resolve_function(
+        _beside(spec.fn, source), key="agent.fn", num_positional=2, what="run(base_url, record) -> float | None"
+    )
+    limits = EndpointLimits(
+        max_turns=spec.max_turns, max_total_tokens=spec.max_total_tokens, request_timeout_s=spec.request_timeout_s
+    )
+    rollout = agent_rollout(fn, timeout_s=spec.timeout_s, limits=limits, name=spec.fn)
+    return {"rollout": rollout, "reward": agent_reward(reward)}
 
 
 def _with_reward_models(verifier: Any, spec: Any, source: str) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import sys
 from datetime import datetime
@@ -28,7 +29,8 @@ from rollouts.backends import (
     shard_model,
 )
 from rollouts.backends.train.distributed import enable_activation_checkpointing
-from rollouts.backends.train.lora import apply_lora
+from rollouts.backends.train.lora import apply_lora, check_lora_targets
+from rollouts.backends.train.regional_compile import compile_layers
 from rollouts.loops.app.config import ConfigError
 from rollouts.loops.app.failures import RunFailed, RunState, report
 from rollouts.loops.app.toml_out import to_toml
@@ -53,6 +55,7 @@ from rollouts.loops.run.run_dir import (
 from rollouts.types import MetricsLogger, OptimizerConfig
 
 _DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+log = logging.getLogger(__name__)
 
 
 def write_resolved(run: Any, out: Path) -> None:
@@ -169,6 +172,52 @@ def check_paths(run: Any, source: str, *, model: bool = True) -> None:
         raise ConfigError(f"{source}: data.eval_path {run.data.eval_path!r} does not exist")
 
 
+def preflight(run: Any, source: str, command: str) -> Any:
+    """The run's tokenizer, after the checks that need the model's files but not its weights, so
+    they fail before the run directory is written: LoRA targets and rank (on a meta-device model),
+    a critic's vocabulary against the policy's, SFT's chat template; a tokenizer with no EOS token
+    is a warning (every response then runs to max_new_tokens)."""
+    try:
+        tokenizer = run_tokenizer(run)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{source}: model.tokenizer_path / model.path: the tokenizer does not load: {e}") from e
+    if run.model.lora.enabled:
+        try:
+            check_lora_targets(run.model.path, run.model.lora)
+        except ValueError as e:
+            raise ConfigError(f"{source}: model.lora: {e}") from e
+    if command == "sft" and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"{source}: the tokenizer of {run.model.tokenizer_path or run.model.path!r} has no chat template, and SFT "
+            "masks conversations with it (save one with the tokenizer: tokenizer.chat_template = ...)"
+        )
+    if command == "rl":
+        critic = run.rl.critic.path
+        if run.rl.algorithm.advantage_estimator == "gae" and critic:
+            vocab = {p: _config_value(p, "vocab_size") for p in (run.model.path, critic)}
+            if vocab[critic] != vocab[run.model.path]:
+                raise ConfigError(
+                    f"{source}: rl.critic.path {critic!r} has vocab_size {vocab[critic]}, the policy "
+                    f"{run.model.path!r} {vocab[run.model.path]}: the critic reads the policy's tokens"
+                )
+        if getattr(tokenizer, "eos_token_id", None) is None and _config_value(run.model.path, "eos_token_id") is None:
+            log.warning(
+                "%s: neither the tokenizer nor the model's config names an EOS token: responses never stop "
+                "early and every one runs to rollout.sampling.max_new_tokens (%d)",
+                source,
+                run.rl.rollout.sampling.max_new_tokens,
+            )
+    return tokenizer
+
+
+def _config_value(model_dir: str, key: str) -> Any:
+    """`key` of the model's config.json (None when absent or unreadable: the model load says why)."""
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+
+
 def run_components(run: Any, optimizer: OptimizerConfig, num_training_steps: int) -> TrainingComponents:
     dtype = getattr(torch, _DTYPES[run.model.dtype])
     rank, world = init_distributed()
@@ -187,6 +236,7 @@ def run_components(run: Any, optimizer: OptimizerConfig, num_training_steps: int
         )
         if run.model.gradient_checkpointing:  # as under torchrun: recompute each layer in backward
             enable_activation_checkpointing(components.model)
+        compile_layers(components.model, run.model.compile)
         return components
     model = sharded_model(run, device)
     opt = build_optimizer(model, optimizer)
@@ -208,6 +258,7 @@ def sharded_model(run: Any, device: str) -> torch.nn.Module:
     )
     if run.model.lora.enabled:  # the adapter goes in before sharding; only its weights train
         model = apply_lora(model, run.model.lora)
+    compile_layers(model, run.model.compile)  # before sharding: each sharded unit wraps a compiled layer
     return shard_model(model, activation_checkpointing=run.model.gradient_checkpointing)
 
 

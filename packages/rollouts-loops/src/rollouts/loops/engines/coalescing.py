@@ -11,30 +11,31 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-import torch
 import trio
-from safetensors import safe_open
 
 from rollouts.sync import (
     EnginePool,
     HTTPOptions,
+    RawTensor,
     RetryPolicy,
     SGLangEngine,
     VLLMEngine,
     is_adapter_dir,
     sync_weights_to_engines,
 )
+from rollouts.sync.raw import read_safetensors_dir
 from rollouts.types import Abortable, InferenceEngine, Sample, SamplingParams, SyncSampler, WeightLoader
 
 _DEFAULT_WINDOW_S = 0.01  # long enough for a nursery's start_soon burst, short next to a forward pass
 _QUIET_PASSES = 3  # scheduler passes without a new caller before the first batch goes out
+log = logging.getLogger(__name__)
 
 
 class SyncEngine(SyncSampler, InferenceEngine, Protocol):
@@ -265,6 +266,7 @@ def remote_engine(
     sync_timeout_s: float,
     sync: str = "disk",
     partial: bool = False,
+    attest: bool = True,
 ) -> InferenceEngine:
     """A vLLM / SGLang client (a pool of them for several URLs); the API key comes from `api_key_env`.
 
@@ -272,7 +274,10 @@ def remote_engine(
     filesystem); "http" sends them in request bodies (`SendWeights`); "broadcast" through a
     process group with the engine's workers (`BroadcastWeights`). `partial` (rl.rollout.partial,
     vLLM only): a sync pauses the server in mode "abort" and the responses it cuts short come back
-    as partial samples (`VLLMEngine(keep_partial=True)`), to be continued."""
+    as partial samples (`VLLMEngine(keep_partial=True)`), to be continued. `attest`: vLLM engines check
+    the checksums of the weights each sync loaded (`VLLMEngine(attest=...)`, and the broadcast's
+    `BroadcastOptions(attest=...)`); SGLang cannot report them, and the log says once that its syncs go
+    unattested."""
     if sync not in ("disk", "http", "broadcast"):
         raise ValueError(f"sync must be 'disk', 'http' or 'broadcast', got {sync!r}")
     api_key = os.environ.get(api_key_env) if api_key_env else None
@@ -284,14 +289,20 @@ def remote_engine(
     common: dict[str, Any] = {"api_key": api_key, "http": http}
     if partial:
         common |= {"keep_partial": True, "pause_mode": "abort"}
+    if kind == "vllm":
+        common["attest"] = attest
+    if not attest or kind == "sglang":
+        why = "engine.attest = false" if not attest else "SGLang has no call that reports checksums of its weights"
+        log.warning("weight sync attestation is off for %s engine(s) %s (%s)", kind, ", ".join(urls), why)
     cls = {"vllm": VLLMEngine, "sglang": SGLangEngine}[kind]
     engines: list[InferenceEngine] = [cls(url, **common) for url in urls]
     if sync == "http":
         engines = [SendWeights(e) for e in engines]
     if sync == "broadcast":
         from rollouts.loops.engines.broadcast import BroadcastWeights  # it imports this module
+        from rollouts.sync import BroadcastOptions
 
-        engines = [BroadcastWeights(e) for e in engines]
+        engines = [BroadcastWeights(e, BroadcastOptions(attest=attest)) for e in engines]
     if len(engines) == 1:
         return BoundedSync(engines[0], sync_timeout_s=sync_timeout_s)
     return EnginePool(engines, sync_timeout_s=sync_timeout_s)
@@ -325,8 +336,8 @@ class SendWeights(_Wrapped):
     """An engine synced through request bodies: `update_weights_from_disk(path, version)` reads the
     exported safetensors at `path` here, in the trainer's process, and sends the tensors with
     `update_weights_from_tensors` (chunked; vLLM with the worker extension), so the engine needs no
-    view of the trainer's disk. bfloat16 and float16 tensors travel as float32 (numpy has no
-    bfloat16); the engine casts them back to its parameters' dtype."""
+    view of the trainer's disk. Each tensor travels in the dtype it was exported in (a bf16 model
+    moves its bf16 bytes); `last_upload` says what the last sync moved."""
 
     def __init__(self, engine: InferenceEngine) -> None:
         if not callable(getattr(engine, "update_weights_from_tensors", None)):
@@ -335,6 +346,7 @@ class SendWeights(_Wrapped):
                 "use engine.sync = 'disk'"
             )
         super().__init__(engine)
+        self.last_upload: Any = None
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
         if is_adapter_dir(path):
@@ -342,25 +354,15 @@ class SendWeights(_Wrapped):
                 f"{path!r} is a LoRA adapter: engine.sync = 'http' sends full weights only; use engine.sync = "
                 "'disk' (the engine loads the adapter from that path) or model.lora.sync = 'merged'"
             )
-        tensors = await trio.to_thread.run_sync(read_numpy_weights, path)
-        await self.engine.update_weights_from_tensors(tensors, weight_version)  # type: ignore[attr-defined]
+        tensors = await trio.to_thread.run_sync(read_raw_weights, path)
+        self.last_upload = await self.engine.update_weights_from_tensors(tensors, weight_version)  # type: ignore[attr-defined]
 
 
-def read_numpy_weights(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
-    """Every tensor of the safetensors files in directory `path`, as numpy arrays (16-bit floats as
-    float32)."""
-    files = sorted(Path(path).glob("*.safetensors"))
-    if not files:
+def read_raw_weights(path: str | os.PathLike[str]) -> dict[str, RawTensor]:
+    """Every tensor of the safetensors files in directory `path`, in the dtype it was written in."""
+    if not any(Path(path).glob("*.safetensors")):
         raise ValueError(f"{path} holds no .safetensors file to send")
-    out: dict[str, np.ndarray] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                tensor = f.get_tensor(name)
-                if tensor.dtype in (torch.bfloat16, torch.float16):
-                    tensor = tensor.float()
-                out[name] = tensor.numpy()
-    return out
+    return read_safetensors_dir(Path(path))
 
 
 class BoundedSync(_Wrapped):

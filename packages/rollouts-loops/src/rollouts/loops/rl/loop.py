@@ -300,7 +300,7 @@ async def _sync_if_due(
             models.engine,
             state,
             files.run_dir,
-            shares_model=models.engine_shares_model,
+            shares_model=bool(models.engine_shares_model),
             lock=lock,
             writer=files.writer,
             manager=manager,

@@ -10,7 +10,7 @@ import copy
 import dataclasses
 from dataclasses import dataclass
 
-from rollouts.backends import TrainingComponents
+from rollouts.backends import InProcessEngine, TrainingComponents
 from rollouts.backends.train.lora import has_lora, reference_components
 from rollouts.backends.train.value import build_critic
 from rollouts.types import InferenceEngine, RLConfig
@@ -26,12 +26,43 @@ class RLModels:
     """The trained model with its optimizer (rollouts.backends.build_components)."""
     engine: InferenceEngine | None
     """Samples the rollouts on rank 0 (any InferenceEngine); other ranks may pass None."""
-    engine_shares_model: bool = False
-    """The engine samples from `policy.model` itself: no export at a sync, and no overlap."""
+    engine_shares_model: bool | None = None
+    """The engine samples from `policy.model` itself: no export at a sync, and no overlap. None
+    (default): read off the engine, an InProcessEngine (possibly inside a CoalescingEngine) sharing
+    when its model is `policy.model`; other engines do not share unless this says True."""
     reference: TrainingComponents | None = None
     """The KL reference; default: the starting weights (with LoRA: the adapter switched off)."""
     critic: TrainingComponents | None = None
     """PPO's value model (advantage_estimator 'gae'); default: built from the starting policy."""
+
+    def __post_init__(self) -> None:
+        sampler = _in_process_engine(self.engine)
+        if sampler is None:  # another engine: only the caller knows
+            object.__setattr__(self, "engine_shares_model", bool(self.engine_shares_model))
+            return
+        shares = sampler.model is self.policy.model
+        if self.engine_shares_model is not None and self.engine_shares_model != shares:
+            raise ValueError(
+                f"RLModels.engine_shares_model={self.engine_shares_model}, but the InProcessEngine samples from "
+                + ("policy.model itself" if shares else "a model of its own")
+                + " (leave engine_shares_model unset: it is read off the engine)"
+            )
+        if sampler.shares_training_model != shares:
+            raise ValueError(
+                f"InProcessEngine(shares_training_model={sampler.shares_training_model}) samples from "
+                + ("policy.model itself: pass shares_training_model=True" if shares else "a model of its own")
+                + ("" if shares else ", whose weights would never be updated: pass shares_training_model=False")
+            )
+        object.__setattr__(self, "engine_shares_model", shares)
+
+
+def _in_process_engine(engine: object) -> InProcessEngine | None:
+    """The InProcessEngine `engine` is, or wraps (CoalescingEngine's `inner`), else None."""
+    for _ in range(4):  # wrappers nest shallowly
+        if isinstance(engine, InProcessEngine):
+            return engine
+        engine = getattr(engine, "inner", None)
+    return None
 
 
 def check_models(models: RLModels, config: RLConfig, *, rank: int, world: int) -> None:

@@ -330,7 +330,7 @@ async def restore(
             models.engine,
             state,
             files.run_dir,
-            shares_model=models.engine_shares_model,
+            shares_model=bool(models.engine_shares_model),
             lock=lock,
             version=state.weight_version,
             writer=files.writer,

@@ -24,6 +24,8 @@ import torch
 from rollouts.backends import TrainingComponents, compute_logprobs, forward_backward, optim_step
 from rollouts.backends.train.value import compute_values, critic_forward_backward
 from rollouts.data import unpack_values
+from rollouts.data.rollout import EPISODE_KEY
+from rollouts.loops.agents.episode import PIECES_KEY
 from rollouts.loops.evaluation import is_correct
 from rollouts.loops.micro_batches import (
     AdvantageFn,
@@ -89,6 +91,9 @@ def rollout_metrics(batch: RolloutBatch, state: TrainingState, *, min_reward: fl
         "num_carried_over": float(batch.num_carried_over),
         "num_reward_errors": float(len(reward_errors(samples))),
     }
+    episodes = {s.metadata[EPISODE_KEY]: s.metadata.get(PIECES_KEY, 1) for s in samples if EPISODE_KEY in s.metadata}
+    if episodes:  # agent episodes: how many were split where their chat template rewrote earlier turns
+        out["num_split_episodes"] = float(sum(pieces > 1 for pieces in episodes.values()))
     for key in ("groups_requested", "groups_partial", "groups_restarted", "num_rounds", "generate_s"):
         if key in batch.metadata:
             out[key] = float(batch.metadata[key])
@@ -122,6 +127,9 @@ def rl_step(
         if s.weight_version is None or state.weight_version - s.weight_version <= config.max_staleness
     ]
     metrics = rollout_metrics(batch, state, min_reward=config.correct_min_reward)
+    if config.algorithm.overlong_buffer_length:  # the penalty apart: reward_mean is the task's reward alone
+        penalties = [(s.reward or 0.0) - (b.reward or 0.0) for s, b in zip(samples, batch.samples, strict=True)]
+        metrics["overlong_penalty_mean"] = sum(penalties) / max(len(penalties), 1)
     metrics["num_too_stale"] = float(len(samples) - len(fresh))
     metrics["num_trained"] = float(len(fresh))
     causes = failure_causes(batch)

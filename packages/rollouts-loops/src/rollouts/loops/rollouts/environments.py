@@ -21,6 +21,7 @@ from typing import Any
 
 import trio
 
+from rollouts.data import encode_bounded
 from rollouts.data.user_code import call_user
 from rollouts.loops.rollouts.functions import RolloutContext, RolloutFn
 from rollouts.types import Environment, EnvStep, LogProbs, LossMask, Sample, Status, TokenIds
@@ -28,25 +29,31 @@ from rollouts.types import Environment, EnvStep, LogProbs, LossMask, Sample, Sta
 ENV_REWARD_KEY = "env_reward"
 
 
-def _ids(observation: str | Sequence[int], ctx: RolloutContext, *, first: bool) -> list[int]:
+def _ids(observation: str | Sequence[int], ctx: RolloutContext, *, first: bool, room: int) -> list[int] | None:
+    """The observation's ids, or None when it has more than `room` tokens (a huge text is measured
+    by its prefixes, never tokenized whole)."""
+    ids: list[int] | None
     if not isinstance(observation, str):
-        return list(observation)
-    if first:
-        return list(ctx.encode_prompt({"prompt": observation}))
-    if ctx.tokenizer is None:
+        ids = list(observation)
+    elif first:
+        ids = encode_bounded(lambda t: ctx.encode_prompt({"prompt": t}), observation, room)
+    elif ctx.tokenizer is None:
         raise ValueError("an environment that answers in text needs a tokenizer in the RolloutContext")
-    return list(ctx.tokenizer.encode(observation, add_special_tokens=False))
+    else:
+        tokenizer = ctx.tokenizer
+        ids = encode_bounded(lambda t: tokenizer.encode(t, add_special_tokens=False), observation, room)
+    return ids if ids is not None and len(ids) <= room else None
 
 
 async def run_episode(
     env: Environment, record: Any, ctx: RolloutContext, *, max_turns: int, max_total_tokens: int, step_timeout_s: float
 ) -> Sample:
     """One episode as a single Sample: prompt, then model turns (trained) and observations (masked)."""
-    prompt = _ids(await call_user(env.reset, record, timeout_s=step_timeout_s), ctx, first=True)
-    if len(prompt) >= max_total_tokens:
-        raise ValueError(
-            f"the first observation ({len(prompt)} tokens) leaves no room under max_total_tokens={max_total_tokens}"
-        )
+    first = await call_user(env.reset, record, timeout_s=step_timeout_s)
+    prompt = _ids(first, ctx, first=True, room=max_total_tokens - 1)
+    if prompt is None:
+        size = f"{len(first)} characters" if isinstance(first, str) else f"{len(first)} tokens"
+        raise ValueError(f"the first observation ({size}) leaves no room under max_total_tokens={max_total_tokens}")
     params = dataclasses.replace(ctx.sampling, n=1)
     tokens, mask, logprobs = list(prompt), [0.0] * len(prompt), []
     total_reward, status, turns, weight_version, all_logprobs = 0.0, Status.TRUNCATED, 0, None, True
@@ -66,8 +73,8 @@ async def run_episode(
         if result.done:
             status = Status.COMPLETED
             break
-        observation = _ids(result.observation, ctx, first=False)
-        if len(tokens) + len(observation) >= max_total_tokens:
+        observation = _ids(result.observation, ctx, first=False, room=max_total_tokens - len(tokens) - 1)
+        if observation is None:  # no room for it: the episode ends truncated
             break
         tokens, mask, logprobs = (
             tokens + observation,

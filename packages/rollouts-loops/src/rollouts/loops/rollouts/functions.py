@@ -18,8 +18,10 @@ from typing import Any
 import numpy as np
 import trio
 
-from rollouts.data import AsyncRolloutManager, DataBuffer
+from rollouts.data import AsyncRolloutManager, DataBuffer, encode_bounded
 from rollouts.data.manager import TailCut
+from rollouts.data.prompts import MAX_CHARS_PER_TOKEN
+from rollouts.data.rollout import num_episodes
 from rollouts.data.user_code import call_user
 from rollouts.loops.rollouts.multiturn import ToolExecutor, ToolParser, run_tool_rollout
 from rollouts.loops.rollouts.scoring import REWARD_ERROR_KEY, GroupScorer, Reward
@@ -168,10 +170,18 @@ def check_prompt_lengths(
     if not limits:
         return
     too_long = []
+    budget = max(min(limit for limit, _ in limits) - max_new_tokens, 0)
+    field = getattr(encode_prompt, "field", "prompt")
     for i, record in enumerate(records):
+        text = record.get(field) if isinstance(record, Mapping) else record
         try:
-            ids = encode_prompt(record)
-            num = len(ids)
+            if isinstance(text, str) and len(text) > max(budget, 1) * MAX_CHARS_PER_TOKEN:
+                # a huge prompt is measured by its prefixes, never tokenized whole
+                ids = encode_bounded(_prompt_of(encode_prompt, record, field), text, budget)
+                if ids is None:
+                    too_long.append(f"record {i} ({len(text)} characters, over {budget} prompt tokens, {text!r:.60})")
+                    continue
+            num = len(encode_prompt(record))
         except Exception as e:
             raise ValueError(f"prompt record {i}: encode_prompt failed: {type(e).__name__}: {e}") from e
         for limit, name in limits:
@@ -187,6 +197,15 @@ def check_prompt_lengths(
             + ("; ..." if len(too_long) > 5 else "")
             + ". Remove or shorten them, or lower max_new_tokens"
         )
+
+
+def _prompt_of(encode_prompt: PromptEncoder, record: Any, field: str) -> Callable[[str], Sequence[int]]:
+    """text -> the ids of `record` with `text` as its prompt."""
+
+    def encode(text: str) -> Sequence[int]:
+        return encode_prompt({**record, field: text} if isinstance(record, Mapping) else text)
+
+    return encode
 
 
 GREEDY_REWARD_KEY = "greedy_reward"
@@ -213,7 +232,12 @@ def group_generator(
         sampling = _seeded(ctx.sampling, n, seed)
         group_ctx = ctx if sampling is ctx.sampling else dataclasses.replace(ctx, sampling=sampling)
         samples = await call_user(rollout, record, group_ctx, timeout_s=_ROLLOUT_TIMEOUT_S)
-        if not isinstance(samples, Sequence) or len(samples) != n or not all(isinstance(s, Sample) for s in samples):
+        # n episodes: one Sample each, or several for an episode split into pieces (rollouts.data EPISODE_KEY)
+        if (
+            not isinstance(samples, Sequence)
+            or not all(isinstance(s, Sample) for s in samples)
+            or num_episodes(samples) != n
+        ):
             raise TypeError(f"the rollout function must return {n} Samples, got {samples!r:.120}")
         return await _finish_group(rollout, ctx, scorer, samples, record, greedy_baseline=greedy_baseline)
 

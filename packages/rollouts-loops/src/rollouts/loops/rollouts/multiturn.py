@@ -13,6 +13,7 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from rollouts.data import encode_bounded
 from rollouts.data.user_code import call_user
 from rollouts.types import InferenceEngine, LogProbs, LossMask, Sample, SamplingParams, Status, TokenIds, Tokenizer
 
@@ -86,9 +87,12 @@ async def run_tool_rollout(
             break
         # no bound here: tool_rollout hands in an executor bounded by its tool_timeout_s
         output = await call_user(tool_executor, call, timeout_s=math.inf)
-        tool_ids = tokenizer.encode(format_tool_output(str(output)), add_special_tokens=False)
+        room = max_total_tokens - len(tokens) - 1  # a huge tool output is measured by prefixes, not tokenized whole
+        tool_ids = encode_bounded(
+            lambda t: tokenizer.encode(t, add_special_tokens=False), format_tool_output(str(output)), max(room, 0)
+        )
         tool_calls += 1
-        if len(tokens) + len(tool_ids) >= max_total_tokens:
+        if tool_ids is None or room < 0:
             status = Status.TRUNCATED
             break
         tokens += tool_ids

@@ -68,6 +68,7 @@ MAY_CHANGE = (
     "engine.timeout_s",
     "engine.sync_timeout_s",
     "engine.sync",
+    "engine.attest",
     "engine.max_retries",
 )
 """Config keys (glob patterns over dotted paths) a resumed run may change: how long it runs, how it

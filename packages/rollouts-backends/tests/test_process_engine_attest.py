@@ -1,0 +1,52 @@
+"""ProcessEngine attests every full-weight sync: the engine process answers the checksums of the
+weights its model holds after the load, and a tensor corrupted there fails the sync by name."""
+
+import pytest
+import safetensors.torch
+import trio
+from helpers import tiny_model
+
+from rollouts.backends import ProcessEngine
+from rollouts.backends.checkpoint.export import model_tensors
+from rollouts.sync import AttestationError
+from rollouts.types import SamplingParams
+
+CORRUPTED = "model.layers.0.mlp.down_proj.weight"
+
+
+def _weights_dir(model, path):
+    path.mkdir()
+    model.config.save_pretrained(path)
+    safetensors.torch.save_file(model_tensors(model), path / "model.safetensors", metadata={"format": "pt"})
+    return str(path)
+
+
+@pytest.mark.parametrize("engine_dtype", ["float32", "bfloat16"])
+def test_syncs_of_float32_weights_pass_attestation_in_the_engines_dtype(engine_dtype, tmp_path):
+    """The client checks against the weights cast to the engine's dtype, as its model holds them."""
+    base, other = tiny_model(seed=0), tiny_model(seed=5)
+    with ProcessEngine.from_model(base, weight_version=0, dtype=engine_dtype) as engine:
+        trio.run(engine.load_weights, model_tensors(other), 1)
+        trio.run(engine.update_weights_from_disk, _weights_dir(base, tmp_path / "w"), 2)
+        assert trio.run(engine.weight_version) == 2
+
+
+def test_a_tensor_corrupted_in_the_engine_process_fails_attestation_naming_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("ROLLOUTS_SYNC_FAULT", f"corrupt:{CORRUPTED}")  # read by the engine process it starts
+    base, other = tiny_model(seed=0), tiny_model(seed=5)
+    with ProcessEngine.from_model(base, weight_version=0) as engine:
+        with pytest.raises(AttestationError) as info:
+            trio.run(engine.load_weights, model_tensors(other), 1)
+        assert info.value.mismatched == (CORRUPTED,) and CORRUPTED in str(info.value)
+        assert trio.run(engine.weight_version) == 0  # the version is not claimed
+        with pytest.raises(AttestationError, match=CORRUPTED):
+            trio.run(engine.update_weights_from_disk, _weights_dir(other, tmp_path / "w"), 2)
+        assert trio.run(engine.health)  # a refused sync names the tensors; the process itself is fine
+
+
+def test_attest_false_is_the_off_switch(monkeypatch):
+    monkeypatch.setenv("ROLLOUTS_SYNC_FAULT", f"corrupt:{CORRUPTED}")
+    base, other = tiny_model(seed=0), tiny_model(seed=5)
+    with ProcessEngine.from_model(base, weight_version=0, attest=False) as engine:
+        trio.run(engine.load_weights, model_tensors(other), 1)  # unchecked: the corruption goes unnoticed
+        assert len(trio.run(engine.generate, [[5, 6]], SamplingParams(max_new_tokens=2))) == 1

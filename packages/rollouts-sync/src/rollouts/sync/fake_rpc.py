@@ -1,0 +1,71 @@
+"""The fake engine's /collective_rpc: the worker extension's weight loads and fingerprints, done on
+the fake's numpy weights the way rollouts.sync.worker_extension does them in vLLM's workers.
+
+Weights arrive as safetensors bytes in their own dtype and are kept as numpy arrays (16-bit floats
+numpy lacks, e.g. bfloat16, as their uint16 bit patterns: the fake's "model" only hashes bytes).
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import numpy as np
+
+from rollouts.sync.fake_http import HTTPError, json_response
+from rollouts.sync.fingerprint import fingerprint
+from rollouts.sync.raw import RawTensor, decode_safetensors, read_safetensors_dir
+
+if TYPE_CHECKING:
+    from rollouts.sync.fake_server import FakeEngineState
+
+
+def arrays(tensors: dict[str, RawTensor], *, corrupt: str | None) -> dict[str, np.ndarray]:
+    """`tensors` as numpy arrays of their own (copies), with one bit of `corrupt` flipped: what
+    ROLLOUTS_SYNC_FAULT injects in a real engine."""
+    out = {name: np.array(tensor.view()) for name, tensor in tensors.items()}
+    if corrupt in out and out[corrupt].size:
+        out[corrupt].reshape(-1).view(np.uint8)[0] ^= 1
+    return out
+
+
+def load_dir(state: FakeEngineState, path: str) -> None:
+    """Load every *.safetensors file of checkpoint dir `path` (raises if there is none)."""
+    try:
+        state.weights = arrays(read_safetensors_dir(path), corrupt=state.corrupt)
+    except ValueError as exc:
+        raise FileNotFoundError(str(exc)) from exc
+
+
+async def collective_rpc(state: FakeEngineState, body: dict[str, Any]) -> tuple[int, bytes]:
+    method, kwargs = body.get("method"), body.get("kwargs") or {}
+    if method is None:
+        raise HTTPError(400, "Missing 'method' in request body")
+    if method == "reload_weights":
+        await anyio.sleep(state.reload_delay_s)
+        try:
+            load_dir(state, kwargs["weights_path"])
+        except (OSError, KeyError) as exc:
+            raise HTTPError(500, f"reload_weights failed: {type(exc).__name__}: {exc}") from exc
+        return 200, b""  # vLLM answers an empty 200 when every worker returned None
+    if method == "rollouts_load_weights":
+        await anyio.sleep(state.reload_delay_s)
+        # Staged like the worker extension: the first chunk clears, the last applies, an error drops all.
+        if kwargs.get("first", "1") == "1":
+            state.staged_weights = {}
+        incoming = arrays(decode_safetensors(base64.b64decode(kwargs["data_b64"])), corrupt=state.corrupt)
+        unknown = sorted(set(incoming) - set(state.weights)) if state.weights else []
+        if unknown:
+            state.staged_weights = {}
+            raise HTTPError(500, f"tensors not in the model's checkpoint: {unknown}")
+        state.staged_weights.update(incoming)
+        applied = kwargs.get("apply") == "1"
+        if applied:
+            state.weights = {**state.weights, **state.staged_weights}
+            state.staged_weights = {}
+        result = {"num_tensors": len(incoming), "applied": applied, "checksums": fingerprint(incoming)}
+        return json_response(200, {"results": [result]})
+    if method == "rollouts_fingerprint":  # the checksums of what the last disk reload loaded
+        return json_response(200, {"results": [{"checksums": fingerprint(state.weights)}]})
+    raise HTTPError(500, f"AttributeError: worker has no method {method!r}")

@@ -1,0 +1,128 @@
+"""Fingerprints of checkpoint-format weights: one checksum per tensor, bit-exact and position-sensitive.
+
+A tensor's checksum: its raw little-endian bytes, zero-padded to a multiple of 4, read as unsigned
+32-bit words w_0 .. w_{n-1}; S = sum_i (i + 1) * w_i mod 2^64; checksum = (S + nbytes * M) mod 2^64
+with M an odd constant (the length folded in, so trailing zero bytes count). Integer arithmetic only,
+so numpy (`checksum`, `fingerprint`) and torch on any device (`checksum_torch`, `fingerprint_torch`,
+from rollouts.sync.fingerprint_torch, which vLLM's workers import too) give the same int: sums of
+int64 wrap around mod 2^64 in both.
+
+What it catches for sure, in a tensor under 16 GiB (fewer than 2^32 words): one flipped bit changes
+S by +-2^k * (i + 1), nonzero and below 2^64 in magnitude, so never 0 mod 2^64; two unequal words
+swapped (w_a at i, w_b at j) change it by (w_a - w_b) * (j - i), both factors nonzero and below 2^32,
+so again never 0 mod 2^64. Other corruptions collide with a chance near 2^-64.
+
+Attestation: after a sync the engine reports the checksums of what it received and loaded, computed
+where the weights live (vLLM's worker, the engine process); `check_attestation` compares them with
+the sender's and raises AttestationError naming every tensor that differs or was not reported.
+
+Fault injection for tests: ROLLOUTS_SYNC_FAULT="corrupt:<tensor name>" in an engine's environment
+makes it flip one bit of that tensor after receiving it (`sync_fault_target`); "file:<path>" reads
+that spec from the file at each sync instead (missing or empty: no fault), so a test can turn the
+fault on and off in a server that keeps running.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rollouts.sync.fingerprint_torch import (
+    FAULT_ENV,
+    checksum_torch,
+    combine,
+    fingerprint_torch,
+    flip_bit_torch,
+    sync_fault_target,
+)
+from rollouts.sync.raw import as_raw, read_safetensors_dir
+
+__all__ = [
+    "FAULT_ENV",
+    "AttestationError",
+    "check_attestation",
+    "checksum",
+    "checksum_torch",
+    "fingerprint",
+    "fingerprint_dir",
+    "fingerprint_torch",
+    "flip_bit_torch",
+    "sync_fault_target",
+]
+
+_CHUNK_WORDS = 1 << 16  # 512 KiB int64 temporaries stay in cache (several times faster than 2^22)
+_NAMES_SHOWN = 20  # an error lists this many tensor names, then a count
+
+
+def checksum(value: Any) -> int:
+    """The checksum of a numpy array, a RawTensor or a torch tensor (read as bytes here, with numpy)."""
+    data = as_raw(value).data
+    nbytes = int(data.nbytes)
+    if nbytes % 4:
+        data = np.concatenate([data, np.zeros(4 - nbytes % 4, dtype=np.uint8)])
+    words = data.view("<u4")
+    weights = np.arange(1, min(len(words), _CHUNK_WORDS) + 1, dtype=np.uint64)
+    weighted_sums, sums = [], []
+    for start in range(0, len(words), _CHUNK_WORDS):
+        chunk = words[start : start + _CHUNK_WORDS].astype(np.uint64)
+        sums.append(int(chunk.sum(dtype=np.uint64)))
+        np.multiply(chunk, weights[: len(chunk)], out=chunk)  # wraps mod 2^64, as the definition wants
+        weighted_sums.append(int(chunk.sum(dtype=np.uint64)))
+    return combine(weighted_sums, sums, nbytes, _CHUNK_WORDS)
+
+
+def fingerprint(tensors: Mapping[str, Any]) -> dict[str, int]:
+    """{name: checksum} of numpy arrays, RawTensors or torch tensors (numpy does the arithmetic)."""
+    return {name: checksum(value) for name, value in tensors.items()}
+
+
+def fingerprint_dir(path: str | Path) -> dict[str, int]:
+    """{name: checksum} of every tensor of the *.safetensors files in directory `path`, in their own dtype."""
+    return fingerprint(read_safetensors_dir(path))
+
+
+class AttestationError(RuntimeError):
+    """An engine's checksums of the weights it loaded differ from the sender's: `mismatched` and
+    `missing` name the tensors."""
+
+    def __init__(
+        self, *, engine: str, weight_version: int, mismatched: tuple[str, ...], missing: tuple[str, ...]
+    ) -> None:
+        self.engine = engine
+        self.weight_version = weight_version
+        self.mismatched = mismatched
+        """Tensors whose checksum the engine reported differently."""
+        self.missing = missing
+        """Tensors the engine reported no checksum for."""
+        parts = []
+        if mismatched:
+            parts.append(f"{len(mismatched)} tensor(s) differ from what was sent: {_names(mismatched)}")
+        if missing:
+            parts.append(f"{len(missing)} tensor(s) sent but not reported as loaded: {_names(missing)}")
+        super().__init__(
+            f"weight sync attestation failed: engine {engine} loaded weight version {weight_version}, but "
+            + "; ".join(parts)
+            + ". The engine's checksums (computed where its weights live, after the load) do not match the "
+            "trainer's, so it would generate from weights other than the ones trained: corrupted in transit "
+            "or in the engine's memory, cast on the way, or skipped by its loader. The sync is not trusted "
+            "and the run stops here; to sync without this check, set engine.attest = false."
+        )
+
+
+def _names(names: tuple[str, ...]) -> str:
+    shown = ", ".join(names[:_NAMES_SHOWN])
+    return shown + (f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else "")
+
+
+def check_attestation(
+    expected: Mapping[str, int], reported: Mapping[str, int], *, engine: str, weight_version: int
+) -> None:
+    """Raise AttestationError unless `reported` has every tensor of `expected` with an equal checksum
+    (tensors reported beyond `expected`, e.g. ones a partial update left alone, are not compared)."""
+    mismatched = tuple(name for name, value in expected.items() if name in reported and int(reported[name]) != value)
+    missing = tuple(name for name in expected if name not in reported)
+    if mismatched or missing:
+        raise AttestationError(engine=engine, weight_version=weight_version, mismatched=mismatched, missing=missing)
