@@ -141,3 +141,30 @@ def test_what_a_rollout_process_cannot_run_is_refused_naming_it(tiny_run_inputs,
         with pytest.raises(RuntimeError, match="no rollout manager yet"):
             engine.generate_batch_blocking(0, 0)
     assert not child_processes(b"rollouts.loops.engines.rollout_worker")
+
+
+def test_rollouts_rl_refuses_what_cannot_cross_before_any_work(tiny_run_inputs, tmp_path, capsys):
+    extra = '[engine]\nkind = "rollout_process"'
+    rl = rl_toml(tiny_run_inputs, tmp_path / "partial", tiny_run_inputs / "model", extra=extra)
+    assert main(["rl", "--config", str(rl), "--set", "rl.overlap=true", "--set", "rl.rollout.partial=true"]) == 2
+    assert (
+        "engine.kind = 'rollout_process': a RolloutProcess does not take rl.rollout.partial" in capsys.readouterr().err
+    )
+    assert not (tmp_path / "partial").exists()  # refused before the run directory, the model or the engine
+    assert not child_processes(b"rollouts.loops.engines.rollout_worker")
+
+
+def test_a_killed_rollout_process_is_one_paragraph_naming_the_signal_and_the_resume(tiny_run_inputs, tmp_path, capsys):
+    # The reward runs in the rollout process: this one kills that process at its first call.
+    plugin = tmp_path / "fatal_reward.py"
+    plugin.write_text("import os, signal\ndef reward(sample, record):\n    os.kill(os.getpid(), signal.SIGKILL)\n")
+    rl = rl_toml(
+        tiny_run_inputs, tmp_path / "killed", tiny_run_inputs / "model", extra='[engine]\nkind = "rollout_process"'
+    )
+    rl.write_text(rl.read_text().replace('fn = "exact_match"', f'fn = "{plugin}:reward"'))
+    assert main(["rl", "--config", str(rl)]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "killed by SIGKILL (exit code -9)" in err and "rollouts rl failed: EngineProcessError" in err
+    assert f"--set run.out_dir='{tmp_path / 'killed'}'" in err  # how to resume (or run again)
+    assert not child_processes(b"rollouts.loops.engines.rollout_worker")

@@ -226,3 +226,17 @@ def test_close_reaps_the_process_and_deletes_its_files(model):
     engine.close()  # idempotent
     engine.abort()  # a no-op once closed
     assert not trio.run(engine.health)
+
+
+def test_a_bad_prompt_is_refused_by_check_prompts_before_the_engine_process_sees_it(engine, model):
+    from rollouts.types import SamplingParams
+
+    vocab = model.config.vocab_size
+    params = SamplingParams(max_new_tokens=4)
+    engine.check_prompts([[1, 2, 3]], params)  # fine
+    with pytest.raises(ValueError, match=rf"prompt 1 has token ids \[{vocab}\] outside the vocabulary"):
+        engine.check_prompts([[1, 2], [3, vocab]], params)
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        engine.check_prompts([[]], params)
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        engine.check_prompts([[1] * model.config.max_position_embeddings], params)

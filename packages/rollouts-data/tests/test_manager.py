@@ -448,3 +448,21 @@ def test_request_seed_is_a_pure_63_bit_function_of_seed_and_position(seed, posit
     value = request_seed(seed, position)
     assert value == request_seed(seed, position) and 0 <= value < 2**63
     assert value != request_seed(seed, position + 1) or value != request_seed(seed + 1, position)
+
+
+def test_failed_requests_are_counted_by_the_error_they_failed_with():
+    def generate(prompt, n):
+        if prompt % 2:
+            raise RuntimeError("the sandbox is gone")
+        raise ValueError(f"no tool for {prompt}")
+
+    config = RolloutConfig(batch_size=4, samples_per_prompt=2, max_concurrency=4, max_retries=1, request_timeout_s=5.0)
+    manager = AsyncRolloutManager(DataBuffer(list(range(8)), shuffle=False), config, generate)
+    batch = trio.run(lambda: manager.generate_batch(step=0))
+    causes = batch.metadata["error_causes"]
+    assert causes == {
+        "RuntimeError: the sandbox is gone": 2,
+        "ValueError: no tool for 0": 1,
+        "ValueError: no tool for 2": 1,
+    }
+    assert sum(causes.values()) == batch.metadata["groups_failed"] == 4 and len(batch.metadata["errors"]) == 4

@@ -178,3 +178,62 @@ def test_an_async_function_that_blocks_the_event_loop_fails_naming_the_rule():
 def test_a_pool_needs_a_thread():
     with pytest.raises(ValueError, match="size >= 1"):
         UserThreads(0)
+
+
+def test_asyncio_code_runs_from_trio_in_one_asyncio_loop_and_is_cancelled_at_its_bound():
+    cancelled = threading.Event()
+
+    async def loop_of(x):
+        await asyncio.sleep(0.001)  # needs a running asyncio loop: under trio it would fail
+        return asyncio.get_running_loop(), x
+
+    async def raises():
+        await asyncio.sleep(0)
+        raise ValueError("asyncio said no")
+
+    async def hangs():
+        try:
+            await asyncio.sleep(60)
+        finally:
+            cancelled.set()
+
+    async def main():
+        (first, one), (second, two) = [await call_user(loop_of, x, timeout_s=5.0, async_loop="asyncio") for x in (1, 2)]
+        assert (one, two) == (1, 2) and first is second  # what a call binds to its loop works in the next
+        from_sync = await call_user(lambda: loop_of(3), timeout_s=5.0, async_loop="asyncio")
+        assert from_sync == (first, 3)
+        with pytest.raises(UserCodeError, match=r"raises raised ValueError: asyncio said no$"):
+            await call_user(raises, timeout_s=5.0, async_loop="asyncio")
+        with pytest.raises(TimeoutError, match=r"hangs took longer than 0.05 s"):
+            await call_user(hangs, timeout_s=0.05, async_loop="asyncio")
+        return first
+
+    loop = trio.run(main)
+    assert cancelled.wait(10)  # its asyncio task was cancelled, not left running
+    assert loop is not None and loop.is_running()
+
+
+def test_under_asyncio_asyncio_code_runs_in_the_callers_own_loop():
+    async def loop_of():
+        await asyncio.sleep(0)
+        return asyncio.get_running_loop()
+
+    async def main():
+        return await call_user(loop_of, timeout_s=5.0, async_loop="asyncio") is asyncio.get_running_loop()
+
+    assert asyncio.run(main())
+
+
+def test_a_failure_named_by_its_raiser_passes_through_unwrapped():
+    from rollouts.data.user_code import UserCodeFailure
+
+    async def step():
+        raise UserCodeFailure("environment E, turn 2: E.step raised ValueError: x")
+
+    async def main():
+        with pytest.raises(UserCodeFailure, match="^environment E, turn 2"):
+            await call_user(step, timeout_s=5.0)
+        with pytest.raises(UserCodeFailure, match="^environment E, turn 2"):
+            await call_user(lambda: step(), timeout_s=5.0)
+
+    _both(main)

@@ -174,6 +174,45 @@ def test_a_caller_cancelled_while_queued_is_never_generated():
     assert [p for call in inner.calls for p in call] == [(2, 2), (4, 2)]
 
 
+def test_a_caller_gone_while_its_batch_waited_for_a_thread_never_holds_the_lead():
+    """The leader takes [its call, B] and waits for a worker thread; B's caller is cancelled, then
+    the leader's: their batch goes back to the queue without B, so a later call is served instead of
+    waiting for a lead handed to a caller that is gone."""
+    inner = BlockingEngine()
+    engine = CoalescingEngine(inner, max_prompts_per_call=8, window_s=0.01)
+    params = SamplingParams(max_new_tokens=1)
+    outcome = {}
+
+    async def call(caller, timeout_s):
+        try:
+            with trio.fail_after(timeout_s):
+                await engine.generate(_prompts(caller, 1), params)
+            outcome[caller] = "ok"
+        except trio.TooSlowError:
+            outcome[caller] = "timeout"
+
+    async def main():
+        threads = trio.to_thread.current_default_thread_limiter()
+        holder, tokens = object(), threads.total_tokens
+        threads.total_tokens = 1
+        await threads.acquire_on_behalf_of(holder)  # no worker thread until released below
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, 0, 0.3)  # the leader: gives up while waiting for a thread
+                await trio.sleep(0)  # caller 0 is first in the queue, and leads
+                nursery.start_soon(call, 1, 0.1)  # in the leader's batch: gives up first
+                await trio.sleep(0.4)
+                nursery.start_soon(call, 2, 5.0)
+                await trio.sleep(0.1)
+                threads.release_on_behalf_of(holder)
+        finally:
+            threads.total_tokens = tokens
+
+    trio.run(main)
+    assert outcome == {0: "timeout", 1: "timeout", 2: "ok"}
+    assert inner.calls == [[(4, 2)]]
+
+
 def test_a_failed_batch_fails_its_callers_only():
     inner = BlockingEngine(delay_s=0.02, fail_calls=(0,))
     engine = CoalescingEngine(inner, max_prompts_per_call=1, window_s=0.01)

@@ -128,3 +128,75 @@ def test_a_turn_without_logprobs_leaves_the_trajectory_without_them():
     sample = _rollout(ScriptedEngine([[1, TOOL], [2]], logprobs=False), [0])
     assert sample.rollout_logprobs is None and sample.status is Status.COMPLETED
     assert _rollout(ScriptedEngine([[1, TOOL], [2]]), [0]).rollout_logprobs is not None
+
+
+class SeedRecordingEngine(ScriptedEngine):
+    """Every turn calls the tool; records each call's seed."""
+
+    def __init__(self):
+        super().__init__([])
+        self.seeds = []
+
+    async def generate(self, prompts, params):
+        self.seeds.append(params.seed)
+        self.turns = [[1, TOOL]]
+        return await super().generate(prompts, params)
+
+
+def _tool_ctx(engine, seed):
+    from rollouts.loops.rollouts.functions import RolloutContext
+
+    return RolloutContext(
+        engine=engine,
+        sampling=SamplingParams(n=3, max_new_tokens=8, seed=seed),
+        encode_prompt=lambda r: [0],
+        tokenizer=FakeTokenizer(),
+    )
+
+
+@pytest.mark.parametrize("seed", [None, 5])
+def test_each_trajectory_and_turn_of_a_seeded_group_gets_its_own_seed(seed):
+    from rollouts.loops.rollouts.functions import tool_rollout
+    from rollouts.loops.rollouts.multiturn import part_seed
+
+    engine = SeedRecordingEngine()
+    rollout = tool_rollout(tool_parser=lambda text: text, tool_executor=lambda call: "x", max_turns=2)
+    trio.run(rollout, {"prompt": ""}, _tool_ctx(engine, seed))
+    if seed is None:
+        assert engine.seeds == [None] * 6
+    else:
+        assert sorted(engine.seeds) == sorted(part_seed(part_seed(seed, i), t) for i in range(3) for t in range(2))
+        assert len(set(engine.seeds)) == 6
+
+
+@pytest.mark.parametrize("executor", ["raises", "hangs", "asyncio"])
+def test_a_failing_tool_is_one_named_error_within_its_limit(executor):
+    import asyncio
+
+    from rollouts.loops.rollouts.functions import tool_rollout
+    from rollouts.loops.rollouts.multiturn import EnvironmentFailure
+
+    def raises(call):
+        raise ValueError("no such tool")
+
+    async def hangs(call):
+        await asyncio.sleep(600)
+
+    async def uses_asyncio(call):
+        await asyncio.sleep(0.01)
+        raise ValueError("the asyncio tool broke")
+
+    tool, message = {
+        "raises": (raises, r"^tool .*raises: .*raises raised ValueError: no such tool$"),
+        "hangs": (hangs, r"^tool .*hangs: .*hangs took longer than 0.3 s; its task is cancelled$"),
+        "asyncio": (uses_asyncio, r"^tool .*uses_asyncio: .*uses_asyncio raised ValueError: the asyncio tool broke$"),
+    }[executor]
+    rollout = tool_rollout(tool_parser=lambda text: text, tool_executor=tool, max_turns=2, tool_timeout_s=0.3)
+
+    async def main():
+        start = trio.current_time()
+        with pytest.raises(EnvironmentFailure, match=message):
+            await rollout({"prompt": ""}, _tool_ctx(SeedRecordingEngine(), None))
+        return trio.current_time() - start
+
+    assert trio.run(main) < 0.3 + 2.0

@@ -6,18 +6,27 @@ import functools
 import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollouts.data import DataBuffer, prompt_encoder
-from rollouts.loops.engines.rollout_process import function_path, records_from_jsonl, records_to_jsonl, rollout_spec
+from rollouts.loops.engines.rollout_process import (
+    check_crossing,
+    function_path,
+    function_spec,
+    load_function,
+    records_from_jsonl,
+    records_to_jsonl,
+    rollout_spec,
+)
 from rollouts.loops.plugins import PluginError, load_object
 from rollouts.loops.rollouts.functions import RolloutContext, single_turn_rollout
-from rollouts.loops.rollouts.rewards import exact_match
+from rollouts.loops.rollouts.rewards import builtin_reward, exact_match
 from rollouts.loops.rollouts.scoring import Reward
-from rollouts.types import RLConfig, RolloutConfig, SamplingParams, from_dict
+from rollouts.types import RLConfig, RolloutConfig, Sample, SamplingParams, from_dict
 
 
 def module_level(sample, record):
@@ -131,7 +140,7 @@ def test_the_spec_is_json_and_rebuilds_the_config():
     spec = json.loads(json.dumps(spec))  # it travels as JSON
     assert from_dict(RLConfig, spec["config"]) == config
     assert spec["reward"] == {
-        "fn": f"{__name__}:module_level",
+        "fn": {"path": f"{__name__}:module_level", "kwargs": {}},
         "batched": False,
         "on_error": "raise",
         "timeout_s": 60.0,
@@ -150,3 +159,39 @@ def test_the_spec_is_json_and_rebuilds_the_config():
             buffer,
             max_prompts_per_call=8,
         )
+
+
+def test_a_builtin_reward_with_another_answer_key_crosses_with_its_key():
+    reward = builtin_reward("exact_match", answer_key="solution")
+    spec = json.loads(json.dumps(function_spec(reward, key="reward")))
+    assert spec == {"path": "rollouts.loops.rollouts.rewards:exact_match", "kwargs": {"answer_key": "solution"}}
+    rebuilt = load_function(spec, key="reward")  # as the engine process rebuilds it
+    sample = Sample(tokens=(1, 2), num_prompt_tokens=1, loss_mask=(0.0, 1.0), response="42")
+    assert rebuilt(sample, {"solution": "42", "answer": "7"}) == reward(sample, {"solution": "42"}) == 1.0
+    assert rebuilt(sample, {"solution": "7", "answer": "42"}) == 0.0
+    with pytest.raises(PluginError, match="reward: .* has no import path"):  # keywords that are not JSON
+        function_spec(functools.partial(module_level, record=object()), key="reward")
+
+
+def test_a_rollout_bound_at_a_plugin_files_top_level_crosses_by_that_name(tmp_path):
+    plugin = tmp_path / "tool.py"  # as examples/calculator_tool.py: a closure bound to a top-level name
+    plugin.write_text(
+        "from rollouts.loops import CalculatorEnv, environment_rollout\n"
+        "rollout = environment_rollout(CalculatorEnv, max_turns=2, max_total_tokens=64, step_timeout_s=1.0)\n"
+    )
+    rollout = load_object(f"{plugin}:rollout", key="hooks.rollout")
+    assert not rollout.__qualname__.isidentifier()  # a closure: not named where it was defined
+    spec = function_spec(rollout, key="rollout")
+    assert spec == {"path": f"{plugin}:rollout", "kwargs": {}}
+    assert load_function(spec, key="rollout") is rollout
+
+
+def test_the_shipped_tool_example_and_a_keyed_builtin_reward_are_decided_to_cross():
+    example = Path(__file__).parents[3] / "examples" / "calculator_tool.py"
+    rollout = load_object(f"{example}:rollout", key="hooks.rollout")
+    crossing = check_crossing(RLConfig(), Reward.of(builtin_reward("math_answer", answer_key="target")), rollout, None)
+    assert crossing["rollout"] == {"path": f"{example.resolve()}:rollout", "kwargs": {}}
+    assert crossing["reward"]["kwargs"] == {"answer_key": "target"} and crossing["filter_fn"] is None
+    partial = RLConfig(overlap=True, rollout=RolloutConfig(partial=True))
+    with pytest.raises(ValueError, match="does not take rl.rollout.partial"):
+        check_crossing(partial, Reward.of(module_level), None, None)

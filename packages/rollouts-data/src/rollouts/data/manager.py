@@ -85,6 +85,7 @@ partial); may take a `seed` keyword like a GenerateFn. The loops build it from a
 (rollouts.loops.rollouts.functions.group_continuer), since continuing needs one."""
 
 _MAX_ERRORS_REPORTED = 8  # keep batch metadata small when many requests fail the same way
+_LAST = "; last: "  # between a failed request's prompt and the error it failed with last
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -283,7 +284,7 @@ class AsyncRolloutManager:
                         on_group(rid)
                     return
         retries[rid] = max_retries  # every retry spent
-        results[rid] = f"prompt {request[1]!r:.80} failed {len(errors)} times; last: {errors[-1]}"
+        results[rid] = f"prompt {request[1]!r:.80} failed {len(errors)} times{_LAST}{errors[-1]}"
 
     async def _round(self, room: int, train_version: int | None) -> Round:
         """One round: requests for `room` groups (over-sampled) run, then settled and scored."""
@@ -327,6 +328,7 @@ class AsyncRolloutManager:
         counts = Counts(restarted=num_stale, from_carry_over=len(kept))
         filtered: list[tuple[str, tuple[Sample, ...]]] = []
         errors: list[str] = []
+        causes: dict[str, int] = {}
         rounds_allowed = cfg.max_generation_rounds if cfg.dynamic_sampling else 1
         num_rounds = num_paused = 0
         while len(kept) < need and num_rounds < rounds_allowed and not self._gate.aborted:
@@ -341,11 +343,13 @@ class AsyncRolloutManager:
             counts += done.counts + Counts(kept_new=min(room, num_new), carried_over=max(0, num_new - room))
             filtered.extend(done.filtered)
             errors = [*errors, *done.errors][:_MAX_ERRORS_REPORTED]  # the step's first failures
+            causes = _count_causes(causes, done.errors)
         extra = {
             "num_rounds": num_rounds,
             "num_paused_rounds": num_paused,
             "aborted": self._gate.take_abort(),  # an abort ends one step: the next one runs
             "errors": errors,
+            "error_causes": causes,
         }
         carry = [g for _, _, g in self._queue.carry]
         return to_batch(
@@ -373,3 +377,15 @@ class AsyncRolloutManager:
                 f"the state holds {len(queue.partial)} partial groups; continuing them needs a continue_fn"
             )
         self._queue = queue
+
+
+def _count_causes(causes: Mapping[str, int], failures: Sequence[str]) -> dict[str, int]:
+    """`causes` (error -> failed requests) with `failures` counted in by the error each failed with
+    last (its prompt left out, so that one cause failing many prompts is one count); at most
+    _MAX_ERRORS_REPORTED causes, each cut to 200 characters."""
+    out = dict(causes)
+    for failure in failures:
+        cause = failure.split(_LAST, 1)[-1][:200]
+        if cause in out or len(out) < _MAX_ERRORS_REPORTED:
+            out[cause] = out.get(cause, 0) + 1
+    return out

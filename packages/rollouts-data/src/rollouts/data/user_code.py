@@ -13,32 +13,43 @@ reset and step, a tool, a reward model's scorer, a generate function) calls it t
   function that blocks the event loop cannot be interrupted, so one that comes back past its bound
   without having yielded to it fails the same way, naming the rule it broke;
 - an exception the function raised comes out as UserCodeError naming the function, the
-  exception's type and message, with the exception itself as `__cause__`.
+  exception's type and message, with the exception itself as `__cause__` (a UserCodeFailure, which
+  its raiser has named in full, passes through as it is);
+- with `async_loop="asyncio"` an async function (or the awaitable a sync one returns) runs in an
+  asyncio event loop: the caller's own under asyncio, else (under trio) the one event loop of
+  `AsyncioThread`, in a thread of its own, so asyncio code (asyncio.sleep, aiohttp, an asyncio
+  SDK) works from trio; past the bound its task there is cancelled.
 
 Runs under asyncio and trio (anyio).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import inspect
 import threading
 import weakref
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, TypeVar
 
 import anyio
 from anyio.lowlevel import RunVar
 
 __all__ = [
     "DEFAULT_USER_THREADS",
+    "AsyncLoop",
+    "AsyncioThread",
     "UserCodeError",
+    "UserCodeFailure",
     "UserThreads",
     "UserThreadsExhausted",
     "call_user",
     "function_name",
     "own_copy",
     "user_error_text",
+    "user_threads",
 ]
 
 T = TypeVar("T")
@@ -53,6 +64,15 @@ class UserCodeError(RuntimeError):
     def __init__(self, name: str, error: Exception) -> None:
         super().__init__(f"{name} raised {type(error).__name__}: {error}")
         self.error = error
+
+
+class UserCodeFailure(RuntimeError):
+    """A failure of user code that the code calling it has named in full (which environment, which
+    call, which turn): `call_user` lets it through unwrapped, so the name reaches the user."""
+
+
+AsyncLoop = Literal["caller", "asyncio"]
+"""Where `call_user` awaits user coroutines: the caller's event loop, or an asyncio one."""
 
 
 class UserThreadsExhausted(RuntimeError):
@@ -111,7 +131,7 @@ _DEFAULT_POOL: RunVar[UserThreads] = RunVar("rollouts_user_threads")
 _POOLS: weakref.WeakKeyDictionary[Any, UserThreads] = weakref.WeakKeyDictionary()
 
 
-def _pool(limiter: anyio.CapacityLimiter | UserThreads | None) -> UserThreads:
+def user_threads(limiter: anyio.CapacityLimiter | UserThreads | None = None) -> UserThreads:
     """The pool for `limiter`: itself, one kept per CapacityLimiter, or this event loop's default."""
     if isinstance(limiter, UserThreads):
         return limiter
@@ -159,32 +179,96 @@ async def call_user(
     *args: Any,
     timeout_s: float,
     limiter: anyio.CapacityLimiter | UserThreads | None = None,
+    async_loop: AsyncLoop = "caller",
 ) -> Any:
     """fn(*args), sync or async, bounded by `timeout_s` seconds (module docstring). `limiter` is
     the pool for the worker threads of sync functions: a UserThreads, a CapacityLimiter (counted
-    as one), or None for this event loop's pool of DEFAULT_USER_THREADS."""
+    as one), or None for this event loop's pool of DEFAULT_USER_THREADS. `async_loop`: where an
+    async `fn` (or an awaitable a sync `fn` returns) runs: "caller" (this event loop) or "asyncio"."""
     start = anyio.current_time()
     scope = anyio.CancelScope(deadline=start + timeout_s)
     with scope:
         if inspect.iscoroutinefunction(fn):
             try:
-                return _unless_blocked(fn, await fn(*args), start, timeout_s)
-            except (UserCodeError, UserThreadsExhausted):
-                raise  # from a call_user inside fn: it names the function that failed
+                return _unless_blocked(fn, await _awaited_in(async_loop, fn(*args)), start, timeout_s)
+            except (UserCodeError, UserCodeFailure, UserThreadsExhausted):
+                raise  # from a call_user inside fn, or named by it: it names what failed
             except Exception as e:
                 _unless_blocked(fn, None, start, timeout_s)
                 raise UserCodeError(function_name(fn), e) from e
         try:
             # boxed: a thread that returns a coroutine is refused by trio; a sync function may hand
             # back an awaitable (a lambda around an async call), awaited here in the event loop
-            (result,) = await _pool(limiter).run_sync(lambda: (fn(*args),), name=function_name(fn))
-            return await result if inspect.isawaitable(result) else result
-        except (UserCodeError, UserThreadsExhausted):
+            (result,) = await user_threads(limiter).run_sync(lambda: (fn(*args),), name=function_name(fn))
+            return await _awaited_in(async_loop, result) if inspect.isawaitable(result) else result
+        except (UserCodeError, UserCodeFailure, UserThreadsExhausted):
             raise
         except Exception as e:
             raise UserCodeError(function_name(fn), e) from e
     # only the deadline above ends the block without a return: an outer cancellation propagates
     raise TimeoutError(f"{function_name(fn)} took longer than {timeout_s} s")
+
+
+async def _awaited_in(async_loop: AsyncLoop, awaitable: Awaitable[T]) -> T:
+    if async_loop == "caller" or _in_asyncio():
+        return await awaitable
+    return await AsyncioThread.shared().run(awaitable)
+
+
+def _in_asyncio() -> bool:
+    """Whether this thread runs an asyncio event loop (anyio's other backend is trio)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+class AsyncioThread:
+    """An asyncio event loop running in a daemon thread of its own: where `call_user` runs asyncio
+    code a user gave when its caller runs under trio. One per process (`shared()`), so what an
+    environment binds to its event loop in one call (a client, a session) still works in the next.
+    Its calls share the loop: one that blocks it (a sync sleep in an async function) holds back
+    the others, which then end at their own bounds."""
+
+    _shared: AsyncioThread | None = None
+    _shared_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rollouts-asyncio", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def shared(cls) -> AsyncioThread:
+        """The process's one AsyncioThread, started on first use."""
+        with cls._shared_lock:
+            if cls._shared is None:
+                cls._shared = cls()
+            return cls._shared
+
+    async def run(self, awaitable: Awaitable[T]) -> T:
+        """`awaitable` awaited in this thread's loop, from a trio task; when the task is cancelled
+        (a bound), the awaitable's asyncio task is cancelled too and not waited for."""
+        import trio  # only a trio caller gets here: anyio runs on asyncio or trio
+
+        done, token = trio.Event(), trio.lowlevel.current_trio_token()
+        future = asyncio.run_coroutine_threadsafe(_coroutine(awaitable), self.loop)
+
+        def wake(_: Any) -> None:
+            with contextlib.suppress(trio.RunFinishedError):  # the caller's run ended meanwhile
+                token.run_sync_soon(done.set)
+
+        future.add_done_callback(wake)
+        try:
+            await done.wait()
+        finally:
+            future.cancel()  # a no-op once it is done
+        return future.result()
+
+
+async def _coroutine(awaitable: Awaitable[T]) -> T:
+    return await awaitable
 
 
 def _unless_blocked(fn: Any, value: Any, start: float, timeout_s: float) -> Any:

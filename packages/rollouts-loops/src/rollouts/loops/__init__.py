@@ -47,6 +47,8 @@ _EXPORTS = {
     "single_turn_rollout": "rollouts.functions",
     "tool_rollout": "rollouts.functions",
     "run_tool_rollout": "rollouts.multiturn",
+    "EnvironmentFailure": "rollouts.multiturn",
+    "part_seed": "rollouts.multiturn",
     "environment_rollout": "rollouts.environments",
     "environment_reward": "rollouts.environments",
     "CalculatorEnv": "rollouts.environments",

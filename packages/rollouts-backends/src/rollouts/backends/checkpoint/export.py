@@ -42,8 +42,9 @@ def storage_key(tensor: torch.Tensor) -> tuple[int, int]:
     return tensor.untyped_storage().data_ptr(), int(tensor.storage_offset())  # (an int but for symbolic shapes)
 
 
-def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """HF-named full weights on CPU; a tensor tied to an earlier one (lm_head = embeddings) is left out."""
+def model_tensors(model: torch.nn.Module, *, keep_device: bool = False) -> dict[str, torch.Tensor]:
+    """HF-named full weights on CPU (`keep_device`: where an unsharded model holds them, for a
+    load that copies them at once); a tensor tied to an earlier one (lm_head = embeddings) is left out."""
     if is_distributed(model):
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         state = cast("dict[str, torch.Tensor]", full)  # a model's state dict holds tensors only
@@ -56,7 +57,7 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if key in seen:
             continue
         seen.add(key)
-        out[name] = tensor.detach().to("cpu").contiguous()
+        out[name] = tensor.detach().contiguous() if keep_device else tensor.detach().to("cpu").contiguous()
     return merge_lora_tensors(model, out) if has_lora(model) else out
 
 

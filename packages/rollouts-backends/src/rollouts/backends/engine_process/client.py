@@ -1,9 +1,7 @@
 """ProcessEngine: the in-process sampler in a process of its own, behind the InferenceEngine protocol.
 
-The in-process sampler is many small torch ops driven from Python, so beside training in the same
-process the two share one interpreter lock: an overlapped run (generate step n+1 while step n
-trains) serialises much of the work it meant to overlap. In its own process the sampler runs
-truly beside training, on its own core.
+Beside training in one process the sampler's many small torch ops share the interpreter lock, so
+an overlapped run serialises much of what it meant to overlap; in its own process it runs beside.
 
 The engine process (rollouts.backends.engine_process.worker, started and reaped by
 rollouts.backends.engine_process.process) loads the model from a local HF directory, and each call
@@ -11,8 +9,9 @@ is one request frame and one answer frame over a pair of pipes (rollouts.backend
 JSON headers, Samples as rollouts.types.wire batch bytes; never pickles). Weights are synced the
 way the loops export them: the engine process reads the exported safetensors directory itself
 (from the page cache, just written), so a sync moves no tensor through the pipe; `load_weights`
-(the loops' direct sync, with no export) passes the tensors through a file in shared memory both
-processes map (rollouts.backends.engine_process.shared_weights). `abort()` sets a flag in a small
+(the loops' direct sync, with no export) passes the tensors as CUDA IPC handles when they and the
+engine share a GPU (rollouts.backends.engine_process.cuda_ipc), else through a file in shared
+memory both processes map (rollouts.backends.engine_process.shared_weights). `abort()` sets a flag in a small
 file both processes map, read by the sampler after each token step.
 
 Every wait is bounded: a request that gets no answer within `timeout_s` kills the engine process
@@ -24,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import shutil
 import subprocess
 import tempfile
@@ -38,10 +38,12 @@ import safetensors.torch
 import torch
 
 from rollouts.backends.checkpoint.export import model_tensors, read_weights
-from rollouts.backends.engine_process.process import CLOSE_TIMEOUT_S, start_process
+from rollouts.backends.engine_process.cuda_ipc import TRANSPORTS, choose_transport, load_by_ipc
+from rollouts.backends.engine_process.process import CLOSE_TIMEOUT_S, exit_status, start_process
 from rollouts.backends.engine_process.shared_weights import DTYPE_NAMES, DTYPES, check_fits, shared_size, write_shared
 from rollouts.backends.engine_process.wire import ChildGone, encode_frame, read_frame, write_frame
 from rollouts.backends.sampling.engine import check_version_grows
+from rollouts.backends.sampling.sampler import check_prompt_ids
 from rollouts.sync import is_adapter_dir
 from rollouts.sync.fingerprint import check_attestation, checksum_torch
 from rollouts.types import Sample, SamplingParams
@@ -77,10 +79,22 @@ class EngineProcessOptions:
     """After each full-weight sync, the engine process answers the checksums of its weights
     (rollouts.sync.fingerprint) and the client checks them against those of the weights sent, cast
     to `dtype` (AttestationError naming the tensors that differ). LoRA adapter loads are not attested."""
+    weights_transport: str = "auto"
+    """How `load_weights` moves tensors: "cuda_ipc" (CUDA IPC handles, device to device: the
+    weights and the engine on one GPU), "shared_memory" (a file in /dev/shm), or "auto": "cuda_ipc"
+    when every tensor is on the engine's own CUDA device, else "shared_memory"."""
+    ipc_bucket_bytes: int = 1 << 30
+    """The most bytes a CUDA IPC load stages at once on the trainer's GPU (a larger tensor goes alone)."""
 
     def __post_init__(self) -> None:
         if self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.weights_transport not in TRANSPORTS:
+            raise ValueError(f"weights_transport must be one of {TRANSPORTS}, got {self.weights_transport!r}")
+        if self.weights_transport == "cuda_ipc" and not self.device.startswith("cuda"):
+            raise ValueError(f"weights_transport='cuda_ipc' needs a CUDA device for the engine, got {self.device!r}")
+        if self.ipc_bucket_bytes < 1:
+            raise ValueError(f"ipc_bucket_bytes must be >= 1, got {self.ipc_bucket_bytes}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not (self.timeout_s > 0 and self.start_timeout_s > 0):
@@ -128,6 +142,9 @@ class ProcessEngine:
         if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
             raise ValueError(f"tokenizer_dir {str(tokenizer_dir)!r} is not a directory holding a saved tokenizer")
         self._name, self._timeout_s = name, options.timeout_s
+        config = json.loads((Path(model_dir) / "config.json").read_text())  # what check_prompts checks against
+        self._vocab_size, self._max_positions = int(config["vocab_size"]), config.get("max_position_embeddings")
+        self._transport, self._bucket_bytes = options.weights_transport, options.ipc_bucket_bytes
         self._weight_version = weight_version
         self._attest, self._dtype = options.attest, DTYPES[options.dtype]
         self._lock = threading.Lock()  # one request at a time on the pipes
@@ -144,6 +161,7 @@ class ProcessEngine:
                 raise ValueError(f"expected the ready frame with the weights' layout, got {answer!r:.200}")
             self._shapes = {name: tuple(shape) for name, shape, _ in answer["weights"]}
             self._storage = {name: group for name, _, group in answer["weights"]}
+            self._device = torch.device(answer.get("device", options.device))
         except TimeoutError as e:
             raise self._broken(f"did not start within start_timeout_s={options.start_timeout_s}", kill=True) from e
         except ChildGone as e:
@@ -209,6 +227,12 @@ class ProcessEngine:
 
     # ------------------------------------------------------------ the protocol
 
+    def check_prompts(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
+        """ValueError naming the first prompt the engine process would refuse (empty, unknown ids, too
+        long), checked here: a bad prompt fails its own caller before batching (CoalescingEngine)."""
+        limits = {"vocab_size": self._vocab_size, "max_positions": self._max_positions}
+        check_prompt_ids(prompts, **limits, max_new_tokens=params.max_new_tokens)
+
     def sample(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int | None] | None = None
     ) -> list[Sample]:
@@ -250,8 +274,10 @@ class ProcessEngine:
 
     async def load_weights(self, tensors: Mapping[str, torch.Tensor], weight_version: int) -> None:
         """Load HF-named full weights (`tensors`, as `rollouts.backends.model_tensors` gives them; tied
-        ones may be absent) and serve them as `weight_version`; clears an abort. They travel through
-        a file in shared memory both processes map (one copy in, one copy out), not the disk: the
+        ones may be absent) and serve them as `weight_version`; clears an abort. Tensors on the
+        engine's own CUDA device go as CUDA IPC handles (copied device to device, never through the
+        host); others through a file in shared memory both processes map (one copy in, one copy
+        out); `EngineProcessOptions.weights_transport` says which. Never through the disk: the
         direct sync of a trainer in the same machine.
 
         Returns once the engine process has copied them into its model (the caller may change them
@@ -262,12 +288,21 @@ class ProcessEngine:
         serve any version it was given."""
         check_version_grows(self._weight_version, weight_version)
         check_fits(tensors, shapes=self._shapes, storages=self._storage, engine=self._name)
-        header, size = shared_size(tensors)
+        transport = choose_transport(self._transport, (t.device for t in tensors.values()), self._device)
         expected = self._expected(tensors) if self._attest else None
-        request = {"op": "load_shared", "tensors": header, "weight_version": weight_version}
-        with self._held():  # the engine process reads the file only while it answers this request
-            write_shared(self._child.map_weights(max(size, 1)), tensors, header)
-            answer, _ = self._exchange(request | ({} if expected is None else {"attest": sorted(expected)}))
+        attest = {} if expected is None else {"attest": sorted(expected)}
+
+        def exchange(request: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+            # the last request of a load asks for the checksums of what the engine then holds
+            return self._exchange(request | attest if request.get("last", True) else request)
+
+        with self._held():  # the engine process reads the weights only while it answers this request
+            if transport == "cuda_ipc":
+                answer = load_by_ipc(tensors, weight_version, self._device, self._bucket_bytes, exchange)
+            else:
+                header, size = shared_size(tensors)
+                write_shared(self._child.map_weights(max(size, 1)), tensors, header)
+                answer, _ = exchange({"op": "load_shared", "tensors": header, "weight_version": weight_version})
             if not answer.get("ok"):
                 raise self._broken(
                     f"refused the weight load of version {weight_version} ({answer.get('error_type')}: "
@@ -357,7 +392,7 @@ class ProcessEngine:
         text = tail.decode(errors="replace").strip()
         self._error = EngineProcessError(
             f"{self._name}: engine process {process.pid} {what}; "
-            + ("killed" if kill else f"exit code {process.returncode}")
+            + ("killed" if kill else exit_status(process.returncode))
             + (f"; stderr tail:\n{text}" if text else "; no stderr")
         )
         return self._error

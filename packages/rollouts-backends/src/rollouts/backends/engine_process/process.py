@@ -11,6 +11,7 @@ import dataclasses
 import mmap
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -19,11 +20,21 @@ from pathlib import Path
 
 from rollouts.backends.engine_process.wire import encode_frame, write_frame
 
-__all__ = ["CLOSE_TIMEOUT_S", "EngineChild", "start_process"]
+__all__ = ["CLOSE_TIMEOUT_S", "EngineChild", "exit_status", "start_process"]
 
 CLOSE_TIMEOUT_S = 10.0  # a clean exit after "close" is instant; past this the process is killed
 _REAP_TIMEOUT_S = 10.0  # after SIGKILL the kernel reaps at once; this only bounds the wait
 _SHM_DIR = "/dev/shm"  # memory-backed where there is one: the abort flag never touches a disk
+
+
+def exit_status(returncode: int | None) -> str:
+    """How a process ended, its signal named: "killed by SIGKILL (exit code -9)", "exit code 1"."""
+    if returncode is not None and returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name} (exit code {returncode})"
+        except ValueError:  # a signal number this platform has no name for
+            pass
+    return f"exit code {returncode}"
 
 
 @dataclasses.dataclass(slots=True)
@@ -96,6 +107,8 @@ def start_process(model_dir: Path, args: list[str], *, owned_dir: Path | None, m
     command = [sys.executable, "-m", module, "--model-dir", str(model_dir)]
     command += ["--requests-fd", str(requests_r), "--answers-fd", str(answers_w), "--control", control_name]
     command += ["--weights", weights_name, *args]
+    # What the engine process removes itself if this process dies first (SIGTERM, SIGKILL: no reap here).
+    command += ["--sweep", control_name, weights_name, stderr_name, *([] if owned_dir is None else [str(owned_dir)])]
     try:
         process = subprocess.Popen(
             command, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, pass_fds=(requests_r, answers_w)

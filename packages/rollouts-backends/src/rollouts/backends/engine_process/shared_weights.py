@@ -81,7 +81,7 @@ def write_shared(shared: mmap.mmap, tensors: Mapping[str, torch.Tensor], header:
     for (_, _, _, start), tensor in zip(header, tensors.values(), strict=True):
         if tensor.numel():
             target = torch.frombuffer(shared, dtype=tensor.dtype, count=tensor.numel(), offset=start)
-            target.view(tensor.shape).copy_(tensor.detach().to("cpu"))
+            target.view(tensor.shape).copy_(tensor.detach())  # from any device, with no copy between
             del target  # no view may outlive the mapping
 
 

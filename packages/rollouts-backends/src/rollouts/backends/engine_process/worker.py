@@ -6,7 +6,9 @@ time (rollouts.backends.engine_process.wire) until its request pipe closes or a 
 "generate" runs the in-process sampler and answers the Samples (their responses decoded with
 the tokenizer from `--tokenizer-dir`, if given) as rollouts.types.wire batch bytes; "update"
 loads HF safetensors weights (or a LoRA adapter) from a directory and records the version;
-"load_shared" copies weights the parent wrote into the shared file `--weights`. A request that
+"load_shared" copies weights the parent wrote into the shared file `--weights`; "load_cuda_ipc"
+maps a bucket of the parent's GPU memory by its CUDA IPC handle and copies from it, device to
+device (rollouts.backends.engine_process.cuda_ipc). A request that
 fails answers its error's type and text, and the process goes on.
 
 `serve(handlers, ...)` is that request loop, for any table of handlers: a process that serves
@@ -24,6 +26,8 @@ import argparse
 import dataclasses
 import mmap
 import os
+import shutil
+import signal
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,8 +37,9 @@ from transformers.utils import logging as hf_logging
 
 from rollouts.backends.checkpoint.export import load_model_weights
 from rollouts.backends.checkpoint.model_files import load_tokenizer
+from rollouts.backends.engine_process.cuda_ipc import IpcStorage, IpcTensor, ipc_tensors, mapped_views
 from rollouts.backends.engine_process.shared_weights import DTYPES, shared_views, weight_layout
-from rollouts.backends.engine_process.wire import encode_frame, next_request, write_frame
+from rollouts.backends.engine_process.wire import ChildGone, encode_frame, next_request, write_frame
 from rollouts.backends.sampling.engine import config_eos, load_weights_dir, sample_prompts
 from rollouts.backends.train.components import load_hf_model
 from rollouts.sync.fingerprint import fingerprint_torch, flip_bit_torch, sync_fault_target
@@ -94,6 +99,22 @@ class EngineWorker:
                     pass
         return self._serve(header["weight_version"], header.get("attest"))
 
+    def load_cuda_ipc(self, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+        """One bucket of the parent's GPU memory (its IPC handle in `storage`, its tensors in
+        `tensors`), copied device to device into the model; the load's version is served after the
+        `last` bucket."""
+        storage = IpcStorage.from_json(header.get("storage"))
+        tensors = ipc_tensors(header, storage)
+        own = self.model.state_dict()
+        for t in tensors:
+            if t.name not in own or tuple(own[t.name].shape) != t.shape:
+                found = tuple(own[t.name].shape) if t.name in own else "no such weight"
+                raise ValueError(f"CUDA IPC load: {t.name!r} of shape {t.shape} does not fit the model ({found})")
+        _copy_mapped(own, storage, tensors)
+        if not header.get("last"):
+            return {"ok": True}, b""
+        return self._serve(header["weight_version"], header.get("attest"))
+
     def update(self, header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
         load_weights_dir(self.model, Path(header["path"]))
         return self._serve(header["weight_version"], header.get("attest"))
@@ -120,9 +141,24 @@ def loaded_checksums(model: torch.nn.Module, names: Sequence[str]) -> dict[str, 
     return fingerprint_torch({name: state[name] for name in names if name in state})
 
 
+def _copy_mapped(own: dict[str, torch.Tensor], storage: IpcStorage, tensors: list[IpcTensor]) -> None:
+    """Map `storage`, copy its `tensors` into `own` (the model's state dict) and wait for the copies:
+    the parent may free or reuse the bucket once this returns, and the mapping ends with this call."""
+    flat = storage.mapped()
+    with torch.no_grad():
+        for name, view in mapped_views(flat, tensors).items():
+            own[name].copy_(view)
+    torch.cuda.synchronize(flat.device)
+
+
 def handlers_of(worker: EngineWorker) -> dict[str, Handler]:
     """The engine's request ops, by name."""
-    return {"generate": worker.generate, "update": worker.update, "load_shared": worker.load_shared}
+    return {
+        "generate": worker.generate,
+        "update": worker.update,
+        "load_shared": worker.load_shared,
+        "load_cuda_ipc": worker.load_cuda_ipc,
+    }
 
 
 def answer(handlers: Mapping[str, Handler], header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
@@ -141,13 +177,41 @@ def error_answer(error: Exception) -> tuple[dict[str, Any], bytes]:
     return {"ok": False, "error_type": type(error).__name__, "error": str(error)}, b""
 
 
-def serve(handlers: Mapping[str, Handler], requests_fd: int, answers_fd: int) -> None:
-    """Answer requests with `handlers` (by op) until the pipe closes or a "close" request comes."""
+def serve(handlers: Mapping[str, Handler], requests_fd: int, answers_fd: int) -> bool:
+    """Answer requests with `handlers` (by op) until the pipe closes or a "close" request comes;
+    whether the parent went away (closed its pipes) rather than asking to close."""
     while (request := next_request(requests_fd)) is not None:
         header, body = request
         if header.get("op") == "close":
-            return
+            return False
         write_frame(answers_fd, encode_frame(*answer(handlers, header, body)), deadline=None)
+    return True
+
+
+def serve_swept(sweep: Sequence[str], run: Callable[[], bool]) -> None:
+    """Run the request loop `run` (True: the parent went away); the parent's files of this process
+    (`sweep`: its shared files, its stderr file, a model directory it owns) are removed here when
+    the parent died first or a SIGTERM comes, since the parent can no longer reap them."""
+
+    def terminated(signum: int, frame: object) -> None:
+        _remove(sweep)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        orphaned = run()
+    except ChildGone:  # the parent closed its end while an answer was being written
+        orphaned = True
+    if orphaned:
+        _remove(sweep)
+
+
+def _remove(paths: Sequence[str]) -> None:
+    for path in map(Path, paths):
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -165,6 +229,7 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--weight-version", type=int, default=None)
     out.add_argument("--eos", type=int, nargs="*", default=[])
     out.add_argument("--tokenizer-dir", default="")
+    out.add_argument("--sweep", nargs="*", default=[])
     return out
 
 
@@ -187,14 +252,15 @@ def start_worker(args: argparse.Namespace) -> EngineWorker:
         tokenizer=tokenizer,
         weights_file=args.weights,
     )
-    ready = {"ok": True, "ready": True, "pid": os.getpid(), "weights": weight_layout(model)}
+    device = str(next(model.parameters()).device)  # where the parent's CUDA IPC loads must come from
+    ready = {"ok": True, "ready": True, "pid": os.getpid(), "weights": weight_layout(model), "device": device}
     write_frame(args.answers_fd, encode_frame(ready), deadline=None)
     return worker
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    serve(handlers_of(start_worker(args)), args.requests_fd, args.answers_fd)
+    serve_swept(args.sweep, lambda: serve(handlers_of(start_worker(args)), args.requests_fd, args.answers_fd))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from rollouts.backends.train.inputs import attention_mask_4d
 from rollouts.losses import truncation_mask
 from rollouts.types import LogProbs, LossMask, Sample, SamplingParams, Status, TokenIds
 
-__all__ = ["check_prompts", "generate", "sample_next_tokens"]
+__all__ = ["check_prompt_ids", "check_prompts", "generate", "sample_next_tokens"]
 
 _PAD_TOKEN_ID = 0
 """Filler for left padding; masked out, so any valid id works."""
@@ -82,8 +82,20 @@ def check_prompts(model: torch.nn.Module, prompt_token_ids: Sequence[Sequence[in
     `max_new_tokens` would run past the model's positions. Cheap (no tensor work): an engine runs it
     on each caller's prompts before batching them, so a bad one fails only its own caller."""
     config = model_attr(model, "config")
-    max_len = max(len(p) for p in _check_prompts(prompt_token_ids, config.vocab_size))
-    limit = getattr(config, "max_position_embeddings", None)
+    check_prompt_ids(
+        prompt_token_ids,
+        vocab_size=config.vocab_size,
+        max_positions=getattr(config, "max_position_embeddings", None),
+        max_new_tokens=max_new_tokens,
+    )
+
+
+def check_prompt_ids(
+    prompt_token_ids: Sequence[Sequence[int]], *, vocab_size: int, max_positions: int | None, max_new_tokens: int
+) -> None:
+    """`check_prompts` against a vocabulary size and a position limit (None: no limit) given directly."""
+    max_len = max(len(p) for p in _check_prompts(prompt_token_ids, vocab_size))
+    limit = max_positions
     if limit is not None and max_len + max_new_tokens > limit:
         raise ValueError(
             f"longest prompt ({max_len}) + max_new_tokens ({max_new_tokens}) exceeds the model's "

@@ -23,7 +23,7 @@ from rollouts.backends.train.lora import apply_lora, merged_copy, reference_comp
 from rollouts.backends.train.value import build_critic
 from rollouts.data import DataBuffer, load_conversations, load_prompts, prompt_encoder, tokenize_conversation
 from rollouts.loops.app.config import ConfigError, RLRun, SFTRun
-from rollouts.loops.app.rl_hooks import resolve_hooks
+from rollouts.loops.app.rl_hooks import check_rollout_process, resolve_hooks
 from rollouts.loops.app.run_setup import (
     answer_fields,
     check_paths,
@@ -123,6 +123,7 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
             attn_implementation=run.model.attn_implementation,
             timeout_s=run.engine.timeout_s,
             attest=run.engine.attest,
+            weights_transport=run.engine.weights_transport,
         )
         tokenizer_dir = run.model.tokenizer_path or run.model.path
         if run.engine.kind == "rollout_process":  # the rollout manager runs there too, batching its groups
@@ -201,6 +202,7 @@ def cmd_rl(run: RLRun, source: str) -> RunResult:
     )
     if run.data.prompt_key != "prompt":
         records = [{**r, "prompt": r[run.data.prompt_key]} for r in records]
+    check_rollout_process(run, hooks, records, source)  # what crosses to the engine process, before any work
     tokenizer = preflight(run, source, "rl")
     run, resume = prepare_run(run, "rl", source)
     out = Path(run.run.out_dir)

@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any
 
 from rollouts.backends import load_tokenizer
+from rollouts.data import DataBuffer
 from rollouts.loops.agents.endpoint import EndpointLimits
 from rollouts.loops.agents.rollout import agent_reward, agent_rollout
 from rollouts.loops.app.config import BUILTIN_REWARDS, ConfigError, RLRun
+from rollouts.loops.engines.rollout_process import check_crossing, records_to_jsonl
 from rollouts.loops.plugins import PluginError, resolve_function
 from rollouts.loops.rollouts.reward_models import (
     ClassifierRewardModel,
@@ -153,3 +155,15 @@ def _pad_token_id(directory: str) -> int | None:
     if pad is None:
         pad = load_tokenizer(directory).pad_token_id
     return None if pad is None else int(pad)
+
+
+def check_rollout_process(run: RLRun, hooks: dict[str, Any], records: list[Any], source: str) -> None:
+    """With engine.kind = "rollout_process", refuse before any work what cannot cross to the engine
+    process (partial rollouts, a function without an import path, a record that is not JSON)."""
+    if run.engine.kind != "rollout_process":
+        return
+    try:
+        check_crossing(run.rl, Reward.of(hooks["reward"]), hooks.get("rollout"), hooks.get("filter_fn"))
+        records_to_jsonl(DataBuffer(records))
+    except ValueError as e:  # PluginError included
+        raise ConfigError(f"{source}: engine.kind = 'rollout_process': {e}") from e

@@ -52,6 +52,8 @@ class _Request:
     finished: bool = False
     result: list[Sample] | None = None
     error: BaseException | None = None
+    gone: bool = False
+    """Its caller stopped waiting (cancelled): never queued again, never handed the lead."""
 
 
 class CoalescingEngine:
@@ -127,7 +129,7 @@ class CoalescingEngine:
         try:
             samples = await trio.to_thread.run_sync(functools.partial(self.inner.sample, prompts, params, seeds))
         except trio.Cancelled:  # before the thread started (a running one is waited for): nothing ran
-            self._queue[:0] = batch
+            self._queue[:0] = [r for r in batch if not r.gone]  # a caller gone meanwhile waits for nothing
             raise
         except Exception as e:
             if len(batch) == 1:  # the request sees its failure (and may retry)
@@ -142,8 +144,8 @@ class CoalescingEngine:
                 try:
                     await self._run_batch(part)
                 except trio.Cancelled:  # part's unfinished requests went back to the queue's front
-                    back = sum(not r.finished for r in part)
-                    self._queue[back:back] = [r for later in parts[i + 1 :] for r in later]
+                    back = sum(not (r.finished or r.gone) for r in part)
+                    self._queue[back:back] = [r for later in parts[i + 1 :] for r in later if not r.gone]
                     raise
             return
         if len(samples) != len(prompts) * params.n:
@@ -216,6 +218,7 @@ class CoalescingEngine:
                 else:
                     await request.wake.wait()
         finally:
+            request.gone = not request.finished
             if request in self._queue:  # cancelled before its batch ran: its prompts are not generated
                 self._queue.remove(request)
             if self._leader is request:

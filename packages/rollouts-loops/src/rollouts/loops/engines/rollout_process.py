@@ -14,8 +14,11 @@ and drives the remote manager (`RemoteRolloutManager`) as it drives a local one:
 (with the remote DataBuffer's position after it, which the loop gives the trainer's buffer), its
 state in checkpoints.
 
-What must be true for that: the reward, rollout and filter functions are importable by name
-(defined at a module's top level, or in the script being run); the prompts are encoded by
+What must be true for that (`check_crossing` decides it before any work; the `rollouts rl`
+command before it loads the model): the reward, rollout and filter functions are importable by
+name (defined at a module's top level or in the script being run, or bound to a top-level name of
+a plugin file or the script, as the tool example's `rollout = environment_rollout(...)`), or are a
+functools.partial of such a function with JSON keywords (a built-in reward with its answer key); the prompts are encoded by
 `rollouts.data.prompt_encoder` (rebuilt over the engine's copy of the tokenizer) or by a function
 importable by name; the prompt records are JSON. Partial rollouts are refused: their sync pauses
 the manager mid-step, which this process's request order cannot do. Everything else the engine
@@ -25,6 +28,7 @@ does (evaluation, the sync probe, weight loads) goes through ProcessEngine's own
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import sys
 from collections.abc import Callable
@@ -41,7 +45,15 @@ from rollouts.loops.rollouts.scoring import Reward
 from rollouts.types import FilterFn, RLConfig, RolloutBatch
 from rollouts.types.wire import batch_from_bytes
 
-__all__ = ["RemoteRolloutManager", "RolloutProcess", "function_path", "rollout_spec"]
+__all__ = [
+    "RemoteRolloutManager",
+    "RolloutProcess",
+    "check_crossing",
+    "function_path",
+    "function_spec",
+    "load_function",
+    "rollout_spec",
+]
 
 
 class RolloutProcess(ProcessEngine):
@@ -141,26 +153,22 @@ def rollout_spec(
     engine_name: str = "rollout-process",
 ) -> dict[str, Any]:
     """The JSON the engine process builds the rollout manager from; ValueError naming what cannot go."""
-    if config.rollout.partial:
-        raise ValueError(
-            "a RolloutProcess does not take rl.rollout.partial: a partial sync pauses the rollout manager "
-            "mid-step, and this one runs in another process (use ProcessEngine wrapped in CoalescingEngine)"
-        )
+    crossing = check_crossing(config, reward, rollout, filter_fn)
     encode = ctx.encode_prompt
     if isinstance(encode, TokenizerEncoder):
         encode_spec: dict[str, Any] = {"field": encode.field, "chat": encode.chat}
     else:
-        encode_spec = {"fn": function_path(encode, key="encode_prompt")}
+        encode_spec = {"fn": function_spec(encode, key="encode_prompt")}
     return {
         "config": json.loads(json.dumps(dataclasses.asdict(config))),
         "reward": {
-            "fn": function_path(reward.fn, key="reward"),
+            "fn": crossing["reward"],
             "batched": reward.batched,
             "on_error": reward.on_error,
             "timeout_s": reward.timeout_s,
         },
-        "rollout": None if rollout is single_turn_rollout else function_path(rollout, key="rollout"),
-        "filter_fn": None if filter_fn is None else function_path(filter_fn, key="filter_fn"),
+        "rollout": crossing["rollout"],
+        "filter_fn": crossing["filter_fn"],
         "encode": encode_spec,
         "vocab_size": ctx.vocab_size,
         "buffer": buffer.state_dict(),
@@ -170,6 +178,44 @@ def rollout_spec(
     }
 
 
+def check_crossing(
+    config: RLConfig, reward: Reward, rollout: RolloutFn | None, filter_fn: FilterFn | None
+) -> dict[str, Any]:
+    """What of a run crosses to a RolloutProcess, decided before any work: the function specs of
+    the reward, rollout and filter (None: the built-in rollout, no filter); ValueError (PluginError
+    for a function) naming the first thing that cannot go."""
+    if config.rollout.partial:
+        raise ValueError(
+            "a RolloutProcess does not take rl.rollout.partial: a partial sync pauses the rollout manager "
+            "mid-step, and this one runs in another process (use ProcessEngine wrapped in CoalescingEngine)"
+        )
+    return {
+        "reward": function_spec(reward.fn, key="reward"),
+        "rollout": None if rollout in (None, single_turn_rollout) else function_spec(rollout, key="rollout"),
+        "filter_fn": None if filter_fn is None else function_spec(filter_fn, key="filter_fn"),
+    }
+
+
+def function_spec(fn: Callable[..., Any] | str, *, key: str) -> dict[str, Any]:
+    """{"path": import path, "kwargs": {...}} naming `fn` in another process: `function_path`'s, or
+    for a functools.partial of such a function with JSON keywords (a built-in reward with its
+    answer key), the function's and the keywords."""
+    if isinstance(fn, functools.partial) and not fn.args:
+        try:
+            kwargs = json.loads(json.dumps(fn.keywords, allow_nan=False))
+        except (TypeError, ValueError):
+            kwargs = None
+        if kwargs == fn.keywords:
+            return {"path": function_path(fn.func, key=key), "kwargs": kwargs}
+    return {"path": function_path(fn, key=key), "kwargs": {}}
+
+
+def load_function(spec: dict[str, Any], *, key: str) -> Any:
+    """The function `function_spec` named, in this process."""
+    fn = load_object(spec["path"], key=key)
+    return functools.partial(fn, **spec["kwargs"]) if spec["kwargs"] else fn
+
+
 def function_path(fn: Callable[..., Any] | str, *, key: str) -> str:
     """The import path ("package.module:name", or "path/to/script.py:name" for the script being run)
     that names `fn` in another process; PluginError where none does (a lambda, a closure, a method,
@@ -177,6 +223,9 @@ def function_path(fn: Callable[..., Any] | str, *, key: str) -> str:
     if isinstance(fn, str):
         load_object(fn, key=key)  # refused here, naming the key, rather than in the engine process
         return fn
+    bound = _bound_name(fn)
+    if bound is not None:  # e.g. `rollout = environment_rollout(...)` in a plugin file: a closure, by its name there
+        return bound
     module, name = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if module is None or not name.isidentifier():
         raise PluginError(
@@ -192,6 +241,22 @@ def function_path(fn: Callable[..., Any] | str, *, key: str) -> str:
     if load_object(f"{module}:{name}", key=key) is not fn:
         raise PluginError(f"{key}: {module}:{name} is not {fn!r}: the rollout process would import another object")
     return f"{module}:{name}"
+
+
+def _bound_name(fn: Any) -> str | None:
+    """ "path/to/file.py:name" where a loaded plugin file or the script being run binds `fn` at its
+    top level under a name other than its own (a closure, a partial, an instance), else None."""
+    qualname = getattr(fn, "__qualname__", None)
+    if isinstance(qualname, str) and qualname.isidentifier():
+        return None  # a plain top-level function: named where it is defined
+    for module_name, module in list(sys.modules.items()):
+        if module_name != "__main__" and not module_name.startswith(PLUGIN_MODULE_PREFIX):
+            continue
+        file = getattr(module, "__file__", None)
+        names = [n for n, value in vars(module).items() if value is fn and n.isidentifier()]
+        if file is not None and names:
+            return f"{file}:{names[0]}"
+    return None
 
 
 def records_to_jsonl(buffer: DataBuffer) -> bytes:

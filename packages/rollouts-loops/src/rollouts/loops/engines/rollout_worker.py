@@ -26,11 +26,18 @@ from typing import Any
 
 import trio
 
-from rollouts.backends.engine_process.worker import EngineWorker, Handler, handlers_of, parser, serve, start_worker
+from rollouts.backends.engine_process.worker import (
+    EngineWorker,
+    Handler,
+    handlers_of,
+    parser,
+    serve,
+    serve_swept,
+    start_worker,
+)
 from rollouts.data import AsyncRolloutManager, DataBuffer, prompt_encoder
 from rollouts.loops.engines.coalescing import CoalescingEngine
-from rollouts.loops.engines.rollout_process import records_from_jsonl
-from rollouts.loops.plugins import load_object
+from rollouts.loops.engines.rollout_process import load_function, records_from_jsonl
 from rollouts.loops.rollouts.functions import RolloutContext, rollout_manager, single_turn_rollout
 from rollouts.loops.rollouts.scoring import Reward
 from rollouts.types import RLConfig, Sample, SamplingParams, from_dict
@@ -91,7 +98,7 @@ class _Rollouts:
         buffer.load_state_dict(spec["buffer"])
         encode = spec["encode"]
         if "fn" in encode:
-            encode_prompt = load_object(encode["fn"], key="encode_prompt")
+            encode_prompt = load_function(encode["fn"], key="encode_prompt")
         else:
             if self.worker.tokenizer is None:
                 raise ValueError("the prompt encoder needs the tokenizer: start the RolloutProcess with tokenizer=")
@@ -111,15 +118,15 @@ class _Rollouts:
         manager = rollout_manager(
             buffer,
             config,
-            single_turn_rollout if spec["rollout"] is None else load_object(spec["rollout"], key="rollout"),
+            single_turn_rollout if spec["rollout"] is None else load_function(spec["rollout"], key="rollout"),
             context,
             Reward(
-                fn=load_object(reward["fn"], key="reward"),
+                fn=load_function(reward["fn"], key="reward"),
                 batched=reward["batched"],
                 on_error=reward["on_error"],
                 timeout_s=reward["timeout_s"],
             ),
-            None if spec["filter_fn"] is None else load_object(spec["filter_fn"], key="filter_fn"),
+            None if spec["filter_fn"] is None else load_function(spec["filter_fn"], key="filter_fn"),
         )
         self.configured = manager, buffer
         return {"ok": True}, b""
@@ -146,15 +153,16 @@ class _Rollouts:
         return self.configured
 
 
-async def _serve(worker: EngineWorker, requests_fd: int, answers_fd: int) -> None:
-    """Answer requests, the engine's and the rollout manager's, until the pipe closes or "close"."""
+async def _serve(worker: EngineWorker, requests_fd: int, answers_fd: int) -> bool:
+    """Answer requests, the engine's and the rollout manager's, until the pipe closes or "close";
+    whether the parent went away."""
     handlers = {**handlers_of(worker), **_Rollouts(worker).handlers()}
-    await trio.to_thread.run_sync(serve, handlers, requests_fd, answers_fd)
+    return await trio.to_thread.run_sync(serve, handlers, requests_fd, answers_fd)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    trio.run(_serve, start_worker(args), args.requests_fd, args.answers_fd)
+    serve_swept(args.sweep, lambda: trio.run(_serve, start_worker(args), args.requests_fd, args.answers_fd))
 
 
 if __name__ == "__main__":

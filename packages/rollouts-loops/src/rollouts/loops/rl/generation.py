@@ -30,7 +30,15 @@ from rollouts.loops.run.run_dir import ADAPTER_DIR, WEIGHTS_DIR
 from rollouts.types import Abortable, InferenceEngine, RolloutBatch, Sample, SamplingParams, TrainingState, WeightLoader
 from rollouts.types.wire import batch_from_bytes, batch_to_parts
 
-_SHARED_METADATA = ("errors", "groups_requested", "groups_partial", "groups_restarted", "num_rounds", "generate_s")
+_SHARED_METADATA = (
+    "errors",
+    "error_causes",
+    "groups_requested",
+    "groups_partial",
+    "groups_restarted",
+    "num_rounds",
+    "generate_s",
+)
 """The batch metadata the other ranks receive (what every rank logs or raises on)."""
 
 
@@ -39,6 +47,8 @@ def shared_metadata(batch: RolloutBatch) -> dict[str, Any]:
     metadata = {k: v for k, v in batch.metadata.items() if k in _SHARED_METADATA}
     if "errors" in metadata:
         metadata["errors"] = [str(e) for e in metadata["errors"]]
+    if "error_causes" in metadata:  # frozen in the batch: a plain dict for JSON
+        metadata["error_causes"] = {str(cause): int(num) for cause, num in metadata["error_causes"].items()}
     return metadata
 
 
@@ -193,7 +203,8 @@ async def sync_engine(
     start = time.perf_counter()
     direct = direct_loader(engine, components, shares_model=shares_model)
     if direct is not None:
-        await _load(engine, lock, manager, lambda: direct(model_tensors(components.model), version))
+        # on the model's device: an engine on the same GPU takes them by CUDA IPC, device to device
+        await _load(engine, lock, manager, lambda: direct(model_tensors(components.model, keep_device=True), version))
         return state.with_weight_version(version), {"sync_export_s": 0.0, "sync_s": time.perf_counter() - start}
     path = run_dir / WEIGHTS_DIR
     if not shares_model and syncs_adapter(components.model):  # LoRA: the adapter alone, in PEFT's format

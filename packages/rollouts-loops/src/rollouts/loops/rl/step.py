@@ -15,7 +15,7 @@ import json
 import logging
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -285,9 +285,15 @@ def check_logprobs_distribution(samples: Sequence[Sample], config: RLConfig) -> 
 
 
 def failure_causes(batch: RolloutBatch) -> list[str]:
-    """Every generation error (engine, URL, status, message as the engine client reported it) and
-    reward error of a step's batch."""
-    return [str(e) for e in batch.metadata.get("errors", ())] + reward_errors(batch.samples)
+    """Every generation error (engine, URL, status, message as the engine client reported it; an
+    environment's failure) and reward error of a step's batch: one entry per failed request, by the
+    error it failed with (the manager's error_causes), or its first messages where none are counted."""
+    counted = batch.metadata.get("error_causes")
+    if isinstance(counted, Mapping):
+        generation = [str(cause) for cause, num in counted.items() for _ in range(int(num))]
+    else:
+        generation = [str(e) for e in batch.metadata.get("errors", ())]
+    return generation + reward_errors(batch.samples)
 
 
 COMPLETIONS_FILE = "completions.jsonl"

@@ -5,25 +5,30 @@ token-in/token-out: the engine continues from the exact token ids so far (never 
 the environment's observations are appended with loss weight 0 and log-prob 0, and the episode's
 reward (the sum of its steps' rewards) is stored in metadata["env_reward"], which the built-in
 `environment_reward` returns. Bounds: `max_turns` model turns (an episode still going is
-TRUNCATED), `max_total_tokens`, and `step_timeout_s` on every reset and step (a hung environment
-fails its group, which the rollout manager retries and counts).
+TRUNCATED), `max_total_tokens`, and `step_timeout_s` on every reset and step: a sync one runs in a
+worker thread, abandoned at the bound; an async one is cancelled. An environment that raises, hangs
+or answers wrongly is an EnvironmentFailure naming its class, the call, the turn and the cause, and
+fails its group (the other episodes are cancelled), which the rollout manager retries and counts.
+Async reset and step run in an asyncio event loop by default (asyncio code, aiohttp and asyncio
+SDKs work under the trio loops), or in the rollout's own (`async_loop="caller"`, for trio code).
+Episodes and turns of a seeded group get seeds of their own (rollouts.loops.rollouts.multiturn).
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import trio
-
 from rollouts.data import encode_bounded
-from rollouts.data.user_code import call_user
+from rollouts.data.user_code import AsyncLoop, function_name
 from rollouts.loops.rollouts.functions import RolloutContext, RolloutFn
+from rollouts.loops.rollouts.multiturn import EnvironmentFailure, call_environment, part_seed, run_episodes
 from rollouts.types import Environment, EnvStep, LogProbs, LossMask, Sample, Status, TokenIds
 
 ENV_REWARD_KEY = "env_reward"
@@ -45,11 +50,24 @@ def _ids(observation: str | Sequence[int], ctx: RolloutContext, *, first: bool, 
     return ids if ids is not None and len(ids) <= room else None
 
 
-async def run_episode(
-    env: Environment, record: Any, ctx: RolloutContext, *, max_turns: int, max_total_tokens: int, step_timeout_s: float
-) -> Sample:
-    """One episode as a single Sample: prompt, then model turns (trained) and observations (masked)."""
-    first = await call_user(env.reset, record, timeout_s=step_timeout_s)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class EpisodeLimits:
+    """The bounds of one episode (`environment_rollout`'s)."""
+
+    max_turns: int = 4
+    max_total_tokens: int = 4096
+    step_timeout_s: float = 30.0
+    """Bound on each reset and step."""
+    async_loop: AsyncLoop = "asyncio"
+    """Where an async reset or step runs: an asyncio event loop, or the rollout's own ("caller")."""
+
+
+async def run_episode(env: Environment, record: Any, ctx: RolloutContext, limits: EpisodeLimits) -> Sample:
+    """One episode as a single Sample: prompt, then model turns (trained) and observations (masked).
+    `ctx.sampling.seed` is the episode's: turn t samples with `part_seed(seed, t)`."""
+    call = functools.partial(_call_env, env, limits)
+    max_total_tokens = limits.max_total_tokens
+    first = await call("reset", 0, record)
     prompt = _ids(first, ctx, first=True, room=max_total_tokens - 1)
     if prompt is None:
         size = f"{len(first)} characters" if isinstance(first, str) else f"{len(first)} tokens"
@@ -57,18 +75,21 @@ async def run_episode(
     params = dataclasses.replace(ctx.sampling, n=1)
     tokens, mask, logprobs = list(prompt), [0.0] * len(prompt), []
     total_reward, status, turns, weight_version, all_logprobs = 0.0, Status.TRUNCATED, 0, None, True
-    while turns < max_turns and len(tokens) < max_total_tokens:
+    while turns < limits.max_turns and len(tokens) < max_total_tokens:
         room = max_total_tokens - len(tokens)
-        (turn,) = await ctx.engine.generate(
-            [tokens], dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
+        turn_params = dataclasses.replace(
+            params, max_new_tokens=min(params.max_new_tokens, room), seed=part_seed(params.seed, turns)
         )
+        (turn,) = await ctx.engine.generate([tokens], turn_params)
         turns, weight_version, new = turns + 1, turn.weight_version, list(turn.response_tokens)
         tokens, mask = tokens + new, mask + [1.0] * len(new)
         all_logprobs = all_logprobs and turn.rollout_logprobs is not None
         logprobs += list(turn.rollout_logprobs) if turn.rollout_logprobs is not None else [0.0] * len(new)
-        result = await call_user(env.step, turn.response, new, timeout_s=step_timeout_s)
+        result = await call("step", turns, turn.response, new)
         if not isinstance(result, EnvStep):
-            raise TypeError(f"Environment.step must return an EnvStep, got {type(result).__name__}")
+            raise EnvironmentFailure(
+                f"{_where(env, 'step', turns)}: step must return an EnvStep, got {type(result).__name__}"
+            )
         total_reward += result.reward
         if result.done:
             status = Status.COMPLETED
@@ -95,41 +116,57 @@ async def run_episode(
     )
 
 
+def _where(env: Environment, method: str, turn: int) -> str:
+    """How a failure names the call: the environment's class (an adapter's client's too), the
+    method and the turn."""
+    name = type(env).__name__
+    if isinstance(env, OpenEnvAdapter):
+        name = f"{name}({type(env.client).__name__})"
+    return f"environment {name}, {method} at turn {turn}"
+
+
+async def _call_env(env: Environment, limits: EpisodeLimits, method: str, turn: int, *args: Any) -> Any:
+    return await call_environment(
+        getattr(env, method),
+        *args,
+        timeout_s=limits.step_timeout_s,
+        where=_where(env, method, turn),
+        async_loop=limits.async_loop,
+    )
+
+
 def environment_rollout(
     make_env: Callable[[], Environment],
     *,
     max_turns: int = 4,
     max_total_tokens: int = 4096,
     step_timeout_s: float = 30.0,
+    async_loop: AsyncLoop = "asyncio",
 ) -> RolloutFn:
-    """A rollout function running `ctx.sampling.n` episodes of fresh environments concurrently."""
+    """A rollout function running `ctx.sampling.n` episodes of fresh environments concurrently;
+    episode i of a seeded group samples with `part_seed(ctx.sampling.seed, i)`, so they differ."""
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     if not step_timeout_s > 0:
         raise ValueError(f"step_timeout_s must be > 0, got {step_timeout_s}")
+    if async_loop not in ("asyncio", "caller"):
+        raise ValueError(f"async_loop must be 'asyncio' or 'caller', got {async_loop!r}")
+    limits = EpisodeLimits(
+        max_turns=max_turns, max_total_tokens=max_total_tokens, step_timeout_s=step_timeout_s, async_loop=async_loop
+    )
 
     async def rollout(record: Any, ctx: RolloutContext) -> list[Sample]:
-        episodes: list[Sample | None] = [None] * ctx.sampling.n
-
-        async def one(i: int) -> None:
-            episodes[i] = await run_episode(
-                make_env(),
-                record,
-                ctx,
-                max_turns=max_turns,
-                max_total_tokens=max_total_tokens,
-                step_timeout_s=step_timeout_s,
+        async def one(i: int) -> Sample:
+            sampling = dataclasses.replace(ctx.sampling, seed=part_seed(ctx.sampling.seed, i))
+            env = await call_environment(
+                make_env,
+                timeout_s=step_timeout_s,
+                where=f"environment factory {function_name(make_env)}",
+                async_loop=async_loop,
             )
+            return await run_episode(env, record, dataclasses.replace(ctx, sampling=sampling), limits)
 
-        try:
-            async with trio.open_nursery() as nursery:
-                for i in range(ctx.sampling.n):
-                    nursery.start_soon(one, i)
-        except BaseExceptionGroup as group:  # one failed episode: its own error, not a group
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
-            raise
-        return [e for e in episodes if e is not None]
+        return await run_episodes(ctx.sampling.n, one)
 
     return rollout
 

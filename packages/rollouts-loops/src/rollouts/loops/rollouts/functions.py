@@ -16,14 +16,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import trio
 
 from rollouts.data import AsyncRolloutManager, DataBuffer, encode_bounded
 from rollouts.data.manager import TailCut
 from rollouts.data.prompts import MAX_CHARS_PER_TOKEN
 from rollouts.data.rollout import num_episodes
-from rollouts.data.user_code import call_user
-from rollouts.loops.rollouts.multiturn import ToolExecutor, ToolParser, run_tool_rollout
+from rollouts.data.user_code import AsyncLoop, call_user, function_name
+from rollouts.loops.rollouts.multiturn import (
+    ToolExecutor,
+    ToolParser,
+    call_environment,
+    part_seed,
+    run_episodes,
+    run_tool_rollout,
+)
 from rollouts.loops.rollouts.scoring import REWARD_ERROR_KEY, GroupScorer, Reward
 from rollouts.sync.partial import PARTIAL, continue_partials
 from rollouts.types import Abortable, FilterFn, InferenceEngine, RLConfig, Sample, SamplingParams
@@ -75,30 +81,37 @@ def tool_rollout(
     max_turns: int = 4,
     max_total_tokens: int = 4096,
     tool_timeout_s: float = 30.0,
+    async_loop: AsyncLoop = "asyncio",
 ) -> RolloutFn:
     """A rollout function running n multi-turn tool trajectories concurrently (see run_tool_rollout).
 
-    Each tool call is bounded by `tool_timeout_s`: a hung tool fails that trajectory's group (which
-    the rollout manager retries and counts), never the run.
+    Each tool call is bounded by `tool_timeout_s` (a sync tool runs in a worker thread, abandoned
+    at the bound; an async one is cancelled): a tool that fails or hangs is an EnvironmentFailure
+    naming it and the cause, and fails its group, which the rollout manager retries and counts,
+    never the run. An async tool runs in an asyncio event loop (`async_loop="asyncio"`: asyncio
+    code works) or the rollout's own ("caller": trio code). Trajectory i of a seeded group samples
+    with `part_seed(ctx.sampling.seed, i)` (multiturn's module docstring), so they differ.
     """
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    if not tool_timeout_s > 0:
+        raise ValueError(f"tool_timeout_s must be > 0, got {tool_timeout_s}")
+    where = f"tool {function_name(tool_executor)}"
 
     async def bounded_executor(call: Any) -> Any:
-        return await call_user(tool_executor, call, timeout_s=tool_timeout_s)
+        return await call_environment(tool_executor, call, timeout_s=tool_timeout_s, where=where, async_loop=async_loop)
 
     async def rollout(record: Any, ctx: RolloutContext) -> list[Sample]:
         if ctx.tokenizer is None:
             raise ValueError("tool_rollout needs a tokenizer in the RolloutContext (to encode tool output)")
         prompt_ids = list(ctx.encode_prompt(record))
-        results: list[Sample | None] = [None] * ctx.sampling.n
 
-        async def one(i: int) -> None:
-            results[i] = await run_tool_rollout(
+        async def one(i: int) -> Sample:
+            return await run_tool_rollout(
                 ctx.engine,
                 ctx.tokenizer,
                 prompt_ids,
-                ctx.sampling,
+                dataclasses.replace(ctx.sampling, seed=part_seed(ctx.sampling.seed, i)),
                 tool_parser=tool_parser,
                 tool_executor=bounded_executor,
                 format_tool_output=format_tool_output,
@@ -106,10 +119,7 @@ def tool_rollout(
                 max_total_tokens=max_total_tokens,
             )
 
-        async with trio.open_nursery() as nursery:
-            for i in range(ctx.sampling.n):
-                nursery.start_soon(one, i)
-        return [s for s in results if s is not None]
+        return await run_episodes(ctx.sampling.n, one)
 
     return rollout
 

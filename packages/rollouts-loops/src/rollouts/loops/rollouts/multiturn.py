@@ -4,17 +4,39 @@ The engine continues from the exact token ids of the conversation so far: earlie
 re-tokenized (re-tokenizing decoded text can split differently and silently shift the log-probs
 the trainer compares against). Tool output is appended as tokens with loss weight 0 and log-prob
 0; only the engine's own tokens are trained on.
+
+Seeds: a seeded group's episodes must differ, and so must an episode's turns, whatever requests
+share the engine: episode i of a group seeded with s samples with `part_seed(s, i)`, and its turn t
+with `part_seed(part_seed(s, i), t)` (the group's seed is the run's seed mixed with the prompt's
+position in the data stream by the rollout manager, rollouts.data.request_seed). An unseeded run
+stays unseeded.
+
+Failures: the environment's code (an Environment's reset and step, a tool) is called through
+`call_environment`: bounded in time, asyncio code run in an asyncio event loop, and any failure an
+EnvironmentFailure naming the environment, the call and the cause. `run_episodes` runs a group's
+episodes; the first failure cancels the others and is raised alone (not as an ExceptionGroup).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import inspect
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import trio
+
 from rollouts.data import encode_bounded
-from rollouts.data.user_code import call_user
+from rollouts.data.user_code import (
+    AsyncLoop,
+    UserCodeError,
+    UserCodeFailure,
+    UserThreadsExhausted,
+    call_user,
+    user_threads,
+)
 from rollouts.types import InferenceEngine, LogProbs, LossMask, Sample, SamplingParams, Status, TokenIds, Tokenizer
 
 ToolParser = Callable[[str], Any | None]
@@ -23,6 +45,60 @@ ToolExecutor = Callable[[Any], "str | Awaitable[str]"]
 """Runs a tool call; returns the text to show the model (sync or async)."""
 StopCondition = Callable[[Sample, int], bool]
 """(the trajectory so far, turns taken) -> whether to stop early."""
+
+
+class EnvironmentFailure(UserCodeFailure):
+    """An environment's reset or step, or a tool, raised, ran past its bound or answered wrongly;
+    the message names the environment (or tool), the call and the cause, `__cause__` is the error."""
+
+
+def part_seed(seed: int | None, index: int) -> int | None:
+    """The seed of part `index` (an episode of a group, a turn of an episode) of what `seed` seeds:
+    a 63-bit blake2b hash of both (neighbouring parts get unrelated streams); None stays None."""
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8, person=b"rollouts-part").digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+async def call_environment(
+    fn: Callable[..., Any], *args: Any, timeout_s: float, where: str, async_loop: AsyncLoop
+) -> Any:
+    """`call_user(fn, *args)` for the environment's code; any failure is an EnvironmentFailure
+    whose message starts with `where` (e.g. "environment CalculatorEnv, step at turn 2")."""
+    try:
+        return await call_user(fn, *args, timeout_s=timeout_s, async_loop=async_loop)
+    except (UserCodeError, UserThreadsExhausted) as e:
+        raise EnvironmentFailure(f"{where}: {e}") from e
+    except TimeoutError as e:
+        sync = not inspect.iscoroutinefunction(fn)
+        fate = (
+            f"its worker thread is abandoned ({user_threads().hung} threads for user code hung)"
+            if sync
+            else "its task is cancelled"
+        )
+        raise EnvironmentFailure(f"{where}: {e}; {fate}") from e
+
+
+async def run_episodes(num: int, episode: Callable[[int], Awaitable[Sample]]) -> list[Sample]:
+    """`episode(0)` ... `episode(num - 1)` run concurrently. The first to fail cancels the others
+    (the group is lost) and its error is raised alone, as the one cause of the group's failure."""
+    samples: list[Sample | None] = [None] * num
+    failures: list[Exception] = []
+    async with trio.open_nursery() as nursery:
+
+        async def one(i: int) -> None:
+            try:
+                samples[i] = await episode(i)
+            except Exception as e:
+                failures.append(e)
+                nursery.cancel_scope.cancel()
+
+        for i in range(num):
+            nursery.start_soon(one, i)
+    if failures:
+        raise failures[0]
+    return [s for s in samples if s is not None]
 
 
 async def run_tool_rollout(
@@ -47,6 +123,7 @@ async def run_tool_rollout(
     cut by either bound is TRUNCATED, including when the last allowed turn still calls a tool
     (that call is not run: nothing would answer its output). `tool_executor` is called through
     rollouts.data.user_code.call_user (a sync one in a worker thread) with no bound of its own.
+    `params.seed` is this trajectory's: turn t samples with `part_seed(params.seed, t)`.
     """
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -61,7 +138,9 @@ async def run_tool_rollout(
         if room <= 0:
             status = Status.TRUNCATED
             break
-        turn_params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
+        turn_params = dataclasses.replace(
+            params, max_new_tokens=min(params.max_new_tokens, room), seed=part_seed(params.seed, turns)
+        )
         (turn,) = await engine.generate([tokens], turn_params)
         turns += 1
         new = turn.response_tokens

@@ -1,13 +1,14 @@
 """The built-in rewards, each a `reward(sample, record) -> float` (rollouts.types.RewardFn) that a run
 file names in `[reward] fn`: "exact_match", "math_answer" and "environment".
 
-With the default answer key each is a module-level function, so a RolloutProcess (which sends its
-reward to the engine process by import path) can import it by name; another answer key gives a
-closure, which only a reward run in the trainer's process can use.
+Each is a module-level function (with another answer key, a functools.partial of one), so a
+RolloutProcess, which sends its reward to the engine process by import path and JSON keywords,
+can rebuild it there.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,8 +53,4 @@ def builtin_reward(name: str, *, answer_key: str = "answer") -> RewardFn:
         raise ValueError(f"no built-in reward {name!r}: the built-ins are {list(BUILTIN_REWARDS)}")
     if answer_key == "answer":
         return graded
-
-    def with_answer_key(sample: Sample, record: Any) -> float:
-        return graded(sample, record, answer_key=answer_key)
-
-    return with_answer_key
+    return functools.partial(graded, answer_key=answer_key)

@@ -1,0 +1,112 @@
+"""Colocated weight-sync benchmark (needs a CUDA GPU): a ProcessEngine on the trainer's GPU takes
+Qwen2-0.5B-shaped bf16 weights (random init, built here) by CUDA IPC, and through host shared
+memory, beside a bare device-to-device `copy_` of the same bytes. Median of 5 syncs each, after one
+warm-up.
+
+Run (on a CUDA machine; needs torch, transformers, safetensors only):
+  PYTHONPATH=packages/rollouts-types/src:packages/rollouts-losses/src:packages/rollouts-backends/src \
+    python3 benchmarks/bench_ipc.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from rollouts.backends import EngineProcessOptions, ProcessEngine
+from rollouts.backends.checkpoint.export import model_tensors
+
+NUM_REPEATS = 5
+
+
+def qwen2_05b_shape() -> Qwen2Config:
+    """Qwen2-0.5B's shapes (tied embeddings), random weights."""
+    return Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+    )
+
+
+def median_s(run: Callable[[], None]) -> float:
+    """Median seconds of NUM_REPEATS calls of `run` after one warm-up (each ends synchronized)."""
+    run()
+    times = []
+    for _ in range(NUM_REPEATS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run_now(coroutine: Coroutine[Any, Any, None]) -> None:
+    """Run a coroutine that never suspends (ProcessEngine.load_weights), with no event loop's cost."""
+    try:
+        coroutine.send(None)
+    except StopIteration:
+        return
+    raise RuntimeError("the coroutine suspended: it needs an event loop")
+
+
+def engine_sync(model_dir: Path, tensors: Mapping[str, torch.Tensor], transport: str) -> tuple[float, int]:
+    """Median seconds of a `load_weights` of `tensors` into an engine process on cuda:0 by `transport`,
+    and the bytes its shared-memory file holds afterwards."""
+    options = EngineProcessOptions(device="cuda:0", dtype="bfloat16", weights_transport=transport, timeout_s=300.0)
+    with ProcessEngine(model_dir, options) as engine:
+        versions = iter(range(1, 100))
+        seconds = median_s(lambda: run_now(engine.load_weights(tensors, next(versions))))
+        return seconds, engine._child.weights_file.stat().st_size
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("bench_ipc: needs a CUDA GPU")
+    torch.manual_seed(0)
+    with torch.device("cuda:0"):
+        model = Qwen2ForCausalLM(qwen2_05b_shape()).to(torch.bfloat16)
+    tensors = model_tensors(model, keep_device=True)
+    num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    targets = {name: torch.empty_like(t) for name, t in tensors.items()}
+
+    def bare() -> None:
+        for name, t in tensors.items():
+            targets[name].copy_(t)
+
+    with tempfile.TemporaryDirectory(prefix="bench-ipc-") as tmp:
+        model.config.save_pretrained(tmp)
+        cpu = model_tensors(model)
+        safetensors.torch.save_file(cpu, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        del cpu
+        ipc_s, ipc_file = engine_sync(Path(tmp), tensors, "cuda_ipc")
+        shm_s, shm_file = engine_sync(Path(tmp), tensors, "shared_memory")
+    bare_s = median_s(bare)
+    gpu = torch.cuda.get_device_name(0)
+    print(f"colocated sync on {gpu}: {len(tensors)} tensors, {num_bytes / 1e9:.3f} GB bf16, median of {NUM_REPEATS}")
+    print(f"{'path':<26}{'seconds':>10}{'GB/s':>10}{'x bare':>10}{'host bytes':>14}")
+    for name, seconds, host in (
+        ("bare copy_ (d2d)", bare_s, 0),
+        ("ProcessEngine cuda_ipc", ipc_s, ipc_file),
+        ("ProcessEngine shared_mem", shm_s, shm_file),
+    ):
+        print(f"{name:<26}{seconds:>10.4f}{num_bytes / seconds / 1e9:>10.1f}{seconds / bare_s:>10.1f}{host:>14}")
+
+
+if __name__ == "__main__":
+    main()
