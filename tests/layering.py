@@ -3,7 +3,8 @@
 floor 4 loops; floor 3 backends; floor 2 losses, data, sync; floor 1 types. A module may import
 only packages on lower floors, must declare each rollouts-* package it imports in its
 pyproject.toml, rollouts-types imports only the standard library, and rollouts-data and
-rollouts-sync never import torch. Run as a script to print the problems of a tree.
+rollouts-sync never import torch (but for the modules of rollouts-sync's [broadcast] extra and the
+engine-side worker extension, TORCH_EXTRA_MODULES). Run as a script to print the problems of a tree.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ from pathlib import Path
 
 FLOORS = {"types": 1, "losses": 2, "data": 2, "sync": 2, "backends": 3, "loops": 4}
 TORCH_FREE = frozenset({"types", "data", "sync"})
+# torch where a package's optional extra needs it: rollouts-sync's [broadcast] extra (the trainer's side of
+# the broadcast transport) and the worker extension, which runs inside the engine's own environment.
+TORCH_EXTRA_MODULES = frozenset(
+    {"rollouts-sync/src/rollouts/sync/broadcast.py", "rollouts-sync/src/rollouts/sync/worker_extension.py"}
+)
 STDLIB_ONLY = frozenset({"types"})
 
 
@@ -70,7 +76,11 @@ def check(root: Path) -> list[str]:
                         )
                 elif name in STDLIB_ONLY and top != "rollouts" and top not in stdlib:
                     problems.append(f"{where}:{line} imports {top}: rollouts-types uses the standard library only")
-                elif name in TORCH_FREE and top == "torch":
+                elif (
+                    name in TORCH_FREE
+                    and top == "torch"
+                    and str(path.relative_to(root / "packages")) not in TORCH_EXTRA_MODULES
+                ):
                     problems.append(f"{where}:{line} imports torch: rollouts-{name} must not need torch")
     return problems
 

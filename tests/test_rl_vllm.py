@@ -13,7 +13,7 @@ from run_configs import rl_toml
 
 from rollouts.loops.app.cli import main
 from rollouts.loops.run.loggers import read_jsonl
-from rollouts.sync import HTTPOptions, VLLMEngine
+from rollouts.sync import BroadcastOptions, HTTPOptions, VLLMEngine
 from rollouts.sync.testing import find_vllm_python, reference_greedy, vllm_unavailable_reason
 from rollouts.types import SamplingParams
 
@@ -52,10 +52,11 @@ async def _served_version(url):
         return await engine.weight_version()
 
 
-@pytest.mark.parametrize("sync", ["disk", "http"])
+@pytest.mark.parametrize("sync", ["disk", "http", "broadcast"])
 def test_rl_loop_with_vllm_engine_syncs_weights(tiny_run_inputs, vllm_for_tiny_model, tmp_path, sync):
     """The trainer and the engine run in different working directories: "disk" sends an absolute path
-    (a relative one was unreadable there), "http" sends the weights in request bodies."""
+    (a relative one was unreadable there), "http" sends the weights in request bodies, "broadcast"
+    through a gloo group with vLLM's worker. The sync probe checks every step's sync."""
     out = tmp_path / "rl_vllm"
     engine = f"""
 [engine]
@@ -65,9 +66,11 @@ timeout_s = 60.0
 sync = "{sync}"
 """
     config = rl_toml(tiny_run_inputs, out, tiny_run_inputs / "model", extra=engine)
-    assert main(["rl", "--config", str(config), "--set", "rl.rollout.request_timeout_s=60.0"]) == 0
+    probe = ["--set", "rl.sync_probe_tokens=4"]
+    assert main(["rl", "--config", str(config), "--set", "rl.rollout.request_timeout_s=60.0", *probe]) == 0
     records = read_jsonl(out / "metrics_rl.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["sync_probe_logprob_diff"] <= 1e-3 for r in records)  # each probe passed (else the run failed)
     assert [r["weight_version"] for r in records] == [1.0, 2.0, 3.0]
     assert all(r["num_samples"] == 16 for r in records)
     assert trio.run(_served_version, vllm_for_tiny_model.url) == 3
@@ -198,3 +201,85 @@ timeout_s = 60.0
     assert [r["weight_version"] for r in records] == [1.0, 2.0, 3.0]
     assert all(r["num_samples"] == 64 and r["num_trained"] == 64 and r["staleness_max"] <= 1 for r in records)
     assert all(r["groups_requested"] >= 8 + r["groups_partial"] for r in records)  # a group cut short is asked again
+
+
+GREEDY_4 = SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=True)
+
+
+def test_fsdp2_on_two_gloo_ranks_broadcasts_to_one_engine(tiny_run_inputs, vllm_for_tiny_model, tmp_path):
+    """Each DTensor gathered bucket by bucket: the engine then serves exactly what it serves after a
+    disk sync of the full weights the ranks gathered (greedy tokens and log-probs, bit for bit)."""
+    version = (trio.run(_served_version, vllm_for_tiny_model.url) or 0) + 1
+    worker = os.path.join(os.path.dirname(__file__), "broadcast_fsdp_worker.py")
+    model, out = tiny_run_inputs / "model", tmp_path / "sent"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", worker]
+    cmd += [str(model), vllm_for_tiny_model.url, str(out), str(version)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert trio.run(_served_version, vllm_for_tiny_model.url) == version
+
+    async def served():
+        async with VLLMEngine(vllm_for_tiny_model.url, http=HTTPOptions(timeout_s=60.0)) as engine:
+            return (await engine.generate([[3, 4, 5, 6]], GREEDY_4))[0]
+
+    broadcast = trio.run(served)
+    trio.run(_disk_sync, vllm_for_tiny_model.url, str(out), version + 1)  # the same weights, from disk
+    disk = trio.run(served)
+    assert broadcast.response_tokens == disk.response_tokens
+    np.testing.assert_array_equal(broadcast.rollout_logprobs, disk.rollout_logprobs)
+
+
+async def _disk_sync(url, path, version):
+    async with VLLMEngine(url, http=HTTPOptions(timeout_s=60.0)) as engine:
+        await engine.update_weights_from_disk(path, version)
+
+
+@pytest.fixture
+def doomed_vllm(tiny_run_inputs, tmp_path):
+    """A second vLLM server for the tiny model, to be killed mid-broadcast."""
+    from rollouts.sync.testing import launch_vllm_server
+
+    with launch_vllm_server(tiny_run_inputs / "model", max_model_len=64, log_path=tmp_path / "doomed.log") as server:
+        yield server
+
+
+def test_an_engine_killed_mid_broadcast_is_named_and_the_other_loads(
+    tiny_run_inputs, vllm_for_tiny_model, doomed_vllm, tmp_path
+):
+    """SIGKILL to one server's process group between buckets: the push fails within the bucket bound
+    naming that server, and the other server loads every bucket and serves the new version."""
+    from rollouts.sync import WeightSyncError
+    from rollouts.sync.broadcast import BroadcastSync
+
+    bucket_timeout_s = 20.0
+
+    class KillsBeforeBucket2(BroadcastSync):
+        def _send_bucket(self, index, bucket, full, live):
+            if index == 2:
+                os.killpg(doomed_vllm.pid, signal.SIGKILL)
+            super()._send_bucket(index, bucket, full, live)
+
+    from safetensors.torch import load_file
+
+    sent = {n: t.bfloat16() for n, t in load_file(str(tiny_run_inputs / "model" / "model.safetensors")).items()}
+
+    async def run():
+        http = HTTPOptions(timeout_s=60.0)
+        async with (
+            VLLMEngine(vllm_for_tiny_model.url, http=http) as good,
+            VLLMEngine(doomed_vllm.url, http=http) as bad,
+        ):
+            version = max(await good.weight_version() or 0, await bad.weight_version() or 0) + 1
+            sync = KillsBeforeBucket2(BroadcastOptions(bucket_bytes=8 * 1024, bucket_timeout_s=bucket_timeout_s))
+            await sync.connect([good, bad])
+            start = trio.current_time()
+            with pytest.raises(WeightSyncError) as info:
+                await sync.push(sent, version)
+            elapsed = trio.current_time() - start
+            return info.value, elapsed, good.name, bad.name, version, await good.weight_version()
+
+    error, elapsed, good, bad, version, good_version = trio.run(run)
+    assert elapsed < bucket_timeout_s + 30.0, elapsed  # the bound, with room for the survivor's load
+    assert [f.engine for f in error.failures] == [bad] and error.updated == (good,), str(error)
+    assert good_version == version

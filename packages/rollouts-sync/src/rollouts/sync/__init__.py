@@ -4,6 +4,7 @@ import importlib.metadata
 
 from rollouts.sync._common import is_adapter_dir
 from rollouts.sync._http import DEFAULT_HTTP, EngineError, HTTPOptions, RetryPolicy
+from rollouts.sync.broadcast_wire import DEFAULT_BROADCAST, BroadcastOptions
 from rollouts.sync.fingerprint import AttestationError, check_attestation, fingerprint, fingerprint_dir
 from rollouts.sync.openai_clients import ChatClient, PromptLogprobsClient
 from rollouts.sync.pool import EnginePool, NoHealthyEngineError
@@ -24,10 +25,12 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = [
+    "DEFAULT_BROADCAST",
     "DEFAULT_HTTP",
     "AttestationError",
     "ChatClient",
     "WORKER_EXTENSION_CLS",
+    "BroadcastOptions",
     "EngineError",
     "EngineFailure",
     "EnginePool",

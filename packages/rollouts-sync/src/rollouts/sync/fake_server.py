@@ -25,6 +25,7 @@ import anyio
 import numpy as np
 from anyio.abc import ByteStream, SocketAttribute
 
+from rollouts.sync import fake_broadcast
 from rollouts.sync.fake_chat import ChatReply, chat_completion, prompt_logprobs
 from rollouts.sync.fake_http import Fault, HTTPError, json_response, pop_fault, read_request, send_response
 from rollouts.sync.fake_rpc import collective_rpc, load_dir
@@ -58,6 +59,8 @@ class FakeEngineState:
     staged_weights: dict[str, np.ndarray] = field(default_factory=dict)
     """Tensors of an update sent in chunks, waiting for its last chunk."""
     weight_version: str = "default"
+    broadcast_group: Any = None
+    """The weights-update process group the trainer made (SGLang's broadcast; see fake_broadcast)."""
     paused: bool = False
     faults: list[Fault] = field(default_factory=list)
     calls: list[tuple[str, str]] = field(default_factory=list)
@@ -283,6 +286,8 @@ async def _dispatch(state: FakeEngineState, method: str, target: str, body: byte
         return json_response(200, {"message": "Generation continued successfully.", "status": "ok"})
     if route == ("GET", "/is_paused"):
         return json_response(200, {"is_paused": state.paused})
+    if route in fake_broadcast.ROUTES:
+        return await fake_broadcast.dispatch(state, path, data)
     if route == ("POST", "/collective_rpc"):
         return await collective_rpc(state, data)
     if route in (("POST", "/reset_prefix_cache"), ("POST", "/flush_cache"), ("GET", "/flush_cache")):

@@ -1,9 +1,9 @@
 """vLLM worker extension: load weights sent as safetensors bytes in a /collective_rpc body.
 
 Start the server with `--worker-extension-cls rollouts.sync.worker_extension.SafetensorsWeightLoader`
-(this module runs inside vLLM's worker process; it touches tensors only through safetensors' torch
-loader, vLLM's own methods and rollouts.sync.fingerprint_torch, and nothing in rollouts.sync imports
-it, so rollouts.sync itself never imports torch).
+(this module runs inside vLLM's worker process: standard library, torch and
+rollouts.sync.fingerprint_torch; in rollouts.sync only the broadcast transport's torch half imports it,
+for the process-group helpers both sides share).
 
 Partial updates: a request may name only some checkpoint tensors. vLLM reloads a layer as a whole
 (on CPU it repacks linear weights and drops the originals, and a fused qkv_proj is built from
@@ -15,14 +15,24 @@ Attestation: each load answers the checksums (rollouts.sync.fingerprint) of the 
 received, and `rollouts_fingerprint` those of the checkpoint files a disk reload read, computed here
 in the worker. ROLLOUTS_SYNC_FAULT (see rollouts.sync.fingerprint) flips a bit of the named tensor
 after receipt, for tests of the check.
+
+Broadcast: `rollouts_init_broadcast` joins a process group made for the sync (a TCPStore client
+of the trainer's store and a gloo or NCCL group on it; vLLM's own groups are never touched), and
+`rollouts_receive_broadcast` receives a plan's flat buckets from the trainer (rank 0), then reloads
+through the same path as `rollouts_load_weights`, only once every bucket arrived.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import os
+import socket
+from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from safetensors.torch import load as load_bytes
 from safetensors.torch import load_file
 
@@ -64,6 +74,102 @@ def _read_dir(path: str) -> dict[str, Any]:
     return tensors
 
 
+def local_address_toward(host: str) -> str:
+    """This machine's address on the route to `host` (no packet is sent: a UDP connect only routes)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 1))
+        address: str = s.getsockname()[0]
+        return address
+
+
+def join_group(
+    store: Any,
+    *,
+    group: str,
+    rank: int,
+    world_size: int,
+    backend: str,
+    address: str,
+    setup_timeout_s: float,
+    bucket_timeout_s: float,
+) -> Any:
+    """A process group of its own on `store` (never the default group). Blocks until all `world_size`
+    ranks joined, at most `setup_timeout_s`; each collective on it is then bounded by `bucket_timeout_s`."""
+    group_ = _new_group(dist.PrefixStore(f"{group}/", store), rank, world_size, backend, address, setup_timeout_s)  # type: ignore[attr-defined]
+    group_._set_default_timeout(timedelta(seconds=bucket_timeout_s))
+    return group_
+
+
+def _new_group(store: Any, rank: int, world_size: int, backend: str, address: str, timeout_s: float) -> Any:
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    if backend != "gloo":
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
+
+
+def connect_to_trainer(
+    host: str,
+    port: int,
+    *,
+    group: str,
+    rank: int,
+    world_size: int,
+    backend: str,
+    setup_timeout_s: float,
+    bucket_timeout_s: float,
+) -> Any:
+    """Join group `group` of the trainer's store at host:port as `rank` (an engine's side)."""
+    timeout = timedelta(seconds=setup_timeout_s)
+    store = dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)  # type: ignore[attr-defined]
+    return join_group(
+        store,
+        group=group,
+        rank=rank,
+        world_size=world_size,
+        backend=backend,
+        address=local_address_toward(host),
+        setup_timeout_s=setup_timeout_s,
+        bucket_timeout_s=bucket_timeout_s,
+    )
+
+
+def broadcast_from_trainer(group: Any, tensor: Any) -> None:
+    """Broadcast `tensor` from rank 0 (the trainer) in place; raises once the group's timeout passes."""
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    options.rootTensor = 0
+    group.broadcast([tensor], options).wait()
+
+
+def receive_flat_buckets(group: Any, plan: dict[str, Any], device: Any) -> dict[str, Any]:
+    """Every tensor of a plan's flat buckets, received in order: views into one buffer per bucket."""
+    out: dict[str, Any] = {}
+    for bucket in plan["buckets"]:
+        buffer = torch.empty(int(bucket["nbytes"]), dtype=torch.uint8, device=device)
+        broadcast_from_trainer(group, buffer)
+        for name, dtype, shape, offset in bucket["tensors"]:
+            kind = getattr(torch, dtype)
+            num_bytes = torch.Size(shape).numel() * torch.empty((), dtype=kind).element_size()
+            out[name] = buffer[offset : offset + num_bytes].view(kind).view(shape)
+    return out
+
+
+def receive_tensor_list(group: Any, specs: list[tuple[str, str, list[int]]], device: Any) -> dict[str, Any]:
+    """(name, dtype, shape) tensors received one broadcast each, in order (SGLang's layout)."""
+    out: dict[str, Any] = {}
+    for name, dtype, shape in specs:
+        out[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        broadcast_from_trainer(group, out[name])
+    return out
+
+
 class SafetensorsWeightLoader:
     """Mixed into vLLM's Worker class; its methods are called through POST /collective_rpc."""
 
@@ -78,6 +184,60 @@ class SafetensorsWeightLoader:
             self._rollouts_weights = cache
             self._rollouts_signature = signature
         return cache
+
+    def rollouts_broadcast_rank(self) -> dict[str, Any]:
+        """This worker's rank among the server's workers (one answer per worker: their count sizes the group)."""
+        return {"rank": int(self.rank)}  # type: ignore[attr-defined]
+
+    def rollouts_init_broadcast(
+        self,
+        host: str,
+        port: str,
+        group: str,
+        rank_offset: str,
+        world_size: str,
+        backend: str,
+        setup_timeout_s: str,
+        bucket_timeout_s: str,
+    ) -> dict[str, Any]:
+        """Join the trainer's process group for weight broadcasts as rank `rank_offset` + this worker's rank."""
+        rank = int(rank_offset) + int(self.rank)  # type: ignore[attr-defined]
+        self._rollouts_group_device = self.device if backend == "nccl" else torch.device("cpu")  # type: ignore[attr-defined]
+        self._rollouts_group = connect_to_trainer(
+            host,
+            int(port),
+            group=group,
+            rank=rank,
+            world_size=int(world_size),
+            backend=backend,
+            setup_timeout_s=float(setup_timeout_s),
+            bucket_timeout_s=float(bucket_timeout_s),
+        )
+        return {"rank": rank}
+
+    def rollouts_receive_broadcast(self, plan_json: str) -> dict[str, Any]:
+        """Receive every bucket of the plan, then reload with them (all or nothing: a failure before the
+        last bucket, or in the load, leaves the weights as they were). Answers the checksums of the
+        tensors as received, for the trainer's attestation."""
+        group = getattr(self, "_rollouts_group", None)
+        if group is None:
+            raise RuntimeError("no broadcast group: call rollouts_init_broadcast first")
+        plan = json.loads(plan_json)
+        incoming = _received(receive_flat_buckets(group, plan, self._rollouts_group_device))
+        weights = self._rollouts_base_weights()
+        unknown = sorted(set(incoming) - set(weights))
+        if unknown:
+            raise ValueError(f"tensors not in the model's checkpoint: {unknown[:10]} ({len(unknown)} in all)")
+        for name, tensor in incoming.items():
+            if tuple(tensor.shape) != tuple(weights[name].shape):
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(tensor.shape)}, the checkpoint has {tuple(weights[name].shape)}"
+                )
+        self.reload_weights(weights_iterator=iter(list({**weights, **incoming}.items())))  # type: ignore[attr-defined]
+        # the cache is host memory: GPU buffers are copied out, CPU ones kept (they outlive the bucket)
+        weights.update({name: tensor.to("cpu") for name, tensor in incoming.items()})
+        num_bytes = sum(int(b["nbytes"]) for b in plan["buckets"])
+        return {"num_tensors": len(incoming), "num_bytes": num_bytes, "checksums": _checksums(incoming)}
 
     def rollouts_load_weights(self, data_b64: str, apply: str = "1", first: str = "1") -> dict[str, Any]:
         """Stage the tensors in `data_b64` (base64 safetensors); with apply="1" reload the model with them.

@@ -91,10 +91,11 @@ class EngineSpec:
     max_retries: int = 3
     sync_timeout_s: float = 600.0
     """Bound on one weight sync to all engines."""
-    sync: Literal["disk", "http"] = "disk"
+    sync: Literal["disk", "http", "broadcast"] = "disk"
     """How new weights reach remote engines: "disk" sends the absolute path of the exported weights
     (the engines must see the trainer's filesystem at that path); "http" sends the weights in request
-    bodies, chunked (no shared disk; vLLM started with the worker extension: `rollouts engine vllm`)."""
+    bodies, chunked (no shared disk; vLLM started with the worker extension: `rollouts engine vllm`);
+    "broadcast" through a gloo group with the engine's workers (vLLM's worker extension, or SGLang)."""
     num_threads: int = 1
     """Torch threads of the engine process (kind = "process" or "rollout_process")."""
     attest: bool = True
@@ -113,9 +114,10 @@ class EngineSpec:
         require(self.timeout_s > 0, "EngineSpec.timeout_s", self.timeout_s, "be > 0")
         require(self.max_retries >= 0, "EngineSpec.max_retries", self.max_retries, "be >= 0")
         require(self.sync_timeout_s > 0, "EngineSpec.sync_timeout_s", self.sync_timeout_s, "be > 0")
-        require(self.sync in ("disk", "http"), "EngineSpec.sync", self.sync, "be 'disk' or 'http'")
-        if self.sync == "http":
-            require(self.kind == "vllm", "EngineSpec.sync", self.sync, "be 'disk' unless kind='vllm'")
+        require(self.sync in ("disk", "http", "broadcast"), "EngineSpec.sync", self.sync, "be disk, http or broadcast")
+        if self.sync in ("http", "broadcast"):
+            kinds = ("vllm",) if self.sync == "http" else ("vllm", "sglang")
+            require(self.kind in kinds, "EngineSpec.sync", self.sync, f"be 'disk' unless kind is one of {kinds}")
         require(self.num_threads >= 1, "EngineSpec.num_threads", self.num_threads, "be >= 1")
         if self.kind in ("inprocess", "process", "rollout_process"):
             require(not self.urls, "EngineSpec.urls", self.urls, f"be empty for kind={self.kind!r}")

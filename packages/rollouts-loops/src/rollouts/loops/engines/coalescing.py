@@ -274,13 +274,15 @@ def remote_engine(
     """A vLLM / SGLang client (a pool of them for several URLs); the API key comes from `api_key_env`.
 
     `sync`: "disk" reloads each engine from the exported weights' absolute path (a shared
-    filesystem); "http" sends them in request bodies (`SendWeights`). `partial` (rl.rollout.partial,
+    filesystem); "http" sends them in request bodies (`SendWeights`); "broadcast" through a
+    process group with the engine's workers (`BroadcastWeights`). `partial` (rl.rollout.partial,
     vLLM only): a sync pauses the server in mode "abort" and the responses it cuts short come back
     as partial samples (`VLLMEngine(keep_partial=True)`), to be continued. `attest`: vLLM engines check
-    the checksums of the weights each sync loaded (`VLLMEngine(attest=...)`); SGLang cannot report them,
-    and the log says once that its syncs go unattested."""
-    if sync not in ("disk", "http"):
-        raise ValueError(f"sync must be 'disk' or 'http', got {sync!r}")
+    the checksums of the weights each sync loaded (`VLLMEngine(attest=...)`, and the broadcast's
+    `BroadcastOptions(attest=...)`); SGLang cannot report them, and the log says once that its syncs go
+    unattested."""
+    if sync not in ("disk", "http", "broadcast"):
+        raise ValueError(f"sync must be 'disk', 'http' or 'broadcast', got {sync!r}")
     api_key = os.environ.get(api_key_env) if api_key_env else None
     if api_key_env and not api_key:
         raise ValueError(f"environment variable {api_key_env!r} (engine.api_key_env) is not set")
@@ -299,6 +301,11 @@ def remote_engine(
     engines: list[InferenceEngine] = [cls(url, **common) for url in urls]
     if sync == "http":
         engines = [SendWeights(e) for e in engines]
+    if sync == "broadcast":
+        from rollouts.loops.engines.broadcast import BroadcastWeights  # it imports this module
+        from rollouts.sync import BroadcastOptions
+
+        engines = [BroadcastWeights(e, BroadcastOptions(attest=attest)) for e in engines]
     if len(engines) == 1:
         return BoundedSync(engines[0], sync_timeout_s=sync_timeout_s)
     return EnginePool(engines, sync_timeout_s=sync_timeout_s)

@@ -1,0 +1,308 @@
+"""Weights from the trainer into engines' workers by a collective broadcast (needs torch: the
+`rollouts-sync[broadcast]` extra).
+
+    sync = BroadcastSync(BroadcastOptions(bucket_bytes=256 << 20))
+    await sync.connect([VLLMEngine(url)])                  # once: the engines' workers join
+    await sync.push(model.state_dict().items(), version)   # each sync: buckets in the trainer's dtype
+
+The trainer (rank 0) hosts a TCPStore; each engine gets a process group of its own on it (gloo on
+CPU, NCCL on GPUs; never the default group, so it lives beside FSDP's), so an engine that dies
+breaks only its own group: the others still receive every bucket and load. A sync pauses every
+engine, POSTs the plan to each (the engine receives while the trainer broadcasts), and loads
+nowhere until an engine holds every bucket. Under torch.distributed every rank calls `push` with
+its own shards: each DTensor is gathered as its bucket is sent (`full_tensor()`), so no rank
+holds more than one bucket beyond its shard; only rank 0 sends.
+
+Bounds: joining by `setup_timeout_s`, each bucket by `bucket_timeout_s` (on both sides), the load
+by `load_timeout_s`; an engine that fails any of them is named in a WeightSyncError. Attested
+(`BroadcastOptions.attest`): each vLLM worker answers the checksums of what it received, checked
+against the trainer's before the version is set; a mismatch raises AttestationError naming the tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import anyio
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from rollouts.sync._common import check_weight_version
+from rollouts.sync._http import EngineError
+from rollouts.sync.broadcast_wire import (
+    DEFAULT_BROADCAST,
+    BroadcastOptions,
+    BroadcastPlan,
+    BroadcastReceiver,
+    TensorSpec,
+    plan_buckets,
+    receiver_for,
+)
+from rollouts.sync.fingerprint import AttestationError, check_attestation
+from rollouts.sync.fingerprint_torch import checksum_torch
+from rollouts.sync.weight_sync import EngineFailure, SyncResult, WeightSyncError
+from rollouts.sync.worker_extension import broadcast_from_trainer, join_group, local_address_toward
+
+_GROUP_PREFIX = "rollouts-sync"
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _engine_host(url: str) -> str:
+    host = url.split("://", 1)[-1].split("/", 1)[0]
+    return host.rsplit(":", 1)[0].strip("[]") if ":" in host else host
+
+
+class BroadcastJoinError(WeightSyncError):
+    """Some engines did not join the broadcast group; `failures` names each and says why."""
+
+    def __init__(self, failures: Sequence[EngineFailure]) -> None:
+        super().__init__(0, failures, [])
+        lines = [f"{len(self.failures)} engine(s) did not join the weight-broadcast group:"]
+        self.args = ("\n".join(lines + [f"  - {f.describe()}" for f in self.failures]),)
+
+
+class _Link:
+    """One engine: its receiver, its group (None until joined or once broken), and why it broke."""
+
+    def __init__(self, receiver: BroadcastReceiver) -> None:
+        self.receiver = receiver
+        self.group: Any = None
+        self.error = ""
+
+
+class BroadcastSync:
+    """The trainer's side of the broadcast transport; see the module docstring."""
+
+    def __init__(self, options: BroadcastOptions = DEFAULT_BROADCAST, *, rank: int | None = None) -> None:
+        """`rank`: this process's rank in the training job (None: torch.distributed's, or 0 without it)."""
+        self.options = options
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.rank = rank
+        self._links: list[_Link] = []
+        self._store: Any = None
+        self._num_connects = 0  # each connect's groups get fresh names: the store still holds the old keys
+        self.last_num_bytes = 0
+        """Bytes of the weights the last push sent to each engine."""
+
+    @property
+    def connected(self) -> bool:
+        """Whether every engine of the last connect still has its group (False once one broke)."""
+        return bool(self._links) and all(link.group is not None for link in self._links)
+
+    @property
+    def device(self) -> torch.device:
+        """Where bucket buffers live: the CPU for gloo, this process's GPU for NCCL."""
+        if self.options.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    async def connect(self, engines: Sequence[object]) -> None:
+        """Join each engine's workers in a group of its own (rank 0 only; other ranks do nothing).
+        Raises WeightSyncError naming each engine that did not join within setup_timeout_s."""
+        if self.rank != 0:
+            return
+        if not engines:
+            raise ValueError("engines is empty: nothing to connect")
+        links = [_Link(receiver_for(e)) for e in engines]
+        names = [link.receiver.name for link in links]
+        if len(set(names)) != len(names):
+            raise ValueError(f"engine names must be unique (they identify engines in errors), got {names}")
+        host = self.options.host or local_address_toward(_engine_host(names[0]))
+        if self._store is None:
+            self._store = await anyio.to_thread.run_sync(self._make_store, host)
+        self._num_connects += 1
+        failures: list[EngineFailure] = []
+
+        async def join(i: int, link: _Link) -> None:
+            try:
+                with anyio.fail_after(self.options.setup_timeout_s):
+                    await self._join(i, link, host)
+            except Exception as exc:  # noqa: BLE001 - each engine's failure is reported by name
+                failures.append(
+                    _failure(link, exc, f"did not join within setup_timeout_s={self.options.setup_timeout_s}")
+                )
+
+        async with anyio.create_task_group() as tg:
+            for i, link in enumerate(links):
+                tg.start_soon(join, i, link)
+        self._links = links
+        if failures:
+            raise BroadcastJoinError(failures)
+
+    def _make_store(self, host: str) -> Any:
+        timeout = timedelta(seconds=self.options.setup_timeout_s)
+        return dist.TCPStore(host, self.options.port, None, True, timeout, wait_for_workers=False)  # type: ignore[attr-defined]
+
+    async def _join(self, i: int, link: _Link, host: str) -> None:
+        world_size = 1 + await link.receiver.num_workers()
+        group = f"{_GROUP_PREFIX}-{self._num_connects}-{i}"
+        address = self.options.host or local_address_toward(_engine_host(link.receiver.name))
+        result: dict[str, Any] = {}
+
+        def make_group() -> None:
+            result["group"] = join_group(
+                self._store,
+                group=group,
+                rank=0,
+                world_size=world_size,
+                backend=self.options.backend,
+                address=address,
+                setup_timeout_s=self.options.setup_timeout_s,
+                bucket_timeout_s=self.options.bucket_timeout_s,
+            )
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, make_group)  # meets the workers' joins below
+            await link.receiver.join(
+                host=host, port=int(self._store.port), group=group, world_size=world_size, options=self.options
+            )
+        link.group = result["group"]
+
+    async def push(
+        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], weight_version: int
+    ) -> SyncResult | None:
+        """Send the tensors (HF names; DTensors gathered bucket by bucket) to every connected engine
+        and load them there under `weight_version`. On rank 0 returns the SyncResult, or raises a
+        WeightSyncError naming each engine that failed (the others serve the new version); on
+        other ranks only takes part in the gathers and returns None."""
+        check_weight_version(weight_version)
+        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        specs = [(name, _dtype_name(t), tuple(t.shape)) for name, t in items]
+        plan = plan_buckets(specs, bucket_bytes=self.options.bucket_bytes, weight_version=weight_version)
+        tensors = dict(items)
+        if self.rank != 0:
+            for bucket in plan.buckets:  # the same gathers as rank 0, in the same order
+                for spec in bucket:
+                    _full(tensors[spec.name])
+            return None
+        if not self._links:
+            raise RuntimeError("BroadcastSync.push before connect(engines): no engine to send to")
+        self.last_num_bytes = plan.num_bytes
+        return await self._push(plan, tensors)
+
+    async def _push(self, plan: BroadcastPlan, tensors: dict[str, torch.Tensor]) -> SyncResult:
+        links = self._links
+        outcomes: list[EngineFailure | AttestationError | float | None] = [None] * len(links)
+        paused = [anyio.Event() for _ in links]
+        go, sent = anyio.Event(), anyio.Event()
+        expected: dict[str, int] = {}  # checksums of the tensors as sent, filled by the broadcast
+        start_s = time.perf_counter()
+
+        async def engine(i: int, link: _Link) -> None:
+            try:
+                if link.group is None:
+                    raise RuntimeError(f"no broadcast group ({link.error or 'never joined'}): connect again")
+                async with link.receiver.paused():
+                    paused[i].set()
+                    await go.wait()  # every engine paused: the broadcast starts now
+                    reported = await link.receiver.receive(plan, self.options)
+                    if self.options.attest and reported is not None:
+                        await sent.wait()
+                        for checksums in reported:
+                            check_attestation(
+                                expected, checksums, engine=link.receiver.name, weight_version=plan.weight_version
+                            )
+                    await link.receiver.finish(plan.weight_version)
+                await link.receiver.check_version(plan.weight_version)
+                outcomes[i] = time.perf_counter() - start_s
+            except AttestationError as exc:  # it loaded other weights than those sent: raised once all are done
+                outcomes[i] = exc
+            except Exception as exc:  # noqa: BLE001 - each engine's failure is reported by name
+                if go.is_set():  # it failed mid-sync: its group may hold half a bucket, so no more sends on it
+                    link.group = None
+                    link.error = link.error or f"lost during the sync to version {plan.weight_version}"
+                outcomes[i] = _failure(link, exc, "")
+            finally:
+                paused[i].set()
+
+        async with anyio.create_task_group() as tg:
+            for i, link in enumerate(links):
+                tg.start_soon(engine, i, link)
+            for event in paused:
+                await event.wait()
+            live = [link for link, o in zip(links, outcomes, strict=True) if o is None]
+            go.set()
+            try:
+                await anyio.to_thread.run_sync(self._broadcast_all, plan, tensors, live, expected)
+            finally:
+                sent.set()
+        return _result(plan.weight_version, links, outcomes)
+
+    def _broadcast_all(
+        self, plan: BroadcastPlan, tensors: dict[str, torch.Tensor], live: list[_Link], expected: dict[str, int]
+    ) -> None:
+        """Every bucket to every live group, gathered once per bucket; a group that fails is dropped
+        (its engine's receive fails within the bucket bound) and the rest go on. With attestation,
+        `expected` gets each tensor's checksum as sent."""
+        for index, bucket in enumerate(plan.buckets):
+            full = [_full(tensors[spec.name]).to(self.device) for spec in bucket]
+            if self.options.attest:
+                expected.update({spec.name: checksum_torch(t) for spec, t in zip(bucket, full, strict=True)})
+            self._send_bucket(index, bucket, full, live)
+
+    def _send_bucket(
+        self, index: int, bucket: tuple[TensorSpec, ...], full: list[torch.Tensor], live: list[_Link]
+    ) -> None:
+        del index  # where a test injects a fault
+        flat = _pack(bucket, full, self.device) if any(k.receiver.layout == "flat" for k in live) else None
+        for link in live:
+            group = link.group
+            if group is None:
+                continue
+            try:
+                for tensor in [flat] if link.receiver.layout == "flat" else full:
+                    broadcast_from_trainer(group, tensor)
+            except RuntimeError as exc:
+                link.error = f"broadcast failed: {exc}"
+                link.group = None  # a broken group is never used again
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a DTensor gathered from every rank), contiguous."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+    return tensor.detach().contiguous()
+
+
+def _pack(bucket: tuple[TensorSpec, ...], full: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One flat byte buffer holding each tensor's bytes at its planned offset."""
+    last = bucket[-1]
+    flat = torch.empty(last.offset + last.num_bytes, dtype=torch.uint8, device=device)
+    for spec, tensor in zip(bucket, full, strict=True):
+        flat[spec.offset : spec.offset + spec.num_bytes].copy_(tensor.reshape(-1).view(torch.uint8))
+    return flat
+
+
+def _failure(link: _Link, exc: BaseException, timeout_text: str) -> EngineFailure:
+    name = link.receiver.name
+    if isinstance(exc, EngineError):
+        text = str(exc) + (f"; {link.error}" if link.error else "")
+        return EngineFailure(engine=name, url=exc.url, status=exc.status, text=text)
+    if isinstance(exc, TimeoutError) and timeout_text:
+        return EngineFailure(engine=name, url=name, status=None, text=timeout_text)
+    text = f"{type(exc).__name__}: {exc}" + (f"; {link.error}" if link.error else "")
+    return EngineFailure(engine=name, url=name, status=None, text=text)
+
+
+def _result(
+    version: int, links: list[_Link], outcomes: list[EngineFailure | AttestationError | float | None]
+) -> SyncResult:
+    """The SyncResult; a WeightSyncError naming the failed engines; or, before either, the first
+    AttestationError (an engine serving weights other than those sent: no caller should go on)."""
+    for outcome in outcomes:
+        if isinstance(outcome, AttestationError):
+            raise outcome
+    failures = [o for o in outcomes if isinstance(o, EngineFailure)]
+    updated = [link.receiver.name for link, o in zip(links, outcomes, strict=True) if isinstance(o, float)]
+    if failures:
+        raise WeightSyncError(version, failures, updated)
+    seconds = tuple(o for o in outcomes if isinstance(o, float))
+    return SyncResult(weight_version=version, updated=tuple(updated), seconds_by_engine=seconds)

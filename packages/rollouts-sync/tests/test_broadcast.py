@@ -1,0 +1,215 @@
+"""The broadcast transport without an engine: the bucket plan, the worker extension's receive (on a
+stand-in worker), and SGLang's path against the fake server (a gloo group on loopback)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+from datetime import timedelta
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+torch = pytest.importorskip("torch")  # the `broadcast` extra
+import torch.distributed as dist  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from rollouts.sync import HTTPOptions, SGLangEngine, WeightSyncError  # noqa: E402
+from rollouts.sync.broadcast import BroadcastSync  # noqa: E402
+from rollouts.sync.broadcast_wire import ALIGN_BYTES, BroadcastOptions, plan_buckets  # noqa: E402
+from rollouts.sync.fake_http import Fault  # noqa: E402
+from rollouts.sync.fake_server import FakeEngineState, serve_fake_engine  # noqa: E402
+from rollouts.sync.fingerprint_torch import checksum_torch  # noqa: E402
+from rollouts.sync.worker_extension import SafetensorsWeightLoader, join_group  # noqa: E402
+
+FAST = BroadcastOptions(bucket_bytes=1024, setup_timeout_s=30.0, bucket_timeout_s=10.0, load_timeout_s=30.0)
+
+shapes = st.lists(st.lists(st.integers(1, 9), min_size=0, max_size=3), min_size=1, max_size=12)
+
+
+@settings(deadline=None, max_examples=60)
+@given(shapes=shapes, dtypes=st.data(), bucket_bytes=st.integers(1, 600))
+def test_a_plan_holds_every_tensor_once_in_order_at_aligned_offsets(shapes, dtypes, bucket_bytes):
+    kinds = [dtypes.draw(st.sampled_from(["float32", "bfloat16", "int64", "uint8"])) for _ in shapes]
+    specs = [(f"t{i}", kind, shape) for i, (kind, shape) in enumerate(zip(kinds, shapes, strict=True))]
+    plan = plan_buckets(specs, bucket_bytes=bucket_bytes, weight_version=3)
+    assert plan.names() == [name for name, _, _ in specs]
+    for k, bucket in enumerate(plan.buckets):
+        assert len(bucket) == 1 or plan.bucket_bytes(k) <= bucket_bytes  # only a lone tensor may exceed it
+        end = 0
+        for spec in bucket:
+            assert spec.offset % ALIGN_BYTES == 0 and spec.offset >= end
+            end = spec.offset + spec.num_bytes
+    assert plan.num_bytes == sum(int(np.prod(s, dtype=np.int64)) * {"float32": 4, "bfloat16": 2, "int64": 8, "uint8": 1}[k] for k, s in zip(kinds, shapes, strict=True))  # fmt: skip
+
+
+def test_a_plan_refuses_what_an_engine_could_not_allocate():
+    with pytest.raises(ValueError, match="dtype 'complex64'"):
+        plan_buckets([("w", "complex64", (2,))], bucket_bytes=64, weight_version=0)
+    with pytest.raises(ValueError, match="unique"):
+        plan_buckets([("w", "float32", (2,)), ("w", "float32", (2,))], bucket_bytes=64, weight_version=0)
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        BroadcastOptions(bucket_bytes=0)
+    with pytest.raises(ValueError, match="bucket_timeout_s"):
+        BroadcastOptions(bucket_timeout_s=float("inf"))
+
+
+class StandInWorker(SafetensorsWeightLoader):
+    """What the extension needs from vLLM's Worker: its rank, the model directory and reload_weights."""
+
+    def __init__(self, model_dir):
+        self.rank = 0
+        self.vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(model=str(model_dir)))
+        self.loaded = None
+
+    def reload_weights(self, weights_iterator):
+        self.loaded = {k: v.clone() for k, v in weights_iterator}
+
+
+def _trainer_sends(port, plan, tensors, *, stop_after_buckets=None):
+    store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=30), wait_for_workers=False)
+    group = join_group(
+        store,
+        group="g",
+        rank=0,
+        world_size=2,
+        backend="gloo",
+        address="127.0.0.1",
+        setup_timeout_s=30.0,
+        bucket_timeout_s=5.0,
+    )
+    from rollouts.sync.broadcast import _pack
+
+    for k, bucket in enumerate(plan.buckets):
+        if k == stop_after_buckets:
+            return  # the trainer died here
+        flat = _pack(bucket, [tensors[s.name] for s in bucket], torch.device("cpu"))
+        from rollouts.sync.worker_extension import broadcast_from_trainer
+
+        broadcast_from_trainer(group, flat)
+
+
+@pytest.fixture
+def worker(tmp_path):
+    weights = {"a": torch.zeros(3, 5), "b": torch.zeros(7), "c": torch.zeros(2, 2)}
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    return StandInWorker(tmp_path)
+
+
+def _join_worker(worker, store):
+    worker.rollouts_init_broadcast(
+        host="127.0.0.1",
+        port=str(store.port),
+        group="g",
+        rank_offset="1",
+        world_size="2",
+        backend="gloo",
+        setup_timeout_s="30",
+        bucket_timeout_s="2",
+    )
+
+
+@pytest.mark.parametrize("stop_after_buckets", [None, 1], ids=["all-buckets", "trainer-dies-mid-way"])
+def test_the_worker_extension_loads_only_once_every_bucket_arrived(worker, stop_after_buckets):
+    """bf16 stays bf16 on the wire; a trainer that stops after one bucket leaves the weights as they
+    were, and the worker's wait ends within the bucket timeout, saying so."""
+    tensors = {"a": torch.randn(3, 5).bfloat16(), "b": torch.randn(7), "c": torch.randn(2, 2)}
+    plan = plan_buckets(
+        [(n, str(t.dtype)[6:], tuple(t.shape)) for n, t in tensors.items()], bucket_bytes=40, weight_version=1
+    )
+    assert len(plan.buckets) == 3
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    trainer = threading.Thread(
+        target=_trainer_sends, args=(store.port, plan, tensors), kwargs={"stop_after_buckets": stop_after_buckets}
+    )
+    trainer.start()
+    _join_worker(worker, store)
+    if stop_after_buckets is None:
+        answer = worker.rollouts_receive_broadcast(plan.to_json())
+        assert answer["num_tensors"] == 3
+        assert answer["checksums"] == {n: checksum_torch(t) for n, t in tensors.items()}  # what attestation compares
+        assert all(torch.equal(worker.loaded[n], t) and worker.loaded[n].dtype == t.dtype for n, t in tensors.items())
+    else:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError):
+            worker.rollouts_receive_broadcast(plan.to_json())
+        assert time.monotonic() - start < 2.0 + 5.0  # the bucket timeout, with room for a loaded machine
+        assert worker.loaded is None
+    trainer.join(timeout=30)
+
+
+def _fake_weights():
+    rng = np.random.default_rng(0)
+    return {"w": rng.standard_normal((64, 32)).astype(np.float32), "b": rng.standard_normal(32).astype(np.float32)}
+
+
+@pytest.mark.anyio
+async def test_sglang_broadcast_to_the_fake_server_delivers_every_tensor_in_its_dtype():
+    state = FakeEngineState(weights=_fake_weights())
+    new = {"w": torch.randn(64, 32), "b": torch.randn(32).bfloat16()}
+    async with serve_fake_engine(state) as server, SGLangEngine(server.url) as engine:
+        sync = BroadcastSync(FAST)
+        await sync.connect([engine])
+        result = await sync.push(new, 7)
+        assert result.updated == (engine.name,) and await engine.weight_version() == 7
+        np.testing.assert_array_equal(state.weights["w"], new["w"].numpy())
+        np.testing.assert_array_equal(state.weights["b"], new["b"].float().numpy())  # received as bf16
+        assert sync.last_num_bytes == 64 * 32 * 4 + 32 * 2
+        await sync.push({"w": torch.zeros(64, 32)}, 8)  # a second sync on the same group
+        assert not state.weights["w"].any() and await engine.weight_version() == 8
+
+
+@pytest.mark.anyio
+async def test_an_engine_that_fails_mid_sync_is_named_and_the_others_load():
+    healthy, failing = FakeEngineState(weights=_fake_weights()), FakeEngineState(weights=_fake_weights())
+    before = {k: v.copy() for k, v in failing.weights.items()}
+    new = {"w": torch.ones(64, 32), "b": torch.ones(32)}
+    async with serve_fake_engine(healthy) as a, serve_fake_engine(failing) as b:
+        http = HTTPOptions(timeout_s=20.0)
+        async with SGLangEngine(a.url, http=http) as good, SGLangEngine(b.url, http=http) as bad:
+            sync = BroadcastSync(FAST)
+            await sync.connect([good, bad])
+            failing.faults.append(Fault(path="/update_weights_from_distributed", kind="status", status=500))
+            start = time.monotonic()
+            with pytest.raises(WeightSyncError) as info:
+                await sync.push(new, 1)
+            assert time.monotonic() - start < FAST.bucket_timeout_s * 2 + 5.0
+            assert info.value.updated == (good.name,)
+            assert [f.engine for f in info.value.failures] == [bad.name]
+            assert "HTTP 500" in str(info.value)
+            assert (healthy.weights["w"] == 1).all() and await good.weight_version() == 1
+            assert all((failing.weights[k] == before[k]).all() for k in before)  # old weights, whole
+            with pytest.raises(WeightSyncError, match="connect again"):  # its group is never reused
+                await sync.push(new, 2)
+
+
+@pytest.mark.anyio
+async def test_an_engine_that_never_joins_is_named_within_the_setup_timeout():
+    state = FakeEngineState(weights=_fake_weights())
+    state.faults.append(Fault(path="/init_weights_update_group", kind="delay", delay_s=30.0))
+    async with serve_fake_engine(state) as server, SGLangEngine(server.url) as engine:
+        sync = BroadcastSync(BroadcastOptions(setup_timeout_s=1.0))
+        start = time.monotonic()
+        with pytest.raises(WeightSyncError, match="did not join") as info:
+            await sync.connect([engine])
+        assert time.monotonic() - start < 1.0 + 5.0
+        assert info.value.failures[0].engine == engine.name
+
+
+@pytest.mark.anyio
+async def test_connect_again_after_a_broken_group_syncs_again():
+    state = FakeEngineState(weights=_fake_weights())
+    async with serve_fake_engine(state) as server, SGLangEngine(server.url) as engine:
+        sync = BroadcastSync(FAST)
+        await sync.connect([engine])
+        state.faults.append(Fault(path="/update_weights_from_distributed", kind="status", status=500))
+        with pytest.raises(WeightSyncError):
+            await sync.push({"w": torch.ones(64, 32)}, 1)
+        assert not sync.connected
+        await sync.connect([engine])  # fresh group names on the same store
+        assert sync.connected
+        await sync.push({"w": torch.ones(64, 32)}, 2)
+        assert (state.weights["w"] == 1).all() and await engine.weight_version() == 2
