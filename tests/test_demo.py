@@ -12,12 +12,13 @@ def test_quick_demo_writes_summary_plot_metrics_and_a_loadable_model(tmp_path, c
     printed = capsys.readouterr()
     printed = printed.out + printed.err
     summary = json.loads((out / "summary.json").read_text())
-    # A smoke run says so and shows that learning happened (not 0.0% accuracies that read as broken).
-    assert "smoke run (--quick)" in printed and "SFT loss" in printed and "RL reward" in printed
+    # --quick learns: SFT takes held-out accuracy from 0 to most of the teacher's (its RL gain varies
+    # with the engine's batching, so it is printed, not asserted)
+    assert "SFT loss" in printed and "RL reward" in printed and "after RL" in printed
     first, last = summary["sft_loss_first_last"]
-    assert summary["smoke_run"] and last < 0.8 * first, summary["sft_loss_first_last"]
-    for key in ("accuracy_before_sft", "accuracy_after_sft", "accuracy_after_rl"):
-        assert 0.0 <= summary[key] <= 1.0
+    assert not summary["smoke_run"] and last < 0.2 * first, summary["sft_loss_first_last"]
+    assert summary["accuracy_before_sft"] == 0.0 and summary["accuracy_after_sft"] >= 0.4, summary
+    assert 0.0 <= summary["accuracy_after_rl"] <= 1.0
     assert summary["wall_time_s"] > 0
     assert (out / "metrics.png").stat().st_size > 0
     assert read_jsonl(out / "metrics_sft.jsonl") and read_jsonl(out / "metrics_rl.jsonl")
@@ -33,7 +34,7 @@ def test_the_demo_rl_stage_trains_a_lora_adapter_with_set(tmp_path, capsys):
     from safetensors import safe_open
 
     out = tmp_path / "demo"
-    sets = ["--set", "model.lora.rank=8", "--set", "rl_steps=2"]
+    sets = ["--set", "model.lora.rank=8", "--set", "rl_steps=2", "--set", "sft_steps=20", "--set", "smoke=true"]
     assert main(["demo", "--quick", *sets, "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["lora"]["rank"] == 8 and summary["config"]["rl_steps"] == 2
