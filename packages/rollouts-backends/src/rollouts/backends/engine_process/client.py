@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import shutil
 import subprocess
 import tempfile
@@ -43,7 +42,7 @@ from rollouts.backends.engine_process.process import CLOSE_TIMEOUT_S, exit_statu
 from rollouts.backends.engine_process.shared_weights import DTYPE_NAMES, DTYPES, check_fits, shared_size, write_shared
 from rollouts.backends.engine_process.wire import ChildGone, encode_frame, read_frame, write_frame
 from rollouts.backends.sampling.engine import check_version_grows
-from rollouts.backends.sampling.sampler import check_prompt_ids
+from rollouts.backends.sampling.sampler import check_prompt_ids, prompt_limits
 from rollouts.sync import is_adapter_dir
 from rollouts.sync.fingerprint import check_attestation, checksum_torch
 from rollouts.types import Sample, SamplingParams
@@ -142,8 +141,7 @@ class ProcessEngine:
         if tokenizer_dir is not None and not Path(tokenizer_dir).is_dir():
             raise ValueError(f"tokenizer_dir {str(tokenizer_dir)!r} is not a directory holding a saved tokenizer")
         self._name, self._timeout_s = name, options.timeout_s
-        config = json.loads((Path(model_dir) / "config.json").read_text())  # what check_prompts checks against
-        self._vocab_size, self._max_positions = int(config["vocab_size"]), config.get("max_position_embeddings")
+        self._limits = prompt_limits(Path(model_dir))  # what check_prompts checks against
         self._transport, self._bucket_bytes = options.weights_transport, options.ipc_bucket_bytes
         self._weight_version = weight_version
         self._attest, self._dtype = options.attest, DTYPES[options.dtype]
@@ -230,8 +228,7 @@ class ProcessEngine:
     def check_prompts(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
         """ValueError naming the first prompt the engine process would refuse (empty, unknown ids, too
         long), checked here: a bad prompt fails its own caller before batching (CoalescingEngine)."""
-        limits = {"vocab_size": self._vocab_size, "max_positions": self._max_positions}
-        check_prompt_ids(prompts, **limits, max_new_tokens=params.max_new_tokens)
+        check_prompt_ids(prompts, **self._limits, max_new_tokens=params.max_new_tokens)
 
     def sample(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int | None] | None = None

@@ -12,8 +12,11 @@ module overhead); other models decode through their HF forward.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -25,7 +28,7 @@ from rollouts.backends.train.inputs import attention_mask_4d
 from rollouts.losses import truncation_mask
 from rollouts.types import LogProbs, LossMask, Sample, SamplingParams, Status, TokenIds
 
-__all__ = ["check_prompt_ids", "check_prompts", "generate", "sample_next_tokens"]
+__all__ = ["check_prompt_ids", "check_prompts", "generate", "prompt_limits", "sample_next_tokens"]
 
 _PAD_TOKEN_ID = 0
 """Filler for left padding; masked out, so any valid id works."""
@@ -88,6 +91,20 @@ def check_prompts(model: torch.nn.Module, prompt_token_ids: Sequence[Sequence[in
         max_positions=getattr(config, "max_position_embeddings", None),
         max_new_tokens=max_new_tokens,
     )
+
+
+def prompt_limits(model_dir: Path) -> dict[str, Any]:
+    """`check_prompt_ids`' vocab_size and max_positions from a model directory's config.json (no
+    limit where it is missing or unreadable: loading the model then says what is wrong)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    config = config if isinstance(config, dict) else {}
+    return {
+        "vocab_size": int(config.get("vocab_size") or 2**62),
+        "max_positions": config.get("max_position_embeddings"),
+    }
 
 
 def check_prompt_ids(
