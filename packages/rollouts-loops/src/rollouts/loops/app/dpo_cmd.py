@@ -15,12 +15,12 @@ from rollouts.loops.app.run_setup import (
     check_paths,
     load_data,
     local_model,
+    preflight,
     prepare_run,
     raise_reported,
     release_run,
     run_components,
     run_loggers,
-    run_tokenizer,
 )
 from rollouts.loops.dpo.batches import Pair
 from rollouts.loops.dpo.loop import PreferenceData, run_dpo_training
@@ -65,10 +65,10 @@ def cmd_dpo(run: DPORun, source: str) -> Path:
     rank, _ = init_distributed()
     train = load_data(load_preference_pairs, run.data.train_path)  # bad data refused before the run dir is touched
     held_out = load_data(load_preference_pairs, run.data.eval_path)[: run.data.num_eval] if run.data.eval_path else []
+    tokenizer = preflight(run, source, "dpo")
     run, resume = prepare_run(run, "dpo", source)
     out = Path(run.run.out_dir)
     try:
-        tokenizer = run_tokenizer(run)
         max_length = run.dpo.max_length
         data = PreferenceData(
             train=tokenize_pairs(train, tokenizer, max_length=max_length, what="training"),

@@ -186,9 +186,10 @@ def preflight(run: Any, source: str, command: str) -> Any:
             check_lora_targets(run.model.path, run.model.lora)
         except ValueError as e:
             raise ConfigError(f"{source}: model.lora: {e}") from e
-    if command == "sft" and not getattr(tokenizer, "chat_template", None):
+    if command in ("sft", "dpo") and not getattr(tokenizer, "chat_template", None):
         raise ConfigError(
-            f"{source}: the tokenizer of {run.model.tokenizer_path or run.model.path!r} has no chat template, and SFT "
+            f"{source}: the tokenizer of {run.model.tokenizer_path or run.model.path!r} has no chat template, and "
+            f"{command.upper()} "
             "masks conversations with it (save one with the tokenizer: tokenizer.chat_template = ...)"
         )
     if command == "rl":
