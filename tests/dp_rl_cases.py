@@ -61,7 +61,11 @@ def config(algorithm: AlgorithmConfig) -> RLConfig:
     return RLConfig(
         num_steps=NUM_STEPS,
         algorithm=algorithm,
-        critic=CriticConfig(optimizer=OptimizerConfig(lr=1e-3, schedule="constant")),
+        critic=(  # only GAE reads a critic (RLConfig refuses one otherwise)
+            CriticConfig(optimizer=OptimizerConfig(lr=1e-3, schedule="constant"))
+            if algorithm.advantage_estimator == "gae"
+            else CriticConfig()
+        ),
         optimizer=OptimizerConfig(lr=1e-3, schedule="constant"),
         rollout=RolloutConfig(
             batch_size=3, samples_per_prompt=3, sampling=SamplingParams(temperature=1.0, max_new_tokens=12)

@@ -64,7 +64,10 @@ def test_a_student_distilled_with_no_reward_answers_held_out_prompts_as_its_teac
             batch_size=16,
             samples_per_prompt=4,
             max_concurrency=16,
-            sampling=SamplingParams(temperature=1.0, max_new_tokens=5, stop_token_ids=(tokenizer.eos_token_id,)),
+            # seeded: each request's own seed, so what is sampled does not depend on the order requests run in
+            sampling=SamplingParams(
+                temperature=1.0, max_new_tokens=5, stop_token_ids=(tokenizer.eos_token_id,), seed=0
+            ),
         ),
         optimizer=OptimizerConfig(lr=3e-3, warmup_steps=0, schedule="constant", weight_decay=0.0),
         checkpoint=CheckpointConfig(every_steps=0),

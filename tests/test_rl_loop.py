@@ -66,6 +66,8 @@ def test_every_preset_runs_two_steps(tiny_run_inputs, tmp_path, name):
     algorithm = ALGORITHMS[name]
     if name == "ppo":
         algorithm = dataclasses.replace(algorithm, num_updates_per_batch=2)  # exercise old log-probs too
+    if algorithm.overlong_buffer_length:  # the buffer within this test's 4-token budget: the penalty still acts
+        algorithm = dataclasses.replace(algorithm, overlong_buffer_length=2)
     state, history = _run(
         tiny_run_inputs,
         tmp_path,
