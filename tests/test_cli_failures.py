@@ -13,8 +13,10 @@ from rollouts.loops.run.loggers import read_jsonl
 _USER_CODE = """
 import os
 import signal
+import threading
 
 CALLS = []
+LOCK = threading.Lock()  # rewards run in several threads at once: one of them must see call 17
 
 
 def advantages(samples, config):
@@ -22,8 +24,10 @@ def advantages(samples, config):
 
 
 def interrupting_reward(sample, record):
-    CALLS.append(1)
-    if len(CALLS) == 17:  # the first reward of the second step: Ctrl-C, as a user would press it
+    with LOCK:
+        CALLS.append(1)
+        seventeenth = len(CALLS) == 17
+    if seventeenth:  # the first reward of the second step: Ctrl-C, as a user would press it
         os.kill(os.getpid(), signal.SIGINT)
     return 1.0 if sample.response.strip() == record["answer"] else 0.0
 """
