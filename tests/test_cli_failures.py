@@ -44,7 +44,7 @@ def test_a_failure_in_user_code_is_one_paragraph_naming_the_users_frame(tiny_run
     assert main(["rl", "--config", str(config)]) == 1
     err = capsys.readouterr().err
     assert "rollouts rl failed: ValueError: advantages need a critic here" in err
-    assert f"in your code at {user}:9, in advantages" in err
+    assert f"in your code at {user}:11, in advantages" in err
     assert "no checkpoint was written yet; run again with: rollouts rl --config" in err
     assert "Traceback (most recent call last)" not in err  # the traceback is in the log
     log = tmp_path / "adv" / "error.log"
