@@ -18,6 +18,8 @@ sys.path.insert(0, {tests!r})
 from helpers import tiny_model
 from rollouts.backends import ProcessEngine
 
+pytestmark = pytest.mark.slow  # each test starts engine processes (seconds each)
+
 engine = ProcessEngine.from_model(tiny_model(seed=0))
 child = engine._child
 print(json.dumps({{"pid": engine.pid, "paths": [str(p) for p in child.files + child.dirs]}}), flush=True)

@@ -16,6 +16,8 @@ from rollouts.backends import EngineProcessError, EngineProcessOptions, InProces
 from rollouts.backends.checkpoint.export import model_tensors
 from rollouts.types import InferenceEngine, SamplingParams, Status
 
+pytestmark = pytest.mark.slow  # each test starts engine processes (seconds each)
+
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
 _SHORT_TIMEOUT_S = 2.0  # a stopped engine process never answers; this only bounds the test's wait
 

@@ -11,6 +11,8 @@ from rollouts.backends.checkpoint.export import model_tensors
 from rollouts.sync import AttestationError
 from rollouts.types import SamplingParams
 
+pytestmark = pytest.mark.slow  # each test starts engine processes (seconds each)
+
 CORRUPTED = "model.layers.0.mlp.down_proj.weight"
 
 
