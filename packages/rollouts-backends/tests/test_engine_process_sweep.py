@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each test starts engine processes (seconds each)
+
 _PARENT = """
 import json, sys, time
 sys.path.insert(0, {tests!r})
 from helpers import tiny_model
 from rollouts.backends import ProcessEngine
-
-pytestmark = pytest.mark.slow  # each test starts engine processes (seconds each)
 
 engine = ProcessEngine.from_model(tiny_model(seed=0))
 child = engine._child
