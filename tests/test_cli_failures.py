@@ -57,6 +57,9 @@ def test_ctrl_c_says_where_the_run_stopped_and_how_to_resume(tiny_run_inputs, tm
     config, _ = _config(tiny_run_inputs, tmp_path, "int", extra)
     config.write_text(config.read_text().replace('[reward]\nfn = "exact_match"\n', ""))
     previous = signal.getsignal(signal.SIGINT)
+    # as in a fresh `rollouts` process: trio takes Ctrl-C only over Python's default handler, which a
+    # test earlier in the same session may have left replaced
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         assert main(["rl", "--config", str(config)]) == 130
     finally:
