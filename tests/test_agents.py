@@ -4,13 +4,14 @@ at any concurrency, and an RL run whose reward rises."""
 
 import copy
 import json
+import random
 
 import pytest
 import torch
 import trio
 
 from rollouts.backends import InProcessEngine, build_components
-from rollouts.data import DataBuffer
+from rollouts.data import DataBuffer, tokenize_conversation
 from rollouts.loops import (
     AgentError,
     CoalescingEngine,
@@ -19,17 +20,19 @@ from rollouts.loops import (
     RLModels,
     RolloutContext,
     RunOutputs,
-    agent_reward,
     agent_rollout,
     run_rl_training,
 )
 from rollouts.loops.recipes.tiny import EOS, build_tiny_model, build_tokenizer
 from rollouts.loops.rollouts.environments import safe_arithmetic
-from rollouts.types import CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams
+from rollouts.loops.sft import run_sft_training
+from rollouts.types import CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams, SFTConfig
 
 openai = pytest.importorskip("openai")
 
-CORPUS = [f"{a}*{b}={a * b} calc: {a}*{b} = {a * b} answer: {a * b}" for a in range(2, 10) for b in range(2, 10)]
+CORPUS = [
+    f"{a}{op}{b}= calc: {a}{op}{b} = {a * b} answer: {a + b}" for a in range(2, 10) for b in range(2, 10) for op in "*+"
+]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +76,7 @@ async def calculator_agent(base_url, record):
     """Two turns: the model's reply is run on a calculator, whose result comes back as a user message."""
     chat = client(base_url)
     messages = [{"role": "user", "content": record["prompt"]}]
-    first = await chat.chat.completions.create(model="policy", messages=messages, max_tokens=6, logprobs=True)
+    first = await chat.chat.completions.create(model="policy", messages=messages, max_tokens=8, logprobs=True)
     reply = first.choices[0].message.content
     try:
         result = f"= {safe_arithmetic(reply.replace('calc:', '').strip())}"
@@ -188,21 +191,48 @@ def test_a_failing_agent_is_named_with_its_episode_and_cause(tiny):
         trio.run(agent_rollout(silent, name="silent.py:run"), {"prompt": "2*3="}, ctx)
 
 
-async def sevens_agent(base_url, record):
-    """Two turns; each reply that starts with "7" earns 0.5 (a task the tiny model learns in a few steps)."""
-    chat = client(base_url)
-    messages, reward = [{"role": "user", "content": record["prompt"]}], 0.0
-    for _ in range(2):
-        reply = (await chat.chat.completions.create(model="policy", messages=messages, max_tokens=3)).choices[0]
-        reward += 0.5 if reply.message.content.startswith("7") else 0.0
-        messages += [{"role": "assistant", "content": reply.message.content}, {"role": "user", "content": "="}]
-    return reward
+PROBLEMS = [(a, b) for a in range(10) for b in range(10) if a + b < 10]  # one-digit sums
 
 
-def test_an_agent_trains_through_the_endpoint_and_its_reward_rises(tiny, tmp_path):
+def _transcript(a, b, answer):
+    """A calculator episode as calculator_agent plays it, with `answer` as the final reply."""
+    return [
+        {"role": "user", "content": f"{a}+{b}="},
+        {"role": "assistant", "content": f"calc: {a}+{b}"},
+        {"role": "user", "content": f"= {a + b}"},
+        {"role": "assistant", "content": str(answer)},
+    ]
+
+
+@pytest.fixture(scope="module")
+def calculator_model(tiny):
+    """The tiny model taught the calculator task's format by SFT on a sloppy teacher: it always calls
+    the calculator, but half of its final answers are a random digit instead of the result. The
+    model learns to call the calculator and to copy its result only some of the time: RL's to fix."""
     tokenizer, _ = tiny
-    torch.manual_seed(0)
-    model = build_tiny_model(
+    model = _tiny_model(tokenizer, seed=1)
+    rng = random.Random(0)
+    demos = [
+        tokenize_conversation(
+            _transcript(a, b, a + b if rng.random() < 0.5 else rng.randrange(10)), tokenizer, max_length=64
+        )
+        for _ in range(4)
+        for a, b in PROBLEMS
+    ]
+    config = SFTConfig(
+        num_steps=150,
+        batch_size=16,
+        max_length=64,
+        optimizer=OptimizerConfig(lr=3e-3, schedule="constant"),
+        checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
+    )
+    components = build_components(model, config.optimizer, num_training_steps=config.num_steps)
+    run_sft_training(components, DataBuffer(demos, seed=0), config, logger=NullLogger())
+    return model
+
+
+def _tiny_model(tokenizer, *, seed):
+    return build_tiny_model(
         len(tokenizer),
         hidden_size=64,
         num_layers=1,
@@ -212,36 +242,87 @@ def test_an_agent_trains_through_the_endpoint_and_its_reward_rises(tiny, tmp_pat
         max_position_embeddings=256,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        seed=1,
+        seed=seed,
     )
-    records = [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a in range(2, 10) for b in range(2, 10)]
+
+
+@torch.no_grad()
+def answer_probability(model, tokenizer):
+    """The model's probability of giving the calculator's result as its final answer (its digits and
+    EOS) after a correct call, averaged over the problems: the expected reward given the call."""
+    probabilities = []
+    for a, b in PROBLEMS:
+        ids = tokenizer.encode(tokenizer.apply_chat_template(_transcript(a, b, a + b), tokenize=False))
+        answer = 2  # the digit and EOS
+        logprobs = torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+        targets = torch.tensor(ids[1:])
+        token_logprobs = logprobs.gather(1, targets[:, None])[:, 0]
+        probabilities.append(float(token_logprobs[-answer:].sum().exp()))
+    return sum(probabilities) / len(probabilities)
+
+
+def _calculator_run(model, tokenizer, run_dir, *, steps, concurrency):
+    """`steps` of GRPO on the calculator agent through the endpoint; the per-step metrics."""
+    records = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in PROBLEMS]
     config = RLConfig(
-        num_steps=10,
+        num_steps=steps,
         max_tokens_per_micro_batch=1024,
         rollout=RolloutConfig(
             batch_size=4,
             samples_per_prompt=8,
-            max_concurrency=4,
+            max_concurrency=concurrency,
             request_timeout_s=120.0,
-            sampling=SamplingParams(temperature=1.0, max_new_tokens=3, seed=0),
+            sampling=SamplingParams(temperature=1.0, max_new_tokens=8, seed=0),
         ),
-        optimizer=OptimizerConfig(lr=1e-2, schedule="constant"),
+        optimizer=OptimizerConfig(lr=1e-3, schedule="constant"),
         checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
     )
     components = build_components(model, config.optimizer, num_training_steps=config.num_steps)
     engine = CoalescingEngine(InProcessEngine(model, tokenizer=tokenizer), max_prompts_per_call=64)
+    episodes = []
+
+    def reward(sample, record):  # the agent's own reward, keeping each episode's tokens
+        episodes.append(tuple(sample.tokens))
+        return sample.metadata["agent_reward"]
+
     state, history = run_rl_training(
         RLModels(policy=components, engine=engine, engine_shares_model=True),
         DataBuffer(records, seed=0),
         config,
-        reward=agent_reward(),
+        reward=reward,
         encode_prompt=lambda r: tokenizer.encode(r["prompt"], add_special_tokens=False),
-        output=RunOutputs(run_dir=tmp_path, logger=NullLogger(), resume=False),
-        hooks=RLHooks(rollout=agent_rollout(sevens_agent, timeout_s=60.0)),
+        output=RunOutputs(run_dir=run_dir, logger=NullLogger(), resume=False),
+        hooks=RLHooks(rollout=agent_rollout(calculator_agent, timeout_s=60.0)),
         tokenizer=tokenizer,
     )
+    assert state.step == steps and all(h["num_failed"] == 0 for h in history), json.dumps(history[-1])[:500]
     assert all(h["num_split_episodes"] == 0 for h in history)  # the tiny template is append-only
-    rewards = [h["reward_mean"] for h in history]
-    assert state.step == config.num_steps
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.2, rewards
-    assert all(h["num_failed"] == 0 for h in history), json.dumps(history[-1])[:500]
+    return sorted(episodes), history
+
+
+def test_the_calculator_agent_trains_through_the_endpoint_and_its_reward_rises(tiny, calculator_model, tmp_path):
+    tokenizer, _ = tiny
+    model = copy.deepcopy(calculator_model)
+    before = answer_probability(model, tokenizer)
+    _, history = _calculator_run(model, tokenizer, tmp_path, steps=12, concurrency=4)
+    after = answer_probability(model, tokenizer)
+    rewards = [round(h["reward_mean"], 3) for h in history]
+    assert after > before + 0.15, (before, after, rewards)
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3, rewards
+
+
+def test_a_seeded_calculator_run_is_bit_identical_at_two_concurrencies(tiny, calculator_model, tmp_path):
+    """Episodes and trained weights are the same whether the groups' episodes run one group at a
+    time or four at once (sharing the engine's batches)."""
+    tokenizer, _ = tiny
+    runs = {}
+    for concurrency in (1, 4):
+        model = copy.deepcopy(calculator_model)
+        episodes, history = _calculator_run(
+            model, tokenizer, tmp_path / f"c{concurrency}", steps=2, concurrency=concurrency
+        )
+        runs[concurrency] = episodes, [h["grad_norm"] for h in history], model.state_dict()
+    assert runs[1][0] == runs[4][0] and len(set(runs[1][0])) > 8  # the same episodes, and not all alike
+    assert runs[1][1] == runs[4][1] and all(g > 0 for g in runs[1][1])
+    for name, tensor in runs[1][2].items():
+        torch.testing.assert_close(runs[4][2][name], tensor, rtol=0, atol=0, msg=name)

@@ -21,6 +21,7 @@ import torch
 
 from rollouts.backends import TrainingComponents, document_masked, packed_only
 from rollouts.data import plan_micro_batches
+from rollouts.data.rollout import EPISODE_KEY
 from rollouts.loops.rollouts.functions import GREEDY_REWARD_KEY
 from rollouts.loops.run.distributed import all_gather_arrays, global_counts, rank_world, same_count_on_every_rank
 from rollouts.losses import gae_advantages, reinforce_pp_advantages, sample_advantages
@@ -155,7 +156,10 @@ def token_advantages(
 ) -> dict[int, np.ndarray]:
     """Sample index -> [T_i] per-token advantages, from rewards (and per-token KL in the reward).
 
-    `advantage_fn` replaces the configured group estimator (it gets the KL-adjusted rewards).
+    The group estimators see one entry per episode: the pieces of an episode split into several
+    Samples (rollouts.data EPISODE_KEY) count once in their group's baseline, with their mean reward
+    and summed KL, and each piece gets its episode's advantage. `advantage_fn` replaces the
+    configured group estimator (it gets the KL-adjusted rewards and group ids, one per episode).
     """
     rewards_N = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     groups_N = torch.tensor([s.group_index if s.group_index is not None else i for i, s in enumerate(samples)])
@@ -167,14 +171,19 @@ def token_advantages(
             rewards_N, mask_N_T, kl_B_T=kl_N_T, kl_coef=algorithm.kl_coef, gamma=algorithm.gamma
         )
         return {i: adv_N_T[i, :n].numpy() for i, n in enumerate(lengths)}
-    if kl is not None:  # KL in the reward, at sequence level for the group estimators
-        rewards_N = rewards_N - algorithm.kl_coef * torch.tensor(
-            [float((kl[i] * (masks[i] > 0)).sum()) for i in range(len(samples))]
-        )
+    episode_N, num = episode_indices(samples)
+    episode_E = torch.as_tensor(episode_N)
+    pieces_E = torch.zeros(num).index_add_(0, episode_E, torch.ones(len(samples)))
+    rewards_E = torch.zeros(num).index_add_(0, episode_E, rewards_N) / pieces_E
+    if kl is not None:  # KL in the reward, at sequence level (an episode's: all its pieces) for the group estimators
+        kl_N = torch.tensor([float((kl[i] * (masks[i] > 0)).sum()) for i in range(len(samples))])
+        rewards_E = rewards_E - algorithm.kl_coef * torch.zeros(num).index_add_(0, episode_E, kl_N)
+    first_E = [episode_N.index(e) for e in range(num)]  # an episode's first piece: its group and greedy reward
+    groups_E = groups_N[first_E]
     if advantage_fn is not None:
-        adv_N = _checked_advantages(advantage_fn(rewards_N, groups_N), len(samples))
+        adv_E = _checked_advantages(advantage_fn(rewards_E, groups_E), num)
     else:  # grpo, rloo, gpg, grpo_passk, remax (gae runs through gae_token_advantages)
-        greedy_N = None
+        greedy_E = None
         if algorithm.advantage_estimator == "remax":  # the greedy rollout's reward, from the group generator
             missing = [i for i, s in enumerate(samples) if s.metadata.get(GREEDY_REWARD_KEY) is None]
             if missing:
@@ -182,15 +191,27 @@ def token_advantages(
                     f"ReMax advantages need metadata[{GREEDY_REWARD_KEY!r}] (the reward of a greedy response to the "
                     f"prompt) on every sample; samples {missing[:5]} have none: generate with greedy_baseline=True"
                 )
-            greedy_N = torch.tensor([float(s.metadata[GREEDY_REWARD_KEY]) for s in samples], dtype=torch.float32)
-        adv_N = sample_advantages(
-            rewards_N,
-            groups_N,
+            greedy_E = torch.tensor([float(samples[i].metadata[GREEDY_REWARD_KEY]) for i in first_E])
+        adv_E = sample_advantages(
+            rewards_E,
+            groups_E,
             estimator=algorithm.advantage_estimator,
             scale=algorithm.advantage_scale,
-            greedy_rewards_B=greedy_N,
+            greedy_rewards_B=greedy_E,
         )
-    return {i: np.full(n, float(adv_N[i]), dtype=np.float32) for i, n in enumerate(lengths)}
+    return {i: np.full(n, float(adv_E[episode_N[i]]), dtype=np.float32) for i, n in enumerate(lengths)}
+
+
+def episode_indices(samples: Sequence[Sample]) -> tuple[list[int], int]:
+    """Each sample's episode as 0..E-1 in order of first appearance, and E: samples of one group
+    sharing an EPISODE_KEY are pieces of one episode; any other sample is an episode of its own."""
+    ids: dict[object, int] = {}
+    out = []
+    for i, s in enumerate(samples):
+        episode = s.metadata.get(EPISODE_KEY)
+        key = ("sample", i) if episode is None else ("episode", s.group_index, episode)
+        out.append(ids.setdefault(key, len(ids)))
+    return out, len(ids)
 
 
 def _checked_advantages(adv: object, num: int) -> torch.Tensor:

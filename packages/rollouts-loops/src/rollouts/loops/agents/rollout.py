@@ -1,9 +1,13 @@
 """Agent programs as a rollout function: each episode runs the user's agent against its own base URL.
 
 An agent is `async def run(base_url: str, record: dict) -> float | None` (a plain function works
-too) using any OpenAI-compatible client pointed at `base_url`. It runs in a worker thread with an
-asyncio event loop of its own, so asyncio clients (openai.AsyncOpenAI, httpx, ...) work as they do
-anywhere, bounded by `timeout_s` (past it the episode fails and the thread is abandoned). Its
+too) using any OpenAI-compatible client pointed at `base_url`. An async agent runs in the process's
+one asyncio event loop (rollouts.data.user_code.AsyncioThread, a thread of its own), so asyncio
+clients (openai.AsyncOpenAI, httpx, ...) work as they do anywhere, and a client an agent drops
+unclosed is closed later in the loop it was made in; a plain function runs in a worker thread. Each
+episode is bounded by `timeout_s` (past it the episode fails: its asyncio task is cancelled, a
+worker thread abandoned). An agent that blocks the event loop (a sync sleep in an async function)
+holds back the other episodes, which then end at their own bounds. Its
 return is the episode's reward (metadata["agent_reward"], which `agent_reward` reads); None leaves
 the episode to the run's reward function, which gets the episode's whole text as `sample.response`
 and its last chat messages as metadata["transcript"].
@@ -15,8 +19,6 @@ the agent, the episode and the cause; the rollout manager retries the group and 
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -37,8 +39,6 @@ AgentFn = Callable[[str, Any], "Awaitable[float | None] | float | None"]
 AGENT_REWARD_KEY = "agent_reward"
 """Sample.metadata: the reward the agent returned for its episode."""
 
-_CLEANUP_PASSES = 4  # event loop passes for the close tasks of clients collected when the agent returns
-_THREAD_GRACE_S = 5.0  # the thread's own bound ends it first; the outer one only catches an agent that blocks
 
 
 class AgentError(RuntimeError):
@@ -100,28 +100,14 @@ def agent_rollout(
 
 
 async def _run_agent(agent_fn: AgentFn, label: str, episode: Episode, record: Any, timeout_s: float) -> float | None:
-    """The agent's reward for `episode`: `agent_fn` in a worker thread running an asyncio loop."""
-
-    def in_thread() -> Any:
-        async def bounded() -> Any:
-            value = agent_fn(episode.base_url, own_copy(record))
-            value = await asyncio.wait_for(value, timeout_s) if inspect.isawaitable(value) else value
-            for _ in range(_CLEANUP_PASSES):  # clients the agent left open close now, not on a closed loop
-                await asyncio.sleep(0)
-            return value
-
-        return asyncio.run(bounded())
-
-    in_thread.__qualname__ = label
+    """The agent's reward for `episode`: `agent_fn` awaited in the process's asyncio event loop
+    (a sync one in a worker thread), bounded by `timeout_s`."""
     where = f"agent {label!r}, episode {episode.index}"
     try:
-        value = await call_user(in_thread, timeout_s=timeout_s + _THREAD_GRACE_S)
+        value = await call_user(agent_fn, episode.base_url, own_copy(record), timeout_s=timeout_s, async_loop="asyncio")
     except TimeoutError as e:
         raise AgentError(f"{where}: took longer than {timeout_s} s (agent timeout_s)") from e
     except Exception as e:
-        error = e.__cause__ if isinstance(e.__cause__, TimeoutError) else e
-        if isinstance(error, TimeoutError):  # asyncio.wait_for's own bound, in the agent's thread
-            raise AgentError(f"{where}: took longer than {timeout_s} s (agent timeout_s)") from e
         raise AgentError(f"{where}: {user_error_text(e)}") from e
     if value is not None and (
         isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
