@@ -40,7 +40,6 @@ AGENT_REWARD_KEY = "agent_reward"
 """Sample.metadata: the reward the agent returned for its episode."""
 
 
-
 class AgentError(RuntimeError):
     """An episode of an agent failed; the message names the agent, the episode and the cause."""
 
