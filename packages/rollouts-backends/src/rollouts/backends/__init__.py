@@ -12,6 +12,7 @@ from rollouts.backends.checkpoint.dirs import (
 from rollouts.backends.checkpoint.export import export_weights, load_model_weights, read_weights
 from rollouts.backends.checkpoint.model_files import load_tokenizer, resolve_model_dir
 from rollouts.backends.checkpoint.save_load import load_checkpoint, save_checkpoint
+from rollouts.backends.checkpoint.weight_buckets import WeightBuckets
 from rollouts.backends.checkpoint.writer import CheckpointWriter
 from rollouts.backends.engine_process.client import EngineProcessError, EngineProcessOptions, ProcessEngine
 from rollouts.backends.sampling.engine import InProcessEngine
@@ -61,6 +62,7 @@ __all__ = [
     "build_scheduler",
     "compute_logprobs",
     "document_masked",
+    "WeightBuckets",
     "export_weights",
     "forward_backward",
     "generate",

@@ -10,8 +10,10 @@ CPU, NCCL on GPUs; never the default group, so it lives beside FSDP's), so an en
 breaks only its own group: the others still receive every bucket and load. A sync pauses every
 engine, POSTs the plan to each (the engine receives while the trainer broadcasts), and loads
 nowhere until an engine holds every bucket. Under torch.distributed every rank calls `push` with
-its own shards: each DTensor is gathered as its bucket is sent (`full_tensor()`), so no rank
-holds more than one bucket beyond its shard; only rank 0 sends.
+its own shards, or with a `BucketSource` (a model's weights gathered one bucket at a time): each
+bucket is gathered as it is sent and dropped before the next, so no rank holds more than one
+bucket beyond its shard; only rank 0 sends, and rank 0 takes part in every gather even when it
+cannot send, so the other ranks never wait on it.
 
 Bounds: joining by `setup_timeout_s`, each bucket by `bucket_timeout_s` (on both sides), the load
 by `load_timeout_s`; an engine that fails any of them is named in a WeightSyncError. Attested
@@ -22,9 +24,9 @@ against the trainer's before the version is set; a mismatch raises AttestationEr
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 import torch
@@ -57,6 +59,37 @@ def _dtype_name(tensor: torch.Tensor) -> str:
 def _engine_host(url: str) -> str:
     host = url.split("://", 1)[-1].split("/", 1)[0]
     return host.rsplit(":", 1)[0].strip("[]") if ":" in host else host
+
+
+@runtime_checkable
+class BucketSource(Protocol):
+    """Weights handed over one bucket at a time (a sharded model's, gathered as they are sent)."""
+
+    def specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, torch dtype name without "torch.", shape) of every tensor, in the order to send
+        them; the same on every rank."""
+        ...
+
+    def buckets(self, names: Sequence[Sequence[str]]) -> Iterator[list[torch.Tensor]]:
+        """The whole tensors of each group of `names` in turn, contiguous, in the order named; called
+        on every rank with the same groups (a gather is a collective). The caller drops a bucket
+        before asking for the next."""
+        ...
+
+
+class _WholeTensors:
+    """A BucketSource over tensors at hand; a DTensor is gathered (`full_tensor()`) in its bucket."""
+
+    def __init__(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]) -> None:
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        self.tensors = dict(items)
+
+    def specs(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        return [(name, _dtype_name(t), tuple(t.shape)) for name, t in self.tensors.items()]
+
+    def buckets(self, names: Sequence[Sequence[str]]) -> Iterator[list[torch.Tensor]]:
+        for group in names:
+            yield [_full(self.tensors[name]) for name in group]
 
 
 class BroadcastJoinError(WeightSyncError):
@@ -167,28 +200,41 @@ class BroadcastSync:
         link.group = result["group"]
 
     async def push(
-        self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], weight_version: int
+        self,
+        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | BucketSource,
+        weight_version: int,
     ) -> SyncResult | None:
-        """Send the tensors (HF names; DTensors gathered bucket by bucket) to every connected engine
-        and load them there under `weight_version`. On rank 0 returns the SyncResult, or raises a
-        WeightSyncError naming each engine that failed (the others serve the new version); on
-        other ranks only takes part in the gathers and returns None."""
+        """Send the tensors (HF names; DTensors gathered bucket by bucket, or a BucketSource's
+        buckets) to every connected engine and load them there under `weight_version`. On rank 0
+        returns the SyncResult, or raises a WeightSyncError naming each engine that failed (the
+        others serve the new version); on other ranks only takes part in the gathers and returns None."""
         check_weight_version(weight_version)
-        items = list(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        specs = [(name, _dtype_name(t), tuple(t.shape)) for name, t in items]
-        plan = plan_buckets(specs, bucket_bytes=self.options.bucket_bytes, weight_version=weight_version)
-        tensors = dict(items)
-        if self.rank != 0:
-            for bucket in plan.buckets:  # the same gathers as rank 0, in the same order
-                for spec in bucket:
-                    _full(tensors[spec.name])
-            return None
-        if not self._links:
-            raise RuntimeError("BroadcastSync.push before connect(engines): no engine to send to")
-        self.last_num_bytes = plan.num_bytes
-        return await self._push(plan, tensors)
+        source = named_tensors if isinstance(named_tensors, BucketSource) else _WholeTensors(named_tensors)
+        plan, gathers = self._gathers(source, weight_version)
+        try:
+            if self.rank != 0:
+                return None
+            if not self._links:
+                raise RuntimeError("BroadcastSync.push before connect(engines): no engine to send to")
+            self.last_num_bytes = plan.num_bytes
+            return await self._push(plan, gathers)
+        finally:  # every bucket not gathered yet: the other ranks gather each, whatever happened here
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(_drain, gathers)
 
-    async def _push(self, plan: BroadcastPlan, tensors: dict[str, torch.Tensor]) -> SyncResult:
+    async def drain(self, source: BucketSource) -> None:
+        """Take part in every gather of a push of `source` without sending (what ranks other than 0
+        do; rank 0 too when it cannot push, so that the other ranks do not wait on it)."""
+        _, gathers = self._gathers(source, 0)
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(_drain, gathers)
+
+    def _gathers(self, source: BucketSource, weight_version: int) -> tuple[BroadcastPlan, Iterator[list[torch.Tensor]]]:
+        """The plan of a push of `source` and its buckets' gathers (lazy: each runs when asked for)."""
+        plan = plan_buckets(source.specs(), bucket_bytes=self.options.bucket_bytes, weight_version=weight_version)
+        return plan, source.buckets([[spec.name for spec in bucket] for bucket in plan.buckets])
+
+    async def _push(self, plan: BroadcastPlan, gathers: Iterator[list[torch.Tensor]]) -> SyncResult:
         links = self._links
         outcomes: list[EngineFailure | AttestationError | float | None] = [None] * len(links)
         paused = [anyio.Event() for _ in links]
@@ -231,22 +277,23 @@ class BroadcastSync:
             live = [link for link, o in zip(links, outcomes, strict=True) if o is None]
             go.set()
             try:
-                await anyio.to_thread.run_sync(self._broadcast_all, plan, tensors, live, expected)
+                await anyio.to_thread.run_sync(self._broadcast_all, plan, gathers, live, expected)
             finally:
                 sent.set()
         return _result(plan.weight_version, links, outcomes)
 
     def _broadcast_all(
-        self, plan: BroadcastPlan, tensors: dict[str, torch.Tensor], live: list[_Link], expected: dict[str, int]
+        self, plan: BroadcastPlan, gathers: Iterator[list[torch.Tensor]], live: list[_Link], expected: dict[str, int]
     ) -> None:
         """Every bucket to every live group, gathered once per bucket; a group that fails is dropped
         (its engine's receive fails within the bucket bound) and the rest go on. With attestation,
         `expected` gets each tensor's checksum as sent."""
         for index, bucket in enumerate(plan.buckets):
-            full = [_full(tensors[spec.name]).to(self.device) for spec in bucket]
+            full = [t.to(self.device) for t in next(gathers)]
             if self.options.attest:
                 expected.update({spec.name: checksum_torch(t) for spec, t in zip(bucket, full, strict=True)})
             self._send_bucket(index, bucket, full, live)
+            del full  # dropped before the next bucket is gathered
 
     def _send_bucket(
         self, index: int, bucket: tuple[TensorSpec, ...], full: list[torch.Tensor], live: list[_Link]
@@ -263,6 +310,11 @@ class BroadcastSync:
             except RuntimeError as exc:
                 link.error = f"broadcast failed: {exc}"
                 link.group = None  # a broken group is never used again
+
+
+def _drain(gathers: Iterator[list[torch.Tensor]]) -> None:
+    while next(gathers, None) is not None:  # (a for loop's variable would keep a bucket through the next gather)
+        pass
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

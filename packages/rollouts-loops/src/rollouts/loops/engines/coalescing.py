@@ -305,7 +305,8 @@ def remote_engine(
         from rollouts.loops.engines.broadcast import BroadcastWeights  # it imports this module
         from rollouts.sync import BroadcastOptions
 
-        engines = [BroadcastWeights(e, BroadcastOptions(attest=attest)) for e in engines]
+        options = BroadcastOptions(attest=attest)
+        engines = [BroadcastWeights(e, options, sync_timeout_s=sync_timeout_s) for e in engines]
     if len(engines) == 1:
         return BoundedSync(engines[0], sync_timeout_s=sync_timeout_s)
     return EnginePool(engines, sync_timeout_s=sync_timeout_s)

@@ -1,6 +1,7 @@
 """The generation side of the SPMD RL loop: rank 0's rollout producer, the broadcast of each step's
-batch to the other ranks, and the engine sync (export on every rank, load on rank 0) with its
-check, the sync probe.
+batch to the other ranks, and the engine sync (export on every rank, load on rank 0; or, for a
+sharded model and an engine that takes weight buckets, each bucket gathered on every rank as rank 0
+sends it) with its check, the sync probe.
 
 Collectives run in worker threads so rank 0's event loop keeps generating while it waits; their
 order is the same on every rank because only the loop's one consumer task calls them.
@@ -19,14 +20,18 @@ import numpy as np
 import torch
 import trio
 
-from rollouts.backends import CheckpointWriter, TrainingComponents, compute_logprobs, export_weights
+from rollouts.backends import CheckpointWriter, TrainingComponents, WeightBuckets, compute_logprobs, export_weights
 from rollouts.backends.checkpoint.export import model_tensors
 from rollouts.backends.checkpoint.lora_files import save_adapter
+from rollouts.backends.train.distributed import is_distributed
 from rollouts.backends.train.lora import syncs_adapter
 from rollouts.data import AsyncRolloutManager, pack_samples
+from rollouts.loops.engines.broadcast import BucketLoader
 from rollouts.loops.engines.rollout_process import RemoteRolloutManager
 from rollouts.loops.run.distributed import broadcast_json, broadcast_tagged, rank_world
 from rollouts.loops.run.run_dir import ADAPTER_DIR, WEIGHTS_DIR
+from rollouts.sync import BroadcastOptions
+from rollouts.sync.broadcast import BroadcastSync
 from rollouts.types import Abortable, InferenceEngine, RolloutBatch, Sample, SamplingParams, TrainingState, WeightLoader
 from rollouts.types.wire import batch_from_bytes, batch_to_parts
 
@@ -198,7 +203,10 @@ async def sync_engine(
 
     An engine with `load_weights(tensors, version)` (the in-process engine with its own copy, the
     engine process: `direct_loader`) takes the weights straight from the model instead, in a
-    single-process run: nothing is exported, and the export directory is not written."""
+    single-process run: nothing is exported, and the export directory is not written. So does an
+    engine that takes weight buckets (`BucketLoader`: engine.sync = 'broadcast') from a sharded
+    model: every rank gathers each bucket as rank 0 sends it (full weights: a LoRA model with sync
+    'adapter' still exports its adapter); `sync_gathered_bytes_max` says the most this rank held."""
     version = state.weight_version + 1 if version is None else version
     start = time.perf_counter()
     direct = direct_loader(engine, components, shares_model=shares_model)
@@ -206,6 +214,15 @@ async def sync_engine(
         # on the model's device: an engine on the same GPU takes them by CUDA IPC, device to device
         await _load(engine, lock, manager, lambda: direct(model_tensors(components.model, keep_device=True), version))
         return state.with_weight_version(version), {"sync_export_s": 0.0, "sync_s": time.perf_counter() - start}
+    bucket_bytes = await _bucket_bytes(engine, components, shares_model=shares_model)
+    if bucket_bytes:  # a sharded model: each bucket gathered as it is sent, nothing exported
+        weights = WeightBuckets(components.model)
+        if isinstance(engine, BucketLoader):
+            await _load(engine, lock, manager, lambda: engine.push_weights(weights, version))
+        else:  # the other ranks: the same gathers, in the same order
+            await BroadcastSync(BroadcastOptions(bucket_bytes=bucket_bytes), rank=rank_world()[0]).drain(weights)
+        metrics = {"sync_export_s": 0.0, "sync_s": time.perf_counter() - start}
+        return state.with_weight_version(version), metrics | {"sync_gathered_bytes_max": float(weights.peak_held_bytes)}
     path = run_dir / WEIGHTS_DIR
     if not shares_model and syncs_adapter(components.model):  # LoRA: the adapter alone, in PEFT's format
         path = run_dir / ADAPTER_DIR
@@ -216,6 +233,15 @@ async def sync_engine(
     if engine is not None and rank_world()[0] == 0:
         await _load(engine, lock, manager, lambda: engine.update_weights_from_disk(str(path.resolve()), version))
     return state.with_weight_version(version), {"sync_export_s": export_s, "sync_s": time.perf_counter() - start}
+
+
+async def _bucket_bytes(engine: InferenceEngine | None, components: TrainingComponents, *, shares_model: bool) -> int:
+    """Rank 0's engine's bucket size, on every rank, where the weights go to it bucket by bucket as
+    they are gathered (a sharded model, full weights, an engine that takes buckets); else 0."""
+    if shares_model or not is_distributed(components.model) or syncs_adapter(components.model):
+        return 0  # the same on every rank: no collective needed to agree on it
+    own = engine.bucket_bytes if isinstance(engine, BucketLoader) and rank_world()[0] == 0 else 0
+    return int(await trio.to_thread.run_sync(broadcast_json, own))
 
 
 async def _load(
