@@ -218,3 +218,100 @@ def test_an_agent_episode_through_the_endpoint_is_continued_across_a_sync(tiny, 
     # the agent was answered with the whole first turn, continued across the sync
     first = tokenizer.decode(list(sample.tokens[p : p + MAX_NEW]), skip_special_tokens=False)
     assert replies[0] == first
+
+
+# ---------------------------------------------------------------- through the RL loop
+
+B, N = 2, 2  # groups per step, episodes per group
+
+
+class Turns:
+    """Two turns with OBSERVATION in between; reset answers the record's ids (batch and index)."""
+
+    def reset(self, record):
+        return [3 + record["id"] // 8, 3 + record["id"] % 8]
+
+    def step(self, text, ids):
+        self.turns = getattr(self, "turns", 0) + 1
+        return EnvStep(observation=OBSERVATION, reward=float(ids[-1] % 2), done=self.turns == 2)
+
+
+def test_the_rl_loop_continues_environment_episodes_across_its_syncs(tiny, tmp_path, monkeypatch):
+    """Overlap with partial rollouts: batch b >= 1 generates while step b - 1 trains, and the first
+    sampler call of its first turns stops after CUT tokens until the sync's abort (training of step
+    b - 1 waits until it is there), so each sync lands mid-turn."""
+    import rollouts.loops.rl.step as step_module
+    from rollouts.backends import build_components
+    from rollouts.loops import NullLogger, RLHooks, RLModels, RunOutputs, run_rl_training
+    from rollouts.types import CheckpointConfig, OptimizerConfig
+
+    num_steps = 3
+    mid = {b: threading.Event() for b in range(num_steps)}  # batch b's first turns reached the middle
+    cut: set[int] = set()
+    real_update = step_module.rl_update
+
+    def gated(model, prompts, *, should_abort, **kw):
+        firsts = {(p[0] - 3) * 8 + p[1] - 3 for p in prompts if len(p) == 2}  # first turns: the record ids
+        batch = min((i // B for i in firsts), default=0)
+        gate = batch >= 1 and batch not in cut
+        cut.add(batch)
+        checks = [0]
+
+        def check():
+            checks[0] += 1
+            if gate and checks[0] == CUT:
+                mid[batch].set()
+                assert should_abort.__self__.wait(60), "the sync's abort never came"
+            return should_abort()
+
+        return REAL_GENERATE(model, prompts, should_abort=check, **kw)
+
+    trained = []
+
+    def recording_update(components, state, samples, config, **kw):
+        trained.append(list(samples))
+        if state.step + 1 < num_steps:  # the next batch is generating: the sync lands mid-turn
+            assert mid[state.step + 1].wait(60), "the next batch never reached the middle of a turn"
+        return real_update(components, state, samples, config, **kw)
+
+    monkeypatch.setattr(inprocess, "generate", gated)
+    monkeypatch.setattr(step_module, "rl_update", recording_update)
+    tokenizer, v0, _ = tiny
+    model = copy.deepcopy(v0).train()
+    config = RLConfig(
+        num_steps=num_steps,
+        overlap=True,
+        max_tokens_per_micro_batch=64,
+        rollout=RolloutConfig(
+            batch_size=B,
+            samples_per_prompt=N,
+            partial=True,
+            sampling=SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, seed=0),
+        ),
+        optimizer=OptimizerConfig(schedule="constant", lr=1e-3),
+        checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
+    )
+    components = build_components(model, config.optimizer, num_training_steps=num_steps)
+    _, history = run_rl_training(
+        RLModels(policy=components, engine=_engine(model, tokenizer)),
+        DataBuffer([{"prompt": f"p{i}", "id": i} for i in range(40)], shuffle=False),
+        config,
+        reward=environment_reward,
+        encode_prompt=lambda r: [3 + r["id"] // 8, 3 + r["id"] % 8],
+        output=RunOutputs(run_dir=tmp_path, logger=NullLogger()),
+        hooks=RLHooks(rollout=environment_rollout(Turns, max_turns=2, max_total_tokens=64)),
+        tokenizer=tokenizer,
+    )
+    assert len(history) == num_steps and all(m["num_trained"] == B * N for m in history)
+    assert all(m["num_failed"] == 0 and m["groups_restarted"] == 0 for m in history)
+    assert history[0]["groups_partial"] == 0 and all(m["groups_partial"] >= 1 for m in history[1:])
+    ids = [sorted({s.metadata["id"] for s in samples}) for samples in trained]
+    assert ids == [list(range(b * B, (b + 1) * B)) for b in range(num_steps)]  # none lost, none trained twice
+    for b, samples in enumerate(trained[1:], start=1):  # generated across the sync after step b - 1
+        cut_short = [s for s in samples if {v for v, _ in s.metadata["version_segments"]} == {b - 1, b, None}]
+        assert cut_short, f"no episode of batch {b} spans the sync"
+        for s in cut_short:
+            first, rest = s.metadata["version_segments"][:2]
+            assert first[0] == b - 1 and rest[0] == b and first[1] + rest[1] == MAX_NEW
+            assert s.weight_version == b - 1  # the oldest token's: staleness 1
+    assert all(m["num_too_stale"] == 0 for m in history)
