@@ -21,13 +21,14 @@ step's generation. `async with manager.paused(interrupt=engine.abort):` stops ne
 the engine cut the running ones short (they come back as groups of partial samples with their
 tokens and log-probs); the weights are synced inside it. On leaving it the partial groups are
 continued first (`continue_fn`: prompt + partial response, the remaining budget, the new weights),
-so no token is decoded twice. A generate function taking an `engine_calls` keyword (multi-turn
-episodes, which cannot be continued from their tokens alone) gets an `EngineCalls` per attempt
-(rollouts.data.manager_gate) and keeps its episodes going across the pause instead: a pause waits
-only for its engine calls in flight, never for an episode between turns; a paused round does not count against `max_generation_rounds`. With
-tail="first_n", `tail_cut` (the engine's abort and resume) cuts the round's tail short the same way
-once the step's groups are kept, and it is carried to the next step as partial groups. Partial groups are counted
-in groups_aborted (and groups_partial), and kept across steps and in `state_dict`.
+so no token is decoded twice; a paused round does not count against `max_generation_rounds`. A
+generate function naming an `engine_calls` keyword (multi-turn episodes, which cannot be continued
+from their tokens alone) gets an `EngineCalls` per attempt (rollouts.data.manager_gate) and keeps
+its episodes going across the pause instead: the pause waits only for its engine calls in flight,
+never for an episode between turns. With tail="first_n", `tail_cut` (the engine's abort and
+resume) cuts the round's tail short the same way once the step's groups are kept, and it is
+carried to the next step as partial groups. Partial groups are counted in groups_aborted (and
+groups_partial), and kept across steps and in `state_dict`.
 
 Staleness (`max_staleness`, `generate_batch(train_version=...)`): a sample is as old as its oldest
 token. A partial group carried across syncs, or a kept group in the carry-over cache, that would be
@@ -250,15 +251,15 @@ class AsyncRolloutManager:
         try:
             with anyio.move_on_after(timeout_s) as deadline, self._engine_calls(deadline, group) as calls:
                 result = await self._call(prompt, group, self._seed_of(position), calls)
-            continued = calls is not None and calls.continued
-            if calls is not None and calls.restarted:
-                return None, False
-            if not deadline.cancelled_caught:
-                return result, continued
-            where = f" waiting for {self._source}" if self._source else ""
-            return f"timed out after {timeout_s} s{where} (rollout.request_timeout_s)", False
         except Exception as e:  # a failed request is retried, then counted; never lost
-            return user_error_text(e), False
+            restarted = calls is not None and calls.restarted  # what the cancellation made user code raise
+            return (None, False) if restarted else (user_error_text(e), False)
+        if calls is not None and calls.restarted:
+            return None, False
+        if not deadline.cancelled_caught:
+            return result, calls is not None and calls.continued
+        where = f" waiting for {self._source}" if self._source else ""
+        return f"timed out after {timeout_s} s{where} (rollout.request_timeout_s)", False
 
     async def _request(
         self,
