@@ -193,10 +193,12 @@ def test_partial_rollouts_are_refused_where_a_response_cannot_be_continued():
 
     with pytest.raises(ValueError, match="rollout.partial"):
         RLConfig(rollout=RolloutConfig(partial=True))  # without overlap a sync never meets generation
-    config = RLConfig(overlap=True, rollout=RolloutConfig(partial=True))
     tools = tool_rollout(tool_parser=lambda text: None, tool_executor=lambda call: "")
-    with pytest.raises(ValueError, match="single-turn rollout"):
-        check_partial_rollouts(config, tools)
+    check_partial_rollouts(RLConfig(overlap=True, rollout=RolloutConfig(partial=True)), tools)  # continued in place
+    first_n = RLConfig(overlap=True, rollout=RolloutConfig(partial=True, tail="first_n", over_sampling_factor=2.0))
+    check_partial_rollouts(first_n, single_turn_rollout)
+    with pytest.raises(ValueError, match="first_n.*cannot be carried"):  # an episode cannot wait for the next step
+        check_partial_rollouts(first_n, tools)
     remax = RLConfig(
         overlap=True, rollout=RolloutConfig(partial=True), algorithm=AlgorithmConfig(advantage_estimator="remax")
     )

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollouts.loops.rollouts.multiturn import run_tool_rollout
-from rollouts.types import Sample, SamplingParams, Status
+from rollouts.types import Sample, SamplingParams, Status, thaw
 
 TOOL = 9  # token id of the word "tool" in the fake tokenizer: a turn containing it calls the tool
 
@@ -98,7 +98,10 @@ def test_bounds_hold():
     engine = ScriptedEngine([[1, TOOL]] * 10)
     sample = _rollout(engine, [0], max_turns=3)
     # The third turn still calls the tool: not run (nothing would answer it), and the sample is cut.
-    assert sample.metadata == {"turns": 3, "tool_calls": 2} and sample.status is Status.TRUNCATED
+    assert sample.metadata["turns"] == 3 and sample.metadata["tool_calls"] == 2 and sample.status is Status.TRUNCATED
+    # which weights sampled which tokens: the engine's turns (version 3), the tool output none
+    assert thaw(sample.metadata["version_segments"]) == [[3, 2], [None, 3], [3, 2], [None, 3], [3, 2]]
+    assert sample.weight_version == 3
     assert list(sample.tokens[-2:]) == [1, TOOL] and sample.loss_mask[-1] == 1.0
     engine = ScriptedEngine([[1, 2, 3, TOOL]] * 10)
     sample = _rollout(engine, [0], max_turns=10, max_total_tokens=12)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -179,3 +179,16 @@ def test_bad_partials_and_continuations_are_refused():
         )
     with pytest.raises(ValueError, match="summing to the response length 2"):
         version_segments(full.with_metadata(version_segments=[[0, 1]]))
+
+
+def test_a_continued_response_text_is_the_partial_text_and_the_continuation():
+    partial = make_sample(
+        prompt_ids=[1], response_ids=[2, 3], logprobs_R=[-0.1, -0.2], truncated=False, weight_version=0, engine="e"
+    )
+    partial = replace(partial, response="ab", status=Status.ABORTED, metadata={"partial": True})
+    rest = make_sample(
+        prompt_ids=[1, 2, 3], response_ids=[4], logprobs_R=[-0.3], truncated=True, weight_version=1, engine="e"
+    )
+    joined = join_continuation(partial, replace(rest, response="cd"))
+    assert joined.response == "abcd" and joined.response_tokens == (2, 3, 4)
+    assert token_versions(joined) == (0, 0, 1) and joined.weight_version == 0

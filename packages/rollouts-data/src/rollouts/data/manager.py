@@ -21,10 +21,14 @@ step's generation. `async with manager.paused(interrupt=engine.abort):` stops ne
 the engine cut the running ones short (they come back as groups of partial samples with their
 tokens and log-probs); the weights are synced inside it. On leaving it the partial groups are
 continued first (`continue_fn`: prompt + partial response, the remaining budget, the new weights),
-so no token is decoded twice; a paused round does not count against `max_generation_rounds`. With
-tail="first_n", `tail_cut` (the engine's abort and resume) cuts the round's tail short the same way
-once the step's groups are kept, and it is carried to the next step as partial groups. Partial groups are counted
-in groups_aborted (and groups_partial), and kept across steps and in `state_dict`.
+so no token is decoded twice; a paused round does not count against `max_generation_rounds`. A
+generate function naming an `engine_calls` keyword (multi-turn episodes, which cannot be continued
+from their tokens alone) gets an `EngineCalls` per attempt (rollouts.data.manager_gate) and keeps
+its episodes going across the pause instead: the pause waits only for its engine calls in flight,
+never for an episode between turns. With tail="first_n", `tail_cut` (the engine's abort and
+resume) cuts the round's tail short the same way once the step's groups are kept, and it is
+carried to the next step as partial groups. Partial groups are counted in groups_aborted (and
+groups_partial), and kept across steps and in `state_dict`.
 
 Staleness (`max_staleness`, `generate_batch(train_version=...)`): a sample is as old as its oldest
 token. A partial group carried across syncs, or a kept group in the carry-over cache, that would be
@@ -38,8 +42,8 @@ re-served aborted prompt), so a run repeats exactly at any concurrency.
 State: what waits to be served (carry-over cache, pending prompts, partial groups) is one
 `PromptQueue` value (rollouts.data.manager_round), replaced by pure functions at each change; a
 `Gate` (rollouts.data.manager_gate) holds requests during a pause or a tail cut, counts those
-running, carries an abort, and says whether a round was cut short. A round gives a `Round` value;
-a step adds up their `Counts`.
+running, carries an abort, and says whether a round was cut short. A round gives a `Round` value
+(its requests' fates noted in a `RoundLog`); a step adds up their `Counts`.
 
 Sync generate functions run in worker threads; on timeout or abort the thread is abandoned (its
 result discarded: Python cannot cancel a running thread). Runs under asyncio and trio (anyio); a
@@ -48,24 +52,26 @@ generate function may be a coroutine function of the running event loop's librar
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
 from rollouts.data.buffer import DataBuffer
 from rollouts.data.filters import check_reward_nonzero_std
-from rollouts.data.manager_gate import Gate, TailCut
-from rollouts.data.manager_parts import FirstN, request_seed, takes_seed
+from rollouts.data.manager_gate import EngineCalls, Gate, TailCut
+from rollouts.data.manager_parts import FirstN, count_causes, request_seed, takes_engine_calls, takes_seed
 from rollouts.data.manager_round import (
     Counts,
-    Held,
+    Outcome,
     PromptQueue,
     Request,
+    Round,
+    RoundLog,
     add_carry,
     draw,
     restart_stale,
@@ -86,22 +92,6 @@ partial); may take a `seed` keyword like a GenerateFn. The loops build it from a
 
 _MAX_ERRORS_REPORTED = 8  # keep batch metadata small when many requests fail the same way
 _LAST = "; last: "  # between a failed request's prompt and the error it failed with last
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Round:
-    """What one round of requests gave."""
-
-    counts: Counts
-    """Its requests by fate (all but kept_new and carried_over, which depend on the step's room)."""
-    kept: tuple[Held, ...]
-    """Groups the filter kept, with their position and prompt, in request order."""
-    filtered: tuple[tuple[str, tuple[Sample, ...]], ...]
-    """(reason, group) of each group the filter dropped."""
-    errors: tuple[str, ...]
-    """The failed requests' messages, in request order."""
-    cut_short: bool
-    """A pause began, or a request was held, during it: it does not count against the step's rounds."""
 
 
 def _check_setup(config: RolloutConfig, generate_fn: Any, continue_fn: Any, tail_cut: TailCut | None) -> None:
@@ -161,6 +151,8 @@ class AsyncRolloutManager:
         self._reward_fn = reward_fn
         self._filter_fn = check_reward_nonzero_std() if filter_fn is None and config.dynamic_sampling else filter_fn
         self._takes_seed = takes_seed(generate_fn)
+        self._takes_engine_calls = config.partial and takes_engine_calls(generate_fn)
+        self._train_version: int | None = None  # the step's, for the staleness of episodes held by a pause
         self._continue_takes_seed = continue_fn is not None and takes_seed(continue_fn)
         self._source = source
         self._max_staleness = max_staleness
@@ -227,12 +219,15 @@ class AsyncRolloutManager:
         base = self._config.sampling.seed
         return None if base is None or position is None else request_seed(base, position)
 
-    async def _call(self, prompt: Any, group: tuple[Sample, ...] | None, seed: int | None) -> tuple[Sample, ...]:
+    async def _call(
+        self, prompt: Any, group: tuple[Sample, ...] | None, seed: int | None, calls: EngineCalls | None
+    ) -> tuple[Sample, ...]:
         n = self._config.samples_per_prompt
         if group is None:
             fn: Any = self._generate_fn
             args: tuple[Any, ...] = (prompt, n)
-            kwargs = {"seed": seed} if self._takes_seed and seed is not None else {}
+            kwargs: dict[str, Any] = {"seed": seed} if self._takes_seed and seed is not None else {}
+            kwargs |= {} if calls is None else {"engine_calls": calls}
         else:
             fn, args = self._continue_fn, (prompt, group)
             kwargs = {"seed": seed} if self._continue_takes_seed and seed is not None else {}
@@ -241,31 +236,42 @@ class AsyncRolloutManager:
         result = await call_user(call, timeout_s=math.inf, limiter=self._thread_limiter)
         return validate_group(result, n, prompt=prompt, allow_partial=self._continue_fn is not None)
 
-    async def _attempt(self, request: Request) -> tuple[Sample, ...] | str:
-        """One attempt at `request`, bounded by request_timeout_s: its group, or why it failed."""
+    def _engine_calls(self, deadline: anyio.CancelScope, group: tuple[Sample, ...] | None) -> Any:
+        """The attempt's EngineCalls (a context), for a generate function that takes them; else None."""
+        if group is not None or not self._takes_engine_calls:
+            return contextlib.nullcontext(None)
+        return self._gate.calls_counted(deadline, train_version=self._train_version, max_staleness=self._max_staleness)
+
+    async def _attempt(self, request: Request) -> tuple[Outcome, bool]:
+        """One attempt at `request`, bounded by request_timeout_s: its outcome, and whether a
+        response of it was cut short by a pause and continued in place (EngineCalls)."""
         position, prompt, group = request
         timeout_s = self._config.request_timeout_s
+        calls: EngineCalls | None = None
         try:
-            with anyio.move_on_after(timeout_s) as deadline:
-                result = await self._call(prompt, group, self._seed_of(position))
-            if not deadline.cancelled_caught:
-                return result
-            where = f" waiting for {self._source}" if self._source else ""
-            return f"timed out after {timeout_s} s{where} (rollout.request_timeout_s)"
+            with anyio.move_on_after(timeout_s) as deadline, self._engine_calls(deadline, group) as calls:
+                result = await self._call(prompt, group, self._seed_of(position), calls)
         except Exception as e:  # a failed request is retried, then counted; never lost
-            return user_error_text(e)
+            restarted = calls is not None and calls.restarted  # what the cancellation made user code raise
+            return (None, False) if restarted else (user_error_text(e), False)
+        if calls is not None and calls.restarted:
+            return None, False
+        if not deadline.cancelled_caught:
+            return result, calls is not None and calls.continued
+        where = f" waiting for {self._source}" if self._source else ""
+        return f"timed out after {timeout_s} s{where} (rollout.request_timeout_s)", False
 
     async def _request(
         self,
         rid: int,
         request: Request,
         limiter: anyio.CapacityLimiter,
-        results: dict[int, tuple[Sample, ...] | str],
-        retries: dict[int, int],
+        log: RoundLog,
         on_group: Callable[[int], None] | None,
     ) -> None:
-        """Runs `request` (retried up to max_retries); its group or failure goes in results[rid], its
-        retries in retries[rid]. Nothing goes in where a hold kept it from starting or retrying."""
+        """Runs `request` (retried up to max_retries); its group or failure goes in log.results[rid],
+        its retries in log.retries[rid]. No result goes in where a hold kept it from starting or
+        retrying, or where its episodes were too stale after a pause (log.restarted)."""
         max_retries = self._config.max_retries
         errors = []
         async with limiter:
@@ -275,23 +281,27 @@ class AsyncRolloutManager:
                 for attempt in range(max_retries + 1):
                     if attempt and self._gate.holding():  # no retry during a pause: served again after it
                         return
-                    outcome = await self._attempt(request)
+                    outcome, continued = await self._attempt(request)
+                    if outcome is None:  # served again from its prompt, as a stale partial group is
+                        log.restarted.add(rid)
+                        return
                     if isinstance(outcome, str):
                         errors.append(outcome)
                         continue
-                    results[rid], retries[rid] = outcome, attempt
+                    log.results[rid], log.retries[rid] = outcome, attempt
+                    if continued:
+                        log.continued.add(rid)
                     if on_group is not None:  # first_n scores it now, and may end the round
                         on_group(rid)
                     return
-        retries[rid] = max_retries  # every retry spent
-        results[rid] = f"prompt {request[1]!r:.80} failed {len(errors)} times{_LAST}{errors[-1]}"
+        log.retries[rid] = max_retries  # every retry spent
+        log.results[rid] = f"prompt {request[1]!r:.80} failed {len(errors)} times{_LAST}{errors[-1]}"
 
     async def _round(self, room: int, train_version: int | None) -> Round:
         """One round: requests for `room` groups (over-sampled) run, then settled and scored."""
         cfg = self._config
         requests, num_restarted = self._draw(math.ceil(room * cfg.over_sampling_factor), train_version)
-        results: dict[int, tuple[Sample, ...] | str] = {}
-        retries: dict[int, int] = {}
+        log = RoundLog()
         limiter = anyio.CapacityLimiter(cfg.max_concurrency)
         with anyio.CancelScope() as scope:
             self._gate.begin_round(scope)
@@ -300,19 +310,23 @@ class AsyncRolloutManager:
             first_n = FirstN(room, scope, score, cut) if cfg.tail == "first_n" else None
             async with anyio.create_task_group() as tg:
                 for rid, request in enumerate(requests):
-                    on_group = None if first_n is None else first_n.on_group(results)
-                    tg.start_soon(self._request, rid, request, limiter, results, retries, on_group)
+                    on_group = None if first_n is None else first_n.on_group(log.results)
+                    tg.start_soon(self._request, rid, request, limiter, log, on_group)
         cut_short = self._gate.end_round()
         if first_n is not None and first_n.error is not None:
             raise first_n.error
-        self._queue, counts, errors, finished = settle(self._queue, requests, results)
+        self._queue, counts, errors, finished = settle(self._queue, requests, log.results)
         if first_n is None:  # scored per group (as first_n does), each kept with its prompt
             outs = [(request, self._transform(request[1], g)) for request, g in finished]
         else:  # every group that finished was scored on arrival (in request order here)
             outs = [(requests[rid], first_n.outs[rid]) for rid in sorted(first_n.outs)]
         filtered = tuple(f for _, o in outs for f in o.filtered)
         counts += Counts(
-            requested=len(requests), restarted=num_restarted, filtered=len(filtered), retries=sum(retries.values())
+            requested=len(requests),
+            restarted=num_restarted + len(log.restarted),
+            filtered=len(filtered),
+            retries=sum(log.retries.values()),
+            partial=sum(isinstance(log.results.get(rid), tuple) for rid in log.continued),
         )
         kept = tuple((r[0], r[1], g) for r, o in outs for g in o.kept)
         return Round(counts=counts, kept=kept, filtered=filtered, errors=tuple(errors), cut_short=cut_short)
@@ -322,7 +336,7 @@ class AsyncRolloutManager:
         `train_version`: the weight version the batch will be trained at (the staleness bound of
         partial groups is checked against it; None: not checked)."""
         cfg, need = self._config, self._config.batch_size
-        epoch = self._buffer.epoch_id
+        epoch, self._train_version = self._buffer.epoch_id, train_version
         self._queue, num_stale = restart_stale(self._queue, train_version, self._max_staleness)
         kept, self._queue = take_carry(self._queue, need)
         counts = Counts(restarted=num_stale, from_carry_over=len(kept))
@@ -343,7 +357,7 @@ class AsyncRolloutManager:
             counts += done.counts + Counts(kept_new=min(room, num_new), carried_over=max(0, num_new - room))
             filtered.extend(done.filtered)
             errors = [*errors, *done.errors][:_MAX_ERRORS_REPORTED]  # the step's first failures
-            causes = _count_causes(causes, done.errors)
+            causes = count_causes(causes, done.errors, last=_LAST, max_causes=_MAX_ERRORS_REPORTED)
         extra = {
             "num_rounds": num_rounds,
             "num_paused_rounds": num_paused,
@@ -377,15 +391,3 @@ class AsyncRolloutManager:
                 f"the state holds {len(queue.partial)} partial groups; continuing them needs a continue_fn"
             )
         self._queue = queue
-
-
-def _count_causes(causes: Mapping[str, int], failures: Sequence[str]) -> dict[str, int]:
-    """`causes` (error -> failed requests) with `failures` counted in by the error each failed with
-    last (its prompt left out, so that one cause failing many prompts is one count); at most
-    _MAX_ERRORS_REPORTED causes, each cut to 200 characters."""
-    out = dict(causes)
-    for failure in failures:
-        cause = failure.split(_LAST, 1)[-1][:200]
-        if cause in out or len(out) < _MAX_ERRORS_REPORTED:
-            out[cause] = out.get(cause, 0) + 1
-    return out

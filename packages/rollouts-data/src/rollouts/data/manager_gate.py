@@ -1,16 +1,19 @@
 """The rollout manager's gate: whether a request may start (`Hold`s: a pause, a tail cut), the
-requests running, a step's abort, and whether a round was cut short (rollouts.data.manager)."""
+requests running, a step's abort, and whether a round was cut short (rollouts.data.manager); and
+`EngineCalls`, a request's engine calls counted one by one (episodes continued across a pause)."""
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
 import anyio
+import anyio.lowlevel
 
-__all__ = ["Gate", "Hold", "TailCut"]
+__all__ = ["EngineCalls", "Gate", "Hold", "TailCut"]
 
 
 class Hold(enum.Enum):
@@ -48,6 +51,7 @@ class Gate:
         self._holds: set[Hold] = set()
         self._pause_end: anyio.Event | None = None  # the pause in progress's end (made in the event loop)
         self._in_flight = 0  # requests past the concurrency limiter and running
+        self._per_call: set[EngineCalls] = set()  # attempts counted through their engine calls
         self._idle: anyio.Event | None = None  # set when _in_flight drops to 0 (waited on by paused())
         self._aborted = False
         self._scope: anyio.CancelScope | None = None  # the round in progress
@@ -82,6 +86,8 @@ class Gate:
         self._holds.add(Hold.PAUSED)
         self._pause_end = anyio.Event()
         self._round_cut_short = True  # a round a pause began in does not count against its step
+        for calls in self._per_call:
+            calls.stop_clock()
         try:
             if interrupt is not None:
                 interrupt()
@@ -91,6 +97,8 @@ class Gate:
             self._holds.discard(Hold.PAUSED)
             self._idle = None
             self._pause_end.set()
+            for calls in self._per_call:
+                calls.start_clock()
 
     async def _wait_idle(self) -> None:
         """Until no request runs, at most twice request_timeout_s (the engine's abort returns them)."""
@@ -128,9 +136,30 @@ class Gate:
         try:
             yield
         finally:
-            self._in_flight -= 1
-            if not self._in_flight and self._idle is not None:
-                self._idle.set()
+            self._left()
+
+    def _left(self) -> None:
+        self._in_flight -= 1
+        if not self._in_flight and self._idle is not None:
+            self._idle.set()
+
+    @contextmanager
+    def calls_counted(
+        self, deadline: anyio.CancelScope, *, train_version: int | None, max_staleness: int | None
+    ) -> Iterator[EngineCalls]:
+        """For the block, the running request (its attempt bounded by `deadline`) counts as running
+        only through its engine calls (`EngineCalls.call`), and its deadline stops while a pause holds
+        generation."""
+        calls = EngineCalls(self, deadline, train_version=train_version, max_staleness=max_staleness)
+        if Hold.PAUSED in self._holds:
+            calls.stop_clock()
+        self._left()
+        self._per_call.add(calls)
+        try:
+            yield calls
+        finally:
+            self._per_call.discard(calls)
+            self._in_flight += 1
 
     def cut_tail(self) -> None:
         """first_n has its groups: hold new requests and have the engine cut the running ones short."""
@@ -153,3 +182,61 @@ class Gate:
             assert self._tail_cut is not None  # only cut_tail adds the hold
             self._tail_cut.resume()
         return self._round_cut_short
+
+
+class EngineCalls:
+    """The engine calls of one attempt at a request whose episodes go on across a pause (multi-turn
+    episodes continued in place, rollouts.loops.rollouts.continued): each call counts as running,
+    the request between calls does not, so a pause waits for the calls in flight to come back cut
+    short by its interrupt, never for an episode between turns (which may be waiting for the pause
+    to end: waiting for it would deadlock).
+
+    `call()` holds one engine call. It first waits while a pause holds generation (at most the
+    manager's max_pause_s). Where the attempt's oldest token would then be trained more than
+    `max_staleness` versions behind `train_version`, the attempt is cancelled and its prompt
+    generated again (`restarted`), as a partial group too stale to continue is. The attempt's
+    deadline (rollout.request_timeout_s) stops while a pause holds generation: a sync is not the
+    request's slowness."""
+
+    def __init__(
+        self, gate: Gate, deadline: anyio.CancelScope, *, train_version: int | None, max_staleness: int | None
+    ) -> None:
+        self._gate, self._deadline = gate, deadline
+        self._train_version, self._max_staleness = train_version, max_staleness
+        self.restarted = False
+        """The attempt was cancelled as too stale: its prompt is to be generated again."""
+        self.continued = False
+        """A call continued a response cut short (`call(continues=True)`)."""
+        self._remaining_s: float | None = None  # the deadline's time left while a pause stops it
+
+    def stop_clock(self) -> None:
+        """Stop the attempt's deadline (a pause began)."""
+        if self._remaining_s is None:
+            self._remaining_s = self._deadline.deadline - anyio.current_time()
+            self._deadline.deadline = math.inf
+
+    def start_clock(self) -> None:
+        """Run the attempt's deadline again with the time it had left (the pause ended)."""
+        if self._remaining_s is not None:
+            self._deadline.deadline = anyio.current_time() + self._remaining_s
+            self._remaining_s = None
+
+    def too_stale(self, oldest_version: int | None) -> bool:
+        """Whether a token of `oldest_version` would be trained more than max_staleness versions late."""
+        if oldest_version is None or self._train_version is None or self._max_staleness is None:
+            return False
+        return self._train_version - oldest_version > self._max_staleness
+
+    @asynccontextmanager
+    async def call(self, *, oldest_version: int | None, continues: bool = False) -> AsyncIterator[None]:
+        """One engine call, once no pause holds generation; `oldest_version`: the weight version of
+        the attempt's oldest token so far (None: none yet); `continues`: the call continues a
+        response cut short."""
+        await self._gate.wait_resumed()
+        if self.too_stale(oldest_version):
+            self.restarted = True
+            self._deadline.cancel()
+            await anyio.lowlevel.checkpoint()  # raises the cancellation: the attempt ends here
+        self.continued = self.continued or continues
+        with self._gate.running():
+            yield

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -14,7 +14,16 @@ import anyio
 from rollouts.data.rollout import Transformed, is_partial, num_episodes
 from rollouts.types import Sample, thaw
 
-__all__ = ["FirstN", "dump_state", "parse_state", "request_seed", "takes_seed", "too_stale"]
+__all__ = [
+    "FirstN",
+    "count_causes",
+    "dump_state",
+    "parse_state",
+    "request_seed",
+    "takes_engine_calls",
+    "takes_seed",
+    "too_stale",
+]
 
 
 def request_seed(seed: int, position: int) -> int:
@@ -36,6 +45,29 @@ def takes_seed(fn: Any) -> bool:
         or (p.name == "seed" and p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
         for p in params
     )
+
+
+def takes_engine_calls(fn: Any) -> bool:
+    """Whether `fn` names an `engine_calls` keyword (explicitly: a function taking **kwargs does not
+    say it counts its engine calls, and a pause must wait for it whole)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # some builtins and C callables have no signature
+        return False
+    param = params.get("engine_calls")
+    return param is not None and param.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+def count_causes(causes: Mapping[str, int], failures: Sequence[str], *, last: str, max_causes: int) -> dict[str, int]:
+    """`causes` (error -> failed requests) with `failures` counted in by the error each failed with
+    last (the text after `last`: its prompt left out, so that one cause failing many prompts is one
+    count); at most `max_causes` causes, each cut to 200 characters."""
+    out = dict(causes)
+    for failure in failures:
+        cause = failure.split(last, 1)[-1][:200]
+        if cause in out or len(out) < max_causes:
+            out[cause] = out.get(cause, 0) + 1
+    return out
 
 
 def too_stale(group: tuple[Sample, ...], train_version: int | None, max_staleness: int | None) -> bool:

@@ -1,6 +1,7 @@
 """The rollout manager's round as values: what waits to be served (`PromptQueue`, with pure
-`draw` / `requeue`), a round's or a step's groups by fate (`Counts`, which adds up), and a round's
-results sorted (`settle`) (rollouts.data.manager).
+`draw` / `requeue`), a round's or a step's groups by fate (`Counts`, which adds up), what a round
+gave (`Round`, from the `RoundLog` its requests fill in), and a round's results sorted (`settle`)
+(rollouts.data.manager).
 
 A request is (position in the data stream, prompt, the partial group to continue or None); the
 position is None where a saved state did not hold it (its request then has no seed).
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rollouts.data.manager_parts import dump_state, parse_state, too_stale
@@ -20,9 +21,12 @@ from rollouts.types import RolloutBatch, Sample
 __all__ = [
     "Counts",
     "Held",
+    "Outcome",
     "Pending",
     "PromptQueue",
     "Request",
+    "Round",
+    "RoundLog",
     "add_carry",
     "draw",
     "requeue",
@@ -39,6 +43,8 @@ Held = tuple[int | None, Any, Group]
 """(position, prompt, group): a kept group waiting for a step, or a partial group to continue."""
 Request = tuple[int | None, Any, Group | None]
 """(position, prompt, the partial group to continue or None): one request of a round."""
+Outcome = Group | str | None
+"""An attempt's: its group, why it failed, or None where it was restarted (too stale after a pause)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,9 +87,11 @@ class Counts:
     aborted: int = 0
     """Requests that did not finish (cancelled, held, or cut short): served again later."""
     partial: int = 0
-    """Of the aborted, those that came back as partial groups (continued, not restarted)."""
+    """Groups cut short by a pause and continued, not restarted: those that came back as partial
+    groups (also counted in aborted), and those whose episodes were continued in place (EngineCalls)."""
     restarted: int = 0
-    """Partial or carried-over groups too stale to train, generated again from their prompt."""
+    """Partial or carried-over groups, or episodes held by a pause, too stale to train: generated
+    again from their prompt."""
     retries: int = 0
     """Attempts beyond the first, over all requests that finished or failed."""
     from_carry_over: int = 0
@@ -97,6 +105,35 @@ class Counts:
     def to_metadata(self) -> dict[str, int]:
         """{"groups_<field>": count}, in field order (the keys a RolloutBatch's metadata carries)."""
         return {f"groups_{f.name}": getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Round:
+    """What one round of requests gave."""
+
+    counts: Counts
+    """Its requests by fate (all but kept_new and carried_over, which depend on the step's room)."""
+    kept: tuple[Held, ...]
+    """Groups the filter kept, with their position and prompt, in request order."""
+    filtered: tuple[tuple[str, tuple[Sample, ...]], ...]
+    """(reason, group) of each group the filter dropped."""
+    errors: tuple[str, ...]
+    """The failed requests' messages, in request order."""
+    cut_short: bool
+    """A pause began, or a request was held, during it: it does not count against the step's rounds."""
+
+
+@dataclass(slots=True)
+class RoundLog:
+    """What a round's requests came to, by request index, filled in as they finish."""
+
+    results: dict[int, tuple[Sample, ...] | str] = field(default_factory=dict)
+    """Its group, or why it failed; absent where a hold, an abort or a restart kept it from finishing."""
+    retries: dict[int, int] = field(default_factory=dict)
+    restarted: set[int] = field(default_factory=set)
+    """Episodes too stale after a pause (EngineCalls.restarted): generated again from the prompt."""
+    continued: set[int] = field(default_factory=set)
+    """Episodes cut short by a pause and continued in place (EngineCalls.continued)."""
 
 
 def draw(

@@ -92,9 +92,9 @@ def _merge_segments(
 
 def join_continuation(partial: Sample, continuation: Sample) -> Sample:
     """`partial` extended by `continuation`, a Sample whose prompt is partial's tokens (prompt +
-    partial response) and whose response is the newly generated tokens. Tokens, log-probs and the
-    loss mask are concatenated; version segments merged; weight_version is the oldest; status and
-    partiality are the continuation's."""
+    partial response) and whose response is the newly generated tokens. Tokens, log-probs, the
+    loss mask and the response text are concatenated; version segments merged; weight_version is
+    the oldest; status and partiality are the continuation's."""
     if tuple(continuation.prompt_tokens) != tuple(partial.tokens):
         raise ValueError(
             f"continuation prompt ({continuation.num_prompt_tokens} tokens) is not the partial sample's "
@@ -120,6 +120,7 @@ def join_continuation(partial: Sample, continuation: Sample) -> Sample:
     return replace(
         partial,
         tokens=TokenIds((*partial.tokens, *new), what="continued token ids"),
+        response=partial.response + continuation.response,
         loss_mask=LossMask((*partial.loss_mask, *tuple(continuation.loss_mask)[continuation.num_prompt_tokens :])),
         rollout_logprobs=logprobs,
         weight_version=min(known) if known else None,

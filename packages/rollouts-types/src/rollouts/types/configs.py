@@ -172,7 +172,9 @@ class RolloutConfig:
     partial: bool = False
     """Partial rollouts: a weight sync does not wait for the generation in flight; the engine cuts
     the running responses short, they keep their tokens, log-probs and each token's weight version,
-    and are continued (not restarted) under the new weights (rl.overlap; single-turn rollouts)."""
+    and are continued (not restarted) under the new weights (rl.overlap). A multi-turn episode
+    (environment, tool, agent) is continued in place: its turn cut short goes on after the sync and
+    its later turns run under the new weights (not with tail "first_n")."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -29,7 +29,7 @@ from typing import Any
 import trio
 
 from rollouts.data.user_code import user_error_text
-from rollouts.loops.agents.episode import Turn, episode_samples, next_prompt_ids, turn_seed
+from rollouts.loops.agents.episode import Turn, cut_segments, episode_samples, next_prompt_ids, turn_seed
 from rollouts.loops.agents.server import ServerLimits, serve_http
 from rollouts.loops.agents.wire import (
     BadRequest,
@@ -41,6 +41,7 @@ from rollouts.loops.agents.wire import (
     parse_request,
     pieces_of,
 )
+from rollouts.sync.partial import version_segments
 from rollouts.types import InferenceEngine, Sample, SamplingParams, Status
 
 __all__ = ["AgentEndpoint", "EndpointLimits", "Episode", "serve_agent_endpoint"]
@@ -57,7 +58,9 @@ class EndpointLimits:
     max_total_tokens: int = 4096
     """Tokens of an episode's context (prompt and everything after); a request past it is refused (400)."""
     request_timeout_s: float = 120.0
-    """Bound on one engine call; past it the request fails (504) and so does the episode."""
+    """Bound on one engine call; past it the request fails (504) and so does the episode. With
+    rl.rollout.partial a call a weight sync cuts short waits for the sync and is continued after
+    it, within this bound."""
     server: ServerLimits = dataclasses.field(default_factory=ServerLimits)
 
     def __post_init__(self) -> None:
@@ -162,6 +165,7 @@ class AgentEndpoint:
         with trio.fail_after(limits.request_timeout_s):
             (sample,) = await self._engine.generate([list(prompt_ids)], params)
         sampled, logprobs, status = tuple(sample.response_tokens), sample.rollout_logprobs, sample.status
+        segments = version_segments(sample)  # two runs where a sync cut the turn short (rollouts.continued)
         text = _reply_text(self._tokenizer, sampled, status, params.stop_token_ids)
         cut = _stop_cut(self._tokenizer, sampled, text, stop_texts)
         if cut is not None:
@@ -173,6 +177,7 @@ class AgentEndpoint:
             weight_version=sample.weight_version,
             status=status,
             context_text=prompt_text + self._tokenizer.decode(list(sampled), skip_special_tokens=False),
+            segments=cut_segments(segments, len(sampled)) if len(segments) > 1 else None,
         )
         episode.turns.append(turn)
         result = TurnResult(

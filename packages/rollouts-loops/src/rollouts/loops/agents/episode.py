@@ -11,6 +11,8 @@ and sampled ids, rather than one Sample whose earlier tokens differ from what th
 
 In a Sample the engine's tokens are trained (loss weight 1) and everything the agent or its tools
 added between turns is masked (0, log-prob 0.0, weight version None in metadata["version_segments"]).
+A turn a weight sync cut short (rl.rollout.partial) was continued by the endpoint under the new
+weights before the agent got its answer: its sampled ids carry two versions there.
 """
 
 from __future__ import annotations
@@ -21,10 +23,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from rollouts.data.rollout import EPISODE_KEY
+from rollouts.loops.rollouts.continued import extend_segments
 from rollouts.sync.partial import VERSION_SEGMENTS
 from rollouts.types import LogProbs, LossMask, Sample, Status, TokenIds
 
-__all__ = ["PIECE_KEY", "PIECES_KEY", "Turn", "episode_samples", "extends", "next_prompt_ids", "turn_seed"]
+__all__ = [
+    "PIECE_KEY",
+    "PIECES_KEY",
+    "Turn",
+    "cut_segments",
+    "episode_samples",
+    "extends",
+    "next_prompt_ids",
+    "turn_seed",
+]
 
 PIECE_KEY = "episode_piece"
 """Sample.metadata: which piece of its episode the sample is (0 unless the episode was split)."""
@@ -41,10 +53,21 @@ class Turn:
     logprobs: tuple[float, ...] | None
     """One per sampled id; None where the engine returned none."""
     weight_version: int | None
+    """The oldest weights any sampled id came from."""
     status: Status
     context_text: str
     """The prompt's text followed by the sampled ids' text (special tokens kept): what a later
     request's rendering must start with to continue this turn's ids."""
+    segments: tuple[tuple[int | None, int], ...] | None = None
+    """(weight version, length) runs over sampled_ids, for a turn a weight sync cut short and the
+    endpoint continued under the new weights (rollouts.sync.partial); None: all of weight_version."""
+
+    @property
+    def sampled_segments(self) -> tuple[tuple[int | None, int], ...]:
+        """(weight version, length) runs over sampled_ids."""
+        if self.segments is not None:
+            return self.segments
+        return ((self.weight_version, len(self.sampled_ids)),) if self.sampled_ids else ()
 
     @property
     def context_ids(self) -> tuple[int, ...]:
@@ -74,6 +97,16 @@ def turn_seed(base: int | None, episode: int, turn: int, request_seed: int | Non
         return None
     digest = hashlib.blake2b(f"{base}:{episode}:{turn}:{request_seed}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def cut_segments(segments: Sequence[tuple[int | None, int]], length: int) -> tuple[tuple[int | None, int], ...]:
+    """(weight version, length) runs over the first `length` ids of those `segments` cover."""
+    out: list[tuple[int | None, int]] = []
+    for version, n in segments:
+        if length > 0:
+            out.append((version, min(n, length)))
+        length -= n
+    return tuple(out)
 
 
 def pieces(turns: Sequence[Turn]) -> list[list[Turn]]:
@@ -123,11 +156,7 @@ def _piece(run: Sequence[Turn], response: str, metadata: dict[str, Any]) -> Samp
         n = len(turn.sampled_ids)
         mask += [0.0] * added + [1.0] * n
         logprobs += [0.0] * added + (list(turn.logprobs) if turn.logprobs is not None else [0.0] * n)
-        for version, length in ((None, added), (turn.weight_version, n)):
-            if length and segments and segments[-1][0] == version:
-                segments[-1][1] += length
-            elif length:
-                segments.append([version, length])
+        segments = extend_segments(segments, [(None, added), *turn.sampled_segments])
         at = len(turn.prompt_ids) + n
     versions = [t.weight_version for t in run if t.weight_version is not None]
     return Sample(

@@ -12,6 +12,9 @@ fails its group (the other episodes are cancelled), which the rollout manager re
 Async reset and step run in an asyncio event loop by default (asyncio code, aiohttp and asyncio
 SDKs work under the trio loops), or in the rollout's own (`async_loop="caller"`, for trio code).
 Episodes and turns of a seeded group get seeds of their own (rollouts.loops.rollouts.multiturn).
+metadata["version_segments"] says which weights sampled each model token (None on observations);
+with rl.rollout.partial a turn cut short by a weight sync is continued in place, under the new
+weights (rollouts.loops.rollouts.continued), and the episode's weight_version is its oldest token's.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from typing import Any
 
 from rollouts.data import encode_bounded
 from rollouts.data.user_code import AsyncLoop, function_name
+from rollouts.loops.rollouts.continued import extend_segments, oldest_of
 from rollouts.loops.rollouts.functions import RolloutContext, RolloutFn
 from rollouts.loops.rollouts.multiturn import EnvironmentFailure, call_environment, part_seed, run_episodes
+from rollouts.sync.partial import VERSION_SEGMENTS, version_segments
 from rollouts.types import Environment, EnvStep, LogProbs, LossMask, Sample, Status, TokenIds
 
 ENV_REWARD_KEY = "env_reward"
@@ -74,15 +79,17 @@ async def run_episode(env: Environment, record: Any, ctx: RolloutContext, limits
         raise ValueError(f"the first observation ({size}) leaves no room under max_total_tokens={max_total_tokens}")
     params = dataclasses.replace(ctx.sampling, n=1)
     tokens, mask, logprobs = list(prompt), [0.0] * len(prompt), []
-    total_reward, status, turns, weight_version, all_logprobs = 0.0, Status.TRUNCATED, 0, None, True
+    segments: list[list[Any]] = []  # [weight version, length] runs over the response
+    total_reward, status, turns, all_logprobs = 0.0, Status.TRUNCATED, 0, True
     while turns < limits.max_turns and len(tokens) < max_total_tokens:
         room = max_total_tokens - len(tokens)
         turn_params = dataclasses.replace(
             params, max_new_tokens=min(params.max_new_tokens, room), seed=part_seed(params.seed, turns)
         )
         (turn,) = await ctx.engine.generate([tokens], turn_params)
-        turns, weight_version, new = turns + 1, turn.weight_version, list(turn.response_tokens)
+        turns, new = turns + 1, list(turn.response_tokens)
         tokens, mask = tokens + new, mask + [1.0] * len(new)
+        segments = extend_segments(segments, version_segments(turn))  # two runs for a turn cut by a sync
         all_logprobs = all_logprobs and turn.rollout_logprobs is not None
         logprobs += list(turn.rollout_logprobs) if turn.rollout_logprobs is not None else [0.0] * len(new)
         result = await call("step", turns, turn.response, new)
@@ -102,6 +109,7 @@ async def run_episode(env: Environment, record: Any, ctx: RolloutContext, limits
             mask + [0.0] * len(observation),
             logprobs + [0.0] * len(observation),
         )
+        segments = extend_segments(segments, [(None, len(observation))])
     response_ids = tokens[len(prompt) :]
     text = ctx.tokenizer.decode(response_ids, skip_special_tokens=True) if ctx.tokenizer is not None else ""
     return Sample(
@@ -111,8 +119,8 @@ async def run_episode(env: Environment, record: Any, ctx: RolloutContext, limits
         response=text,
         status=status,
         rollout_logprobs=LogProbs(logprobs) if all_logprobs else None,
-        weight_version=weight_version,
-        metadata={ENV_REWARD_KEY: total_reward, "turns": turns},
+        weight_version=oldest_of([v for v, _ in segments]),  # the oldest: a staleness bound holds for every token
+        metadata={ENV_REWARD_KEY: total_reward, "turns": turns, VERSION_SEGMENTS: segments},
     )
 
 

@@ -19,9 +19,11 @@ import numpy as np
 
 from rollouts.data import AsyncRolloutManager, DataBuffer, encode_bounded
 from rollouts.data.manager import TailCut
+from rollouts.data.manager_gate import EngineCalls
 from rollouts.data.prompts import MAX_CHARS_PER_TOKEN
 from rollouts.data.rollout import num_episodes
 from rollouts.data.user_code import AsyncLoop, call_user, function_name
+from rollouts.loops.rollouts.continued import ContinuingEngine, refuse_partial_episodes
 from rollouts.loops.rollouts.multiturn import (
     ToolExecutor,
     ToolParser,
@@ -226,7 +228,12 @@ _ROLLOUT_TIMEOUT_S = math.inf  # the rollout manager bounds each request (rollou
 
 
 def group_generator(
-    rollout: RolloutFn, ctx: RolloutContext, scorer: GroupScorer, *, greedy_baseline: bool = False
+    rollout: RolloutFn,
+    ctx: RolloutContext,
+    scorer: GroupScorer,
+    *,
+    greedy_baseline: bool = False,
+    in_place: bool = False,
 ) -> Callable[[Any, int], Awaitable[list[Sample]]]:
     """The rollout manager's GenerateFn: (record, n) -> n scored Samples carrying the record's fields.
 
@@ -235,12 +242,24 @@ def group_generator(
     prompt at temperature 0, scored and not trained on; its reward goes into every sample's
     metadata["greedy_reward"] (a reward error of it is the samples' reward error). A group cut
     short by an engine abort (partial samples, rollouts.sync.partial) comes back unscored, to be
-    continued by `group_continuer` and scored then. `scorer` scores the groups (shared by all the
-    groups of a run, so that their reward calls batch together)."""
+    continued by `group_continuer` and scored then. With `in_place` (partial multi-turn rollouts)
+    it takes the manager's `engine_calls` instead, and the rollout's engine calls go through a
+    ContinuingEngine: its episodes are continued in place across a sync (rollouts.continued).
+    `scorer` scores the groups (shared by all the groups of a run, so that their reward calls
+    batch together)."""
 
     async def generate_group(record: Any, n: int, *, seed: int | None = None) -> list[Sample]:
-        sampling = _seeded(ctx.sampling, n, seed)
-        group_ctx = ctx if sampling is ctx.sampling else dataclasses.replace(ctx, sampling=sampling)
+        return await generate(record, n, _group_context(ctx, n, seed))
+
+    async def generate_episodes(
+        record: Any, n: int, *, seed: int | None = None, engine_calls: EngineCalls | None = None
+    ) -> list[Sample]:
+        group_ctx = _group_context(ctx, n, seed)
+        if engine_calls is not None:
+            group_ctx = dataclasses.replace(group_ctx, engine=ContinuingEngine(ctx.engine, engine_calls))
+        return await generate(record, n, group_ctx)
+
+    async def generate(record: Any, n: int, group_ctx: RolloutContext) -> list[Sample]:
         samples = await call_user(rollout, record, group_ctx, timeout_s=_ROLLOUT_TIMEOUT_S)
         # n episodes: one Sample each, or several for an episode split into pieces (rollouts.data EPISODE_KEY)
         if (
@@ -251,16 +270,25 @@ def group_generator(
             raise TypeError(f"the rollout function must return {n} Samples, got {samples!r:.120}")
         return await _finish_group(rollout, ctx, scorer, samples, record, greedy_baseline=greedy_baseline)
 
-    return generate_group
+    return generate_episodes if in_place else generate_group
+
+
+def _group_context(ctx: RolloutContext, n: int, seed: int | None) -> RolloutContext:
+    sampling = _seeded(ctx.sampling, n, seed)
+    return ctx if sampling is ctx.sampling else dataclasses.replace(ctx, sampling=sampling)
 
 
 def check_partial_rollouts(config: RLConfig, rollout: RolloutFn) -> None:
-    """Refuse rl.rollout.partial where a response cannot be continued from prompt + partial response:
-    a rollout function other than the single-turn one, or ReMax (its greedy baseline rollout)."""
-    if config.rollout.partial and rollout is not single_turn_rollout:
+    """Refuse rl.rollout.partial where what is cut short cannot be continued: ReMax (its greedy
+    baseline rollout), and a multi-turn rollout (any but the single-turn one, whose episodes are
+    continued in place) with tail 'first_n' (its cut tail is carried to the next step as partial
+    groups, and an episode cannot be carried: its environment lives in the rollout function)."""
+    name = getattr(rollout, "__name__", rollout)
+    if config.rollout.partial and rollout is not single_turn_rollout and config.rollout.tail == "first_n":
         raise ValueError(
-            "rl.rollout.partial continues a response from prompt + partial response: it takes the "
-            f"single-turn rollout, not {getattr(rollout, '__name__', rollout)!r}"
+            f"rl.rollout.partial with tail 'first_n' carries the cut tail to the next step from its tokens; "
+            f"the episodes of rollout {name!r} are continued in place across a sync but cannot be carried "
+            "(their environment, tools or agent live in the rollout function): use tail 'wait'"
         )
     if config.rollout.partial and config.algorithm.advantage_estimator == "remax":
         raise ValueError("rl.rollout.partial does not take advantage_estimator 'remax' (its greedy baseline rollout)")
@@ -279,13 +307,15 @@ def rollout_manager(
     and with tail 'first_n' the tail cut short by the engine's abort() (`tail_controls`)."""
     remax = config.algorithm.advantage_estimator == "remax"  # a greedy rollout per prompt as the baseline
     scorer = GroupScorer(reward)  # one for new and continued groups: their reward calls batch together
+    in_place = config.rollout.partial and rollout is not single_turn_rollout  # episodes continued in place
+    continuer = group_continuer(ctx, scorer) if config.rollout.partial else None
     return AsyncRolloutManager(
         buffer,
         config.rollout,
-        group_generator(rollout, ctx, scorer, greedy_baseline=remax),
+        group_generator(rollout, ctx, scorer, greedy_baseline=remax, in_place=in_place),
         filter_fn=filter_fn,
         source=ctx.engine.name,
-        continue_fn=group_continuer(ctx, scorer) if config.rollout.partial else None,
+        continue_fn=refuse_partial_episodes if in_place else continuer,
         max_staleness=config.max_staleness,  # a partial group carried past it is restarted, not trained stale
         tail_cut=tail_controls(ctx.engine, config),
     )

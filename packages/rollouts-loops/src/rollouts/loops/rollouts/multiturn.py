@@ -37,6 +37,8 @@ from rollouts.data.user_code import (
     call_user,
     user_threads,
 )
+from rollouts.loops.rollouts.continued import extend_segments, oldest_of
+from rollouts.sync.partial import VERSION_SEGMENTS, version_segments
 from rollouts.types import InferenceEngine, LogProbs, LossMask, Sample, SamplingParams, Status, TokenIds, Tokenizer
 
 ToolParser = Callable[[str], Any | None]
@@ -124,6 +126,8 @@ async def run_tool_rollout(
     (that call is not run: nothing would answer its output). `tool_executor` is called through
     rollouts.data.user_code.call_user (a sync one in a worker thread) with no bound of its own.
     `params.seed` is this trajectory's: turn t samples with `part_seed(params.seed, t)`.
+    metadata["version_segments"] says which weights sampled each engine token (None on tool
+    output); weight_version is the oldest (a turn continued across a sync has two).
     """
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
@@ -131,6 +135,7 @@ async def run_tool_rollout(
         raise ValueError(f"prompt ({len(prompt_ids)} tokens) leaves no room under max_total_tokens={max_total_tokens}")
     params = dataclasses.replace(params, n=1)
     tokens, mask, logprobs = list(prompt_ids), [0.0] * len(prompt_ids), []
+    segments: list[list[Any]] = []  # [weight version, length] runs over the response
     num_prompt = len(prompt_ids)
     status, turns, tool_calls, all_logprobs = Status.COMPLETED, 0, 0, True
     while turns < max_turns:
@@ -146,6 +151,7 @@ async def run_tool_rollout(
         new = turn.response_tokens
         tokens += new
         mask += [1.0] * len(new)
+        segments = extend_segments(segments, version_segments(turn))  # two runs for a turn cut by a sync
         all_logprobs = all_logprobs and turn.rollout_logprobs is not None
         logprobs += list(turn.rollout_logprobs) if turn.rollout_logprobs is not None else [0.0] * len(new)
         status = turn.status
@@ -177,6 +183,7 @@ async def run_tool_rollout(
         tokens += tool_ids
         mask += [0.0] * len(tool_ids)
         logprobs += [0.0] * len(tool_ids)
+        segments = extend_segments(segments, [(None, len(tool_ids))])
     response_text = tokenizer.decode(tokens[num_prompt:], skip_special_tokens=True)
     return Sample(
         tokens=TokenIds(tokens),
@@ -185,6 +192,6 @@ async def run_tool_rollout(
         rollout_logprobs=LogProbs(logprobs) if all_logprobs else None,
         response=response_text,
         status=status,
-        weight_version=turn.weight_version if turns else None,
-        metadata={"turns": turns, "tool_calls": tool_calls},
+        weight_version=oldest_of([v for v, _ in segments]),  # the oldest: a staleness bound holds for every token
+        metadata={"turns": turns, "tool_calls": tool_calls, VERSION_SEGMENTS: segments},
     )
