@@ -9,13 +9,18 @@ logprobs  `fused_token_logprobs` against naive log_softmax(h @ W.T).gather, forw
           (kernel="torch") runs with its default operands (on CUDA, bf16 inputs multiplied as they
           are, float32 accumulation and logits) and, for bf16, with matmul_dtype=float32 (exact
           upcast, as on CPU) for comparison; triton is kernel="triton" (the default on CUDA for
-          bf16 / fp16); liger is Liger's fused linear cross-entropy (reduction="none", log p =
-          -loss), when liger_kernel is installed.
+          bf16 / fp16); triton-chained is the same kernel with its forward summing all of H in the
+          tensor cores' accumulator (128 x 256 tiles, no split accumulation), for bf16; liger is
+          Liger's fused linear cross-entropy (reduction="none", log p = -loss), when liger_kernel
+          is installed.
           - time: CUDA events around forward + backward, median of `--repeats` after a warm-up;
           - memory beyond inputs: torch.cuda.max_memory_allocated during the step, less the memory
             allocated before it and the bytes every variant returns (dh, dW, the [K] log-probs);
           - error: on the first 256 tokens, max |log p - exact| and ||dh - exact|| / ||exact||,
-            exact being float64 on the same bf16 / float32 inputs.
+            exact being float64 on the same bf16 / float32 inputs;
+          - for bf16 on CUDA, a line "logits" before the rows: max |logit - exact| over those tokens'
+            [256, V] logits from one cuBLAS bf16 matmul with float32 output (all of H in the tensor
+            cores' accumulator) and from the same summed over H in slices of 64 (float32 adds).
 train     `rl_step` (advantages, packing into micro-batches of 8192 tokens, forward + backward with
           the fused log-probs over the response positions, grad-norm clip, AdamW) on a random-init
           model of Qwen2-0.5B's shape (494M parameters), 64 samples x 1024 tokens (256 prompt +
@@ -182,6 +187,32 @@ def _liger():
     return run
 
 
+def _triton_chained():
+    """kernel="triton" with the forward's logits chained through all of H in the tensor cores' accumulator."""
+    from rollouts.losses.triton_logprobs import TritonBlocks, TritonConfig, TritonTokenLogprobs, default_triton_config
+
+    backward = default_triton_config(torch.device("cuda")).backward
+    forward = TritonBlocks(block_k=128, block_v=256, block_h=64, num_warps=8, num_stages=3, split_accumulation=False)
+    config = TritonConfig(forward=forward, backward=backward)
+
+    def run(hidden_K_H: torch.Tensor, weight_V_H: torch.Tensor, labels_K: torch.Tensor) -> torch.Tensor:
+        return TritonTokenLogprobs.apply(hidden_K_H, weight_V_H, labels_K, 1.0, False, config)[0]
+
+    return run
+
+
+def _logit_errors(hidden_K_H: torch.Tensor, weight_V_H: torch.Tensor, slice_h: int = 64) -> tuple[float, float]:
+    """max |logit - exact| on the first CHECK_TOKENS tokens: one bf16 matmul with float32 output, and the
+    same summed over H in slices of slice_h with float32 adds (the two accumulations of the Triton forward)."""
+    h_C_H, w_V_H = hidden_K_H[:CHECK_TOKENS].detach(), weight_V_H.detach()
+    exact_C_V = h_C_H.double() @ w_V_H.double().T
+    chained_C_V = torch.mm(h_C_H, w_V_H.T, out_dtype=torch.float32)
+    split_C_V = torch.zeros_like(chained_C_V)
+    for k0 in range(0, h_C_H.shape[1], slice_h):
+        split_C_V += torch.mm(h_C_H[:, k0 : k0 + slice_h], w_V_H[:, k0 : k0 + slice_h].T, out_dtype=torch.float32)
+    return float((chained_C_V.double() - exact_C_V).abs().max()), float((split_C_V.double() - exact_C_V).abs().max())
+
+
 def _triton_available(device: torch.device) -> bool:
     import importlib.util
 
@@ -244,6 +275,11 @@ def section_logprobs(device: torch.device, repeats: int, quick: bool) -> list[di
                 if dtype != torch.float32:
                     variants.append(("fused-upcast", _fused(torch.float32)))
                 variants.append(("triton", _fused(None, "triton") if _triton_available(device) else None))
+                if dtype == torch.bfloat16 and _triton_available(device):
+                    variants.append(("triton-chained", _triton_chained()))
+                    chained, split = _logit_errors(hidden, weight)
+                    print(f"{hid:>5} {vocab:>7} {str(dtype)[6:]:>9} {k:>6} {'logits':>14}  max |error|: "
+                          f"cuBLAS bf16 -> float32 {chained:.1e}, summed over H in slices of 64 {split:.1e}")  # fmt: skip
                 variants.append(("liger", _liger() if device.type == "cuda" else None))
                 base = None
                 for name, fn in variants:
@@ -257,7 +293,9 @@ def section_logprobs(device: torch.device, repeats: int, quick: bool) -> list[di
                         print(f"{hid:>5} {vocab:>7} {str(dtype)[6:]:>9} {k:>6} {name:>14}  out of memory")
                         torch.cuda.empty_cache()
                         continue
-                    except (RuntimeError, TypeError, ValueError) as e:  # a peer's API or kernel refusing the case
+                    except (
+                        Exception
+                    ) as e:  # a peer's API refusing the case, or a kernel failing to compile (triton's own errors)
                         print(f"{hid:>5} {vocab:>7} {str(dtype)[6:]:>9} {k:>6} {name:>14}  failed: {e!r:.120}")
                         continue
                     if name == "naive":

@@ -208,7 +208,7 @@ def test_swapping_chosen_and_rejected_mirrors_the_margin(c, r, rc, rr, e):
     t = lambda x: torch.tensor([x], dtype=torch.float64)  # noqa: E731
     forward, m1 = dpo_loss(t(c), t(r), t(rc), t(rr), beta=0.5, label_smoothing=e)
     backward, m2 = dpo_loss(t(r), t(c), t(rr), t(rc), beta=0.5, label_smoothing=e)
-    assert m1["rewards/margins"] == pytest.approx(-m2["rewards/margins"], abs=1e-12)
+    assert float(m1["rewards/margins"]) == pytest.approx(-float(m2["rewards/margins"]), abs=1e-12)
     z = 0.5 * ((c - rc) - (r - rr))
     # -log s(z) - -log s(-z) = -z, so the swap changes the loss by (1 - 2e) z
     assert float(backward) - float(forward) == pytest.approx((1 - 2 * e) * z, abs=1e-9)

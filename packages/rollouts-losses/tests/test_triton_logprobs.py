@@ -2,8 +2,10 @@
 interpreter (TRITON_INTERPRET=1, which triton reads when a kernel is defined, so it is set here before
 the kernels' module is imported). Skips without triton.
 
-Tolerances. Log-probs and entropy: the logits are float32 sums of exact products (|error| about
-H * 2^-24 * sum |h w|, under 1e-6 here), so 1e-5, the kernel's goal. Gradients, elementwise: the
+Tolerances. Log-probs and entropy: the logits are float32 sums of exact products, summed BLOCK_H at a
+time and the partial sums added rounded to nearest, so their error is a random walk of a few float32
+ulps of the logits (under 4e-6 at |logits| <= 32); 1e-5, the kernel's goal, at H up to 3584 with
+logits as large as a trained LM head's (20 to 30). Gradients, elementwise: the
 logits' gradient G is rounded once to the inputs' dtype (unit roundoff u: 2^-8 for bf16) and the
 result once more, so |dh - exact| <= u |exact| + u (|G| |W|) (and |dW - exact| likewise with h), plus
 float32 terms of 1e-5 (|G| |W|) from G's own float32 arithmetic.
@@ -24,7 +26,7 @@ if DEVICE == "cpu":  # before triton's first import: triton.language's own helpe
 pytest.importorskip("triton")
 
 from rollouts.losses import fused_token_logprobs  # noqa: E402
-from rollouts.losses.triton_logprobs import default_triton_blocks  # noqa: E402
+from rollouts.losses.triton_logprobs import default_triton_config  # noqa: E402
 
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
 FLOAT32_SLACK = 1e-5
@@ -32,10 +34,11 @@ FLOAT32_SLACK = 1e-5
 LOGPROB_TOL = 1e-5
 
 
-def _inputs(k, v, h, dtype, seed=0):
+def _inputs(k, v, h, dtype, seed=0, logit_std=2.0):
+    """Hidden states N(0, 1) and W rows N(0, logit_std^2 / H), so the logits are about N(0, logit_std^2)."""
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(1, k, h, generator=gen).to(DEVICE, dtype).requires_grad_()
-    weight = (torch.randn(v, h, generator=gen) * 2 / h**0.5).to(DEVICE, dtype).requires_grad_()
+    weight = (torch.randn(v, h, generator=gen) * logit_std / h**0.5).to(DEVICE, dtype).requires_grad_()
     labels = torch.randint(0, v, (1, k), generator=gen).to(DEVICE)
     upstream = torch.randn(2, 1, k, generator=gen).to(DEVICE)
     return hidden, weight, labels, upstream
@@ -56,8 +59,8 @@ def _exact(hidden, weight, labels, upstream, temperature, with_entropy):
     return lp, ent, h.grad, w.grad, logits.grad.abs() / temperature
 
 
-def _check_case(k, v, h, dtype, temperature, with_entropy, seed=0):
-    hidden, weight, labels, upstream = _inputs(k, v, h, dtype, seed)
+def _check_case(k, v, h, dtype, temperature, with_entropy, seed=0, logit_std=2.0):
+    hidden, weight, labels, upstream = _inputs(k, v, h, dtype, seed, logit_std)
     out = fused_token_logprobs(
         hidden, weight, labels, temperature=temperature, return_entropy=with_entropy, kernel="triton"
     )
@@ -83,7 +86,7 @@ def _check_case(k, v, h, dtype, temperature, with_entropy, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("temperature", "with_entropy"), [(1.0, False), (0.7, True), (1.6, False)])
 def test_triton_matches_float64_on_odd_sizes(dtype, temperature, with_entropy):
-    """K, V and H that are not multiples of the tiles (16 x 32 x 16 in the interpreter)."""
+    """K, V and H that are not multiples of the tiles (16 x 32 x 64 in the interpreter's forward, x 16 in its backward)."""
     _check_case(37, 101, 40, dtype, temperature, with_entropy)
 
 
@@ -157,5 +160,34 @@ def test_kernel_choice_and_refusals(monkeypatch):
 
 
 def test_default_blocks_fit_tl_dot():
-    blocks = default_triton_blocks(torch.device(DEVICE))
-    assert min(blocks.block_k, blocks.block_v, blocks.block_h) >= 16
+    config = default_triton_config(torch.device(DEVICE))
+    for blocks in (config.forward, config.backward):
+        assert min(blocks.block_k, blocks.block_v, blocks.block_h) >= 16
+    # the forward's logits are summed BLOCK_H at a time in float32 (the log-probs' accuracy rests on it)
+    assert config.forward.split_accumulation
+
+
+LM_HEAD_LOGIT_STD = 7.0
+"""Logits about N(0, 49): over 20 tokens x a vocabulary of 96 the largest reach 20 to 30, as a trained LM head's do."""
+
+
+@pytest.mark.parametrize(("h", "with_entropy"), [(896, False), (2048, True), (3584, False)])
+def test_triton_within_1e5_of_float64_at_lm_head_scale(h, with_entropy):
+    """bf16 inputs at real hidden sizes (H BLOCK_H-wide steps) with logits of 20 to 30: log-probs within
+    1e-5 of float64 (the goal), gradients within their rounding bound."""
+    hidden, weight, _, _ = _inputs(20, 96, h, torch.bfloat16, 1, LM_HEAD_LOGIT_STD)
+    top = float((hidden.detach().double() @ weight.detach().double().T).abs().max())
+    assert 20.0 <= top <= 32.0, f"largest |logit| {top}: the case should have an LM head's logits"
+    _check_case(20, 96, h, torch.bfloat16, 1.0, with_entropy, 1, LM_HEAD_LOGIT_STD)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device (the tensor cores' accumulation)")
+@pytest.mark.parametrize(("h", "v"), [(896, 151936), (3584, 152064)])
+def test_triton_within_1e5_of_float64_on_cuda_at_real_vocabulary(h, v):
+    """The tensor cores' own rounding over all of H and a real vocabulary: max |log p - exact| <= 1e-5."""
+    hidden, weight, labels, _ = _inputs(256, v, h, torch.bfloat16, 2, 4.0)
+    with torch.no_grad():
+        lp = fused_token_logprobs(hidden, weight, labels, kernel="triton")
+        exact = torch.log_softmax(hidden.double() @ weight.double().T, dim=-1).gather(-1, labels[..., None])
+    assert float((lp.double() - exact.squeeze(-1)).abs().max()) <= LOGPROB_TOL

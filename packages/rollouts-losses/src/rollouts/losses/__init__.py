@@ -26,6 +26,7 @@ from rollouts.losses.fused_logprobs import fused_block_shape, fused_token_logpro
 from rollouts.losses.kl import KL_KINDS, KLControllerState, adaptive_kl_update, importance_weights, kl_penalty
 from rollouts.losses.logprobs import token_entropy, token_logprobs
 from rollouts.losses.loss_fn import LossFn, PolicyLossFn, SFTLossFn, loss_fn_from_config, sft_loss_fn
+from rollouts.losses.metrics import Metrics, detached_metrics, floats_of, metrics_to_floats
 from rollouts.losses.policy import cispo_loss, gspo_loss, pg_loss, ppo_clip_loss, sft_loss, value_loss
 from rollouts.losses.policy_variants import ClipCovPick, clip_cov_loss, dppo_loss, gmpo_loss, kl_cov_loss, sapo_loss
 from rollouts.losses.preference import (
@@ -68,6 +69,7 @@ __all__ = [
     "KLControllerState",
     "KL_KINDS",
     "LossFn",
+    "Metrics",
     "PairLogps",
     "PolicyLossFn",
     "Reduction",
@@ -79,10 +81,12 @@ __all__ = [
     "clip_cov_loss",
     "clip_rewards",
     "combine_rewards",
+    "detached_metrics",
     "dpo_loss",
     "dppo_loss",
     "ema_accumulators",
     "ema_update_",
+    "floats_of",
     "format_reward",
     "fused_block_shape",
     "fused_token_logprobs",
@@ -101,6 +105,7 @@ __all__ = [
     "loss_fn_from_config",
     "masked_whiten",
     "math_answer_reward",
+    "metrics_to_floats",
     "normalize_rewards",
     "off_policy_diagnostics",
     "off_policy_sequence_mask",

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from rollouts.losses.aggregate import check_same_shape, masked_mean, safe_divide, sequence_sums, to_tokens
-from rollouts.losses.policy import metrics_to_floats
+from rollouts.losses.metrics import detached_metrics
 
 __all__ = ["high_entropy_mask", "off_policy_diagnostics", "off_policy_sequence_mask", "rejection_mask"]
 
@@ -85,7 +85,7 @@ def rejection_mask(
     low: float | None = None,
     high: float | None = None,
     segment_ids_B_T: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[B, T] trainer and engine log-probs -> ([B, T] float keep mask, 1 where low <= statistic <= high; metrics)."""
     check_same_shape(
         old_logprobs_B_T=old_logprobs_B_T,
@@ -121,7 +121,7 @@ def rejection_mask(
     rejected_B_T = (selected_B_T & ~keep_B_T).to(stat_B_T.dtype)
     count_S = sequence_sums(selected_B_T.to(stat_B_T.dtype), segment_ids_B_T)
     rejected_seq_S = sequence_sums(rejected_B_T, segment_ids_B_T) > 0
-    return keep_B_T.to(old_logprobs_B_T.dtype), metrics_to_floats(
+    return keep_B_T.to(old_logprobs_B_T.dtype), detached_metrics(
         rs_masked_frac=masked_mean(rejected_B_T, mask_B_T),
         rs_seq_masked_frac=safe_divide(rejected_seq_S.sum().to(stat_B_T.dtype), (count_S > 0).sum().to(stat_B_T.dtype)),
         rs_stat_mean=masked_mean(stat_B_T, mask_B_T),
@@ -136,7 +136,7 @@ def off_policy_sequence_mask(
     *,
     threshold: float,
     segment_ids_B_T: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[B, T] -> ([B, T] float keep mask: 0 on sequences with mean advantage < 0 and mean
     log(pi_rollout / pi) > threshold; metrics)."""
     check_same_shape(
@@ -158,7 +158,7 @@ def off_policy_sequence_mask(
     )
     drop_S = (seq_adv_S < 0) & (seq_kl_S > threshold)
     keep_B_T = selected_B_T & ~to_tokens(drop_S, segment_ids_B_T, mask_B_T.shape).bool()
-    return keep_B_T.to(logprobs_B_T.dtype), metrics_to_floats(
+    return keep_B_T.to(logprobs_B_T.dtype), detached_metrics(
         off_policy_masked_frac=masked_mean((~keep_B_T).float(), mask_B_T),
         off_policy_seq_kl_mean=safe_divide((seq_kl_S * (count_S > 0)).sum(), (count_S > 0).sum().to(seq_kl_S.dtype)),
     )
@@ -190,8 +190,8 @@ def off_policy_diagnostics(
     mask_B_T: Tensor,
     *,
     segment_ids_B_T: Tensor | None = None,
-) -> dict[str, float]:
-    """[B, T] trainer and engine log-probs -> float metrics of how far the engine's sampling policy is from the trainer's.
+) -> dict[str, Tensor]:
+    """[B, T] trainer and engine log-probs -> metrics (0-dim tensors) of how far the engine's sampling policy is from the trainer's.
 
     Means over sequences count the sequences with loss tokens; the ESS is of the raw weights, each
     sequence counted once at sequence level (departures from verl, kept: see the module docstring).
@@ -215,7 +215,7 @@ def off_policy_diagnostics(
     # log-perplexity difference per sequence: mean engine log-prob - mean trainer log-prob = -mean log r
     log_ppl_diff_S = safe_divide(-sequence_sums(log_r_B_T, segment_ids_B_T), count_S)
     drift_B_T = torch.where(selected_B_T, log_r_B_T.abs(), 0.0)
-    return metrics_to_floats(
+    return detached_metrics(
         offpolicy_kl_k1=masked_mean(-log_r_B_T, mask_B_T),
         offpolicy_kl_k3=masked_mean(torch.expm1(log_r_B_T) - log_r_B_T, mask_B_T),
         offpolicy_logprob_abs_diff=masked_mean(drift_B_T, mask_B_T),

@@ -144,11 +144,11 @@ def _use_triton(
 def _triton_logprobs(
     hidden_K_H: Tensor, weight_V_H: Tensor, labels_K: Tensor, temperature: float, with_entropy: bool
 ) -> tuple[Tensor, Tensor]:
-    from rollouts.losses.triton_logprobs import TritonTokenLogprobs, default_triton_blocks  # imports triton
+    from rollouts.losses.triton_logprobs import TritonTokenLogprobs, default_triton_config  # imports triton
 
-    blocks = default_triton_blocks(hidden_K_H.device)
+    config = default_triton_config(hidden_K_H.device)
     out: tuple[Tensor, Tensor] = TritonTokenLogprobs.apply(
-        hidden_K_H.contiguous(), weight_V_H.contiguous(), labels_K.contiguous(), temperature, with_entropy, blocks
+        hidden_K_H.contiguous(), weight_V_H.contiguous(), labels_K.contiguous(), temperature, with_entropy, config
     )
     return out
 

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from rollouts.losses.aggregate import check_same_shape, masked_mean, sequence_sums, to_tokens
-from rollouts.losses.policy import metrics_to_floats
+from rollouts.losses.metrics import detached_metrics
 from rollouts.types.configs import ISLevel, ISMode, KLKind
 
 __all__ = ["KL_KINDS", "KLControllerState", "adaptive_kl_update", "importance_weights", "kl_penalty"]
@@ -134,7 +134,7 @@ def importance_weights(
     level: ISLevel = "token",
     mode: ISMode = "truncate",
     segment_ids_B_T: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[B, T] trainer and engine log-probs -> ([B, T] detached weights, 0 off the mask; metrics).
 
     level "token": w_t = exp(old_t - rollout_t); "sequence": the product of a sequence's token
@@ -161,7 +161,7 @@ def importance_weights(
     over_cap_B_T = raw_B_T > cap
     weights_B_T = torch.clamp(raw_B_T, max=cap) if mode == "truncate" else torch.where(over_cap_B_T, 0.0, raw_B_T)
     weights_B_T = torch.where(selected_B_T, weights_B_T, 0.0)
-    return weights_B_T, metrics_to_floats(
+    return weights_B_T, detached_metrics(
         is_weight_mean=masked_mean(weights_B_T, mask_B_T),
         is_raw_weight_mean=masked_mean(raw_B_T, mask_B_T),
         is_capped_frac=masked_mean(over_cap_B_T.float(), mask_B_T),

@@ -30,7 +30,8 @@ from rollouts.losses.correction import (
     rejection_mask,
 )
 from rollouts.losses.kl import importance_weights, kl_penalty
-from rollouts.losses.policy import cispo_loss, gspo_loss, metrics_to_floats, pg_loss, ppo_clip_loss, sft_loss
+from rollouts.losses.metrics import Metrics, detached_metrics
+from rollouts.losses.policy import cispo_loss, gspo_loss, pg_loss, ppo_clip_loss, sft_loss
 from rollouts.losses.policy_variants import ClipCovPick, clip_cov_loss, dppo_loss, gmpo_loss, kl_cov_loss, sapo_loss
 from rollouts.types.configs import AlgorithmConfig
 from rollouts.types.micro_batch import MicroBatch
@@ -40,7 +41,10 @@ __all__ = ["LossFn", "PolicyLossFn", "SFTLossFn", "loss_fn_from_config", "sft_lo
 
 @runtime_checkable
 class LossFn(Protocol):
-    """What a trainer calls per micro-batch: [B, T] log-probs and the batch -> (scalar loss, float metrics)."""
+    """What a trainer calls per micro-batch: [B, T] log-probs and the batch -> (scalar loss, metrics).
+
+    The metrics may be floats or 0-dim tensors (rollouts.losses.metrics); the built-in losses give
+    detached tensors, which the trainer reads once per step."""
 
     @property
     def needs_entropy(self) -> bool:
@@ -55,7 +59,7 @@ class LossFn(Protocol):
         num_tokens: int,
         num_sequences: int,
         entropy_B_T: Tensor | None = None,
-    ) -> tuple[Tensor, dict[str, float]]: ...
+    ) -> tuple[Tensor, Metrics]: ...
 
 
 class _Clip(TypedDict):
@@ -93,7 +97,7 @@ class SFTLossFn:
         num_tokens: int | None,
         num_sequences: int | None,
         entropy_B_T: Tensor | None = None,
-    ) -> tuple[Tensor, dict[str, float]]:
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """[B, T] log-probs, micro-batch -> (NLL with step-wide denominators, metrics)."""
         loss, metrics = sft_loss(
             logprobs_B_T,
@@ -107,8 +111,8 @@ class SFTLossFn:
             ),
         )
         if entropy_B_T is not None:
-            metrics |= metrics_to_floats(entropy=masked_mean(entropy_B_T.detach(), batch.loss_mask))
-        return loss, {"loss": float(loss.detach())} | metrics
+            metrics |= detached_metrics(entropy=masked_mean(entropy_B_T.detach(), batch.loss_mask))
+        return loss, {"loss": loss.detach()} | metrics
 
 
 def sft_loss_fn(*, mode: Aggregation = "token-mean", norm_constant: float | None = None) -> SFTLossFn:
@@ -127,14 +131,14 @@ def _token_weights(
     old_B_T: Tensor,
     batch: MicroBatch[Tensor],
     entropy_B_T: Tensor | None,
-) -> tuple[Tensor | None, dict[str, float]]:
+) -> tuple[Tensor | None, dict[str, Tensor]]:
     """The per-token loss multiplier (IS weights x rejection x off-policy mask x entropy mask; None: 1) and metrics."""
     mask_B_T, segment_ids_B_T = batch.loss_mask, batch.segment_ids
     rollout_B_T = batch.rollout_logprobs
     if cfg.needs_rollout_logprobs:
         rollout_B_T = _require(batch, "rollout_logprobs", "IS weights, rejection and the off-policy mask need")
     weights_B_T: Tensor | None = None
-    metrics: dict[str, float] = {}
+    metrics: dict[str, Tensor] = {}
     if rollout_B_T is not None:
         metrics |= off_policy_diagnostics(old_B_T, rollout_B_T, mask_B_T, segment_ids_B_T=segment_ids_B_T)
     # Each branch below is one that cfg.needs_rollout_logprobs names, so _require gave rollout_B_T.
@@ -182,7 +186,7 @@ def _token_weights(
             )
         keep_B_T = high_entropy_mask(entropy_B_T, mask_B_T, top_quantile=cfg.top_entropy_quantile)
         weights_B_T = _times(weights_B_T, keep_B_T)
-        metrics |= metrics_to_floats(entropy_mask_frac=masked_mean(keep_B_T, mask_B_T))
+        metrics |= detached_metrics(entropy_mask_frac=masked_mean(keep_B_T, mask_B_T))
     return weights_B_T, metrics
 
 
@@ -193,7 +197,7 @@ def _policy_loss(
     batch: MicroBatch[Tensor],
     is_weights: Tensor | None,
     reduction: Reduction,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """The configured policy loss on one micro-batch."""
     advantages_B_T = _require(batch, "advantages", "every policy loss needs")
     args = (logprobs_B_T, old_B_T, advantages_B_T, batch.loss_mask)
@@ -240,7 +244,7 @@ class PolicyLossFn:
         num_tokens: int | None,
         num_sequences: int | None,
         entropy_B_T: Tensor | None = None,
-    ) -> tuple[Tensor, dict[str, float]]:
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """[B, T] log-probs, micro-batch -> (policy loss with step-wide denominators, metrics)."""
         cfg = self.algorithm
         mask_B_T = _require(batch, "loss_mask", "every loss needs")
@@ -271,9 +275,9 @@ class PolicyLossFn:
             ref_B_T = _require(batch, "ref_logprobs", f"the KL in the loss needs (kl_coef={cfg.kl_coef})")
             kl_B_T = kl_penalty(logprobs_B_T, ref_B_T, kind=cfg.kl_kind)
             loss = loss + cfg.kl_coef * reduction.apply(kl_B_T, mask_B_T)
-            metrics |= metrics_to_floats(kl=masked_mean(kl_B_T.detach(), mask_B_T))
+            metrics |= detached_metrics(kl=masked_mean(kl_B_T.detach(), mask_B_T))
         elif ref_B_T is not None:
-            metrics |= metrics_to_floats(
+            metrics |= detached_metrics(
                 kl=masked_mean(kl_penalty(logprobs_B_T.detach(), ref_B_T, kind=cfg.kl_kind), mask_B_T)
             )
         if cfg.entropy_coef > 0.0:
@@ -284,8 +288,8 @@ class PolicyLossFn:
                 )
             loss = loss - cfg.entropy_coef * reduction.apply(entropy_B_T, mask_B_T)
         if entropy_B_T is not None:
-            metrics |= metrics_to_floats(entropy=masked_mean(entropy_B_T.detach(), mask_B_T))
-        return loss, {"loss": float(loss.detach())} | metrics
+            metrics |= detached_metrics(entropy=masked_mean(entropy_B_T.detach(), mask_B_T))
+        return loss, {"loss": loss.detach()} | metrics
 
 
 def loss_fn_from_config(algorithm: AlgorithmConfig) -> PolicyLossFn:

@@ -1,7 +1,8 @@
 """SFT and policy-gradient losses: masked NLL, PPO clip (clip-higher, dual clip), GSPO, CISPO, REINFORCE, value.
 
 Legend: B rows, T tokens per row. Every per-token tensor is [B, T] and aligned with input_ids.
-Every loss returns `(scalar loss, metrics)` with metrics as plain floats (means over loss tokens).
+Every loss returns `(scalar loss, metrics)` with metrics as 0-dim detached tensors (means over loss tokens,
+read by the trainer once per step: metrics.py).
 Every loss takes a `Reduction` (aggregate.py): the mode, norm_constant, segment_ids_B_T (packed
 rows), num_tokens and num_sequences (step-wide denominators for micro-batches). Its mode None is
 the loss's own default: seq-mean-token-mean for GSPO, token-mean for the others.
@@ -30,6 +31,7 @@ from rollouts.losses.aggregate import (
     sequence_sums,
     to_tokens,
 )
+from rollouts.losses.metrics import detached_metrics
 
 __all__ = ["cispo_loss", "gspo_loss", "pg_loss", "ppo_clip_loss", "sft_loss", "value_loss"]
 
@@ -38,19 +40,6 @@ MAX_LOG_RATIO = 20.0
 GSPO_MAX_LOG_RATIO = 10.0
 """Upper clamp on GSPO's sequence log-ratio before exp() (verl's GSPO clamp): a sequence's ratio is
 at most e^10; no lower clamp, since exp() of a very negative mean cannot overflow."""
-
-
-def metrics_to_floats(**named: Tensor | float) -> dict[str, float]:
-    """Detach scalar tensors and turn them into floats with a single device sync."""
-    out = {name: float(v) for name, v in named.items() if not isinstance(v, Tensor)}
-    tensors = {name: v for name, v in named.items() if isinstance(v, Tensor)}
-    by_device: dict[torch.device, list[str]] = {}
-    for name, v in tensors.items():
-        by_device.setdefault(v.device, []).append(name)
-    for names in by_device.values():
-        stacked = torch.stack([tensors[n].detach().reshape(()).double() for n in names])
-        out.update(zip(names, stacked.tolist(), strict=True))
-    return {name: out[name] for name in named}
 
 
 def _check_eps(eps_low: float, eps_high: float) -> None:
@@ -90,12 +79,12 @@ def sft_loss(
     loss_mask_B_T: Tensor,
     *,
     reduction: Reduction = DEFAULT_REDUCTION,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[B, T] log-probs and loss mask -> masked negative log-likelihood, reduced by mode."""
     check_same_shape(logprobs_B_T=logprobs_B_T, loss_mask_B_T=loss_mask_B_T)
     loss = reduction.apply(-logprobs_B_T, loss_mask_B_T)
     nll = masked_mean(-logprobs_B_T.detach(), loss_mask_B_T)
-    return loss, metrics_to_floats(nll=nll, num_loss_tokens=(loss_mask_B_T > 0).sum())
+    return loss, detached_metrics(nll=nll, num_loss_tokens=(loss_mask_B_T > 0).sum())
 
 
 def ppo_clip_loss(
@@ -109,7 +98,7 @@ def ppo_clip_loss(
     dual_clip_c: float | None = None,
     is_weights: Tensor | None = None,
     reduction: Reduction = DEFAULT_REDUCTION,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[B, T] -> PPO clipped surrogate max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), dual-clipped at -A c where A < 0."""
     check_same_shape(
         logprobs_B_T=logprobs_B_T,
@@ -140,7 +129,7 @@ def ppo_clip_loss(
     loss = reduction.apply(_weighted(loss_B_T, is_weights), mask_B_T)
     ratio = ratio_B_T.detach()
     ratio_min, ratio_max = _masked_extremes(ratio, mask_B_T, empty=1.0)
-    return loss, metrics_to_floats(
+    return loss, detached_metrics(
         pg_loss=loss,
         clip_frac_low=masked_mean((negative & (ratio < 1.0 - eps_low)).float(), mask_B_T),
         clip_frac_high=masked_mean(((adv_B_T > 0) & (ratio > 1.0 + eps_high)).float(), mask_B_T),
@@ -162,7 +151,7 @@ def gspo_loss(
     eps_high: float = 4e-4,
     is_weights: Tensor | None = None,
     reduction: Reduction = DEFAULT_REDUCTION,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[B, T] -> GSPO: PPO clip on the sequence ratio s_i = exp(mean_t log r_t), per token as sg(s_i) r_t / sg(r_t).
 
     Defaults follow the GSPO paper: clip range (3e-4, 4e-4), sequence-mean aggregation. The log of
@@ -197,7 +186,7 @@ def gspo_loss(
     ratio = ratio_B_T.detach()
     has_tokens_S = (sequence_sums(selected_B_T, segment_ids_B_T) > 0) & sequence_present(mask_B_T, segment_ids_B_T)
     seq_ratio_S = torch.exp(torch.clamp(seq_log_ratio_S, max=GSPO_MAX_LOG_RATIO))
-    return loss, metrics_to_floats(
+    return loss, detached_metrics(
         pg_loss=loss,
         clip_frac_low=masked_mean(((adv_B_T < 0) & (ratio < 1.0 - eps_low)).float(), mask_B_T),
         clip_frac_high=masked_mean(((adv_B_T > 0) & (ratio > 1.0 + eps_high)).float(), mask_B_T),
@@ -216,7 +205,7 @@ def cispo_loss(
     eps_high: float = 0.2,
     is_weights: Tensor | None = None,
     reduction: Reduction = DEFAULT_REDUCTION,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[B, T] -> CISPO: -sg(clamp(r, 1 - eps_low, 1 + eps_high)) A log p (clip the weight, keep every token's gradient)."""
     check_same_shape(
         logprobs_B_T=logprobs_B_T,
@@ -234,7 +223,7 @@ def cispo_loss(
     weight_B_T = torch.clamp(ratio_B_T, 1.0 - eps_low, 1.0 + eps_high)
     loss_B_T = -weight_B_T * advantages_B_T.detach() * logprobs_B_T
     loss = reduction.apply(_weighted(loss_B_T, is_weights), mask_B_T)
-    return loss, metrics_to_floats(
+    return loss, detached_metrics(
         pg_loss=loss,
         clip_frac_low=masked_mean((ratio_B_T < 1.0 - eps_low).float(), mask_B_T),
         clip_frac_high=masked_mean((ratio_B_T > 1.0 + eps_high).float(), mask_B_T),
@@ -250,13 +239,13 @@ def pg_loss(
     *,
     is_weights: Tensor | None = None,
     reduction: Reduction = DEFAULT_REDUCTION,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[B, T] -> vanilla policy gradient (REINFORCE / on-policy GRPO without a ratio): -A log p."""
     check_same_shape(logprobs_B_T=logprobs_B_T, advantages_B_T=advantages_B_T, mask_B_T=mask_B_T, is_weights=is_weights)
     logprobs_B_T, advantages_B_T = _zero_unselected(mask_B_T, logprobs_B_T, advantages_B_T)
     loss_B_T = -advantages_B_T.detach() * logprobs_B_T
     loss = reduction.apply(_weighted(loss_B_T, is_weights), mask_B_T)
-    return loss, metrics_to_floats(pg_loss=loss)
+    return loss, detached_metrics(pg_loss=loss)
 
 
 def value_loss(
@@ -267,7 +256,7 @@ def value_loss(
     *,
     clip_range: float | None = 0.2,
     reduction: Reduction = DEFAULT_REDUCTION,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[B, T] -> clipped critic loss 0.5 max((v - R)^2, (v_old + clip(v - v_old, +-clip_range) - R)^2)."""
     check_same_shape(values_B_T=values_B_T, old_values_B_T=old_values_B_T, returns_B_T=returns_B_T, mask_B_T=mask_B_T)
     if clip_range is not None and not clip_range > 0:
@@ -284,6 +273,6 @@ def value_loss(
         loss_B_T = torch.maximum(unclipped_B_T, clipped_B_T)
         clip_frac = masked_mean((clipped_B_T > unclipped_B_T).float(), mask_B_T)
     loss = 0.5 * reduction.apply(loss_B_T, mask_B_T)
-    return loss, metrics_to_floats(
+    return loss, detached_metrics(
         vf_loss=loss, vf_clip_frac=clip_frac, value_mean=masked_mean(values_B_T.detach(), mask_B_T)
     )

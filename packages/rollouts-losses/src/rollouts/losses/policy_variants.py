@@ -3,7 +3,7 @@
 Legend: B rows, T tokens per row, S sequences (on packed rows, bins indexed by segment id).
 Every loss takes [B, T] log-probs, old log-probs, advantages and mask, and a `Reduction` as the
 losses of `policy.py` do (its mode None: seq-mean-token-mean for SAPO and GMPO, token-mean for the
-others); it zeroes masked-out inputs before any arithmetic and returns `(scalar loss, float metrics)`.
+others); it zeroes masked-out inputs before any arithmetic and returns `(scalar loss, metrics)` (0-dim detached tensors).
 
 Each is written from its paper and checked against a peer's formula (files read on the dates given):
 - SAPO (Gao et al. 2025, arXiv 2511.20347): -A f(r), the soft gate f(r) = (4 / tau) sigmoid(tau (r - 1)),
@@ -51,7 +51,8 @@ from rollouts.losses.aggregate import (
     sequence_sums,
     to_tokens,
 )
-from rollouts.losses.policy import MAX_LOG_RATIO, _check_eps, _weighted, _zero_unselected, metrics_to_floats
+from rollouts.losses.metrics import detached_metrics
+from rollouts.losses.policy import MAX_LOG_RATIO, _check_eps, _weighted, _zero_unselected
 
 __all__ = [
     "DEFAULT_CLIP_COV_PICK",
@@ -84,7 +85,7 @@ def sapo_loss(
     tau_neg: float = 1.05,
     is_weights: Tensor | None = None,
     reduction: Reduction = DEFAULT_REDUCTION,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[B, T] -> SAPO: -A (4 / tau) sigmoid(tau (r - 1)), tau = tau_pos where A > 0, else tau_neg."""
     check_same_shape(
         logprobs_B_T=logprobs_B_T,
@@ -105,7 +106,7 @@ def sapo_loss(
     gate_B_T = torch.sigmoid(tau_B_T * (ratio_B_T - 1.0)) * (SAPO_GATE_SCALE / tau_B_T)
     # verl's sequence mean, unless the reduction names a mode
     loss = reduction.apply(_weighted(-adv_B_T * gate_B_T, is_weights), mask_B_T, "seq-mean-token-mean")
-    return loss, metrics_to_floats(
+    return loss, detached_metrics(
         pg_loss=loss,
         approx_kl=masked_mean(-log_ratio_B_T.detach(), mask_B_T),
         ratio_mean=masked_mean(ratio_B_T.detach(), mask_B_T),
@@ -123,7 +124,7 @@ def gmpo_loss(
     eps_high: float = 0.4,
     is_weights: Tensor | None = None,
     reduction: Reduction = DEFAULT_REDUCTION,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[B, T] -> GMPO: -mean_t(A) exp(mean_t sgn(A) min(sgn(A) log r, sgn(A) clip(log r, -eps_low, eps_high))),
     per sequence, on every token of it. eps are log-space bounds (the paper's 0.4: ratios in (e^-0.4, e^0.4)).
     Each token's log r is clamped to +-20 before anything else, where verl has no clamp, so one far-off
@@ -156,7 +157,7 @@ def gmpo_loss(
     # verl's batch mean of sequences, unless the reduction names a mode
     loss = reduction.apply(_weighted(loss_B_T, is_weights), mask_B_T, "seq-mean-token-mean")
     was_clipped_B_T = (log_ratio_B_T != clipped_B_T).detach()
-    return loss, metrics_to_floats(
+    return loss, detached_metrics(
         pg_loss=loss,
         clip_frac_low=masked_mean((was_clipped_B_T & (adv_B_T < 0)).float(), mask_B_T),
         clip_frac_high=masked_mean((was_clipped_B_T & (adv_B_T > 0)).float(), mask_B_T),
@@ -203,7 +204,7 @@ def dppo_loss(
     eps_high: float = 0.2,
     is_weights: Tensor | None = None,
     reduction: Reduction = DEFAULT_REDUCTION,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[B, T] -> DPPO: -A r on tokens inside the trust region (binary TV or binary KL to pi_old), 0 outside.
 
     The masked tokens stay in the denominators (a trust-region mask, like PPO's clip, not a filter).
@@ -227,7 +228,7 @@ def dppo_loss(
     ratio_B_T = torch.exp(log_ratio_B_T)
     loss_B_T = torch.where(outside_B_T, 0.0, -adv_B_T * ratio_B_T)
     loss = reduction.apply(_weighted(loss_B_T, is_weights), mask_B_T)
-    return loss, metrics_to_floats(
+    return loss, detached_metrics(
         pg_loss=loss,
         masked_frac_high=masked_mean((outside_B_T & (adv_B_T > 0)).float(), mask_B_T),
         masked_frac_low=masked_mean((outside_B_T & (adv_B_T <= 0)).float(), mask_B_T),
@@ -292,7 +293,7 @@ def clip_cov_loss(
     pick: ClipCovPick = DEFAULT_CLIP_COV_PICK,
     is_weights: Tensor | None = None,
     reduction: Reduction = DEFAULT_REDUCTION,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[B, T] -> PPO clip, with the loss of a random pick.cov_fraction of unclipped tokens whose covariance lies
     in pick.cov_bounds set to 0 (their gradient detached)."""
     check_same_shape(
@@ -322,7 +323,7 @@ def clip_cov_loss(
     picked_B_T = _top_k_mask(draws_B_T, eligible_B_T, _num_picked(mask_B_T, pick.cov_fraction))
     loss_B_T = torch.where(picked_B_T, 0.0, torch.maximum(unclipped_B_T, clipped_B_T))
     loss = reduction.apply(_weighted(loss_B_T, is_weights), mask_B_T)
-    return loss, metrics_to_floats(
+    return loss, detached_metrics(
         pg_loss=loss,
         cov_picked_frac=masked_mean(picked_B_T.float(), mask_B_T),
         approx_kl=masked_mean(-_log_ratio(logprobs_B_T, old_logprobs_B_T).detach(), mask_B_T),
@@ -339,7 +340,7 @@ def kl_cov_loss(
     kl_coef: float = 1.0,
     is_weights: Tensor | None = None,
     reduction: Reduction = DEFAULT_REDUCTION,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[B, T] -> -A r, plus kl_coef |log r| on the top cov_fraction of loss tokens by covariance."""
     check_same_shape(
         logprobs_B_T=logprobs_B_T,
@@ -359,7 +360,7 @@ def kl_cov_loss(
     picked_B_T = _top_k_mask(cov_B_T, mask_B_T > 0, _num_picked(mask_B_T, cov_fraction))
     loss_B_T = -adv_B_T * torch.exp(log_ratio_B_T) + torch.where(picked_B_T, kl_coef * log_ratio_B_T.abs(), 0.0)
     loss = reduction.apply(_weighted(loss_B_T, is_weights), mask_B_T)
-    return loss, metrics_to_floats(
+    return loss, detached_metrics(
         pg_loss=loss,
         cov_picked_frac=masked_mean(picked_B_T.float(), mask_B_T),
         approx_kl=masked_mean(-log_ratio_B_T.detach(), mask_B_T),

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rollouts.losses.aggregate import safe_divide
-from rollouts.losses.policy import metrics_to_floats
+from rollouts.losses.metrics import detached_metrics
 from rollouts.types.preference import PreferenceConfig
 
 __all__ = [
@@ -151,7 +151,7 @@ def dpo_loss(
     beta: float = 0.1,
     label_smoothing: float = 0.0,
     num_pairs: int | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[P] summed log-probs -> DPO's -log s(beta d); label_smoothing e > 0: conservative DPO."""
     _check_beta(beta)
     _check_smoothing(label_smoothing)
@@ -160,7 +160,7 @@ def dpo_loss(
     losses_P = _smoothed_sigmoid(beta * (chosen_ratio_P - rejected_ratio_P), label_smoothing)
     loss = _mean(losses_P, num_pairs)
     metrics = _reward_metrics(beta * chosen_ratio_P, beta * rejected_ratio_P, chosen_P, rejected_P)
-    return loss, metrics_to_floats(**metrics)
+    return loss, detached_metrics(**metrics)
 
 
 def robust_dpo_loss(
@@ -172,7 +172,7 @@ def robust_dpo_loss(
     beta: float = 0.1,
     label_smoothing: float = 0.0,
     num_pairs: int | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[P] summed log-probs -> robust DPO: [-(1 - e) log s(z) + e log s(-z)] / (1 - 2 e), z = beta d."""
     _check_beta(beta)
     _check_smoothing(label_smoothing)
@@ -183,7 +183,7 @@ def robust_dpo_loss(
     losses_P = (-(1.0 - e) * F.logsigmoid(z_P) + e * F.logsigmoid(-z_P)) / (1.0 - 2.0 * e)
     loss = _mean(losses_P, num_pairs)
     metrics = _reward_metrics(beta * chosen_ratio_P, beta * rejected_ratio_P, chosen_P, rejected_P)
-    return loss, metrics_to_floats(**metrics)
+    return loss, detached_metrics(**metrics)
 
 
 def hinge_loss(
@@ -194,7 +194,7 @@ def hinge_loss(
     *,
     beta: float = 0.1,
     num_pairs: int | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[P] summed log-probs -> the hinge loss max(0, 1 - beta d) (RSO / SLiC)."""
     _check_beta(beta)
     _check_count("num_pairs", num_pairs)
@@ -202,7 +202,7 @@ def hinge_loss(
     losses_P = torch.relu(1.0 - beta * (chosen_ratio_P - rejected_ratio_P))
     loss = _mean(losses_P, num_pairs)
     metrics = _reward_metrics(beta * chosen_ratio_P, beta * rejected_ratio_P, chosen_P, rejected_P)
-    return loss, metrics_to_floats(**metrics)
+    return loss, detached_metrics(**metrics)
 
 
 def ipo_loss(
@@ -215,7 +215,7 @@ def ipo_loss(
     *,
     beta: float = 0.1,
     num_pairs: int | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[P] summed log-probs and token counts -> IPO's (d' - 1 / (2 beta))^2, on per-token mean log-ratios
     (as TRL computes it, length-normalised so beta means the same at any completion length)."""
     _check_beta(beta)
@@ -227,7 +227,7 @@ def ipo_loss(
     losses_P = (margin_P - 1.0 / (2.0 * beta)) ** 2
     loss = _mean(losses_P, num_pairs)
     metrics = _reward_metrics(beta * chosen_ratio_P, beta * rejected_ratio_P, chosen_P, rejected_P)
-    return loss, metrics_to_floats(**metrics)
+    return loss, detached_metrics(**metrics)
 
 
 def _averages(
@@ -250,7 +250,7 @@ def simpo_loss(
     gamma: float = 0.5,
     label_smoothing: float = 0.0,
     num_pairs: int | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[P] summed log-probs and token counts -> SimPO: the sigmoid loss on beta (mean pi_c - mean pi_r) - gamma.
 
     No reference model. Defaults are the SimPO paper's (beta 2, gamma 0.5); gamma is the margin
@@ -265,7 +265,7 @@ def simpo_loss(
     losses_P = _smoothed_sigmoid(beta * (avg_chosen_P - avg_rejected_P) - gamma, label_smoothing)
     loss = _mean(losses_P, num_pairs)
     metrics = _reward_metrics(beta * avg_chosen_P, beta * avg_rejected_P, avg_chosen_P, avg_rejected_P)
-    return loss, metrics_to_floats(**metrics)
+    return loss, detached_metrics(**metrics)
 
 
 def _log1mexp(x: Tensor) -> Tensor:
@@ -282,7 +282,7 @@ def orpo_loss(
     beta: float = 0.1,
     num_pairs: int | None = None,
     num_chosen_tokens: int | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[P] summed log-probs and token counts -> ORPO: NLL of the chosen tokens - beta mean log s(log odds ratio).
 
     No reference model. `num_chosen_tokens`: the step's count of chosen tokens, the NLL's denominator
@@ -300,7 +300,7 @@ def orpo_loss(
     nll = safe_divide(-chosen_P.sum(), tokens)
     loss = nll - beta * _mean(ratio_P, num_pairs)
     metrics = _reward_metrics(beta * avg_chosen_P, beta * avg_rejected_P, avg_chosen_P, avg_rejected_P)
-    return loss, metrics_to_floats(
+    return loss, detached_metrics(
         **metrics,
         nll_loss=nll.detach(),
         log_odds_ratio=safe_divide(ratio_P.detach().sum(), ratio_P.numel()),
@@ -319,7 +319,7 @@ def kto_loss(
     undesirable_weight: float = 1.0,
     kl: Tensor | float | None = None,
     num_pairs: int | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """[P] summed log-probs -> KTO on pairs: each chosen is a desirable example, each rejected an
     undesirable one, the loss their weighted mean. `kl`: the reference point (never differentiated,
     clamped at 0); None: estimated from this batch's log-ratios (see the module docstring)."""
@@ -339,7 +339,7 @@ def kto_loss(
     losses_N = torch.cat([chosen_losses_P, rejected_losses_P])
     loss = _mean(losses_N, None if num_pairs is None else 2 * num_pairs)
     metrics = _reward_metrics(beta * chosen_ratio_P, beta * rejected_ratio_P, chosen_P, rejected_P)
-    return loss, metrics_to_floats(**metrics, kl=kl_value)
+    return loss, detached_metrics(**metrics, kl=kl_value)
 
 
 def preference_loss(
@@ -348,7 +348,7 @@ def preference_loss(
     *,
     num_pairs: int | None = None,
     num_chosen_tokens: int | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """The loss `config` names on `logps`, with its options; the step-wide counts as each loss takes them."""
     if not isinstance(config, PreferenceConfig):
         raise TypeError(f"config must be a rollouts.types.PreferenceConfig, got {type(config).__name__}")

@@ -12,6 +12,16 @@ float32, so the logits are never rounded to bf16), and keeps per token the runni
 s of exp(x - m), the sum t of exp(x - m) (x - m) (for the entropy) and the label's logit: the
 online softmax of Milakov & Gimelshein (2018). A few [S, K] torch ops combine the splits.
 
+Accumulation over H. NVIDIA's tensor cores add each few products into their float32 accumulator
+with truncation (rounding toward zero, Fasi et al. 2021), so a logit chained through all of H in
+that accumulator is biased toward zero by about half an ulp of its running value per few products:
+an error that grows linearly with H and, at the vocabulary's largest logits, reaches the log-probs
+in full. The forward therefore takes each BLOCK_H-wide partial product from the tensor cores
+started from zero (its truncation is relative to a small partial sum, and of either sign) and adds
+it to the float32 logits with a round-to-nearest add (`split_accumulation`). That add is PTX
+(`add.rn.f32`): triton's combiner folds a plain `acc + tl.dot(a, b)` back into the chained form.
+The backward keeps the chained accumulator: its logits only feed a gradient rounded to bf16.
+
 Backward: for each block of U vocabulary rows, a kernel recomputes the logits tile by tile and
 writes G = dL/dlogits / temperature = (g (onehot - p) - g_H p (log p + H)) / temperature into a
 [K, U] buffer in the inputs' dtype (rounded once, as a bf16 model's own backward rounds its logits'
@@ -32,7 +42,7 @@ import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 from torch import Tensor
 
-__all__ = ["TritonBlocks", "TritonTokenLogprobs", "default_triton_blocks", "triton_interpreting"]
+__all__ = ["TritonBlocks", "TritonConfig", "TritonTokenLogprobs", "default_triton_config", "triton_interpreting"]
 
 MIN_BACKWARD_ROWS = 2048
 """Fewest vocabulary rows U per backward block: each block reads and writes the [K, H] float32 dh
@@ -60,11 +70,30 @@ class TritonBlocks:
     """hidden units per step of the tile's matmul loop (>= 16)"""
     num_warps: int
     num_stages: int
+    split_accumulation: bool
+    """add each BLOCK_H-wide partial product to the float32 logits with a round-to-nearest float32 add,
+    instead of chaining all of H in the tensor cores' truncating accumulator (module docstring)"""
 
 
-_CUDA_BLOCKS = TritonBlocks(block_k=128, block_v=256, block_h=64, num_warps=8, num_stages=3)
-"""Chosen on an H100 among 128 x 128, 128 x 256, 64 x 128 and 128 x 64 tiles with 4 or 8 warps: the largest, 8 warps."""
-_INTERPRETER_BLOCKS = TritonBlocks(block_k=16, block_v=32, block_h=16, num_warps=4, num_stages=1)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TritonConfig:
+    """The tiles of the forward kernel and of the backward's logits-gradient kernel."""
+
+    forward: TritonBlocks
+    backward: TritonBlocks
+
+
+_CUDA_CONFIG = TritonConfig(
+    # 128 x 128: the partial product and the accumulator, two [128, 128] float32 tiles, fit 8 warps' registers
+    forward=TritonBlocks(block_k=128, block_v=128, block_h=64, num_warps=8, num_stages=3, split_accumulation=True),
+    # chosen on an H100 among 128 x 128, 128 x 256, 64 x 128 and 128 x 64 tiles with 4 or 8 warps
+    backward=TritonBlocks(block_k=128, block_v=256, block_h=64, num_warps=8, num_stages=3, split_accumulation=False),
+)
+_INTERPRETER_CONFIG = TritonConfig(
+    # block_h as on a GPU: the logits are then summed in the same steps
+    forward=TritonBlocks(block_k=16, block_v=32, block_h=64, num_warps=4, num_stages=1, split_accumulation=True),
+    backward=TritonBlocks(block_k=16, block_v=32, block_h=16, num_warps=4, num_stages=1, split_accumulation=False),
+)
 
 
 def triton_interpreting() -> bool:
@@ -72,9 +101,9 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def default_triton_blocks(device: torch.device) -> TritonBlocks:
+def default_triton_config(device: torch.device) -> TritonConfig:
     """The tiles for `device`: large ones for a GPU, the smallest that tl.dot takes for the interpreter."""
-    return _CUDA_BLOCKS if device.type == "cuda" else _INTERPRETER_BLOCKS
+    return _CUDA_CONFIG if device.type == "cuda" else _INTERPRETER_CONFIG
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -83,9 +112,19 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit  # type: ignore[untyped-decorator]
+def _add_rn(x, y, PTX: tl.constexpr):
+    """x + y in float32, rounded to nearest; as PTX, an add the compiler cannot fold into a tl.dot before it."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "add.rn.f32 $0, $1, $2;", constraints="=f,f,f", args=[x, y], dtype=tl.float32, is_pure=True, pack=1
+        )
+    return x + y
+
+
+@triton.jit  # type: ignore[untyped-decorator]
 def _logit_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_h, stride_w, inv_temp,
                 BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, PRECISION: tl.constexpr,
-                UPCAST: tl.constexpr):  # fmt: skip
+                UPCAST: tl.constexpr, SPLIT: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """[BLOCK_K, BLOCK_V] float32 logits h[rows] W[cols].T / temperature, -inf on columns past the vocabulary."""
     acc = tl.zeros((BLOCK_K, BLOCK_V), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_H):
@@ -95,14 +134,17 @@ def _logit_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_h, stride_w,
         b = tl.load(w_ptr + cols[:, None] * stride_w + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         if UPCAST:  # exact, and the same float32 products: triton's CPU interpreter multiplies bf16 as raw bits
             a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+        if SPLIT:
+            acc = _add_rn(acc, tl.dot(a, tl.trans(b), input_precision=PRECISION), PTX)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
     return tl.where(col_ok[None, :], acc * inv_temp, float("-inf"))
 
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _forward_kernel(h_ptr, w_ptr, labels_ptr, part_ptr, K, V, H, stride_h, stride_w, inv_temp, num_splits,
                     WITH_ENTROPY: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """Partials [4, S, K] (max, sum, tilt, picked logit) of this split's vocabulary tiles for one token block."""
     pid_k, split = tl.program_id(0), tl.program_id(1)
     rows = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -116,7 +158,7 @@ def _forward_kernel(h_ptr, w_ptr, labels_ptr, part_ptr, K, V, H, stride_h, strid
         cols = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         col_ok = cols < V
         x = _logit_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_h, stride_w, inv_temp,
-                        BLOCK_K, BLOCK_V, BLOCK_H, PRECISION, UPCAST)  # fmt: skip
+                        BLOCK_K, BLOCK_V, BLOCK_H, PRECISION, UPCAST, SPLIT, PTX)  # fmt: skip
         picked += tl.sum(tl.where(cols[None, :] == labels[:, None], x, 0.0), axis=1)
         new_max = tl.maximum(run_max, tl.max(x, axis=1))
         decay = tl.exp(run_max - new_max)  # 0 on the first tile (max -inf)
@@ -140,7 +182,8 @@ def _forward_kernel(h_ptr, w_ptr, labels_ptr, part_ptr, K, V, H, stride_h, strid
 def _grad_logits_kernel(h_ptr, w_ptr, labels_ptr, lse_ptr, ent_ptr, g_ptr, g_ent_ptr, out_ptr, K, V, H,
                         vocab_start, vocab_end, stride_h, stride_w, stride_out, inv_temp,
                         WITH_ENTROPY: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                        BLOCK_H: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):  # fmt: skip
+                        BLOCK_H: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
+                        PTX: tl.constexpr):  # fmt: skip
     """out[k, v - vocab_start] = (g (onehot - p) - g_H p (log p + H)) / temperature for the rows' tokens and this tile."""
     pid_k, pid_v = tl.program_id(0), tl.program_id(1)
     rows = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -148,7 +191,7 @@ def _grad_logits_kernel(h_ptr, w_ptr, labels_ptr, lse_ptr, ent_ptr, g_ptr, g_ent
     row_ok = rows < K
     col_ok = cols < vocab_end
     x = _logit_tile(h_ptr, w_ptr, rows, cols, row_ok, col_ok, H, stride_h, stride_w, inv_temp,
-                    BLOCK_K, BLOCK_V, BLOCK_H, PRECISION, UPCAST)  # fmt: skip
+                    BLOCK_K, BLOCK_V, BLOCK_H, PRECISION, UPCAST, SPLIT, PTX)  # fmt: skip
     labels = tl.load(labels_ptr + rows, mask=row_ok, other=-1)
     lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
     g = tl.load(g_ptr + rows, mask=row_ok, other=0.0)
@@ -201,6 +244,8 @@ def _launch_options(blocks: TritonBlocks, operand: Tensor) -> dict[str, Any]:
         "BLOCK_H": blocks.block_h,
         "PRECISION": "ieee" if upcast else _dot_precision(operand.dtype),
         "UPCAST": upcast,
+        "SPLIT": blocks.split_accumulation,
+        "PTX": operand.is_cuda and torch.version.hip is None,  # NVIDIA GPUs (ROCm's are "cuda" devices too)
         "num_warps": blocks.num_warps,
         "num_stages": blocks.num_stages,
     }
@@ -220,6 +265,7 @@ class TritonTokenLogprobs(torch.autograd.Function):
     """([K, H] hidden, [V, H] W, [K] labels) -> ([K] log p(label), [K] entropy or empty), float32, by Triton kernels.
 
     h and W share one dtype (bf16, fp16 or float32) and are contiguous; labels are valid (checked by the caller).
+    The remaining arguments: temperature, with_entropy, and the kernels' TritonConfig.
     """
 
     @staticmethod
@@ -230,11 +276,12 @@ class TritonTokenLogprobs(torch.autograd.Function):
         labels_K: Tensor,
         temperature: float,
         with_entropy: bool,
-        blocks: TritonBlocks,
+        config: TritonConfig,
     ) -> tuple[Tensor, Tensor]:
         """Per-split partials of the online softmax, combined; saves the [K] log-sum-exp and entropy."""
         ctx.set_materialize_grads(False)
         (n, hid), v, device = hidden_K_H.shape, weight_V_H.shape[0], hidden_K_H.device
+        blocks = config.forward
         splits = _num_splits(n, v, blocks, device)
         part_4_S_K = torch.empty(4, splits, n, dtype=torch.float32, device=device)
         if n > 0:
@@ -245,7 +292,7 @@ class TritonTokenLogprobs(torch.autograd.Function):
             )  # fmt: skip
         logprobs_K, lse_K, entropy_K = _combine(part_4_S_K, with_entropy)
         ctx.save_for_backward(hidden_K_H, weight_V_H, labels_K, lse_K, entropy_K)
-        ctx.temperature, ctx.with_entropy, ctx.blocks = temperature, with_entropy, blocks
+        ctx.temperature, ctx.with_entropy, ctx.blocks = temperature, with_entropy, config.backward
         return logprobs_K, entropy_K
 
     @staticmethod

@@ -20,7 +20,7 @@ import torch
 from rollouts.backends.train.components import TrainingComponents, model_attr
 from rollouts.backends.train.distributed import data_parallel_size
 from rollouts.backends.train.inputs import HostLayout, host_layout, micro_batch_to_torch, model_inputs
-from rollouts.losses import LossFn, fused_token_logprobs
+from rollouts.losses import LossFn, Metrics, floats_of, fused_token_logprobs
 from rollouts.types import MicroBatch, OptimizerConfig, TrainingState
 
 __all__ = ["NonFiniteError", "compute_logprobs", "forward_backward", "optim_step", "token_logprobs_of_model"]
@@ -149,8 +149,9 @@ def forward_backward(
 
     `num_tokens` / `num_sequences` are the loss-token and sequence counts of the WHOLE step (all
     micro-batches, all ranks), so the summed micro-batch gradients equal one big batch's.
-    Metrics: `loss` is the step's loss (sum over micro-batches); the loss function's metrics are
-    averaged over micro-batches weighted by their loss tokens.
+    Metrics: `loss` is the step's loss (sum over micro-batches); the loss function's metrics (floats
+    or 0-dim tensors) are averaged over micro-batches weighted by their loss tokens, read from the device
+    only after the last backward is queued.
     """
     if not micro_batches:
         raise ValueError("forward_backward needs at least one micro-batch")
@@ -162,11 +163,10 @@ def forward_backward(
     model.train()
     num_ranks = data_parallel_size(model)
     with_entropy = bool(getattr(loss_fn, "needs_entropy", False))
-    # Each micro-batch's loss stays on the device until the last backward is queued: reading it
-    # there would make the host wait for that backward before queueing the next forward.
+    # Each micro-batch's loss and metrics stay on the device until the last backward is queued:
+    # reading them there would make the host wait for that backward before queueing the next forward.
     losses: list[torch.Tensor] = []
-    weighted: dict[str, float] = {}
-    weight_total = 0.0
+    metrics_per_batch: list[tuple[float, Metrics]] = []
     num_real = 0
     num_loss = 0
     for micro_batch in micro_batches:
@@ -183,20 +183,30 @@ def forward_backward(
         # scaling by the rank count turns that average into the sum the step needs.
         (loss * num_ranks if num_ranks > 1 else loss).backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         losses.append(loss.detach())
-        weight = float(max(layout.num_loss_tokens, 1))
-        for key, value in metrics.items():
-            weighted[key] = weighted.get(key, 0.0) + weight * float(value)
-        weight_total += weight
+        metrics_per_batch.append((float(max(layout.num_loss_tokens, 1)), metrics))
         num_real += layout.num_real_tokens
         num_loss += layout.num_loss_tokens
-    out = {key: value / weight_total for key, value in weighted.items()}
+    out = _weighted_means(metrics_per_batch)
     out.update(
-        loss=sum(torch.stack(losses).double().tolist()),  # one read, summed in micro-batch order
+        loss=sum(floats_of(losses)),  # summed in micro-batch order
         num_micro_batches=float(len(micro_batches)),
         num_real_tokens=float(num_real),
         num_loss_tokens=float(num_loss),
     )
     return out
+
+
+def _weighted_means(metrics_per_batch: Sequence[tuple[float, Metrics]]) -> dict[str, float]:
+    """Each metric's mean over micro-batches, weighted; the tensors among them read with one sync per device."""
+    values = floats_of([value for _, metrics in metrics_per_batch for value in metrics.values()])
+    weighted: dict[str, float] = {}
+    weight_total, i = 0.0, 0
+    for weight, metrics in metrics_per_batch:
+        for key in metrics:
+            weighted[key] = weighted.get(key, 0.0) + weight * values[i]
+            i += 1
+        weight_total += weight
+    return {key: value / weight_total for key, value in weighted.items()}
 
 
 @torch.no_grad()

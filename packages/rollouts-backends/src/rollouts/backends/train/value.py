@@ -27,7 +27,7 @@ from rollouts.backends.train.components import (
 )
 from rollouts.backends.train.distributed import data_parallel_size, shard_model
 from rollouts.backends.train.inputs import micro_batch_to_torch, model_inputs
-from rollouts.losses import Reduction, value_loss
+from rollouts.losses import Reduction, floats_of, value_loss
 from rollouts.types import MicroBatch, OptimizerConfig
 
 __all__ = ["ValueModel", "build_critic", "compute_values", "critic_forward_backward"]
@@ -108,7 +108,10 @@ def critic_forward_backward(
     model = critic.model
     model.train()
     num_ranks = data_parallel_size(model)
-    total, weighted, weight_total = 0.0, 0.0, 0.0
+    # the losses and clip fractions stay on the device until the last backward is queued (one read)
+    losses: list[torch.Tensor] = []
+    clip_fracs: list[torch.Tensor | float] = []
+    token_counts: list[float] = []
     for micro_batch in micro_batches:
         batch = micro_batch_to_torch(micro_batch, critic.device)
         returns, old = batch.extras.get("returns"), batch.extras.get("old_values")
@@ -120,8 +123,10 @@ def critic_forward_backward(
             values_B_T, old, returns, batch.loss_mask, clip_range=clip_range, reduction=reduction
         )
         (loss * num_ranks if num_ranks > 1 else loss).backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
-        total += float(loss.detach())
-        tokens = float(max(int((batch.loss_mask > 0).sum()), 1))
-        weighted += tokens * float(metrics.get("vf_clip_frac", 0.0))
-        weight_total += tokens
-    return {"vf_loss": total, "vf_clip_frac": weighted / max(weight_total, 1.0)}
+        losses.append(loss.detach())
+        clip_fracs.append(metrics.get("vf_clip_frac", 0.0))
+        token_counts.append(float(max(int(np.count_nonzero(np.asarray(micro_batch.loss_mask) > 0)), 1)))
+    values = floats_of([*losses, *clip_fracs])
+    loss_values, clip_values = values[: len(losses)], values[len(losses) :]
+    weighted = sum(tokens * frac for tokens, frac in zip(token_counts, clip_values, strict=True))
+    return {"vf_loss": sum(loss_values), "vf_clip_frac": weighted / max(sum(token_counts), 1.0)}

@@ -163,8 +163,8 @@ class PreferenceLossFn:
         num_tokens: int | None = None,
         num_sequences: int | None = None,
         entropy_B_T: Tensor | None = None,
-    ) -> tuple[Tensor, dict[str, float]]:
-        """[B, T] log-probs, micro-batch -> (this micro-batch's share of the step's loss, metrics).
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """[B, T] log-probs, micro-batch -> (this micro-batch's share of the step's loss, 0-dim tensor metrics).
 
         A filler micro-batch (every loss_mask 0) gives a zero loss that still reaches the graph.
         """
@@ -186,7 +186,7 @@ class PreferenceLossFn:
         loss, metrics = preference_loss(
             logps, self.config, num_pairs=self.num_pairs, num_chosen_tokens=self.num_chosen_tokens
         )
-        return loss, {"loss": float(loss.detach())} | metrics
+        return loss, {"loss": loss.detach()} | metrics
 
 
 def sequence_logps_of(

@@ -44,7 +44,7 @@ from rollouts.loops.run.run_dir import (
     resume_if_possible,
     sweep_run_dir,
 )
-from rollouts.losses import PairLogps, preference_loss
+from rollouts.losses import PairLogps, metrics_to_floats, preference_loss
 from rollouts.types import DPOConfig, MetricsLogger, PreferenceConfig, TrainingState
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ def evaluate_pairs(
     accuracy = float((margins_P > 0).double().mean() + 0.5 * (margins_P == 0).double().mean())
     loss, metrics = preference_loss(logps, config.preference)
     return {"eval_preference_accuracy": accuracy, "eval_loss": float(loss)} | {
-        f"eval_{k}": v for k, v in metrics.items()
+        f"eval_{k}": v for k, v in metrics_to_floats(metrics).items()
     }
 
 
