@@ -75,7 +75,7 @@ sync = "{sync}"
     assert all(r["num_samples"] == 16 for r in records)
     assert trio.run(_served_version, vllm_for_tiny_model.url) == 3
     # The engine serves the trained weights: greedy tokens and log-probs equal transformers' on the
-    # weights the run exported last (float32 on both sides).
+    # run's last checkpoint (float32 on both sides; "broadcast" sends from the model and exports nothing).
     prompt = [3, 4, 5, 6]
     params = SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=True)
 
@@ -84,7 +84,8 @@ sync = "{sync}"
             return (await engine.generate([prompt], params))[0]
 
     sample = trio.run(served)
-    tokens, logprobs = reference_greedy(out / "weights", prompt, 4, python=find_vllm_python())
+    assert (out / "weights").exists() == (sync != "broadcast")
+    tokens, logprobs = reference_greedy(out / "checkpoints" / "step_3", prompt, 4, python=find_vllm_python())
     assert list(sample.response_tokens) == tokens
     np.testing.assert_allclose(sample.rollout_logprobs, logprobs, rtol=0, atol=1e-4)
 

@@ -1,5 +1,6 @@
-"""`[engine] sync = "broadcast"`: the run file's setting, and an engine it builds pushing exported weights
-(in their own dtype) to the fake SGLang server through a gloo group."""
+"""`[engine] sync = "broadcast"`: the run file's setting, and an engine it builds pushing weights (in
+their own dtype) to the fake SGLang server through a gloo group: from exported files, or straight
+from the model bucket by bucket in the RL loop's sync."""
 
 from __future__ import annotations
 
@@ -9,10 +10,16 @@ import torch
 import trio
 from safetensors.torch import save_file
 
+from rollouts.backends import build_components
+from rollouts.backends.checkpoint.export import model_tensors
 from rollouts.loops.app.config import EngineSpec
 from rollouts.loops.engines.broadcast import BroadcastWeights
 from rollouts.loops.engines.coalescing import remote_engine
+from rollouts.loops.recipes.tiny import build_tiny_model
+from rollouts.loops.rl.generation import sync_engine
+from rollouts.sync import BroadcastOptions, HTTPOptions, RetryPolicy, SGLangEngine
 from rollouts.sync.fake_server import FakeEngineState, serve_fake_engine
+from rollouts.types import OptimizerConfig, TrainingState
 
 
 def test_broadcast_is_a_sync_for_server_engines_only():
@@ -40,3 +47,29 @@ def test_an_engine_synced_by_broadcast_loads_the_exported_weights_in_their_dtype
     assert trio.run(main) == 2
     np.testing.assert_array_equal(state.weights["w"], exported["w"].float().numpy())
     np.testing.assert_array_equal(state.weights["b"], exported["b"].numpy())
+
+
+def test_a_single_process_sync_sends_the_models_buckets_without_exporting(tmp_path):
+    """One process, engine.sync = 'broadcast': `sync_engine` sends the weights bucket by bucket
+    straight from the model (no export directory, no disk round trip), each in its own dtype."""
+    model = build_tiny_model(64, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128)
+    components = build_components(model.to(torch.bfloat16), OptimizerConfig(), num_training_steps=1)
+    full = model_tensors(components.model)
+    state = FakeEngineState(weights={n: np.zeros(1, np.float32) for n in full})
+    options = BroadcastOptions(bucket_bytes=8192, setup_timeout_s=30.0, bucket_timeout_s=30.0)
+
+    async def main():
+        async with serve_fake_engine(state) as server:
+            http = HTTPOptions(timeout_s=30.0, retry=RetryPolicy(max_retries=0))
+            engine = BroadcastWeights(SGLangEngine(server.url, http=http), options, sync_timeout_s=60.0)
+            training = TrainingState()
+            _, metrics = await sync_engine(components, engine, training, tmp_path, shares_model=False, lock=trio.Lock())
+            return metrics, engine.sync.last_num_bytes
+
+    metrics, num_bytes = trio.run(main)
+    assert state.weight_version == "1" and metrics["sync_export_s"] == 0.0
+    assert not (tmp_path / "weights").exists()  # nothing written to disk
+    assert metrics["sync_gathered_bytes_max"] <= 8192  # at most a bucket held beyond the model itself
+    assert num_bytes == sum(t.numel() * 2 for t in full.values())  # bf16 bytes, no float32 detour
+    for name, tensor in full.items():  # bf16 -> float32 is exact
+        assert torch.from_numpy(np.asarray(state.weights[name], np.float32)).equal(tensor.float()), name

@@ -204,9 +204,10 @@ async def sync_engine(
     An engine with `load_weights(tensors, version)` (the in-process engine with its own copy, the
     engine process: `direct_loader`) takes the weights straight from the model instead, in a
     single-process run: nothing is exported, and the export directory is not written. So does an
-    engine that takes weight buckets (`BucketLoader`: engine.sync = 'broadcast') from a sharded
-    model: every rank gathers each bucket as rank 0 sends it (full weights: a LoRA model with sync
-    'adapter' still exports its adapter); `sync_gathered_bytes_max` says the most this rank held."""
+    engine that takes weight buckets (`BucketLoader`: engine.sync = 'broadcast'), from a single
+    process's model or a sharded one (not DDP replicas): every rank gathers each bucket as rank 0 sends it (full
+    weights: a LoRA model with sync 'adapter' still exports its adapter); `sync_gathered_bytes_max`
+    says the most this rank held."""
     version = state.weight_version + 1 if version is None else version
     start = time.perf_counter()
     direct = direct_loader(engine, components, shares_model=shares_model)
@@ -215,7 +216,7 @@ async def sync_engine(
         await _load(engine, lock, manager, lambda: direct(model_tensors(components.model, keep_device=True), version))
         return state.with_weight_version(version), {"sync_export_s": 0.0, "sync_s": time.perf_counter() - start}
     bucket_bytes = await _bucket_bytes(engine, components, shares_model=shares_model)
-    if bucket_bytes:  # a sharded model: each bucket gathered as it is sent, nothing exported
+    if bucket_bytes:  # bucket by bucket from the model (a sharded one: gathered as sent), nothing exported
         weights = WeightBuckets(components.model)
         if isinstance(engine, BucketLoader):
             await _load(engine, lock, manager, lambda: engine.push_weights(weights, version))
@@ -236,10 +237,14 @@ async def sync_engine(
 
 
 async def _bucket_bytes(engine: InferenceEngine | None, components: TrainingComponents, *, shares_model: bool) -> int:
-    """Rank 0's engine's bucket size, on every rank, where the weights go to it bucket by bucket as
-    they are gathered (a sharded model, full weights, an engine that takes buckets); else 0."""
-    if shares_model or not is_distributed(components.model) or syncs_adapter(components.model):
+    """Rank 0's engine's bucket size, on every rank, where the weights go to it bucket by bucket
+    straight from the model (full weights, an engine that takes buckets; a sharded model's gathered
+    as they are sent); else 0."""
+    if shares_model or syncs_adapter(components.model):
         return 0  # the same on every rank: no collective needed to agree on it
+    if not is_distributed(components.model):  # replicas (DDP) export on every rank, as they agree to
+        single = rank_world()[1] == 1
+        return engine.bucket_bytes if single and isinstance(engine, BucketLoader) else 0
     own = engine.bucket_bytes if isinstance(engine, BucketLoader) and rank_world()[0] == 0 else 0
     return int(await trio.to_thread.run_sync(broadcast_json, own))
 
