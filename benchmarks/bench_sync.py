@@ -137,11 +137,10 @@ def write_model(out: Path, shape: dict[str, int], tokenizer_dir: Path) -> dict[s
     return tensors
 
 
-def bare_file(num_bytes: int, tmp: Path) -> None:
-    blob = os.urandom(1 << 20) * (num_bytes >> 20) + os.urandom(num_bytes % (1 << 20))
+def bare_file(blob: bytes, tmp: Path) -> None:
     path = tmp / "bare.bin"
     path.write_bytes(blob)
-    assert len(path.read_bytes()) == num_bytes
+    assert len(path.read_bytes()) == len(blob)
 
 
 _SINK = """
@@ -251,19 +250,21 @@ async def transports(url: str, tensors: dict[str, torch.Tensor], tmp: Path, repe
     async with VLLMEngine(url, http=HTTPOptions(timeout_s=600.0)) as engine:
         version = (await engine.weight_version() or 0) + 1
 
+        disk_phases = Phases() if profile else None
+
         async def disk() -> None:  # the trainer writes its bf16 weights, the engine reads them
             nonlocal version
             out = tmp / f"disk_v{version}"
             shutil.copytree(tmp / "model", out, ignore=shutil.ignore_patterns("*.safetensors"))
-            save_torch_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+            with disk_phases.step("trainer save_file") if disk_phases else nullcontext():
+                save_torch_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
             await engine.update_weights_from_disk(str(out), version)
             version += 1
             shutil.rmtree(tmp / f"disk_v{version - 2}", ignore_errors=True)
 
         disk_bytes = os.path.getsize(tmp / "model" / "model.safetensors")
-        seconds, bare = await timed_syncs(
-            "disk", disk, lambda: bare_file(disk_bytes, tmp), repeats, Phases() if profile else None, engine
-        )
+        blob = os.urandom(1 << 20) * (disk_bytes >> 20) + os.urandom(disk_bytes % (1 << 20))
+        seconds, bare = await timed_syncs("disk", disk, lambda: bare_file(blob, tmp), repeats, disk_phases, engine)
         rows.append(("disk", seconds, disk_bytes, bare))
 
         async def http() -> None:  # the tensors in their own dtype as safetensors
@@ -275,6 +276,7 @@ async def transports(url: str, tensors: dict[str, torch.Tensor], tmp: Path, repe
         with bare_post(tensor_bytes) as post:
             seconds, bare = await timed_syncs("http", http, post, repeats, Phases() if profile else None, engine)
         rows.append(("http", seconds, wire_bytes(engine.last_upload), bare))
+        print(f"  http: {engine.last_upload}", flush=True)
 
         sync = BroadcastSync(BroadcastOptions(bucket_timeout_s=300.0, load_timeout_s=600.0))
         await sync.connect([engine])

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 TRAINER_STEPS = {
-    "rollouts.sync.vllm": ("fingerprint", "fingerprint_dir", "tensor_rpc_bodies", "raw_tensors", "serve_parts"),
+    "rollouts.sync.vllm": ("fingerprint", "fingerprint_dir", "tensor_rpc_bodies", "raw_tensors", "safetensors_header"),
     "rollouts.sync.broadcast": ("checksum_torch", "_pack", "broadcast_from_trainer", "_full"),
 }
 """Module -> the trainer-side functions timed in it (what a module lacks is skipped)."""
@@ -45,6 +45,15 @@ class Phases:
         self.add("total (wall)", time.perf_counter() - start)
         with self._lock:
             self.syncs.append(dict(self._current))
+
+    @contextmanager
+    def step(self, key: str) -> Iterator[None]:
+        """Time the body as phase `key`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(key, time.perf_counter() - start)
 
     def _timed(self, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
