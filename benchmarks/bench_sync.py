@@ -14,6 +14,7 @@ Run: OMP_NUM_THREADS=1 uv run python benchmarks/bench_sync.py [--quick] [--no-vl
 
 from __future__ import annotations
 
+import http.client
 import os
 import shutil
 import statistics
@@ -25,7 +26,6 @@ from collections.abc import Iterator
 from contextlib import AsyncExitStack, contextmanager, nullcontext
 from pathlib import Path
 
-import httpx
 import numpy as np
 import torch
 import trio
@@ -33,6 +33,7 @@ from safetensors.numpy import save_file
 from safetensors.torch import save_file as save_torch_file
 from sync_phases import Phases
 
+from rollouts.backends.checkpoint.durable import write_tensors
 from rollouts.sync import BroadcastOptions, HTTPOptions, VLLMEngine, fingerprint, sync_weights_to_engines
 from rollouts.sync.broadcast import BroadcastSync
 from rollouts.sync.broadcast_wire import plan_buckets
@@ -168,13 +169,23 @@ server.serve_forever()
 
 @contextmanager
 def bare_post(num_bytes: int) -> Iterator:
-    """A function that POSTs `num_bytes` to a sink in another process (what an HTTP sync moves, bare)."""
+    """A function that POSTs `num_bytes` to a sink in another process (what an HTTP sync moves, bare).
+    With the standard library's client: httpx's sync transport re-slices the unsent rest of a body
+    after every send(), quadratic in a body of this size."""
     sink = subprocess.Popen([sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
     try:
         port = int(sink.stdout.readline())
         blob = b"x" * num_bytes
-        with httpx.Client(timeout=600.0, trust_env=False) as client:
-            yield lambda: client.post(f"http://127.0.0.1:{port}/", content=blob).raise_for_status()
+
+        def post() -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600.0)
+            try:
+                conn.request("POST", "/", body=blob)
+                assert conn.getresponse().status == 200
+            finally:
+                conn.close()
+
+        yield post
     finally:
         sink.kill()
         sink.wait(timeout=30)
@@ -256,8 +267,8 @@ async def transports(url: str, tensors: dict[str, torch.Tensor], tmp: Path, repe
             nonlocal version
             out = tmp / f"disk_v{version}"
             shutil.copytree(tmp / "model", out, ignore=shutil.ignore_patterns("*.safetensors"))
-            with disk_phases.step("trainer save_file") if disk_phases else nullcontext():
-                save_torch_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+            with disk_phases.step("trainer write_tensors") if disk_phases else nullcontext():
+                write_tensors(out / "model.safetensors", tensors, {"format": "pt"}, sync=False)  # as export_weights
             await engine.update_weights_from_disk(str(out), version)
             version += 1
             shutil.rmtree(tmp / f"disk_v{version - 2}", ignore_errors=True)
