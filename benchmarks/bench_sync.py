@@ -3,13 +3,18 @@
 1. Fan-out: sync to 4 fake engines (fixed reload delay) concurrently vs to 1; target <= 1.3x.
 2. Transports to a real vLLM CPU server for a model of Qwen2-0.5B's shape (random bf16 weights,
    988 MB; `--quick`: a small one): seconds and bytes per sync for disk, http and broadcast, each
-   beside its bare transport in the same run (a file write+read, a POST to a local sink, a plain
-   gloo broadcast between two processes, of the same bytes); target <= 1.3x. Skipped with a
-   message when the vLLM venv is absent.
+   run alternately with its bare transport (a file write+read; a POST of the tensor bytes to a sink
+   in another process; a plain gloo broadcast of the same buckets between two processes); target
+   <= 1.3x. Disk writes with the project's streaming writer (as export_weights does); http's bytes
+   are those on the wire (request bodies and what the engine fetched). `--phases` adds, per
+   transport, the median seconds of each HTTP call, each step the worker extension reports and
+   the trainer-side steps (benchmarks/sync_phases.py). Skipped with a message when the vLLM venv is
+   absent.
 3. Attestation (`--attest`: this section alone): seconds to checksum Qwen2-0.5B-shaped random bf16
    weights (rollouts.sync.fingerprint), numpy and torch on CPU, torch on CUDA where there is a GPU.
 
-Run: OMP_NUM_THREADS=1 uv run python benchmarks/bench_sync.py [--quick] [--no-vllm] [--attest]
+Run: OMP_NUM_THREADS=1 uv run python benchmarks/bench_sync.py [--quick] [--no-vllm] [--transports]
+[--phases] [--attest]   (--transports: section 2 alone)
 """
 
 from __future__ import annotations
@@ -337,13 +342,17 @@ def bench_transports(tmp: Path, quick: bool, profile: bool) -> None:
         )
         rows = trio.run(transports, server.url, tensors, tmp, repeats, profile)
     print(f"  {'transport':<10} {'s/sync':>8} {'MB/sync':>9} {'bare s':>8} {'ratio':>6}  bare transport")
-    bare_names = {"disk": "file write+read", "http": "POST to a local sink", "broadcast": "gloo broadcast, 2 processes"}
+    bare_names = {
+        "disk": "file write+read",
+        "http": "POST to a sink process",
+        "broadcast": "gloo broadcast, 2 processes",
+    }
     for name, seconds, num_bytes, bare in rows:
         print(
             f"  {name:<10} {seconds:>8.3f} {num_bytes / 1e6:>9.1f} {bare:>8.3f} {seconds / bare:>6.2f}x  "
             f"{bare_names[name]}"
         )
-    print("  (http's bytes are its request bodies: base64 safetensors of the bf16 tensors, in JSON)")
+    print("  (http's bytes are those on the wire: request bodies plus the payload the engine fetched)")
 
 
 def bench_attest() -> None:
