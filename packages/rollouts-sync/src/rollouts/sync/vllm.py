@@ -85,8 +85,9 @@ class VLLMEngine(HTTPEngineBase):
         `attest`: after each weight update, check the checksums the worker extension reports of the
         weights it received (rollouts.sync.fingerprint) against the sender's, and raise AttestationError
         naming the tensors that differ; a disk update is then loaded by the extension's `rollouts_load_dir`
-        rpc (the files read once, their checksums answered) and the checkpoint is read here too (so the path must be readable by this process as well). Needs
-        the server started with the worker extension; LoRA adapter loads are not attested.
+        rpc (the files read once, their checksums answered) and the checkpoint is read here too (so the
+        path must be readable by this process as well). Needs the server started with the worker
+        extension; LoRA adapter loads are not attested.
         `tensor_wire`: how `update_weights_from_tensors` moves the bytes: "fetch" (the server's workers
         GET the raw safetensors bytes from a one-off URL this process serves: the tensors' own bytes on
         the wire; needs a route from the server to this machine) or "inline" (base64 in the JSON
