@@ -3,36 +3,42 @@
 1. Fan-out: sync to 4 fake engines (fixed reload delay) concurrently vs to 1; target <= 1.3x.
 2. Transports to a real vLLM CPU server for a model of Qwen2-0.5B's shape (random bf16 weights,
    988 MB; `--quick`: a small one): seconds and bytes per sync for disk, http and broadcast, each
-   beside its bare transport in the same run (a file write+read, a POST to a local sink, a plain
-   gloo broadcast between two processes, of the same bytes); target <= 1.3x. Skipped with a
-   message when the vLLM venv is absent.
+   run alternately with its bare transport (a file write+read; a POST of the tensor bytes to a sink
+   in another process; a plain gloo broadcast of the same buckets between two processes); target
+   <= 1.3x. Disk writes with the project's streaming writer (as export_weights does); http's bytes
+   are those on the wire (request bodies and what the engine fetched). `--phases` adds, per
+   transport, the median seconds of each HTTP call, each step the worker extension reports and
+   the trainer-side steps (benchmarks/sync_phases.py). Skipped with a message when the vLLM venv is
+   absent.
 3. Attestation (`--attest`: this section alone): seconds to checksum Qwen2-0.5B-shaped random bf16
    weights (rollouts.sync.fingerprint), numpy and torch on CPU, torch on CUDA where there is a GPU.
 
-Run: OMP_NUM_THREADS=1 uv run python benchmarks/bench_sync.py [--quick] [--no-vllm] [--attest]
+Run: OMP_NUM_THREADS=1 uv run python benchmarks/bench_sync.py [--quick] [--no-vllm] [--transports]
+[--phases] [--attest]   (--transports: section 2 alone)
 """
 
 from __future__ import annotations
 
-import http.server
+import http.client
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from contextlib import AsyncExitStack
+from collections.abc import Iterator
+from contextlib import AsyncExitStack, contextmanager, nullcontext
 from pathlib import Path
 
-import httpx
 import numpy as np
 import torch
 import trio
 from safetensors.numpy import save_file
 from safetensors.torch import save_file as save_torch_file
+from sync_phases import Phases
 
+from rollouts.backends.checkpoint.durable import write_tensors
 from rollouts.sync import BroadcastOptions, HTTPOptions, VLLMEngine, fingerprint, sync_weights_to_engines
 from rollouts.sync.broadcast import BroadcastSync
 from rollouts.sync.broadcast_wire import plan_buckets
@@ -137,118 +143,184 @@ def write_model(out: Path, shape: dict[str, int], tokenizer_dir: Path) -> dict[s
     return tensors
 
 
-def median_s(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def bare_file(num_bytes: int, tmp: Path) -> None:
-    blob = os.urandom(1 << 20) * (num_bytes >> 20) + os.urandom(num_bytes % (1 << 20))
+def bare_file(blob: bytes, tmp: Path) -> None:
     path = tmp / "bare.bin"
     path.write_bytes(blob)
-    assert len(path.read_bytes()) == num_bytes
+    assert len(path.read_bytes()) == len(blob)
 
 
-class _Sink(http.server.BaseHTTPRequestHandler):
-    def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+_SINK = """
+import http.server, sys
+class Sink(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_POST(self):
         remaining = int(self.headers["Content-Length"])
+        buffer = bytearray(1 << 22)
         while remaining:
-            remaining -= len(self.rfile.read(min(remaining, 1 << 22)))
+            got = self.rfile.readinto(memoryview(buffer)[: min(remaining, len(buffer))])
+            if not got:
+                break
+            remaining -= got
         self.send_response(200)
         self.send_header("Content-Length", "0")
         self.end_headers()
-
-    def log_message(self, *args: object) -> None:
+    def log_message(self, *args):
         pass
+server = http.server.HTTPServer(("127.0.0.1", 0), Sink)
+print(server.server_port, flush=True)
+server.serve_forever()
+"""
 
 
-def bare_gloo_s(bucket_sizes: list[int], repeats: int) -> float:
-    """Median seconds of a plain gloo broadcast of buffers of `bucket_sizes` bytes to a second process."""
-    port = free_port()
-    code = (
-        "import sys, datetime as dt, torch, torch.distributed as d\n"
-        "d.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{sys.argv[1]}', rank=1, world_size=2,"
-        " timeout=dt.timedelta(seconds=120))\n"
-        f"for _ in range({repeats}):\n"
-        f"    for n in {bucket_sizes}: d.broadcast(torch.empty(n, dtype=torch.uint8), src=0)\n"
-        "d.destroy_process_group()\n"
+@contextmanager
+def bare_post(num_bytes: int) -> Iterator:
+    """A function that POSTs `num_bytes` to a sink in another process (what an HTTP sync moves, bare).
+    With the standard library's client: httpx's sync transport re-slices the unsent rest of a body
+    after every send(), quadratic in a body of this size."""
+    sink = subprocess.Popen([sys.executable, "-c", _SINK], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(sink.stdout.readline())
+        blob = b"x" * num_bytes
+
+        def post() -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600.0)
+            try:
+                conn.request("POST", "/", body=blob)
+                assert conn.getresponse().status == 200
+            finally:
+                conn.close()
+
+        yield post
+    finally:
+        sink.kill()
+        sink.wait(timeout=30)
+
+
+_GLOO = """
+import sys, time, datetime as dt, torch, torch.distributed as d
+rank, port, sizes = int(sys.argv[1]), sys.argv[2], [int(n) for n in sys.argv[3].split(",")]
+d.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                     timeout=dt.timedelta(seconds=300))
+bufs = [torch.ones(n, dtype=torch.uint8) if rank == 0 else torch.empty(n, dtype=torch.uint8) for n in sizes]
+go = torch.zeros(1, dtype=torch.int64)
+while True:
+    if rank == 0:
+        go[0] = int(sys.stdin.readline().strip() == "go")
+    d.broadcast(go, src=0)
+    if not go[0]:
+        break
+    start = time.perf_counter()
+    for b in bufs:
+        d.broadcast(b, src=0)
+    if rank == 0:
+        print(time.perf_counter() - start, flush=True)
+d.destroy_process_group()
+"""
+
+
+@contextmanager
+def bare_gloo(bucket_sizes: list[int]) -> Iterator:
+    """A function that times one plain gloo broadcast of buffers of `bucket_sizes` bytes to a second process."""
+    port, sizes = str(free_port()), ",".join(map(str, bucket_sizes))
+    peer = subprocess.Popen([sys.executable, "-c", _GLOO, "1", port, sizes])
+    root = subprocess.Popen(
+        [sys.executable, "-c", _GLOO, "0", port, sizes], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
-    peer = subprocess.Popen([sys.executable, "-c", code, str(port)])
-    script = (
-        "import sys, time, statistics, datetime as dt, torch, torch.distributed as d\n"
-        "d.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{sys.argv[1]}', rank=0, world_size=2,"
-        " timeout=dt.timedelta(seconds=120))\n"
-        f"bufs = [torch.ones(n, dtype=torch.uint8) for n in {bucket_sizes}]\n"
-        "times = []\n"
-        f"for _ in range({repeats}):\n"
-        "    t = time.perf_counter()\n"
-        "    for b in bufs: d.broadcast(b, src=0)\n"
-        "    times.append(time.perf_counter() - t)\n"
-        "print(statistics.median(times))\n"
-        "d.destroy_process_group()\n"
-    )
-    root = subprocess.run([sys.executable, "-c", script, str(port)], capture_output=True, text=True, timeout=600)
-    peer.wait(timeout=60)
-    return float(root.stdout.strip().splitlines()[-1])
+
+    def once() -> float:
+        root.stdin.write("go\n")
+        root.stdin.flush()
+        return float(root.stdout.readline())
+
+    try:
+        yield once
+    finally:
+        root.stdin.write("stop\n")
+        root.stdin.flush()
+        root.wait(timeout=60)
+        peer.wait(timeout=60)
 
 
-async def transports(url: str, tensors: dict[str, torch.Tensor], tmp: Path, repeats: int) -> list[tuple]:
-    """(name, seconds, bytes) per transport, medians of `repeats` syncs, each beside its bare transport."""
+async def timed_syncs(name: str, sync, bare, repeats: int, phases: Phases | None, engine) -> tuple[float, float]:
+    """Median seconds of `sync()` (awaited) and of `bare()` (a float it returns, or its wall time),
+    run alternately `repeats` times."""
+    ours, theirs = [], []
+    with phases.installed(engine) if phases else nullcontext():
+        for _ in range(repeats):
+            with phases.sync() if phases else nullcontext():
+                start = time.perf_counter()
+                await sync()
+                ours.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            result = await trio.to_thread.run_sync(bare)
+            theirs.append(result if isinstance(result, float) else time.perf_counter() - start)
+    if phases:
+        print(phases.table(name), flush=True)
+    return statistics.median(ours), statistics.median(theirs)
+
+
+async def transports(url: str, tensors: dict[str, torch.Tensor], tmp: Path, repeats: int, profile: bool) -> list[tuple]:
+    """(name, seconds, bytes, bare seconds) per transport: medians of `repeats` syncs, each run
+    alternately with its bare transport."""
     rows = []
     async with VLLMEngine(url, http=HTTPOptions(timeout_s=600.0)) as engine:
         version = (await engine.weight_version() or 0) + 1
-        times = []
-        for _ in range(repeats):  # disk: the trainer writes its bf16 weights, the engine reads them
-            out = tmp / f"disk_v{version}"
-            shutil.copytree(tmp / "model", out)
-            start = time.perf_counter()
-            save_torch_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-            await engine.update_weights_from_disk(str(out), version)
-            times.append(time.perf_counter() - start)
-            version += 1
-        disk_bytes = os.path.getsize(tmp / "model" / "model.safetensors")
-        rows.append(
-            ("disk", statistics.median(times), disk_bytes, median_s(lambda: bare_file(disk_bytes, tmp), repeats))
-        )
 
-        times = []
-        for _ in range(repeats):  # http: the tensors in their own dtype, base64 safetensors in JSON bodies
-            start = time.perf_counter()
-            upload = await engine.update_weights_from_tensors(tensors, version)
-            times.append(time.perf_counter() - start)
+        disk_phases = Phases() if profile else None
+
+        async def disk() -> None:  # the trainer writes its bf16 weights, the engine reads them
+            nonlocal version
+            out = tmp / f"disk_v{version}"
+            shutil.copytree(tmp / "model", out, ignore=shutil.ignore_patterns("*.safetensors"))
+            with disk_phases.step("trainer write_tensors") if disk_phases else nullcontext():
+                write_tensors(out / "model.safetensors", tensors, {"format": "pt"}, sync=False)  # as export_weights
+            await engine.update_weights_from_disk(str(out), version)
             version += 1
-        body_bytes = upload.body_bytes
-        sink = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
-        threading.Thread(target=sink.serve_forever, daemon=True).start()
-        blob = b"x" * body_bytes
-        with httpx.Client(timeout=600.0, trust_env=False) as client:
-            bare = median_s(lambda: client.post(f"http://127.0.0.1:{sink.server_port}/", content=blob), repeats)
-        sink.shutdown()
-        rows.append(("http", statistics.median(times), body_bytes, bare))
+            shutil.rmtree(tmp / f"disk_v{version - 2}", ignore_errors=True)
+
+        disk_bytes = os.path.getsize(tmp / "model" / "model.safetensors")
+        blob = os.urandom(1 << 20) * (disk_bytes >> 20) + os.urandom(disk_bytes % (1 << 20))
+        seconds, bare = await timed_syncs("disk", disk, lambda: bare_file(blob, tmp), repeats, disk_phases, engine)
+        rows.append(("disk", seconds, disk_bytes, bare))
+
+        async def http() -> None:  # the tensors in their own dtype as safetensors
+            nonlocal version
+            await engine.update_weights_from_tensors(tensors, version)
+            version += 1
+
+        tensor_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        with bare_post(tensor_bytes) as post:
+            seconds, bare = await timed_syncs("http", http, post, repeats, Phases() if profile else None, engine)
+        rows.append(("http", seconds, wire_bytes(engine.last_upload), bare))
+        print(f"  http: {engine.last_upload}", flush=True)
 
         sync = BroadcastSync(BroadcastOptions(bucket_timeout_s=300.0, load_timeout_s=600.0))
         await sync.connect([engine])
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
+
+        async def broadcast() -> None:
+            nonlocal version
             await sync.push(tensors, version)
-            times.append(time.perf_counter() - start)
             version += 1
+
         plan = plan_buckets(
             [(n, "bfloat16", tuple(t.shape)) for n, t in tensors.items()],
             bucket_bytes=sync.options.bucket_bytes,
             weight_version=0,
         )
-        sizes = [plan.bucket_bytes(k) for k in range(len(plan.buckets))]
-        rows.append(("broadcast", statistics.median(times), sync.last_num_bytes, bare_gloo_s(sizes, repeats)))
+        with bare_gloo([plan.bucket_bytes(k) for k in range(len(plan.buckets))]) as gloo:
+            seconds, bare = await timed_syncs(
+                "broadcast", broadcast, gloo, repeats, Phases() if profile else None, engine
+            )
+        rows.append(("broadcast", seconds, sync.last_num_bytes, bare))
     return rows
 
 
-def bench_transports(tmp: Path, quick: bool) -> None:
+def wire_bytes(upload) -> int:
+    """Bytes an HTTP sync moved: its request bodies, and what the engine fetched where it fetches."""
+    return upload.body_bytes + getattr(upload, "fetched_bytes", 0)
+
+
+def bench_transports(tmp: Path, quick: bool, profile: bool) -> None:
     reason = vllm_unavailable_reason()
     if reason is not None:
         print(f"transports against vLLM: SKIPPED ({reason})")
@@ -268,15 +340,19 @@ def bench_transports(tmp: Path, quick: bool) -> None:
             f"{time.perf_counter() - start:.0f} s; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs), "
             f"median of {repeats}:"
         )
-        rows = trio.run(transports, server.url, tensors, tmp, repeats)
+        rows = trio.run(transports, server.url, tensors, tmp, repeats, profile)
     print(f"  {'transport':<10} {'s/sync':>8} {'MB/sync':>9} {'bare s':>8} {'ratio':>6}  bare transport")
-    bare_names = {"disk": "file write+read", "http": "POST to a local sink", "broadcast": "gloo broadcast, 2 processes"}
+    bare_names = {
+        "disk": "file write+read",
+        "http": "POST to a sink process",
+        "broadcast": "gloo broadcast, 2 processes",
+    }
     for name, seconds, num_bytes, bare in rows:
         print(
             f"  {name:<10} {seconds:>8.3f} {num_bytes / 1e6:>9.1f} {bare:>8.3f} {seconds / bare:>6.2f}x  "
             f"{bare_names[name]}"
         )
-    print("  (http's bytes are its request bodies: base64 safetensors of the bf16 tensors, in JSON)")
+    print("  (http's bytes are those on the wire: request bodies plus the payload the engine fetched)")
 
 
 def bench_attest() -> None:
@@ -313,9 +389,10 @@ def main() -> None:
         bench_attest()
         return
     with tempfile.TemporaryDirectory() as tmp:
-        bench_fanout(Path(tmp))
+        if "--transports" not in sys.argv:
+            bench_fanout(Path(tmp))
         if "--no-vllm" not in sys.argv:
-            bench_transports(Path(tmp), quick="--quick" in sys.argv)
+            bench_transports(Path(tmp), quick="--quick" in sys.argv, profile="--phases" in sys.argv)
 
 
 if __name__ == "__main__":

@@ -33,15 +33,35 @@ async def test_a_bf16_http_sync_moves_the_bf16_byte_count(tmp_path):
     num_elements = sum(int(np.prod(shape)) for shape in SHAPES.values())
     async with serve_fake_engine(state) as server, VLLMEngine(server.url, http=FAST) as engine:
         await engine.update_weights_from_disk(write_dir(tmp_path / "v0", bf16_weights(0)), 1)
-        upload = await engine.update_weights_from_tensors(weights, 2, chunk_bytes=600)
+        upload = await engine.update_weights_from_tensors(weights, 2)
         assert await engine.weight_version() == 2
     assert upload == engine.last_upload
     assert upload.tensor_bytes == 2 * num_elements  # bf16: 2 bytes each, not float32's 4
+    assert upload.num_tensors == 3 and upload.num_requests == 1
+    # the worker fetched the raw safetensors payload once: the tensors' bytes, their header (the JSON
+    # of 3 entries, padded to 8) and the response head; the request body carries only the URL
+    payload = len(encode_safetensors(weights))
+    assert payload - upload.tensor_bytes < 300
+    assert payload < upload.fetched_bytes < payload + 200 and upload.body_bytes < 400
+    assert upload.wire_bytes == upload.body_bytes + upload.fetched_bytes
+    for name, tensor in weights.items():
+        np.testing.assert_array_equal(state.weights[name], tensor.view())  # bit patterns as sent
+
+
+@pytest.mark.anyio
+async def test_the_inline_wire_moves_base64_in_chunks(tmp_path):
+    state = FakeEngineState()
+    weights = bf16_weights(1)
+    async with serve_fake_engine(state) as server, VLLMEngine(server.url, http=FAST, tensor_wire="inline") as engine:
+        await engine.update_weights_from_disk(write_dir(tmp_path / "v0", bf16_weights(0)), 1)
+        upload = await engine.update_weights_from_tensors(weights, 2, chunk_bytes=600)
+        assert await engine.weight_version() == 2
     assert upload.num_tensors == 3 and upload.num_requests == 2  # chunked below 600 tensor bytes each
     # base64 carries 3 bytes in 4 characters; each body adds its safetensors header and the JSON around it
     assert 4 * upload.tensor_bytes / 3 < upload.body_bytes < 4 * upload.tensor_bytes / 3 + 2 * 1000
+    assert upload.fetched_bytes == 0
     for name, tensor in weights.items():
-        np.testing.assert_array_equal(state.weights[name], tensor.view())  # bit patterns as sent
+        np.testing.assert_array_equal(state.weights[name], tensor.view())
 
 
 @pytest.mark.anyio

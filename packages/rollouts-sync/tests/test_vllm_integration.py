@@ -104,6 +104,9 @@ async def test_a_bf16_http_sync_serves_the_bf16_weights_and_attestation_catches_
         base = (await engine.weight_version() or 0) + 1
         upload = await engine.update_weights_from_tensors(sent, base)
         assert upload.tensor_bytes == sum(2 * w.size for w in weights.values())
+        # on the wire: the bf16 bytes themselves, fetched once by the one worker, plus the safetensors
+        # header (a JSON entry of under 200 bytes per tensor) and a request body of one URL
+        assert upload.tensor_bytes < upload.wire_bytes < upload.tensor_bytes + 200 * len(sent) + 1000
         assert_matches_reference((await engine.generate([PROMPT], GREEDY))[0], reference, vllm_python)
 
         corrupted = "model.layers.0.mlp.down_proj.weight"

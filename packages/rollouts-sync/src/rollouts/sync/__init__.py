@@ -10,8 +10,8 @@ from rollouts.sync.openai_clients import ChatClient, PromptLogprobsClient
 from rollouts.sync.pool import EnginePool, NoHealthyEngineError
 from rollouts.sync.raw import RawTensor
 from rollouts.sync.sglang import SGLangEngine
-from rollouts.sync.tensor_rpc import TensorUpload
-from rollouts.sync.vllm import WORKER_EXTENSION_CLS, VLLMEngine
+from rollouts.sync.tensor_rpc import WORKER_EXTENSION_CLS, TensorUpload
+from rollouts.sync.vllm import VLLMEngine
 from rollouts.sync.weight_sync import EngineFailure, SyncResult, WeightSyncError, sync_weights_to_engines
 
 

@@ -6,6 +6,7 @@ Legend: P prompts, G samples per prompt, R response tokens.
 from __future__ import annotations
 
 import math
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -115,3 +116,12 @@ def is_adapter_dir(path: str) -> bool:
     than full HF weights. Engines load one as a runtime LoRA adapter instead of reloading weights."""
     directory = Path(path)
     return (directory / "adapter_config.json").is_file() and not (directory / "config.json").is_file()
+
+
+def local_address_toward(host: str) -> str:
+    """This machine's address on the route to `host` (no packet is sent: a UDP connect only routes).
+    The worker extension keeps its own copy: it runs in vLLM's process, where rollouts is not installed."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 1))
+        address: str = s.getsockname()[0]
+        return address

@@ -11,6 +11,7 @@ import base64
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import httpx
 import numpy as np
 
 from rollouts.sync.fake_http import HTTPError, json_response
@@ -36,6 +37,19 @@ def load_dir(state: FakeEngineState, path: str) -> None:
         state.weights = arrays(read_safetensors_dir(path), corrupt=state.corrupt)
     except ValueError as exc:
         raise FileNotFoundError(str(exc)) from exc
+
+
+async def fetch(kwargs: dict[str, Any]) -> bytes:
+    """The bytes at kwargs["url"], checked to be kwargs["num_bytes"] long (a 500 naming what went wrong)."""
+    timeout_s = float(kwargs["timeout_s"])
+    try:
+        async with httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client:
+            response = await client.get(kwargs["url"])
+    except httpx.HTTPError as exc:
+        raise HTTPError(500, f"fetching weights failed: {type(exc).__name__}: {exc}") from exc
+    if response.status_code != 200 or len(response.content) != int(kwargs["num_bytes"]):
+        raise HTTPError(500, f"fetching weights: {response.status_code} with {len(response.content)} bytes")
+    return response.content
 
 
 async def collective_rpc(state: FakeEngineState, body: dict[str, Any]) -> tuple[int, bytes]:
@@ -66,6 +80,21 @@ async def collective_rpc(state: FakeEngineState, body: dict[str, Any]) -> tuple[
             state.staged_weights = {}
         result = {"num_tensors": len(incoming), "applied": applied, "checksums": fingerprint(incoming)}
         return json_response(200, {"results": [result]})
+    if method == "rollouts_fetch_weights":  # raw safetensors bytes GET from the trainer's one-off URL
+        await anyio.sleep(state.reload_delay_s)
+        incoming = arrays(decode_safetensors(await fetch(kwargs)), corrupt=state.corrupt)
+        unknown = sorted(set(incoming) - set(state.weights)) if state.weights else []
+        if unknown:
+            raise HTTPError(500, f"tensors not in the model's checkpoint: {unknown}")
+        state.weights = {**state.weights, **incoming}
+        return json_response(200, {"results": [{"num_tensors": len(incoming), "checksums": fingerprint(incoming)}]})
+    if method == "rollouts_load_dir":  # a disk reload answering the checksums of what it read
+        await anyio.sleep(state.reload_delay_s)
+        try:
+            load_dir(state, kwargs["weights_path"])
+        except (OSError, KeyError) as exc:
+            raise HTTPError(500, f"rollouts_load_dir failed: {type(exc).__name__}: {exc}") from exc
+        return json_response(200, {"results": [{"checksums": fingerprint(state.weights)}]})
     if method == "rollouts_fingerprint":  # the checksums of what the last disk reload loaded
         return json_response(200, {"results": [{"checksums": fingerprint(state.weights)}]})
     raise HTTPError(500, f"AttributeError: worker has no method {method!r}")

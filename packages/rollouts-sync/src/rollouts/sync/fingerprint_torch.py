@@ -1,5 +1,6 @@
-"""The torch side of rollouts.sync.fingerprint (whose docstring gives the definition), and the fault
-hook for tests of attestation: standard library only, torch taken from the tensors it is given.
+"""The torch side of rollouts.sync.fingerprint (whose docstring gives the definition), the numpy
+arithmetic both sides share, and the fault hook for tests of attestation: standard library and numpy
+only, torch taken from the tensors it is given.
 
 vLLM's workers import it beside the worker extension: the launcher copies both files into the
 server's PYTHONPATH, where rollouts.sync itself is not installed.
@@ -13,7 +14,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FAULT_ENV", "checksum_torch", "combine", "fingerprint_torch", "flip_bit_torch", "sync_fault_target"]
+import numpy as np
+
+__all__ = [
+    "FAULT_ENV",
+    "checksum_bytes",
+    "checksum_torch",
+    "combine",
+    "fingerprint_torch",
+    "flip_bit_torch",
+    "sync_fault_target",
+]
 
 FAULT_ENV = "ROLLOUTS_SYNC_FAULT"
 _MASK = (1 << 64) - 1
@@ -31,15 +42,36 @@ def combine(weighted_sums: list[int], sums: list[int], nbytes: int, chunk_words:
     return (total + nbytes * _LENGTH_MIX) & _MASK
 
 
+def checksum_bytes(data: np.ndarray) -> int:
+    """The checksum of [nbytes] uint8 `data` (a tensor's raw little-endian bytes), with numpy."""
+    nbytes = int(data.nbytes)
+    if nbytes % 4:
+        data = np.concatenate([data, np.zeros(4 - nbytes % 4, dtype=np.uint8)])
+    words = data.view("<u4")
+    weights = np.arange(1, min(len(words), _CPU_CHUNK_WORDS) + 1, dtype=np.uint64)
+    chunk = np.empty(min(len(words), _CPU_CHUNK_WORDS), dtype=np.uint64)
+    weighted_sums, sums = [], []
+    for start in range(0, len(words), _CPU_CHUNK_WORDS):
+        part = chunk[: min(_CPU_CHUNK_WORDS, len(words) - start)]
+        np.copyto(part, words[start : start + len(part)], casting="safe")  # widen into a reused buffer
+        sums.append(int(part.sum(dtype=np.uint64)))
+        np.multiply(part, weights[: len(part)], out=part)  # wraps mod 2^64, as the definition wants
+        weighted_sums.append(int(part.sum(dtype=np.uint64)))
+    return combine(weighted_sums, sums, nbytes, _CPU_CHUNK_WORDS)
+
+
 def checksum_torch(tensor: Any) -> int:
-    """The checksum of a torch tensor, computed where it lives (CPU or GPU) with torch's int64 ops."""
+    """The checksum of a torch tensor, computed where it lives: on a GPU with torch's int64 ops, on the
+    CPU with numpy (several times faster than torch's CPU ops here, and the same int)."""
     torch = sys.modules["torch"]  # loaded already: `tensor` is one of its tensors
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    if flat.device.type == "cpu":
+        return checksum_bytes(flat.numpy())
     nbytes = int(flat.numel())
     if nbytes % 4 or flat.storage_offset() % 4:  # an unaligned or ragged byte view cannot be read as words
         flat = torch.cat([flat, flat.new_zeros(-nbytes % 4)])
     words = flat.view(torch.int32)
-    size = _CPU_CHUNK_WORDS if words.device.type == "cpu" else _GPU_CHUNK_WORDS
+    size = _GPU_CHUNK_WORDS
     weights = torch.arange(1, min(words.numel(), size) + 1, dtype=torch.int64, device=words.device)
     parts = []
     for start in range(0, words.numel(), size):

@@ -28,6 +28,7 @@ __all__ = [
     "decode_safetensors",
     "encode_safetensors",
     "read_safetensors_dir",
+    "safetensors_header",
 ]
 
 DTYPE_BYTES = {
@@ -166,8 +167,9 @@ def _torch_raw(tensor: Any, *, name: str) -> RawTensor:
     return RawTensor(dtype=kind, shape=tuple(int(d) for d in tensor.shape), data=flat.view(torch.uint8).numpy())
 
 
-def encode_safetensors(tensors: Mapping[str, RawTensor], *, metadata: Mapping[str, str] | None = None) -> bytes:
-    """The safetensors bytes of `tensors` (in their order), with `metadata` in the header."""
+def safetensors_header(tensors: Mapping[str, RawTensor], *, metadata: Mapping[str, str] | None = None) -> bytes:
+    """The bytes a safetensors container of `tensors` (in their order) starts with: the header's length
+    and the header; each tensor's `data` follows, back to back, in the same order."""
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name, tensor in tensors.items():
@@ -179,7 +181,12 @@ def encode_safetensors(tensors: Mapping[str, RawTensor], *, metadata: Mapping[st
         offset += tensor.nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % _ALIGN)
-    return b"".join([len(head).to_bytes(8, "little"), head, *(t.data.tobytes() for t in tensors.values())])
+    return len(head).to_bytes(8, "little") + head
+
+
+def encode_safetensors(tensors: Mapping[str, RawTensor], *, metadata: Mapping[str, str] | None = None) -> bytes:
+    """The safetensors bytes of `tensors` (in their order), with `metadata` in the header."""
+    return b"".join([safetensors_header(tensors, metadata=metadata), *(t.data.data for t in tensors.values())])
 
 
 def decode_safetensors(data: bytes | bytearray | memoryview | np.ndarray) -> dict[str, RawTensor]:

@@ -1,20 +1,29 @@
-"""The weight-update requests of vLLM's worker extension: tensors in their own dtype as base64
-safetensors in /collective_rpc bodies, and the checksums the workers answer with.
+"""The weight-update requests of vLLM's worker extension, and the checksums the workers answer with.
 
-vLLM's /collective_rpc takes JSON whose arguments are strings, so the safetensors bytes travel
-base64-encoded: the bodies are a third larger than the tensors.
+Two wires: "fetch" (one request carrying a URL: the workers GET the raw safetensors bytes from a
+one-off endpoint the trainer serves, rollouts.sync.raw_server) and "inline" (the safetensors bytes
+in the request bodies: vLLM's /collective_rpc takes JSON whose arguments are strings, so they travel
+base64-encoded, a third larger than the tensors).
 """
 
 from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Mapping
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import anyio
+
 from rollouts.sync._http import EngineError
 from rollouts.sync.raw import RawTensor, as_raw, encode_safetensors
+
+WORKER_EXTENSION_CLS = "rollouts.sync.worker_extension.SafetensorsWeightLoader"
+"""Pass to vLLM as --worker-extension-cls so update_weights_from_tensors works without a shared disk."""
+DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024  # one inline /collective_rpc body stays well below HTTP server limits
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,26 +34,43 @@ class TensorUpload:
     tensor_bytes: int
     """The tensors' own bytes, in their own dtype (a bf16 weight: 2 bytes per element)."""
     body_bytes: int
-    """The request bodies' bytes: vLLM's /collective_rpc takes JSON with string arguments only, so
-    the safetensors bytes travel base64-encoded, a third more than `tensor_bytes`, plus the headers."""
+    """The request bodies' bytes: inline, the safetensors bytes base64-encoded (a third more than
+    `tensor_bytes`) in JSON; fetched, only the URL and sizes."""
     num_requests: int
+    fetched_bytes: int = 0
+    """Bytes the server's workers fetched from this process (fetch wire): each worker gets the
+    safetensors payload, `tensor_bytes` plus its header, once."""
+
+    @property
+    def wire_bytes(self) -> int:
+        """Every byte the sync moved to the server: request bodies and fetched payloads."""
+        return self.body_bytes + self.fetched_bytes
 
 
-def upload_of(raw: Mapping[str, RawTensor], rpcs: list[dict[str, Any]]) -> TensorUpload:
-    """What sending `raw` as `rpcs` (from `tensor_rpc_bodies`) moves."""
+def upload_of(raw: Mapping[str, RawTensor], rpcs: list[dict[str, Any]], *, fetched_bytes: int = 0) -> TensorUpload:
+    """What sending `raw` as `rpcs` (from `tensor_rpc_bodies`, or one `fetch_rpc_body`) moves."""
     return TensorUpload(
         num_tensors=len(raw),
         tensor_bytes=sum(t.nbytes for t in raw.values()),
         body_bytes=sum(body_bytes(rpc) for rpc in rpcs),
         num_requests=len(rpcs),
+        fetched_bytes=fetched_bytes,
     )
 
 
 def body_bytes(rpc: Mapping[str, Any]) -> int:
     """Bytes of `rpc` as compact JSON, counted without encoding the payload again (base64 needs no escapes)."""
     kwargs = rpc["kwargs"]
-    rest = {**rpc, "kwargs": {**kwargs, "data_b64": ""}}
-    return len(json.dumps(rest, separators=(",", ":"))) + len(kwargs["data_b64"])
+    payload = kwargs.get("data_b64", "")
+    rest = {**rpc, "kwargs": {**kwargs, "data_b64": ""}} if payload else rpc
+    return len(json.dumps(rest, separators=(",", ":"))) + len(payload)
+
+
+def fetch_rpc_body(url: str, num_bytes: int, *, timeout_s: float) -> dict[str, Any]:
+    """The /collective_rpc body that has each worker GET `num_bytes` of safetensors from `url` (within
+    `timeout_s`) and load them."""
+    kwargs = {"url": url, "num_bytes": str(num_bytes), "timeout_s": str(timeout_s)}
+    return {"method": "rollouts_fetch_weights", "kwargs": kwargs}
 
 
 def merge_checksums(reported: list[dict[str, int]], data: Mapping[str, Any]) -> list[dict[str, int]]:
@@ -102,3 +128,36 @@ def raise_on_rpc_error(data: Mapping[str, Any], *, engine: str, url: str) -> Non
                 status=200,
                 text=str(result["error"]),
             )
+
+
+def with_extension_hint(e: EngineError, method: str) -> EngineError:
+    """`e`, saying how to start the server, when the worker lacks the extension's `method`."""
+    if not method.startswith("rollouts_") or method not in str(e):
+        return e
+    return EngineError(
+        f"{e} (the worker has no {method}: start the server with --worker-extension-cls "
+        f"{WORKER_EXTENSION_CLS}, as `rollouts engine vllm` does; or pass attest=False / set engine.attest = "
+        "false for a disk sync without it)",
+        engine=e.engine,
+        url=e.url,
+        status=e.status,
+        text=e.text,
+    )
+
+
+class Background:
+    """`fn(arg)` computed in a thread of its own from construction on (the sender's checksums, while
+    the engine loads); `await result()` waits for its value or raises its error."""
+
+    def __init__(self, fn: Callable[[Any], dict[str, int]], arg: Any) -> None:
+        self._future: Future[dict[str, int]] = Future()
+        threading.Thread(target=self._run, args=(fn, arg), name="rollouts-checksums", daemon=True).start()
+
+    def _run(self, fn: Callable[[Any], dict[str, int]], arg: Any) -> None:
+        try:
+            self._future.set_result(fn(arg))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever awaits the result
+            self._future.set_exception(e)
+
+    async def result(self) -> dict[str, int]:
+        return await anyio.to_thread.run_sync(self._future.result)

@@ -18,31 +18,38 @@ Legend: P prompts, G samples per prompt, R response tokens.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
-import anyio
 import httpx
 
-from rollouts.sync._common import check_params, check_prompts, check_weight_version, is_adapter_dir, make_sample
+from rollouts.sync._common import (
+    check_params,
+    check_prompts,
+    check_weight_version,
+    is_adapter_dir,
+    local_address_toward,
+)
 from rollouts.sync._http import DEFAULT_HTTP, EngineError, HTTPEngineBase, HTTPOptions
 from rollouts.sync.fingerprint import check_attestation, fingerprint, fingerprint_dir
-from rollouts.sync.partial import PARTIAL
+from rollouts.sync.raw import safetensors_header
+from rollouts.sync.raw_server import serve_bytes
 from rollouts.sync.tensor_rpc import (
+    DEFAULT_CHUNK_BYTES,
+    WORKER_EXTENSION_CLS,
+    Background,
     TensorUpload,
+    fetch_rpc_body,
     merge_checksums,
     raise_on_rpc_error,
     raw_tensors,
     tensor_rpc_bodies,
     upload_of,
+    with_extension_hint,
 )
-from rollouts.types import Sample, SamplingParams, Status
+from rollouts.sync.vllm_completions import parse_completion_response
+from rollouts.types import Sample, SamplingParams
 
-WORKER_EXTENSION_CLS = "rollouts.sync.worker_extension.SafetensorsWeightLoader"
-"""Pass to vLLM as --worker-extension-cls so update_weights_from_tensors works without a shared disk."""
-
-_TOKEN_ID_PREFIX = "token_id:"  # vLLM's spelling of tokens when return_tokens_as_token_ids is set
-_DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024  # one /collective_rpc body stays well below HTTP server limits
+__all__ = ["WORKER_EXTENSION_CLS", "VLLMEngine", "parse_completion_response"]
 
 
 class VLLMEngine(HTTPEngineBase):
@@ -63,6 +70,7 @@ class VLLMEngine(HTTPEngineBase):
         logprobs_mode: str = "processed_logprobs",
         keep_partial: bool = False,
         attest: bool = True,
+        tensor_wire: str = "fetch",
     ) -> None:
         """`http`: the per-attempt timeout, retries and connection pool. `model`: the served model's
         name (None: asked from /v1/models once). `pause_mode`: how a weight update pauses generation
@@ -76,9 +84,17 @@ class VLLMEngine(HTTPEngineBase):
         with rollouts.sync.partial.continue_partials, instead of failing the request.
         `attest`: after each weight update, check the checksums the worker extension reports of the
         weights it received (rollouts.sync.fingerprint) against the sender's, and raise AttestationError
-        naming the tensors that differ; a disk update asks for them with the `rollouts_fingerprint` rpc
-        and reads the checkpoint here too (so the path must be readable by this process as well). Needs
-        the server started with the worker extension; LoRA adapter loads are not attested."""
+        naming the tensors that differ; a disk update is then loaded by the extension's `rollouts_load_dir`
+        rpc (the files read once, their checksums answered) and the checkpoint is read here too (so the
+        path must be readable by this process as well). Needs the server started with the worker
+        extension; LoRA adapter loads are not attested.
+        `tensor_wire`: how `update_weights_from_tensors` moves the bytes: "fetch" (the server's workers
+        GET the raw safetensors bytes from a one-off URL this process serves: the tensors' own bytes on
+        the wire; needs a route from the server to this machine) or "inline" (base64 in the JSON
+        /collective_rpc bodies: a third more bytes, for a server that cannot reach this machine)."""
+        if tensor_wire not in ("fetch", "inline"):
+            raise ValueError(f"tensor_wire must be 'fetch' or 'inline', got {tensor_wire!r}")
+        self.tensor_wire = tensor_wire
         if pause_mode not in ("wait", "abort", "keep"):
             raise ValueError(f"pause_mode must be 'wait', 'abort' or 'keep', got {pause_mode!r}")
         if logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
@@ -157,19 +173,23 @@ class VLLMEngine(HTTPEngineBase):
         if is_adapter_dir(path):
             await self._load_adapter(path, version)
             return
-        rpc = {"method": "reload_weights", "kwargs": {"weights_path": path}}
+        if not self.attest:
+            await self._paused_update([{"method": "reload_weights", "kwargs": {"weights_path": path}}], version)
+            return
+        # the worker reads the files once, answering their checksums; ours are read here meanwhile
+        sent = Background(fingerprint_dir, path)
 
-        async def expected() -> dict[str, int]:  # read here once the engine has loaded the same files
+        async def expected() -> dict[str, int]:
             try:
-                return await anyio.to_thread.run_sync(fingerprint_dir, path)
+                return await sent.result()
             except (OSError, ValueError) as e:
                 raise ValueError(
                     f"{self.name}: attesting a disk sync reads the checkpoint here too, and {path!r} cannot be "
                     f"read here ({e}); pass attest=False (engine.attest = false) where only the server sees it"
                 ) from e
 
-        check = {"method": "rollouts_fingerprint", "kwargs": {"weights_path": path}}
-        await self._paused_update([rpc], version, expected=expected if self.attest else None, fingerprint_rpc=check)
+        rpc = {"method": "rollouts_load_dir", "kwargs": {"weights_path": path}}
+        await self._paused_update([rpc], version, expected=expected)
 
     async def _load_adapter(self, path: str, version: int) -> None:
         """Load the adapter at `path` as `<prefix>-v<version>`, route generation to it, drop the old one."""
@@ -197,24 +217,36 @@ class VLLMEngine(HTTPEngineBase):
         await self._check_version(version)
 
     async def update_weights_from_tensors(
-        self, tensors: Mapping[str, Any], weight_version: int, *, chunk_bytes: int = _DEFAULT_CHUNK_BYTES
+        self,
+        tensors: Mapping[str, Any],
+        weight_version: int,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        serve_host: str | None = None,
     ) -> TensorUpload:
-        """Send `tensors` (HF checkpoint names; a subset updates only those) in the request body, each
-        in its own dtype: numpy arrays, torch tensors of any dtype (bfloat16 included) or RawTensors.
-        Returns (and keeps as `last_upload`) the bytes moved.
+        """Send `tensors` (HF checkpoint names; a subset updates only those), each in its own dtype:
+        numpy arrays, torch tensors of any dtype (bfloat16 included) or RawTensors. Returns (and keeps
+        as `last_upload`) the bytes moved.
 
+        With tensor_wire "fetch" the workers GET them as one raw safetensors payload served here on
+        `serve_host` (None: this machine's address on the route to the server); with "inline" they
+        travel base64-encoded in /collective_rpc bodies of at most ~`chunk_bytes` tensor bytes each.
         Needs the server started with --worker-extension-cls WORKER_EXTENSION_CLS; no shared disk.
         """
         version = check_weight_version(weight_version)
         raw = raw_tensors(tensors)
-        rpcs = tensor_rpc_bodies(raw, chunk_bytes=chunk_bytes)
-        sent = await anyio.to_thread.run_sync(fingerprint, raw) if self.attest else {}
-
-        async def expected() -> dict[str, int]:
-            return sent
-
-        await self._paused_update(rpcs, version, expected=expected if self.attest else None)
-        self.last_upload = upload_of(raw, rpcs)
+        sent = Background(fingerprint, raw).result if self.attest else None
+        if self.tensor_wire == "inline":
+            rpcs = tensor_rpc_bodies(raw, chunk_bytes=chunk_bytes)
+            await self._paused_update(rpcs, version, expected=sent)
+            self.last_upload = upload_of(raw, rpcs)
+            return self.last_upload
+        host = serve_host or local_address_toward(str(httpx.URL(self.name).host))
+        parts = [safetensors_header(raw), *(t.data for t in raw.values())]
+        async with serve_bytes(parts, host=host, timeout_s=self.timeout_s) as served:
+            rpc = fetch_rpc_body(served.url, served.num_bytes, timeout_s=self.timeout_s)
+            await self._paused_update([rpc], version, expected=sent)
+        self.last_upload = upload_of(raw, [rpc], fetched_bytes=served.sent_bytes)
         return self.last_upload
 
     async def _paused_update(
@@ -223,10 +255,9 @@ class VLLMEngine(HTTPEngineBase):
         version: int,
         *,
         expected: Callable[[], Awaitable[dict[str, int]]] | None = None,
-        fingerprint_rpc: dict[str, Any] | None = None,
     ) -> None:
         """Run `rpcs` paused; with `expected` (the sender's checksums, asked once they ran), compare the
-        checksums each worker reported (those of `fingerprint_rpc`'s answer where given) with them."""
+        checksums each worker reported with them."""
         # Pause so no request straddles two weight versions; resume even when the update fails,
         # so a failed sync leaves the engine serving (old weights) rather than stuck paused.
         async with self._paused("/pause", "/resume", params={"mode": self.pause_mode}):
@@ -234,8 +265,6 @@ class VLLMEngine(HTTPEngineBase):
             for rpc in rpcs:
                 reported = merge_checksums(reported, await self._rpc(rpc))
             if expected is not None:  # before the version is set: a failed check never claims it
-                if fingerprint_rpc is not None:
-                    reported = merge_checksums([], await self._fingerprint_rpc(fingerprint_rpc))
                 sent = await expected()
                 for worker in reported or [{}]:
                     check_attestation(sent, worker, engine=self.name, weight_version=version)
@@ -245,23 +274,12 @@ class VLLMEngine(HTTPEngineBase):
         await self._check_version(version)
 
     async def _rpc(self, rpc: dict[str, Any]) -> dict[str, Any]:
-        data = self._json_or_empty(await self._call("POST", "/collective_rpc", json=rpc))
-        raise_on_rpc_error(data, engine=self.name, url=f"{self.name}/collective_rpc")
-        return data
-
-    async def _fingerprint_rpc(self, rpc: dict[str, Any]) -> dict[str, Any]:
         try:
-            return await self._rpc(rpc)
+            data = self._json_or_empty(await self._call("POST", "/collective_rpc", json=rpc))
+            raise_on_rpc_error(data, engine=self.name, url=f"{self.name}/collective_rpc")
         except EngineError as e:
-            raise EngineError(
-                f"{e} (attestation asks the worker extension for the checksums of what it loaded: start the "
-                f"server with --worker-extension-cls {WORKER_EXTENSION_CLS}, as `rollouts engine vllm` does, "
-                "or pass attest=False / set engine.attest = false)",
-                engine=e.engine,
-                url=e.url,
-                status=e.status,
-                text=e.text,
-            ) from e
+            raise with_extension_hint(e, rpc["method"]) from e
+        return data
 
     async def _check_version(self, version: int) -> None:
         got = await self.weight_version()
@@ -292,106 +310,3 @@ class VLLMEngine(HTTPEngineBase):
             return {}
         data = response.json()
         return data if isinstance(data, dict) else {"results": data}
-
-
-def parse_completion_response(
-    data: Mapping[str, Any],
-    prompts_P: list[list[int]],
-    params: SamplingParams,
-    *,
-    weight_version: int | None,
-    engine: str,
-    logprobs_of: str | None = None,
-    keep_partial: bool = False,
-) -> list[Sample]:
-    """[P * G] Samples from a /v1/completions response, ordered by choice index (prompt-major).
-    With `keep_partial`, a choice with finish_reason "abort" is a partial Sample (status ABORTED,
-    metadata["partial"] = True) holding the tokens and log-probs generated before the abort."""
-    choices = sorted(data.get("choices") or [], key=lambda c: c["index"])
-    expected = len(prompts_P) * params.n
-    if len(choices) != expected:
-        raise EngineError(
-            f"{engine}: /v1/completions returned {len(choices)} choices, expected {len(prompts_P)} prompts x n={params.n}",
-            engine=engine,
-            url=f"{engine}/v1/completions",
-            status=200,
-            text=str(data)[:500],
-        )
-    samples = []
-    for i, choice in enumerate(choices):
-        finish = choice.get("finish_reason")
-        partial = keep_partial and finish == "abort"
-        if finish not in ("stop", "length") and not partial:  # "abort" (a pause in mode abort), "error", or none at all
-            raise EngineError(
-                f"{engine}: choice {i} ended with finish_reason={finish!r}, not 'stop' or 'length': "
-                "a partial response, never to be scored as finished",
-                engine=engine,
-                url=f"{engine}/v1/completions",
-                status=200,
-                text=str(choice)[:500],
-            )
-        prompt = prompts_P[i // params.n]
-        response_ids, logprobs_R = _choice_tokens(choice, want_logprobs=params.logprobs, engine=engine)
-        samples.append(
-            make_sample(
-                prompt_ids=prompt,
-                response_ids=response_ids,
-                logprobs_R=logprobs_R,
-                truncated=finish == "length",
-                weight_version=weight_version,
-                engine=engine,
-                logprobs_of=logprobs_of,
-            )
-        )
-        if partial:
-            samples[-1] = replace(samples[-1], status=Status.ABORTED, metadata={**samples[-1].metadata, PARTIAL: True})
-    return samples
-
-
-def _choice_tokens(
-    choice: Mapping[str, Any], *, want_logprobs: bool, engine: str
-) -> tuple[list[int], list[float] | None]:
-    logprobs = choice.get("logprobs")
-    ids = choice.get("token_ids")
-    if logprobs is not None and logprobs.get("tokens") is not None:
-        from_logprobs = [_token_id(t, engine=engine) for t in logprobs["tokens"]]
-        if ids is not None and list(ids) != from_logprobs:
-            raise EngineError(
-                f"{engine}: token_ids and logprobs.tokens disagree",
-                engine=engine,
-                url=f"{engine}/v1/completions",
-                status=200,
-                text=str(choice)[:500],
-            )
-        ids = from_logprobs
-    if ids is None:
-        raise EngineError(
-            f"{engine}: a choice carries neither token_ids nor logprobs.tokens",
-            engine=engine,
-            url=f"{engine}/v1/completions",
-            status=200,
-            text=str(choice)[:500],
-        )
-    if not want_logprobs:
-        return [int(t) for t in ids], None
-    if logprobs is None:
-        raise EngineError(
-            f"{engine}: logprobs were asked for but the choice has none",
-            engine=engine,
-            url=f"{engine}/v1/completions",
-            status=200,
-            text=str(choice)[:500],
-        )
-    return [int(t) for t in ids], [float(x) for x in logprobs["token_logprobs"]]
-
-
-def _token_id(token: str, *, engine: str) -> int:
-    if not token.startswith(_TOKEN_ID_PREFIX):
-        raise EngineError(
-            f"{engine}: token {token!r} is not in 'token_id:N' form (return_tokens_as_token_ids ignored?)",
-            engine=engine,
-            url=f"{engine}/v1/completions",
-            status=200,
-            text=token,
-        )
-    return int(token[len(_TOKEN_ID_PREFIX) :])

@@ -1,4 +1,5 @@
-"""vLLM worker extension: load weights sent as safetensors bytes in a /collective_rpc body.
+"""vLLM worker extension: load weights sent as safetensors bytes, fetched raw from the trainer or in
+a /collective_rpc body.
 
 Start the server with `--worker-extension-cls rollouts.sync.worker_extension.SafetensorsWeightLoader`
 (this module runs inside vLLM's worker process: standard library, torch and
@@ -10,6 +11,12 @@ Partial updates: a request may name only some checkpoint tensors. vLLM reloads a
 q/k/v together), so the extension keeps the full checkpoint-format weights in host memory:
 loaded once from the model directory the server last loaded, updated by each request, and fed
 whole to vLLM's in-place `reload_weights`. Cost: one extra copy of the weights in host memory.
+
+Raw fetch: `rollouts_fetch_weights` GETs one safetensors payload from a one-off URL the trainer
+serves (rollouts.sync.raw_server) into one buffer, the tensors being views of it: the bytes on the
+wire are the tensors' own, no base64, no JSON, no copy through vLLM's API process.
+
+Each call answers "seconds": its own steps' durations (receive, checksum, load), for profiles.
 
 Attestation: each load answers the checksums (rollouts.sync.fingerprint) of the tensors this worker
 received, and `rollouts_fingerprint` those of the checkpoint files a disk reload read, computed here
@@ -25,9 +32,12 @@ through the same path as `rollouts_load_weights`, only once every bucket arrived
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import os
 import socket
+import time
+import urllib.parse
 from datetime import timedelta
 from typing import Any
 
@@ -42,6 +52,24 @@ except ModuleNotFoundError:  # in a server started by rollouts.sync.launch: its 
     from rollouts_fingerprint_torch import checksum_torch, flip_bit_torch, sync_fault_target  # type: ignore[no-redef,import-not-found]
 
 _SAFETENSORS_SUFFIX = ".safetensors"
+_TORCH_DTYPES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F64": "float64",
+}
+"""torch's name of each safetensors dtype."""
 
 
 def _files_signature(model_dir: str) -> tuple[tuple[str, int, int], ...]:
@@ -170,6 +198,55 @@ def receive_tensor_list(group: Any, specs: list[tuple[str, str, list[int]]], dev
     return out
 
 
+def fetch_bytes(url: str, num_bytes: int, timeout_s: float) -> Any:
+    """The `num_bytes` bytes GET `url` answers, read into one uint8 tensor, all within `timeout_s`."""
+    parts = urllib.parse.urlsplit(url)
+    where = f"{parts.hostname}:{parts.port}"  # the path holds the token: never in a message
+    deadline = time.monotonic() + timeout_s
+    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout_s)
+    try:
+        conn.request("GET", parts.path)
+        response = conn.getresponse()
+        length = response.getheader("Content-Length")
+        if response.status != 200 or length != str(num_bytes):
+            raise RuntimeError(
+                f"fetching weights from {where}: answered {response.status} with Content-Length {length}, "
+                f"expected 200 with {num_bytes}"
+            )
+        buffer = torch.empty(num_bytes, dtype=torch.uint8)
+        view = buffer.numpy().data
+        received = 0
+        while received < num_bytes:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fetching weights from {where}: {received} of {num_bytes} bytes in {timeout_s} s")
+            got = response.readinto(view[received:])
+            if not got:
+                raise RuntimeError(f"fetching weights from {where}: closed after {received} of {num_bytes} bytes")
+            received += got
+        return buffer
+    finally:
+        conn.close()
+
+
+def tensors_of_safetensors(buffer: Any) -> dict[str, Any]:
+    """The tensors of a safetensors payload in uint8 tensor `buffer`, as views of it (a copy only for
+    a tensor whose offset its dtype cannot view at)."""
+    head = int.from_bytes(buffer[:8].numpy().tobytes(), "little")
+    header = json.loads(buffer[8 : 8 + head].numpy().tobytes())
+    body = buffer[8 + head :]
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = (int(x) for x in entry["data_offsets"])
+        kind = getattr(torch, _TORCH_DTYPES[entry["dtype"]])
+        data = body[start:end]
+        if data.storage_offset() % kind.itemsize:
+            data = data.clone()
+        out[name] = data.view(kind).view(entry["shape"])
+    return out
+
+
 class SafetensorsWeightLoader:
     """Mixed into vLLM's Worker class; its methods are called through POST /collective_rpc."""
 
@@ -223,21 +300,51 @@ class SafetensorsWeightLoader:
         if group is None:
             raise RuntimeError("no broadcast group: call rollouts_init_broadcast first")
         plan = json.loads(plan_json)
+        start = time.perf_counter()
         incoming = _received(receive_flat_buckets(group, plan, self._rollouts_group_device))
+        seconds = {"receive": time.perf_counter() - start}
+        answer = self._rollouts_apply(incoming, seconds)
+        return {**answer, "num_bytes": sum(int(b["nbytes"]) for b in plan["buckets"])}
+
+    def rollouts_fetch_weights(self, url: str, num_bytes: str, timeout_s: str) -> dict[str, Any]:
+        """Fetch one safetensors payload of `num_bytes` bytes from `url` (raw bytes, within `timeout_s`),
+        then reload with its tensors (all or nothing). Answers their checksums as received."""
+        start = time.perf_counter()
+        incoming = _received(tensors_of_safetensors(fetch_bytes(url, int(num_bytes), float(timeout_s))))
+        return self._rollouts_apply(incoming, {"receive": time.perf_counter() - start})
+
+    def rollouts_load_dir(self, weights_path: str) -> dict[str, Any]:
+        """Reload from the checkpoint files at `weights_path` (as vLLM's reload_weights does from a path),
+        reading them once: answers the checksums of what it read, for the trainer's attestation."""
+        start = time.perf_counter()
+        incoming = _received(_read_dir(weights_path))
+        return self._rollouts_apply(incoming, {"read": time.perf_counter() - start}, known_only=False)
+
+    def _rollouts_apply(
+        self, incoming: dict[str, Any], seconds: dict[str, float], *, known_only: bool = True
+    ) -> dict[str, Any]:
+        """Reload with the base weights updated by `incoming` (checked first: with `known_only` every name
+        must be a checkpoint tensor's, and each shape must match); the cache takes them once the reload
+        succeeded. Answers the checksums of `incoming` and each step's seconds."""
         weights = self._rollouts_base_weights()
-        unknown = sorted(set(incoming) - set(weights))
-        if unknown:
-            raise ValueError(f"tensors not in the model's checkpoint: {unknown[:10]} ({len(unknown)} in all)")
+        if known_only:
+            unknown = sorted(set(incoming) - set(weights))
+            if unknown:
+                raise ValueError(f"tensors not in the model's checkpoint: {unknown[:10]} ({len(unknown)} in all)")
         for name, tensor in incoming.items():
-            if tuple(tensor.shape) != tuple(weights[name].shape):
+            if name in weights and tuple(tensor.shape) != tuple(weights[name].shape):
                 raise ValueError(
                     f"tensor {name!r} has shape {tuple(tensor.shape)}, the checkpoint has {tuple(weights[name].shape)}"
                 )
+        start = time.perf_counter()
+        checksums = _checksums(incoming)
+        seconds["checksum"] = time.perf_counter() - start
+        # vLLM's parameters do not require grad, so no autograd graph is built here.
         self.reload_weights(weights_iterator=iter(list({**weights, **incoming}.items())))  # type: ignore[attr-defined]
+        seconds["load"] = time.perf_counter() - start - seconds["checksum"]
         # the cache is host memory: GPU buffers are copied out, CPU ones kept (they outlive the bucket)
         weights.update({name: tensor.to("cpu") for name, tensor in incoming.items()})
-        num_bytes = sum(int(b["nbytes"]) for b in plan["buckets"])
-        return {"num_tensors": len(incoming), "num_bytes": num_bytes, "checksums": _checksums(incoming)}
+        return {"num_tensors": len(incoming), "checksums": checksums, "seconds": seconds}
 
     def rollouts_load_weights(self, data_b64: str, apply: str = "1", first: str = "1") -> dict[str, Any]:
         """Stage the tensors in `data_b64` (base64 safetensors); with apply="1" reload the model with them.
