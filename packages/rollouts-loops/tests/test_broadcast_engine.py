@@ -29,6 +29,18 @@ def test_broadcast_is_a_sync_for_server_engines_only():
         EngineSpec(kind="inprocess", sync="broadcast")
 
 
+def test_the_http_wire_is_chosen_in_the_run_file_and_reaches_the_vllm_client():
+    assert EngineSpec(kind="vllm", urls=("http://127.0.0.1:1",), sync="http").http_wire == "fetch"
+    spec = EngineSpec(kind="vllm", urls=("http://127.0.0.1:1",), sync="http", http_wire="inline")
+    common = {"api_key_env": "", "timeout_s": 30.0, "max_retries": 0, "sync_timeout_s": 60.0}
+    engine = remote_engine("vllm", spec.urls, sync="http", http_wire=spec.http_wire, **common)
+    assert engine.engine.engine.tensor_wire == "inline"  # BoundedSync > SendWeights > VLLMEngine
+    with pytest.raises(ValueError, match="EngineSpec.http_wire"):
+        EngineSpec(kind="vllm", urls=("http://127.0.0.1:1",), sync="disk", http_wire="inline")
+    with pytest.raises(ValueError, match="EngineSpec.http_wire"):
+        EngineSpec(kind="vllm", urls=("http://127.0.0.1:1",), sync="http", http_wire="base64")
+
+
 def test_an_engine_synced_by_broadcast_loads_the_exported_weights_in_their_dtype(tmp_path):
     exported = {"w": torch.randn(16, 8).bfloat16(), "b": torch.randn(8)}
     save_file(exported, str(tmp_path / "model.safetensors"))

@@ -149,6 +149,7 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
             sync=run.engine.sync,
             partial=run.rl.rollout.partial,
             attest=run.engine.attest,
+            http_wire=run.engine.http_wire,
         )
     if shares:
         model = components.model

@@ -96,6 +96,11 @@ class EngineSpec:
     (the engines must see the trainer's filesystem at that path); "http" sends the weights in request
     bodies, chunked (no shared disk; vLLM started with the worker extension: `rollouts engine vllm`);
     "broadcast" through a gloo group with the engine's workers (vLLM's worker extension, or SGLang)."""
+    http_wire: Literal["fetch", "inline"] = "fetch"
+    """With sync = "http": "fetch" serves the weights' raw safetensors bytes on a short-lived endpoint
+    of the trainer that the engine's workers download (the bytes on the wire are the weights' own;
+    the engine must be able to connect back to the trainer); "inline" sends them base64 in the
+    requests to the engine (4/3 the bytes, slower), for an engine that cannot reach the trainer."""
     num_threads: int = 1
     """Torch threads of the engine process (kind = "process" or "rollout_process")."""
     attest: bool = True
@@ -118,6 +123,9 @@ class EngineSpec:
         if self.sync in ("http", "broadcast"):
             kinds = ("vllm",) if self.sync == "http" else ("vllm", "sglang")
             require(self.kind in kinds, "EngineSpec.sync", self.sync, f"be 'disk' unless kind is one of {kinds}")
+        require(self.http_wire in ("fetch", "inline"), "EngineSpec.http_wire", self.http_wire, "be fetch or inline")
+        if self.http_wire != "fetch":
+            require(self.sync == "http", "EngineSpec.http_wire", self.http_wire, "be 'fetch' unless sync is 'http'")
         require(self.num_threads >= 1, "EngineSpec.num_threads", self.num_threads, "be >= 1")
         if self.kind in ("inprocess", "process", "rollout_process"):
             require(not self.urls, "EngineSpec.urls", self.urls, f"be empty for kind={self.kind!r}")

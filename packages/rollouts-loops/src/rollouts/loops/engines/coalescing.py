@@ -270,6 +270,7 @@ def remote_engine(
     sync: str = "disk",
     partial: bool = False,
     attest: bool = True,
+    http_wire: str = "fetch",
 ) -> InferenceEngine:
     """A vLLM / SGLang client (a pool of them for several URLs); the API key comes from `api_key_env`.
 
@@ -280,7 +281,7 @@ def remote_engine(
     as partial samples (`VLLMEngine(keep_partial=True)`), to be continued. `attest`: vLLM engines check
     the checksums of the weights each sync loaded (`VLLMEngine(attest=...)`, and the broadcast's
     `BroadcastOptions(attest=...)`); SGLang cannot report them, and the log says once that its syncs go
-    unattested."""
+    unattested. `http_wire` (sync "http"): how the bytes travel (`VLLMEngine(tensor_wire=...)`)."""
     if sync not in ("disk", "http", "broadcast"):
         raise ValueError(f"sync must be 'disk', 'http' or 'broadcast', got {sync!r}")
     api_key = os.environ.get(api_key_env) if api_key_env else None
@@ -293,7 +294,7 @@ def remote_engine(
     if partial:
         common |= {"keep_partial": True, "pause_mode": "abort"}
     if kind == "vllm":
-        common["attest"] = attest
+        common |= {"attest": attest, "tensor_wire": http_wire}
     if not attest or kind == "sglang":
         why = "engine.attest = false" if not attest else "SGLang has no call that reports checksums of its weights"
         log.warning("weight sync attestation is off for %s engine(s) %s (%s)", kind, ", ".join(urls), why)
