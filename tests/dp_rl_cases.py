@@ -1,4 +1,4 @@
-"""A fixed batch and RL settings shared by the data-parallel rl_update test and its torchrun worker."""
+"""A fixed batch and RL settings (and a distillation teacher) shared by the data-parallel rl_update test and its torchrun worker."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from rollouts.backends import build_components
 from rollouts.backends.train.distributed import shard_model
 from rollouts.loops.algorithms import ALGORITHMS
 from rollouts.loops.recipes.tiny import build_tiny_model
+from rollouts.loops.rl.distill import Distillation
 from rollouts.types import (
     AlgorithmConfig,
     CriticConfig,
@@ -111,3 +112,17 @@ def components(*, sharded: bool):
 
     trained = build_components(model(), OptimizerConfig(lr=1e-3, schedule="constant"), num_training_steps=8)
     return trained, dataclasses.replace(trained, model=model().eval())
+
+
+def distillation(*, sharded: bool):
+    """On-policy distillation from another model of the same vocabulary (frozen, sharded like the
+    policy under torchrun), added to GRPO's advantage: the group statistics need the whole batch,
+    the teacher's term each rank's own samples."""
+    model = build_tiny_model(
+        VOCAB, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128,
+        max_position_embeddings=64, seed=1,
+    )  # fmt: skip
+    teacher = build_components(
+        (shard_model(model) if sharded else model).eval(), OptimizerConfig(), num_training_steps=1
+    )
+    return Distillation(teacher=teacher, coef=0.5, mode="add")

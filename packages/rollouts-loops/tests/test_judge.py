@@ -46,6 +46,8 @@ def test_labels_patterns_and_unparseable_replies():
     assert parse_score("3 out of 10 [[8]]", JudgeScale(pattern=r"\[\[(\d+)\]\]")) == pytest.approx(0.8)
     with pytest.raises(ValueError, match="low < high"):
         JudgeScale(low=3, high=3)
+    with pytest.raises(ValueError, match=r"JudgeLimits.max_tokens must be an int >= 1, got 0"):
+        JudgeLimits(max_tokens=0)
 
 
 def test_the_rubric_fills_prompt_response_and_record_fields():

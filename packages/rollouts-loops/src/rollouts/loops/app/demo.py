@@ -40,7 +40,9 @@ from rollouts.loops.run.loggers import ConsoleLogger, JsonlLogger, MultiLogger
 from rollouts.loops.sft import run_sft_training
 from rollouts.types import (
     CheckpointConfig,
+    InferenceEngine,
     LoraConfig,
+    MetricsLogger,
     OptimizerConfig,
     RLConfig,
     RolloutConfig,
@@ -130,6 +132,84 @@ def demo_model(config: DemoConfig, vocab_size: int, *, eos_token_id: int, pad_to
     )
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DemoTask:
+    """The demo's problems and tokenizer, built from a DemoConfig (demo_task)."""
+
+    train: tuple[dict[str, str], ...]
+    """Training problems (SFT demonstrations come from them, RL prompts are them)."""
+    held_out: tuple[dict[str, str], ...]
+    """Evaluation problems, none of which is in `train`."""
+    tokenizer: Any
+    """The BPE tokenizer trained on the task's text (a transformers fast tokenizer)."""
+
+
+def demo_task(config: DemoConfig) -> DemoTask:
+    """The problems and the tokenizer of `config` (the same for the same config)."""
+    held_out = addition_problems(
+        config.num_eval, digits=config.digits, seed=config.seed + 1, reverse_answer=config.reverse_answer
+    )
+    train = addition_problems(
+        config.num_train,
+        digits=config.digits,
+        seed=config.seed + 2,
+        reverse_answer=config.reverse_answer,
+        exclude=frozenset(r["prompt"] for r in held_out),
+    )
+    tokenizer = build_tokenizer((r["prompt"] + r["answer"] for r in train[:2000]), vocab_size=32)
+    return DemoTask(train=tuple(train), held_out=tuple(held_out), tokenizer=tokenizer)
+
+
+def held_out_accuracy(engine: InferenceEngine, task: DemoTask, config: DemoConfig) -> float:
+    """Exact-match accuracy of greedy answers to the held-out problems."""
+    tokenizer = task.tokenizer
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=config.digits + 3, stop_token_ids=(tokenizer.eos_token_id,))
+    accuracy: float
+    accuracy, _ = evaluate(engine, list(task.held_out), prompt_encoder(tokenizer, chat=False), exact_match, greedy)
+    return accuracy
+
+
+def run_demo_sft(
+    model: Any, task: DemoTask, config: DemoConfig, *, run_dir: Path, logger: MetricsLogger
+) -> list[dict[str, float]]:
+    """Train `model` in place on the sloppy teacher's demonstrations of `task.train`; the SFT history."""
+    sft = SFTConfig(
+        num_steps=config.sft_steps,
+        batch_size=config.sft_batch_size,
+        max_length=32,
+        max_tokens_per_micro_batch=4096,
+        seed=config.seed,
+        optimizer=OptimizerConfig(
+            lr=config.sft_lr,
+            warmup_steps=max(1, config.sft_steps // 20),
+            schedule="cosine",
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            min_lr_ratio=0.1,
+        ),
+        checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
+    )
+    demonstrations = sloppy_teacher(
+        list(task.train), error_rate=config.teacher_error_rate, seed=config.seed, reverse_answer=config.reverse_answer
+    )
+    # transformers types decode as str | list[str]; one id list gives str
+    chat_tokenizer = cast(Tokenizer, task.tokenizer)
+    samples = [
+        tokenize_conversation(as_conversation(r), chat_tokenizer, max_length=sft.max_length) for r in demonstrations
+    ]
+    components = build_components(model, sft.optimizer, num_training_steps=sft.num_steps)
+    _, history = run_sft_training(
+        components,
+        DataBuffer(samples, seed=config.seed),
+        sft,
+        logger=logger,
+        run_dir=run_dir,
+        resume=False,
+        tokenizer=task.tokenizer,
+    )
+    return history
+
+
 def _first_last(history: list[dict[str, float]], key: str, span: int = 3) -> tuple[float, float]:
     """Mean of `key` over the first and over the last `span` steps (a short run's trend, not its noise)."""
     values = [h[key] for h in history if key in h]
@@ -148,76 +228,30 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
     torch.manual_seed(config.seed)
     say = print if progress else (lambda *a, **k: None)
 
-    eval_records = addition_problems(
-        config.num_eval, digits=config.digits, seed=config.seed + 1, reverse_answer=config.reverse_answer
-    )
-    held_out = frozenset(r["prompt"] for r in eval_records)
-    train_records = addition_problems(
-        config.num_train,
-        digits=config.digits,
-        seed=config.seed + 2,
-        reverse_answer=config.reverse_answer,
-        exclude=held_out,
-    )
-    tokenizer = build_tokenizer((r["prompt"] + r["answer"] for r in train_records[:2000]), vocab_size=32)
+    task = demo_task(config)
+    tokenizer = task.tokenizer
     model = demo_model(config, len(tokenizer), eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     save_model(model, tokenizer, out / "init_model")
     say(
         f"[demo] tokenizer: {len(tokenizer)} tokens; model: {sum(p.numel() for p in model.parameters()):,} parameters; "
-        f"task: {config.digits}-digit addition, {len(train_records)} train / {len(eval_records)} held-out problems"
+        f"task: {config.digits}-digit addition, {len(task.train)} train / {len(task.held_out)} held-out problems"
     )
 
     encode = prompt_encoder(tokenizer, chat=False)
     engine = InProcessEngine(model, shares_training_model=True, tokenizer=tokenizer)
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=config.digits + 3, stop_token_ids=(tokenizer.eos_token_id,))
 
     def accuracy(label: str) -> float:
-        acc: float
-        acc, _ = evaluate(engine, eval_records, encode, exact_match, greedy)
+        acc = held_out_accuracy(engine, task, config)
         say(f"[demo] held-out accuracy {label}: {acc:.3f}")
         return acc
 
-    phase = time.perf_counter()
     accuracy_before = accuracy("before SFT")
     timings: dict[str, float] = {}
-
-    sft = SFTConfig(
-        num_steps=config.sft_steps,
-        batch_size=config.sft_batch_size,
-        max_length=32,
-        max_tokens_per_micro_batch=4096,
-        seed=config.seed,
-        optimizer=OptimizerConfig(
-            lr=config.sft_lr,
-            warmup_steps=max(1, config.sft_steps // 20),
-            schedule="cosine",
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            min_lr_ratio=0.1,
-        ),
-        checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
-    )
-    demonstrations = sloppy_teacher(
-        train_records, error_rate=config.teacher_error_rate, seed=config.seed, reverse_answer=config.reverse_answer
-    )
-    chat_tokenizer = cast(Tokenizer, tokenizer)  # transformers types decode as str | list[str]; one id list gives str
-    samples = [
-        tokenize_conversation(as_conversation(r), chat_tokenizer, max_length=sft.max_length) for r in demonstrations
-    ]
-    components = build_components(model, sft.optimizer, num_training_steps=sft.num_steps)
     logger = MultiLogger(
-        [JsonlLogger(out / "metrics_sft.jsonl")] + ([ConsoleLogger(sft.num_steps, desc="SFT")] if progress else [])
+        [JsonlLogger(out / "metrics_sft.jsonl")] + ([ConsoleLogger(config.sft_steps, desc="SFT")] if progress else [])
     )
     phase = time.perf_counter()
-    _, sft_history = run_sft_training(
-        components,
-        DataBuffer(samples, seed=config.seed),
-        sft,
-        logger=logger,
-        run_dir=out / "sft",
-        resume=False,
-        tokenizer=tokenizer,
-    )
+    sft_history = run_demo_sft(model, task, config, run_dir=out / "sft", logger=logger)
     logger.close()
     timings["sft_s"] = time.perf_counter() - phase
     accuracy_after_sft = accuracy("after SFT")
@@ -253,7 +287,7 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
     rl_logger = MultiLogger(
         [JsonlLogger(out / "metrics_rl.jsonl")] + ([ConsoleLogger(rl.num_steps, desc="RL (GRPO)")] if progress else [])
     )
-    prompts = DataBuffer([r for r in train_records], seed=config.seed + 3)
+    prompts = DataBuffer(list(task.train), seed=config.seed + 3)
     phase = time.perf_counter()
     _, rl_history = run_rl_training(
         RLModels(policy=rl_components, engine=rl_engine, engine_shares_model=True),

@@ -141,6 +141,7 @@ def _judge(spec: Any, source: str) -> Reward:
                 max_retries=judge.max_retries,
                 max_concurrency=judge.max_concurrency,
                 group_timeout_s=judge.group_timeout_s,
+                max_tokens=judge.max_tokens,
             ),
             on_error=spec.on_error,
         )

@@ -92,6 +92,8 @@ class JudgeSpec:
     """Judge calls in flight at once, over the whole run."""
     group_timeout_s: float = 600.0
     """Bound on one group's judge calls (waits for a free slot included)."""
+    max_tokens: int = 256
+    """The longest reply asked for (within the judge server's context length)."""
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -102,6 +104,7 @@ class JudgeSpec:
         require(self.max_retries >= 0, f"{n}.max_retries", self.max_retries, "be >= 0")
         require(self.max_concurrency >= 1, f"{n}.max_concurrency", self.max_concurrency, "be >= 1")
         require(self.group_timeout_s > 0, f"{n}.group_timeout_s", self.group_timeout_s, "be > 0")
+        require(self.max_tokens >= 1, f"{n}.max_tokens", self.max_tokens, "be >= 1")
         try:
             groups = re.compile(self.pattern).groups if self.pattern else 1
         except re.error as e:

@@ -214,14 +214,14 @@ class JudgeLimits:
     """Calls in flight at once, over every group."""
     group_timeout_s: float = 600.0
     """One group's calls, waits for a free slot included."""
+    max_tokens: int = 256
+    """The longest reply asked for (a server refuses more than its context length)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_retries", "max_concurrency"):
+        for name, least in (("max_retries", 0), ("max_concurrency", 1), ("max_tokens", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "max_concurrency"):
-                raise ValueError(
-                    f"JudgeLimits.{name} must be an int >= {int(name == 'max_concurrency')}, got {value!r}"
-                )
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"JudgeLimits.{name} must be an int >= {least}, got {value!r}")
         for name in ("timeout_s", "group_timeout_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -263,7 +263,7 @@ def judge_reward(
         system=system,
         scale=scale if scale is not None else JudgeScale(),
         max_concurrency=limits.max_concurrency,
-        max_tokens=256,
+        max_tokens=limits.max_tokens,
     )
 
     async def judge_group(samples: Sequence[Sample], records: Sequence[Any]) -> list[Any]:
