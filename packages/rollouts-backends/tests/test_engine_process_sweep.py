@@ -41,31 +41,34 @@ def _wait_gone(pid: int) -> None:
         os.close(fd)
 
 
-@pytest.mark.parametrize(
-    "how",
-    ["sigterm_parent", "sigterm_group", "sigkill_parent"],
-)
-def test_the_files_of_an_engine_process_are_removed_when_its_parent_dies(how):
+def test_the_files_of_an_engine_process_are_removed_when_its_parent_dies():
+    """The three ways, each with a parent of its own, started together (each start imports torch
+    and transformers twice: side by side they share the wait)."""
     tests = str(Path(__file__).parent)
-    parent = subprocess.Popen(
-        [sys.executable, "-c", _PARENT.format(tests=tests)],
-        stdout=subprocess.PIPE,
-        start_new_session=True,  # its own group, so that the group signal reaches only it and its child
-    )
+    parents = {
+        how: subprocess.Popen(
+            [sys.executable, "-c", _PARENT.format(tests=tests)],
+            stdout=subprocess.PIPE,
+            start_new_session=True,  # its own group, so that the group signal reaches only it and its child
+        )
+        for how in ("sigterm_parent", "sigterm_group", "sigkill_parent")
+    }
     try:
-        line = parent.stdout.readline()  # written once the engine process is ready
-        started = json.loads(line)
-        paths = [Path(p) for p in started["paths"]]
-        assert paths and all(p.exists() for p in paths)
-        if how == "sigterm_group":
-            os.killpg(parent.pid, signal.SIGTERM)
-        else:
-            parent.send_signal(signal.SIGKILL if how == "sigkill_parent" else signal.SIGTERM)
-        parent.wait(timeout=_WAIT_S)
-        _wait_gone(started["pid"])
-        assert [p for p in paths if p.exists()] == []
-    finally:
-        if parent.poll() is None:
-            parent.kill()
+        started = {how: json.loads(parent.stdout.readline()) for how, parent in parents.items()}  # once ready
+        for how, parent in parents.items():
+            paths = [Path(p) for p in started[how]["paths"]]
+            assert paths and all(p.exists() for p in paths), how
+            if how == "sigterm_group":
+                os.killpg(parent.pid, signal.SIGTERM)
+            else:
+                parent.send_signal(signal.SIGKILL if how == "sigkill_parent" else signal.SIGTERM)
+        for how, parent in parents.items():
             parent.wait(timeout=_WAIT_S)
-        parent.stdout.close()
+            _wait_gone(started[how]["pid"])
+            assert [p for p in map(Path, started[how]["paths"]) if p.exists()] == [], how
+    finally:
+        for parent in parents.values():
+            if parent.poll() is None:
+                parent.kill()
+                parent.wait(timeout=_WAIT_S)
+            parent.stdout.close()

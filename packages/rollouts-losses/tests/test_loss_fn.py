@@ -94,7 +94,7 @@ def test_on_policy_without_old_logprobs_is_ratio_one():
     loss, metrics = loss_fn_from_config(AlgorithmConfig())(logp, batch, num_tokens=None, num_sequences=None)
     ref, _ = ppo_clip_loss(logp, logp.detach(), layout["advantages"], layout["loss_mask"])
     torch.testing.assert_close(loss, ref)
-    assert metrics["ratio_mean"] == pytest.approx(1.0) and metrics["clip_frac_high"] == 0.0
+    assert float(metrics["ratio_mean"]) == pytest.approx(1.0) and metrics["clip_frac_high"] == 0.0
 
 
 def test_kl_in_loss_and_entropy_bonus_are_added():
@@ -109,7 +109,7 @@ def test_kl_in_loss_and_entropy_bonus_are_added():
     kl = ((logp - layout["ref_logprobs"]) * mask).sum() / mask.sum()
     ent = (layout["entropy"] * mask).sum() / mask.sum()
     torch.testing.assert_close(loss, pg + 0.5 * kl - 0.1 * ent)
-    assert metrics["kl"] == pytest.approx(kl.item()) and metrics["entropy"] == pytest.approx(ent.item())
+    assert float(metrics["kl"]) == pytest.approx(kl.item()) and float(metrics["entropy"]) == pytest.approx(ent.item())
 
 
 def test_missing_keys_raise_naming_the_key():

@@ -220,7 +220,7 @@ def test_kl_cov_matches_naive_loops(layout):
     torch.testing.assert_close(loss, ref)
     for ours_g, ref_g in zip(_per_seq(grad, batch, seqs), ref_grads, strict=True):
         torch.testing.assert_close(ours_g, ref_g)
-    assert metrics["cov_picked_frac"] == pytest.approx(picked_frac) and picked_frac > 0
+    assert float(metrics["cov_picked_frac"]) == pytest.approx(picked_frac) and picked_frac > 0
 
 
 def _clip_cov_naive(seqs, eps, bounds, drop):
@@ -280,7 +280,7 @@ def test_clip_cov_picks_the_fraction_among_eligible_tokens_reproducibly():
         )
         for _ in range(2)
     ]
-    assert runs[0][2]["cov_picked_frac"] == pytest.approx(min(max(1, int(0.1 * n)), len(eligible)) / n)
+    assert float(runs[0][2]["cov_picked_frac"]) == pytest.approx(min(max(1, int(0.1 * n)), len(eligible)) / n)
     torch.testing.assert_close(runs[0][1], runs[1][1])  # same generator seed, same picks
     # a token's gradient vanishes only where it was picked: every picked token is eligible
     ppo_grad = _ours(clip_cov_loss, batch, pick=ClipCovPick(cov_fraction=1.0, cov_bounds=(1e6, 2e6)))[

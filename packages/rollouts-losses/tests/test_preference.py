@@ -158,19 +158,19 @@ def test_metrics_are_trls():
     rc, rr = torch.tensor([-3.5, -5.0], dtype=torch.float64), torch.tensor([-4.0, -2.5], dtype=torch.float64)
     _, m = dpo_loss(c, r, rc, rr, beta=0.5)
     # rewards: beta * (pi - ref): chosen [0.25, 0], rejected [0, 0.25]
-    assert m["rewards/chosen"] == pytest.approx(0.125)
-    assert m["rewards/rejected"] == pytest.approx(0.125)
-    assert m["rewards/accuracies"] == pytest.approx(0.5)  # pair 0 right, pair 1 wrong
-    assert m["rewards/margins"] == pytest.approx(0.0)
-    assert m["logps/chosen"] == pytest.approx(-4.0)
-    assert m["logps/rejected"] == pytest.approx(-3.0)
+    assert float(m["rewards/chosen"]) == pytest.approx(0.125)
+    assert float(m["rewards/rejected"]) == pytest.approx(0.125)
+    assert float(m["rewards/accuracies"]) == pytest.approx(0.5)  # pair 0 right, pair 1 wrong
+    assert float(m["rewards/margins"]) == pytest.approx(0.0)
+    assert float(m["logps/chosen"]) == pytest.approx(-4.0)
+    assert float(m["logps/rejected"]) == pytest.approx(-3.0)
     n = torch.tensor([2.0, 4.0], dtype=torch.float64)
     _, m = orpo_loss(c, r, n, n, beta=0.1)
-    assert m["logps/chosen"] == pytest.approx((-1.5 - 1.25) / 2)  # per-token means
-    assert m["nll_loss"] == pytest.approx(8.0 / 6.0)  # token mean over every chosen token
+    assert float(m["logps/chosen"]) == pytest.approx((-1.5 - 1.25) / 2)  # per-token means
+    assert float(m["nll_loss"]) == pytest.approx(8.0 / 6.0)  # token mean over every chosen token
     assert {"log_odds_ratio", "log_odds_chosen"} <= set(m)
     _, m = kto_loss(c, r, rc, rr, beta=0.5, kl=0.3)
-    assert m["kl"] == pytest.approx(0.3)
+    assert float(m["kl"]) == pytest.approx(0.3)
 
 
 def test_equal_policy_and_reference_gives_log_two_and_no_accuracy():
