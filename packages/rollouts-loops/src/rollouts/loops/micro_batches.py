@@ -178,7 +178,10 @@ def token_advantages(
     if kl is not None:  # KL in the reward, at sequence level (an episode's: all its pieces) for the group estimators
         kl_N = torch.tensor([float((kl[i] * (masks[i] > 0)).sum()) for i in range(len(samples))])
         rewards_E = rewards_E - algorithm.kl_coef * torch.zeros(num).index_add_(0, episode_E, kl_N)
-    first_E = [episode_N.index(e) for e in range(num)]  # an episode's first piece: its group and greedy reward
+    first_E: list[int] = []  # each episode's first piece (episodes are numbered as they first appear)
+    for i, e in enumerate(episode_N):
+        if e == len(first_E):
+            first_E.append(i)
     groups_E = groups_N[first_E]
     if advantage_fn is not None:
         adv_E = _checked_advantages(advantage_fn(rewards_E, groups_E), num)
