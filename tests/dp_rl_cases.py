@@ -6,11 +6,11 @@ import dataclasses
 
 import numpy as np
 
-from rollouts.backends import build_components
+from rollouts.backends import DISTILL_DIVERGENCE_METRIC, build_components
 from rollouts.backends.train.distributed import shard_model
 from rollouts.loops.algorithms import ALGORITHMS
 from rollouts.loops.recipes.tiny import build_tiny_model
-from rollouts.loops.rl.distill import Distillation
+from rollouts.loops.rl.distill import REVERSE_KL_METRIC, Distillation
 from rollouts.types import (
     AlgorithmConfig,
     CriticConfig,
@@ -114,7 +114,12 @@ def components(*, sharded: bool):
     return trained, dataclasses.replace(trained, model=model().eval())
 
 
-def distillation(*, sharded: bool):
+DISTILL_METRICS = (REVERSE_KL_METRIC, DISTILL_DIVERGENCE_METRIC)
+DISTILL_CASES = {"distill": {}, "distill_full": {"estimate": "full", "beta": 0.5}}
+"""Name -> Distillation options: the sampled-token advantage, and GKD's full-vocabulary JSD term."""
+
+
+def distillation(*, sharded: bool, estimate: str = "sampled", beta: float = 1.0):
     """On-policy distillation from another model of the same vocabulary (frozen, sharded like the
     policy under torchrun), added to GRPO's advantage: the group statistics need the whole batch,
     the teacher's term each rank's own samples."""
@@ -125,4 +130,4 @@ def distillation(*, sharded: bool):
     teacher = build_components(
         (shard_model(model) if sharded else model).eval(), OptimizerConfig(), num_training_steps=1
     )
-    return Distillation(teacher=teacher, coef=0.5, mode="add")
+    return Distillation(teacher=teacher, coef=0.5, mode="add", estimate=estimate, beta=beta)

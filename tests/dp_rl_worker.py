@@ -10,11 +10,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import torch
 import torch.distributed as dist
-from dp_rl_cases import CASES, NUM_STEPS, batch, components, config, critic, distillation
+from dp_rl_cases import (
+    CASES,
+    DISTILL_CASES,
+    DISTILL_METRICS,
+    NUM_STEPS,
+    batch,
+    components,
+    config,
+    critic,
+    distillation,
+)
 
 from rollouts.backends import export_weights
 from rollouts.loops.algorithms import ALGORITHMS
-from rollouts.loops.rl.distill import REVERSE_KL_METRIC
 from rollouts.loops.rl.step import rl_update
 from rollouts.loops.run.distributed import broadcast_bytes, broadcast_json, broadcast_tagged, close_distributed
 from rollouts.types import RolloutBatch, TrainingState
@@ -57,12 +66,13 @@ def main(out: Path) -> None:
         export_weights(trained, out / name)
         if value is not None:
             export_weights(value, out / f"{name}_critic")
-    trained, _ = components(sharded=True)
-    distill, state = distillation(sharded=True), TrainingState()
-    for _ in range(NUM_STEPS):
-        state, step_metrics = rl_update(trained, state, batch(), config(ALGORITHMS["grpo"]), distill=distill)
-    metrics["distill"] = {k: step_metrics[k] for k in ("loss", REVERSE_KL_METRIC)}
-    export_weights(trained, out / "distill")
+    for name, options in DISTILL_CASES.items():
+        trained, _ = components(sharded=True)
+        distill, state = distillation(sharded=True, **options), TrainingState()
+        for _ in range(NUM_STEPS):
+            state, step_metrics = rl_update(trained, state, batch(), config(ALGORITHMS["grpo"]), distill=distill)
+        metrics[name] = {k: step_metrics[k] for k in ("loss", *DISTILL_METRICS) if k in step_metrics}
+        export_weights(trained, out / name)
     if dist.get_rank() == 0:
         (out / "metrics.json").write_text(json.dumps(metrics))
     close_distributed()

@@ -22,6 +22,10 @@ from rollouts.loops.app.config import ConfigError, RLRun, build_run
         ({"reward": {"judge": {"labels": [{"label": " ", "score": 1.0}]}}}, "non-empty word"),
         ({"distill": {"path": "t", "coef": 0.0}}, "DistillSpec.coef must be > 0"),
         ({"distill": {"mode": "both"}}, "distill.mode must be one of"),
+        ({"distill": {"estimate": "exact"}}, "distill.estimate must be one of"),
+        ({"distill": {"estimate": "full", "beta": 1.5}}, r"DistillSpec.beta must be in \[0, 1\]"),
+        ({"distill": {"beta": 0.5}}, "DistillSpec.beta must be 1 unless estimate = 'full'"),
+        ({"distill": {"url": "http://x:1", "estimate": "full"}}, "must be 'sampled' with a served teacher"),
     ],
 )
 def test_bad_sections_are_refused_naming_the_key(data, message):

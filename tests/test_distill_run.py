@@ -1,90 +1,89 @@
-"""On-policy distillation end to end on the demo task, with no task reward: a random-init student of
-the demo's shape distilled from a briefly SFT'd demo model comes to answer held-out prompts as the
-teacher does, and its reverse KL to the teacher falls."""
+"""On-policy distillation end to end on the demo task, with no task reward: a student of the demo's
+shape, SFT'd too briefly to answer (about 4% held out), distilled from the demo's SFT'd model
+(about 70%) with the full-vocabulary reverse KL on its own samples, gains at least 20 points of
+held-out accuracy (it measured 4% -> 59%), and its divergence to the teacher falls by more than half.
+
+The sampled-token estimate (the advantage coef * (teacher - student log-prob)) does not get there
+from such a student in a CPU test's budget: one token's log-ratio is too noisy a signal against
+a confident teacher, where the whole distribution at each position is exact."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
-from rollouts.backends import InProcessEngine, build_components
-from rollouts.data import DataBuffer, prompt_encoder, tokenize_conversation
-from rollouts.loops import NullLogger, RLModels, RunOutputs, evaluate, run_rl_training, run_sft_training
-from rollouts.loops.app.demo import DemoConfig, demo_model
-from rollouts.loops.recipes.addition import addition_problems, as_conversation
-from rollouts.loops.recipes.tiny import build_tokenizer
-from rollouts.loops.rl.distill import REVERSE_KL_METRIC, Distillation
-from rollouts.types import CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams, SFTConfig
+from rollouts.backends import DISTILL_DIVERGENCE_METRIC, InProcessEngine, build_components
+from rollouts.data import DataBuffer, prompt_encoder
+from rollouts.loops import ALGORITHMS, NullLogger, RLModels, RunOutputs, run_rl_training
+from rollouts.loops.app.demo import DemoConfig, demo_model, demo_task, held_out_accuracy, run_demo_sft
+from rollouts.loops.engines.coalescing import CoalescingEngine
+from rollouts.loops.rl.distill import Distillation
+from rollouts.types import CheckpointConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams
 
 pytestmark = pytest.mark.slow
 
-
-def _greedy_answers(model, tokenizer, records):
-    engine = InProcessEngine(model, shares_training_model=True, tokenizer=tokenizer)
-    params = SamplingParams(temperature=0.0, max_new_tokens=5, stop_token_ids=(tokenizer.eos_token_id,))
-    _, samples = evaluate(engine, records, prompt_encoder(tokenizer, chat=False), lambda s, r: 0.0, params)
-    return [s.response for s in samples]
+STUDENT_SFT_STEPS = 300
+"""Too few for the demo's model to answer (its accuracy stays near 0), enough to write answers' shape."""
 
 
-def test_a_student_distilled_with_no_reward_answers_held_out_prompts_as_its_teacher(tmp_path):
-    torch.manual_seed(0)
-    shape = DemoConfig.quick()
-    held_out = addition_problems(64, digits=2, seed=1)
-    train = addition_problems(1000, digits=2, seed=2, exclude=frozenset(r["prompt"] for r in held_out))
-    tokenizer = build_tokenizer((r["prompt"] + r["answer"] for r in train), vocab_size=32)
+def test_a_student_distilled_with_no_reward_gains_20_points_of_held_out_accuracy(tmp_path):
+    config = DemoConfig.quick()
+    task = demo_task(config)
+    tokenizer = task.tokenizer
     ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    torch.manual_seed(0)
 
-    teacher_model = demo_model(shape, len(tokenizer), **ids)  # SFT'd briefly on the task's demonstrations
-    sft = SFTConfig(
-        num_steps=40,
-        batch_size=32,
-        max_length=32,
-        max_tokens_per_micro_batch=4096,
-        optimizer=OptimizerConfig(lr=3e-3, warmup_steps=2, weight_decay=0.0),
-        checkpoint=CheckpointConfig(every_steps=0),
-    )
-    samples = [tokenize_conversation(as_conversation(r), tokenizer, max_length=32) for r in train]
-    teacher = build_components(teacher_model, sft.optimizer, num_training_steps=sft.num_steps)
-    run_sft_training(teacher, DataBuffer(samples, seed=0), sft, logger=NullLogger(), run_dir=tmp_path / "sft")
-    teacher_answers = _greedy_answers(teacher_model, tokenizer, held_out)
+    teacher_model = demo_model(config, len(tokenizer), **ids)
+    run_demo_sft(teacher_model, task, config, run_dir=tmp_path / "teacher", logger=NullLogger())
+    student_model = demo_model(config, len(tokenizer), **ids)
+    brief = dataclasses.replace(config, sft_steps=STUDENT_SFT_STEPS)
+    run_demo_sft(student_model, task, brief, run_dir=tmp_path / "student", logger=NullLogger())
 
-    student_model = demo_model(shape, len(tokenizer), **ids)
-    with torch.no_grad():  # another random init than the teacher's
-        for p in student_model.parameters():
-            p.normal_(0.0, 0.02)
+    def accuracy(model) -> float:
+        return held_out_accuracy(InProcessEngine(model, shares_training_model=True, tokenizer=tokenizer), task, config)
 
-    def agreement() -> float:
-        answers = _greedy_answers(student_model, tokenizer, held_out)
-        return sum(a == b for a, b in zip(answers, teacher_answers, strict=True)) / len(held_out)
-
-    before = agreement()
-    config = RLConfig(
-        num_steps=80,
+    teacher_accuracy, before = accuracy(teacher_model), accuracy(student_model)
+    rl = RLConfig(
+        num_steps=200,
+        # one response to each of 64 prompts a step (the more problems the student meets, the sooner
+        # it learns the teacher's addition), so an estimator that needs no group, and no KL to a reference
+        algorithm=dataclasses.replace(ALGORITHMS["reinforce_pp"], kl_coef=0.0),
         rollout=RolloutConfig(
-            batch_size=16,
-            samples_per_prompt=4,
-            max_concurrency=16,
+            batch_size=64,
+            samples_per_prompt=1,
+            max_concurrency=64,
             # seeded: each request's own seed, so what is sampled does not depend on the order requests run in
             sampling=SamplingParams(
-                temperature=1.0, max_new_tokens=5, stop_token_ids=(tokenizer.eos_token_id,), seed=0
+                temperature=1.0, max_new_tokens=config.digits + 3, stop_token_ids=(tokenizer.eos_token_id,), seed=0
             ),
         ),
-        optimizer=OptimizerConfig(lr=3e-3, warmup_steps=0, schedule="constant", weight_decay=0.0),
+        optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0, schedule="constant", weight_decay=0.0, max_grad_norm=1.0),
         checkpoint=CheckpointConfig(every_steps=0),
         max_tokens_per_micro_batch=4096,
+        seed=0,
     )
-    student = build_components(student_model, config.optimizer, num_training_steps=config.num_updates)
-    engine = InProcessEngine(student_model, shares_training_model=True, tokenizer=tokenizer)
+    teacher = build_components(teacher_model.eval(), rl.optimizer, num_training_steps=1)  # never stepped
+    student = build_components(student_model, rl.optimizer, num_training_steps=rl.num_updates)
+    engine = CoalescingEngine(
+        InProcessEngine(student_model, shares_training_model=True, tokenizer=tokenizer), max_prompts_per_call=64
+    )
     _, history = run_rl_training(
-        RLModels(policy=student, engine=engine, distill=Distillation(teacher=teacher, coef=1.0)),
-        DataBuffer(train, seed=3),
-        config,
+        RLModels(
+            policy=student,
+            engine=engine,
+            engine_shares_model=True,
+            distill=Distillation(teacher=teacher, estimate="full", beta=1.0),  # the reverse KL, exactly
+        ),
+        DataBuffer(list(task.train), seed=3),
+        rl,
         reward=lambda sample, record: 0.0,  # no task reward: the teacher alone teaches
         encode_prompt=prompt_encoder(tokenizer, chat=False),
         output=RunOutputs(run_dir=tmp_path / "rl", logger=NullLogger(), resume=False),
         tokenizer=tokenizer,
     )
-    after = agreement()
-    kl = [h[REVERSE_KL_METRIC] for h in history]
-    assert sum(kl[-3:]) / 3 < 0.5 * sum(kl[:3]) / 3, kl
-    assert after - before >= 0.2, (before, after, teacher_answers[:8])
+    after = accuracy(student_model)
+    divergence = [h[DISTILL_DIVERGENCE_METRIC] for h in history]
+    assert sum(divergence[-10:]) / 10 < 0.5 * sum(divergence[:10]) / 10, divergence[::20]
+    assert after - before >= 0.2, (before, after, teacher_accuracy)

@@ -123,7 +123,8 @@ def test_every_example_runs_a_step_or_two(name, tiny_run_inputs, tmp_path, monke
     records = read_jsonl(out / metrics)
     assert [r["step"] for r in records] == [1, 2]
     if name == "distill.toml":
-        # the teacher is the starting student: the same log-probs of the same tokens, bit for bit
-        assert records[0]["distill/reverse_kl"] == 0.0 and "distill/reverse_kl" in records[1]
+        # the teacher is the starting student: the same distributions at every position, so no
+        # gradient (the advantages are replaced by zeros) and the student stays its teacher
+        assert all(abs(r["distill/divergence"]) < 1e-6 for r in records)
     if name == "judge.toml":
         assert all(r["num_reward_errors"] == 0 for r in records)

@@ -11,11 +11,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from dp_rl_cases import CASES, NUM_STEPS, batch, components, config, critic, distillation
+from dp_rl_cases import (
+    CASES,
+    DISTILL_CASES,
+    DISTILL_METRICS,
+    NUM_STEPS,
+    batch,
+    components,
+    config,
+    critic,
+    distillation,
+)
 
 from rollouts.backends import read_weights
 from rollouts.loops.algorithms import ALGORITHMS
-from rollouts.loops.rl.distill import REVERSE_KL_METRIC
 from rollouts.loops.rl.step import rl_update
 from rollouts.loops.run.distributed import all_gather_arrays
 from rollouts.types import TrainingState
@@ -60,11 +69,15 @@ def test_rl_update_on_two_ranks_matches_one_process(tmp_path):
         assert set(weights) == set(reference), name
         for key, tensor in weights.items():
             torch.testing.assert_close(tensor, reference[key], atol=1e-5, rtol=1e-4, msg=f"{name}: {key}")
-    trained, _ = components(sharded=False)
-    distill, state = distillation(sharded=False), TrainingState()
-    for _ in range(NUM_STEPS):
-        state, metrics = rl_update(trained, state, batch(), config(ALGORITHMS["grpo"]), distill=distill)
-    assert distributed["distill"]["loss"] == pytest.approx(metrics["loss"], rel=1e-4, abs=1e-6)
-    assert distributed["distill"][REVERSE_KL_METRIC] == pytest.approx(metrics[REVERSE_KL_METRIC], rel=1e-4, abs=1e-6)
-    for key, tensor in read_weights(tmp_path / "distill").items():
-        torch.testing.assert_close(tensor, trained.model.state_dict()[key], atol=1e-5, rtol=1e-4, msg=f"distill: {key}")
+    for name, options in DISTILL_CASES.items():
+        trained, _ = components(sharded=False)
+        distill, state = distillation(sharded=False, **options), TrainingState()
+        for _ in range(NUM_STEPS):
+            state, metrics = rl_update(trained, state, batch(), config(ALGORITHMS["grpo"]), distill=distill)
+        assert set(distributed[name]) == {"loss", *(k for k in DISTILL_METRICS if k in metrics)}, name
+        for key, value in distributed[name].items():
+            assert value == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), (name, key)
+        for key, tensor in read_weights(tmp_path / name).items():
+            torch.testing.assert_close(
+                tensor, trained.model.state_dict()[key], atol=1e-5, rtol=1e-4, msg=f"{name}: {key}"
+            )

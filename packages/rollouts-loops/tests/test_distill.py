@@ -5,6 +5,8 @@ another vocabulary is refused before any work."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -122,3 +124,41 @@ def test_bad_distillation_settings_are_refused():
         Distillation(teacher=student, mode="both")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="sequence_logprobs"):
         Distillation(teacher="models/teacher")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="estimate must be 'sampled' or 'full'"):
+        Distillation(teacher=student, estimate="exact")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"Distillation.beta must be a number in \[0, 1\]"):
+        Distillation(teacher=student, estimate="full", beta=1.5)
+    with pytest.raises(ValueError, match="beta=0.5 needs estimate='full'"):
+        Distillation(teacher=student, beta=0.5)
+    with pytest.raises(ValueError, match="estimate='full' needs the teacher's whole next-token distributions"):
+        Distillation(teacher=EngineTeacher("http://127.0.0.1:9"), estimate="full")
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.0])
+def test_the_full_estimate_trains_on_the_divergence_alone_in_replace_mode(beta):
+    """rl_update with estimate='full', mode 'replace': the step's loss is coef times the token-mean
+    divergence over the trained tokens (the zeroed advantages add nothing), and its metric is the
+    divergence of the two models' whole softmaxes, computed here sample by sample."""
+    from rollouts.backends import DISTILL_DIVERGENCE_METRIC
+    from rollouts.loops.rl.step import rl_update
+    from rollouts.losses import distill_divergence
+    from rollouts.types import RLConfig, RolloutConfig, SamplingParams, TrainingState
+
+    torch.manual_seed(0)
+    student, teacher = _components(0), _components(1)
+    samples = [dataclasses.replace(s, reward=float(i % 2), group_index=0) for i, s in enumerate(_samples([5, 9, 4, 7]))]
+    total, count = 0.0, 0
+    for s in samples:
+        ids = torch.tensor([list(s.tokens.tolist())])
+        with torch.no_grad():
+            d = distill_divergence(student.model(ids).logits[0, 1:-1], teacher.model(ids).logits[0, 1:-1], beta=beta)
+        total, count = total + float(d.sum()), count + len(d)
+    distill = Distillation(teacher=teacher, coef=0.25, estimate="full", beta=beta)
+    config = RLConfig(  # three micro-batches of at most 12 tokens
+        rollout=RolloutConfig(samples_per_prompt=4, sampling=SamplingParams(max_new_tokens=8)),
+        max_tokens_per_micro_batch=12,
+    )
+    _, metrics = rl_update(student, TrainingState(), samples, config, distill=distill)
+    assert metrics[DISTILL_DIVERGENCE_METRIC] == pytest.approx(total / count, rel=1e-5)
+    assert metrics["loss"] == pytest.approx(0.25 * total / count, rel=1e-5)
+    assert metrics["grad_norm"] > 0

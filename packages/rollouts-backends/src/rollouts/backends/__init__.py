@@ -30,6 +30,8 @@ from rollouts.backends.train.cpu_memory import retain_freed_cpu_memory
 from rollouts.backends.train.distributed import shard_model, transformer_blocks
 from rollouts.backends.train.inputs import attention_mask_4d, document_masked, micro_batch_to_torch, packed_only
 from rollouts.backends.train.step import (
+    DISTILL_DIVERGENCE_METRIC,
+    DistillTerm,
     NonFiniteError,
     compute_logprobs,
     forward_backward,
@@ -48,7 +50,9 @@ def _version() -> str:
 __version__ = _version()
 
 __all__ = [
+    "DISTILL_DIVERGENCE_METRIC",
     "CheckpointWriter",
+    "DistillTerm",
     "EngineProcessError",
     "EngineProcessOptions",
     "InProcessEngine",

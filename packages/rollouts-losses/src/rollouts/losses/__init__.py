@@ -21,6 +21,7 @@ from rollouts.losses.correction import (
     off_policy_sequence_mask,
     rejection_mask,
 )
+from rollouts.losses.distill import check_beta, distill_divergence, fused_distill_divergence
 from rollouts.losses.ema import ema_accumulators, ema_update_
 from rollouts.losses.fused_logprobs import fused_block_shape, fused_token_logprobs, truncation_mask
 from rollouts.losses.kl import KL_KINDS, KLControllerState, adaptive_kl_update, importance_weights, kl_penalty
@@ -77,16 +78,19 @@ __all__ = [
     "adaptive_kl_update",
     "aggregate",
     "broadcast_to_tokens",
+    "check_beta",
     "cispo_loss",
     "clip_cov_loss",
     "clip_rewards",
     "combine_rewards",
     "detached_metrics",
+    "distill_divergence",
     "dpo_loss",
     "dppo_loss",
     "ema_accumulators",
     "ema_update_",
     "floats_of",
+    "fused_distill_divergence",
     "format_reward",
     "fused_block_shape",
     "fused_token_logprobs",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -20,10 +21,18 @@ import torch
 from rollouts.backends.train.components import TrainingComponents, model_attr
 from rollouts.backends.train.distributed import data_parallel_size
 from rollouts.backends.train.inputs import HostLayout, host_layout, micro_batch_to_torch, model_inputs
-from rollouts.losses import LossFn, Metrics, floats_of, fused_token_logprobs
+from rollouts.losses import LossFn, Metrics, check_beta, floats_of, fused_distill_divergence, fused_token_logprobs
 from rollouts.types import MicroBatch, OptimizerConfig, TrainingState
 
-__all__ = ["NonFiniteError", "compute_logprobs", "forward_backward", "optim_step", "token_logprobs_of_model"]
+__all__ = [
+    "DISTILL_DIVERGENCE_METRIC",
+    "DistillTerm",
+    "NonFiniteError",
+    "compute_logprobs",
+    "forward_backward",
+    "optim_step",
+    "token_logprobs_of_model",
+]
 
 _MAX_NAMED_PARAMETERS = 5
 """How many offending parameter names a non-finite error lists (the rest are counted)."""
@@ -31,6 +40,37 @@ _MAX_NAMED_PARAMETERS = 5
 
 class NonFiniteError(FloatingPointError):
     """Raised when too many optimizer steps in a row had a non-finite loss or gradient."""
+
+
+DISTILL_DIVERGENCE_METRIC = "distill/divergence"
+"""forward_backward's metric with a DistillTerm: the divergence's mean over the loss tokens."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DistillTerm:
+    """A term forward_backward adds to the loss: `coef` times the divergence between the model's
+    next-token distribution and a frozen teacher's, over the whole vocabulary, at every loss token
+    (rollouts.losses.fused_distill_divergence: `beta` 1 reverse KL, 0 forward KL, between GKD's
+    generalized JSD), weighted by the loss mask and divided by the step's `num_tokens`.
+
+    The teacher runs one forward per micro-batch, without gradients, on the same inputs (under
+    FSDP every rank runs it the same number of times, as the reference model). Its vocabulary
+    must be the model's. The model's distribution is its softmax at forward_backward's
+    temperature (top-k / top-p truncation does not apply to it); the teacher's at temperature 1.
+    """
+
+    teacher: TrainingComponents
+    coef: float = 1.0
+    beta: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.teacher, TrainingComponents):
+            raise TypeError(f"DistillTerm.teacher must be TrainingComponents, got {type(self.teacher).__name__}")
+        if isinstance(self.coef, bool) or not isinstance(self.coef, (int, float)) or not math.isfinite(self.coef):
+            raise ValueError(f"DistillTerm.coef must be a finite number, got {self.coef!r}")
+        if self.coef <= 0:
+            raise ValueError(f"DistillTerm.coef must be > 0, got {self.coef}")
+        check_beta(self.beta)
 
 
 def _final_hidden(
@@ -88,6 +128,18 @@ def token_logprobs_of_model(
     )
 
 
+def _kept_hidden(
+    model: torch.nn.Module, batch: MicroBatch[torch.Tensor], layout: HostLayout
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """([1, K, H] last hidden state at the layout's kept positions, [V, H] output projection, [K] kept)."""
+    hidden_B_T_H, weight_V_H = _final_hidden(model, batch, layout)
+    b, t, h = hidden_B_T_H.shape
+    kept_K = torch.from_numpy(layout.kept)
+    if kept_K.device != hidden_B_T_H.device:
+        kept_K = kept_K.pin_memory().to(hidden_B_T_H.device, non_blocking=True)
+    return hidden_B_T_H.reshape(b * t, h).index_select(0, kept_K)[None], weight_V_H, kept_K
+
+
 def _token_logprobs(
     model: torch.nn.Module,
     batch: MicroBatch[torch.Tensor],
@@ -99,12 +151,32 @@ def _token_logprobs(
     top_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs_of_model` given the batch's layout, with no wait on the device."""
-    hidden_B_T_H, weight_V_H = _final_hidden(model, batch, layout)
-    b, t, h = hidden_B_T_H.shape
-    kept_K = torch.from_numpy(layout.kept)
-    if kept_K.device != hidden_B_T_H.device:
-        kept_K = kept_K.pin_memory().to(hidden_B_T_H.device, non_blocking=True)
-    hidden_1_K_H = hidden_B_T_H.reshape(b * t, h).index_select(0, kept_K)[None]
+    hidden_1_K_H, weight_V_H, kept_K = _kept_hidden(model, batch, layout)
+    return _logprobs_at(
+        hidden_1_K_H,
+        weight_V_H,
+        kept_K,
+        batch,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        top_k=top_k,
+        top_p=top_p,
+    )
+
+
+def _logprobs_at(
+    hidden_1_K_H: torch.Tensor,
+    weight_V_H: torch.Tensor,
+    kept_K: torch.Tensor,
+    batch: MicroBatch[torch.Tensor],
+    *,
+    temperature: float,
+    with_entropy: bool,
+    top_k: int,
+    top_p: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, T] log-probs (and entropy) of the tokens predicted from the kept positions' hidden states."""
+    b, t = batch.input_ids.shape
     labels_1_K = batch.input_ids.reshape(b * t).index_select(0, kept_K + 1)[None]
     truncated = top_k > 0 or top_p < 1.0
     result = fused_token_logprobs(
@@ -144,6 +216,7 @@ def forward_backward(
     temperature: float = 1.0,
     top_k: int = -1,
     top_p: float = 1.0,
+    distill: DistillTerm | None = None,
 ) -> dict[str, float]:
     """Forward and backward over a step's micro-batches; gradients accumulate in the model.
 
@@ -151,7 +224,8 @@ def forward_backward(
     micro-batches, all ranks), so the summed micro-batch gradients equal one big batch's.
     Metrics: `loss` is the step's loss (sum over micro-batches); the loss function's metrics (floats
     or 0-dim tensors) are averaged over micro-batches weighted by their loss tokens, read from the device
-    only after the last backward is queued.
+    only after the last backward is queued. With `distill`, its term joins each micro-batch's loss
+    and its divergence is the metric DISTILL_DIVERGENCE_METRIC.
     """
     if not micro_batches:
         raise ValueError("forward_backward needs at least one micro-batch")
@@ -172,13 +246,27 @@ def forward_backward(
     for micro_batch in micro_batches:
         batch = micro_batch_to_torch(micro_batch, components.device)
         layout = host_layout(micro_batch, loss_positions_only=True)
-        logprobs_B_T, entropy_B_T = _token_logprobs(
-            model, batch, layout, temperature=temperature, with_entropy=with_entropy, top_k=top_k, top_p=top_p
+        hidden_1_K_H, weight_V_H, kept_K = _kept_hidden(model, batch, layout)
+        logprobs_B_T, entropy_B_T = _logprobs_at(
+            hidden_1_K_H,
+            weight_V_H,
+            kept_K,
+            batch,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            top_k=top_k,
+            top_p=top_p,
         )
         kwargs: dict[str, Any] = {"num_tokens": num_tokens, "num_sequences": num_sequences}
         if with_entropy:
             kwargs["entropy_B_T"] = entropy_B_T
         loss, metrics = loss_fn(logprobs_B_T, batch, **kwargs)
+        if distill is not None:
+            term, divergence = _distill_term(
+                distill, micro_batch, layout, hidden_1_K_H, weight_V_H, kept_K, batch, temperature, num_tokens
+            )
+            loss = loss + term
+            metrics = {**metrics, DISTILL_DIVERGENCE_METRIC: divergence}
         # FSDP averages gradients over ranks; the loss already divides by global counts, so
         # scaling by the rank count turns that average into the sum the step needs.
         (loss * num_ranks if num_ranks > 1 else loss).backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
@@ -194,6 +282,45 @@ def forward_backward(
         num_loss_tokens=float(num_loss),
     )
     return out
+
+
+def _distill_term(
+    distill: DistillTerm,
+    micro_batch: MicroBatch[np.ndarray],
+    layout: HostLayout,
+    hidden_1_K_H: torch.Tensor,
+    weight_V_H: torch.Tensor,
+    kept_K: torch.Tensor,
+    batch: MicroBatch[torch.Tensor],
+    temperature: float,
+    num_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the micro-batch's distillation loss term, its mean divergence over its loss tokens, detached)."""
+    teacher = distill.teacher.model
+    on_teacher = (
+        batch
+        if distill.teacher.device == hidden_1_K_H.device
+        else micro_batch_to_torch(micro_batch, distill.teacher.device)
+    )
+    was_training = teacher.training
+    teacher.eval()
+    try:
+        with torch.no_grad():
+            teacher_1_K_G, teacher_V_G, _ = _kept_hidden(teacher, on_teacher, layout)
+    finally:
+        teacher.train(was_training)
+    divergence_K = fused_distill_divergence(
+        hidden_1_K_H[0],
+        weight_V_H,
+        teacher_1_K_G[0].to(hidden_1_K_H.device),
+        teacher_V_G.to(hidden_1_K_H.device),
+        beta=distill.beta,
+        temperature=temperature,
+    )
+    mask_K = batch.loss_mask.reshape(-1).index_select(0, kept_K + 1).to(divergence_K.dtype)
+    weighted = (mask_K * divergence_K).sum()
+    mean = weighted.detach() / mask_K.sum().clamp(min=1.0)
+    return distill.coef * weighted / max(num_tokens, 1), mean
 
 
 def _weighted_means(metrics_per_batch: Sequence[tuple[float, Metrics]]) -> dict[str, float]:

@@ -197,7 +197,7 @@ def _distillation(run: RLRun, components: Any, world: int) -> Distillation | Non
             else load_hf_model(spec.path, dtype=getattr(torch, run.model.dtype), device=components.device)
         )
         teacher = dataclasses.replace(components, model=model.eval())  # its optimizer is never stepped
-    return Distillation(teacher=teacher, coef=spec.coef, mode=spec.mode)
+    return Distillation(teacher=teacher, coef=spec.coef, mode=spec.mode, estimate=spec.estimate, beta=spec.beta)
 
 
 def _evaluation(run: RLRun) -> Any:

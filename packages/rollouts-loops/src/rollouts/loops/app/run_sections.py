@@ -18,8 +18,10 @@ def _url_ok(url: str) -> bool:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DistillSpec:
     """On-policy distillation ([distill]): each sampled token's advantage is coef * (teacher log-prob -
-    student log-prob), replacing the task reward's advantage or added to it. Off while neither
-    `path` nor `url` is set."""
+    student log-prob) (`estimate = "sampled"`), or the divergence between the student's and the
+    teacher's whole next-token distributions at each sampled position joins the loss, coef times its
+    token-mean (`estimate = "full"`, a teacher at `path` only); either replaces the task reward's
+    advantage or is added to it. Off while neither `path` nor `url` is set."""
 
     path: str = ""
     """The teacher: a local HF model directory, run in the trainer's process (frozen, on every rank).
@@ -33,6 +35,11 @@ class DistillSpec:
     coef: float = 1.0
     mode: Literal["replace", "add"] = "replace"
     """"replace": the distillation term alone trains (the reward is still logged); "add": added to the reward's advantage."""
+    estimate: Literal["sampled", "full"] = "sampled"
+    """"sampled": the sampled token's log-prob gap as its advantage (any teacher); "full": the
+    divergence over the whole vocabulary (far fewer samples to learn; needs the teacher at `path`)."""
+    beta: float = 1.0
+    """With estimate = "full": 1 reverse KL, 0 forward KL, between GKD's generalized JSD."""
     timeout_s: float = 120.0
     """Bound on one request to the teacher's server."""
     max_retries: int = 3
@@ -40,6 +47,20 @@ class DistillSpec:
     def __post_init__(self) -> None:
         check_fields(self)
         n = "DistillSpec"
+        require(self.estimate in ("sampled", "full"), f"{n}.estimate", self.estimate, "be 'sampled' or 'full'")
+        require(0.0 <= self.beta <= 1.0, f"{n}.beta", self.beta, "be in [0, 1] (1: reverse KL, 0: forward KL)")
+        require(
+            self.estimate == "full" or self.beta == 1.0,
+            f"{n}.beta",
+            self.beta,
+            "be 1 unless estimate = 'full' (a sampled token estimates the reverse KL only)",
+        )
+        require(
+            not (self.url and self.estimate == "full"),
+            f"{n}.estimate",
+            self.estimate,
+            "be 'sampled' with a served teacher (url): a server's prompt log-probs are the sampled tokens' only",
+        )
         require(not self.url or _url_ok(self.url), f"{n}.url", self.url, "start with http:// or https://")
         require(self.coef > 0, f"{n}.coef", self.coef, "be > 0")
         require(self.timeout_s > 0, f"{n}.timeout_s", self.timeout_s, "be > 0")

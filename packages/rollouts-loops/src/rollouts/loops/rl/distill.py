@@ -1,11 +1,19 @@
-"""On-policy distillation: the student (the policy) samples, a teacher scores each sampled token,
-and each trained token's advantage is coef * (teacher log-prob - student log-prob): the negative
-of the per-token reverse KL estimate, KL(student || teacher) on the student's own samples (the
-Thinking Machines / Tinker recipe; TRL's GKD at lambda = 1). It replaces the task reward's
-advantage (`mode = "replace"`: no reward needed) or is added to it (`"add"`).
+"""On-policy distillation: the student (the policy) samples and a teacher scores its samples, in
+one of two ways (`Distillation.estimate`):
 
-Where this departs from the full reverse-KL gradient: a token's advantage is its own KL term
-only, with no sum over the tokens after it (discount 0), as in the Tinker recipe.
+- "sampled": each sampled token's advantage is coef * (teacher log-prob - student log-prob), the
+  negative of the per-token estimate of the reverse KL, KL(student || teacher), on the student's own
+  samples (the Thinking Machines / Tinker recipe). A token's advantage is its own KL term only, with
+  no sum over the tokens after it (discount 0), as in that recipe. Any teacher: one in this process
+  or a server's prompt log-probs.
+- "full": at each sampled position the divergence between the student's and the teacher's whole
+  next-token distributions joins the loss, coef * its token-mean (TRL's GKD at lambda = 1;
+  `beta` 1 is the reverse KL itself, 0 the forward KL, between GKD's generalized JSD; see
+  rollouts.losses.distill). Exact where "sampled" estimates from one token, so it learns from
+  far fewer samples; it needs the teacher's whole distributions, so a teacher in this process.
+
+Either replaces the task reward's advantage (`mode = "replace"`: no reward needed; with "full" the
+advantages are zero and the divergence alone trains) or is added to it (`"add"`).
 
 Log-probs on both sides: the student's of the distribution sampled from (temperature, top-k and
 top-p, as the loss uses), the teacher's of its own distribution (temperature 1, no truncation,
@@ -29,11 +37,12 @@ from typing import Any, Literal, Protocol, runtime_checkable
 import numpy as np
 import trio
 
-from rollouts.backends import TrainingComponents, compute_logprobs
+from rollouts.backends import DistillTerm, TrainingComponents, compute_logprobs
 from rollouts.data import unpack_values
 from rollouts.loops.micro_batches import ShardPlan
 from rollouts.loops.rollouts.functions import model_vocab_size
 from rollouts.loops.run.distributed import global_sum, rank_world
+from rollouts.losses import check_beta
 from rollouts.sync import PromptLogprobsClient
 from rollouts.types import MicroBatch
 
@@ -99,6 +108,11 @@ class Distillation:
     """Scale of teacher log-prob - student log-prob in the advantage."""
     mode: Literal["replace", "add"] = "replace"
     """"replace": the advantage is the distillation term alone; "add": added to the task reward's."""
+    estimate: Literal["sampled", "full"] = "sampled"
+    """"sampled": the sampled token's log-prob gap as its advantage; "full": the divergence over the
+    whole vocabulary at each position as a loss term (a teacher in this process only)."""
+    beta: float = 1.0
+    """"full" only: the divergence (1 reverse KL, 0 forward KL, between generalized JSD)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.teacher, (TrainingComponents, SequenceScorer)):
@@ -114,6 +128,29 @@ class Distillation:
             )
         if self.mode not in ("replace", "add"):
             raise ValueError(f"Distillation.mode must be 'replace' or 'add', got {self.mode!r}")
+        if self.estimate not in ("sampled", "full"):
+            raise ValueError(f"Distillation.estimate must be 'sampled' or 'full', got {self.estimate!r}")
+        try:
+            check_beta(self.beta)
+        except ValueError as e:
+            raise ValueError(f"Distillation.{e}") from None
+        if self.estimate == "sampled" and self.beta != 1.0:
+            raise ValueError(
+                f"Distillation.beta={self.beta} needs estimate='full': a sampled token estimates the reverse KL only"
+            )
+        if self.estimate == "full" and not isinstance(self.teacher, TrainingComponents):
+            raise ValueError(
+                "Distillation.estimate='full' needs the teacher's whole next-token distributions, so a teacher "
+                f"in this process (TrainingComponents), got {type(self.teacher).__name__}: a server's prompt "
+                "log-probs give the sampled tokens' only (estimate='sampled')"
+            )
+
+    def term(self) -> DistillTerm | None:
+        """forward_backward's loss term with estimate='full' (None with 'sampled')."""
+        if self.estimate != "full":
+            return None
+        assert isinstance(self.teacher, TrainingComponents)
+        return DistillTerm(teacher=self.teacher, coef=self.coef, beta=self.beta)
 
 
 def teacher_vocab_size(teacher: Teacher) -> int | None:

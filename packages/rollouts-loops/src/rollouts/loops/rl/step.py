@@ -21,7 +21,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rollouts.backends import TrainingComponents, compute_logprobs, forward_backward, optim_step
+from rollouts.backends import (
+    DISTILL_DIVERGENCE_METRIC,
+    TrainingComponents,
+    compute_logprobs,
+    forward_backward,
+    optim_step,
+)
 from rollouts.backends.train.value import compute_values, critic_forward_backward
 from rollouts.data import unpack_values
 from rollouts.data.rollout import EPISODE_KEY
@@ -199,7 +205,8 @@ def rl_update(
     mbs = list(shard.micro_batches)
     masks = unpack_values(real, [mb.loss_mask for mb in real])
     metrics: dict[str, float] = {}
-    need_old = algorithm.num_updates_per_batch > 1 or algorithm.kl_placement == "reward" or distill is not None
+    sampled_distill = distill is not None and distill.estimate == "sampled"
+    need_old = algorithm.num_updates_per_batch > 1 or algorithm.kl_placement == "reward" or sampled_distill
     # The policy trained is the one sampled from: logits / sampling temperature, truncated by top-k
     # and top-p and renormalised, as the engine drew from it (temperature 0, greedy: the plain softmax).
     sampling = config.rollout.sampling
@@ -240,12 +247,15 @@ def rl_update(
         )
     else:
         advantages = token_advantages(samples, algorithm, masks=all_masks, kl=all_kl, advantage_fn=advantage_fn)
-    if distill is not None:
+    if distill is not None and sampled_distill:
         assert old is not None
         advantages, distill_metrics = distill_advantages(
             distill, advantages, shard=shard, micro_batches=mbs, student=old, masks=masks
         )
         metrics.update(distill_metrics)
+    elif distill is not None and distill.mode == "replace":  # "full": the divergence alone trains
+        advantages = {i: np.zeros_like(a) for i, a in advantages.items()}
+    distill_term = distill.term() if distill is not None else None
     mbs = scatter_token_values(mbs, "advantages", {i: advantages[rank + i * world] for i in mine})
     loss_fn = loss_fn if loss_fn is not None else default_loss_fn(config)
     for _ in range(algorithm.num_updates_per_batch):
@@ -258,8 +268,12 @@ def rl_update(
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
+            distill=distill_term,
         )
         fb["loss"] = global_sum(fb["loss"])  # the step's loss over all ranks (itself on one process)
+        if distill_term is not None:  # this rank's token-mean -> the step's, over every rank
+            local = fb[DISTILL_DIVERGENCE_METRIC] * fb["num_loss_tokens"]
+            fb[DISTILL_DIVERGENCE_METRIC] = global_sum(local) / max(1, shard.num_tokens)
         state, om = optim_step(
             components, state, config.optimizer, num_tokens=shard.num_tokens, num_samples=len(samples), loss=fb["loss"]
         )
