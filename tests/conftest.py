@@ -37,3 +37,56 @@ def tiny_run_inputs(tmp_path_factory):
         for r in records:
             f.write(json.dumps(r) + "\n")
     return root
+
+
+@pytest.fixture(scope="session")
+def vllm_for_tiny_model(tiny_run_inputs, tmp_path_factory):
+    """One vLLM server of the tiny model for the session's tests (a start costs about half a minute),
+    started the way a user starts one: `rollouts engine vllm` in another process, from another working
+    directory, its URL read from what it prints. Tests sync weights into it: a test that needs the
+    model's own weights loads them first (run_configs.reset_vllm_weights)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from rollouts.sync.testing import find_vllm_python, vllm_unavailable_reason
+
+    reason = vllm_unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"vLLM CPU server unavailable: {reason}")
+    elsewhere = tmp_path_factory.mktemp("engine_cwd")
+    # fmt: off
+    cmd = [
+        sys.executable, "-m", "rollouts.loops.app.cli", "engine", "vllm",
+        "--model", str(tiny_run_inputs / "model"), "--python", find_vllm_python(),
+        "--dtype", "float32", "--max-model-len", "64", "--enforce-eager", "--startup-timeout-s", "600",
+    ]
+    # fmt: on
+    launcher = subprocess.Popen(
+        cmd, cwd=elsewhere, stdout=subprocess.PIPE, text=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    )
+    try:
+        line = launcher.stdout.readline()  # the launcher exits (EOF) if the server is not up in 600 s
+        assert line.startswith("engine ready: http://"), (line, launcher.poll(), list(elsewhere.iterdir()))
+        yield SimpleNamespace(url=line.split(": ", 1)[1].strip(), cwd=elsewhere)
+    finally:
+        launcher.send_signal(signal.SIGTERM)  # the launcher stops its server and exits
+        launcher.wait(timeout=120)
+
+
+@pytest.fixture(scope="session")
+def quick_demo(tmp_path_factory):
+    """`rollouts demo --quick`, run once for the session: (its output directory, what it printed)."""
+    import contextlib
+    import io
+
+    from rollouts.loops.app.cli import main
+
+    out = tmp_path_factory.mktemp("quick_demo") / "demo"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        status = main(["demo", "--quick", "--out", str(out)])
+    assert status == 0, printed.getvalue()[-4000:]
+    return out, printed.getvalue()

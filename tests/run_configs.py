@@ -1,5 +1,6 @@
 """The `rollouts rl` TOML the end-to-end tests share: the tiny model on 2-digit addition, 3 GRPO steps;
-and `child_processes`, which the engine process tests check their reaping with."""
+`child_processes`, which the engine process tests check their reaping with; and
+`reset_vllm_weights`, for tests of the session's shared vLLM server."""
 
 import os
 from pathlib import Path
@@ -100,3 +101,16 @@ def tiny_rl_config(tokenizer, *, algorithm, steps: int, lr: float, prompts: int 
         checkpoint=CheckpointConfig(every_steps=0, keep_last=1),
         max_tokens_per_micro_batch=256,
     )
+
+
+def reset_vllm_weights(url, model_dir):
+    """Load `model_dir`'s own weights into the server at `url` (version 0), from disk."""
+    import trio
+
+    from rollouts.sync import HTTPOptions, VLLMEngine
+
+    async def load():
+        async with VLLMEngine(url, http=HTTPOptions(timeout_s=60.0)) as engine:
+            await engine.update_weights_from_disk(str(model_dir), 0)
+
+    trio.run(load)

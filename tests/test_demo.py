@@ -6,11 +6,8 @@ from rollouts.loops.app.cli import main
 from rollouts.loops.run.loggers import read_jsonl
 
 
-def test_quick_demo_writes_summary_plot_metrics_and_a_loadable_model(tmp_path, capsys):
-    out = tmp_path / "demo"
-    assert main(["demo", "--quick", "--out", str(out)]) == 0
-    printed = capsys.readouterr()
-    printed = printed.out + printed.err
+def test_quick_demo_writes_summary_plot_metrics_and_a_loadable_model(quick_demo):
+    out, printed = quick_demo
     summary = json.loads((out / "summary.json").read_text())
     # --quick learns: SFT takes held-out accuracy from 0 to most of the teacher's (its RL gain varies
     # with the engine's batching, so it is printed, not asserted)
@@ -28,6 +25,7 @@ def test_quick_demo_writes_summary_plot_metrics_and_a_loadable_model(tmp_path, c
     tokenizer = AutoTokenizer.from_pretrained(str(out / "final_model"), local_files_only=True)
     ids = tokenizer("12+34=", return_tensors="pt").input_ids
     assert model(ids).logits.shape[-1] == len(tokenizer)
+    assert (out / "sft_model" / "config.json").is_file() and summary["sft_model"] == str(out / "sft_model")
 
 
 def test_the_demo_rl_stage_trains_a_lora_adapter_with_set(tmp_path, capsys):

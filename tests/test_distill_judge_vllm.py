@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import trio
+from run_configs import reset_vllm_weights
 
 from rollouts.backends import build_components, compute_logprobs, load_hf_model
 from rollouts.data import unpack_values
@@ -22,7 +23,6 @@ from rollouts.loops.rl.distill import REVERSE_KL_METRIC, Distillation, EngineTea
 from rollouts.loops.rollouts.judge import JudgeLimits, JudgeParseError, JudgeScale, judge_reward, parse_score
 from rollouts.loops.rollouts.scoring import GroupScorer, reward_errors
 from rollouts.sync import ChatClient
-from rollouts.sync.testing import launch_vllm_server, vllm_unavailable_reason
 from rollouts.types import OptimizerConfig, Sample
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -35,13 +35,11 @@ SEQUENCES = [[3, 4, 5, 6, 7, 8], [9, 2], [5] * 20, [2, 12, 13, 11, 10], [7, 7]]
 
 
 @pytest.fixture(scope="module")
-def served(tiny_run_inputs):
-    """One vLLM server of the tiny model for every test here (a start costs about a minute)."""
-    reason = vllm_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"vLLM CPU server unavailable: {reason}")
-    with launch_vllm_server(tiny_run_inputs / "model", max_model_len=64, worker_extension=False) as server:
-        yield server
+def served(tiny_run_inputs, vllm_for_tiny_model):
+    """The session's vLLM server of the tiny model, serving the model's own weights (other tests sync
+    theirs into it)."""
+    reset_vllm_weights(vllm_for_tiny_model.url, tiny_run_inputs / "model")
+    return vllm_for_tiny_model
 
 
 def _transformers_logprobs(model, ids):

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from rollouts.backends import DISTILL_DIVERGENCE_METRIC, InProcessEngine, build_components
+from rollouts.backends import DISTILL_DIVERGENCE_METRIC, InProcessEngine, build_components, load_hf_model
 from rollouts.data import DataBuffer, prompt_encoder
 from rollouts.loops import ALGORITHMS, NullLogger, RLModels, RunOutputs, run_rl_training
 from rollouts.loops.app.demo import DemoConfig, demo_model, demo_task, held_out_accuracy, run_demo_sft
@@ -28,15 +28,16 @@ STUDENT_SFT_STEPS = 300
 """Too few for the demo's model to answer (its accuracy stays near 0), enough to write answers' shape."""
 
 
-def test_a_student_distilled_with_no_reward_gains_20_points_of_held_out_accuracy(tmp_path):
+def test_a_student_distilled_with_no_reward_gains_20_points_of_held_out_accuracy(quick_demo, tmp_path):
     config = DemoConfig.quick()
-    task = demo_task(config)
+    task = demo_task(config)  # the demo's problems and tokenizer
     tokenizer = task.tokenizer
     ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
     torch.manual_seed(0)
 
-    teacher_model = demo_model(config, len(tokenizer), **ids)
-    run_demo_sft(teacher_model, task, config, run_dir=tmp_path / "teacher", logger=NullLogger())
+    demo_dir, _ = quick_demo
+    teacher_model = load_hf_model(demo_dir / "sft_model")  # the demo's SFT stage, before its RL
+    assert teacher_model.config.vocab_size == len(tokenizer)
     student_model = demo_model(config, len(tokenizer), **ids)
     brief = dataclasses.replace(config, sft_steps=STUDENT_SFT_STEPS)
     run_demo_sft(student_model, task, brief, run_dir=tmp_path / "student", logger=NullLogger())

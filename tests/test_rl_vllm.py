@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,37 +13,10 @@ from run_configs import rl_toml
 from rollouts.loops.app.cli import main
 from rollouts.loops.run.loggers import read_jsonl
 from rollouts.sync import BroadcastOptions, HTTPOptions, VLLMEngine
-from rollouts.sync.testing import find_vllm_python, reference_greedy, vllm_unavailable_reason
+from rollouts.sync.testing import find_vllm_python, reference_greedy
 from rollouts.types import SamplingParams
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-@pytest.fixture(scope="module")
-def vllm_for_tiny_model(tiny_run_inputs, tmp_path_factory):
-    """A vLLM server started the way a user starts one: `rollouts engine vllm` in another process,
-    from another working directory, its URL read from what it prints."""
-    reason = vllm_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"vLLM CPU server unavailable: {reason}")
-    elsewhere = tmp_path_factory.mktemp("engine_cwd")
-    # fmt: off
-    cmd = [
-        sys.executable, "-m", "rollouts.loops.app.cli", "engine", "vllm",
-        "--model", str(tiny_run_inputs / "model"), "--python", find_vllm_python(),
-        "--dtype", "float32", "--max-model-len", "64", "--enforce-eager", "--startup-timeout-s", "600",
-    ]
-    # fmt: on
-    launcher = subprocess.Popen(
-        cmd, cwd=elsewhere, stdout=subprocess.PIPE, text=True, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    )
-    try:
-        line = launcher.stdout.readline()  # the launcher exits (EOF) if the server is not up in 600 s
-        assert line.startswith("engine ready: http://"), (line, launcher.poll(), list(elsewhere.iterdir()))
-        yield SimpleNamespace(url=line.split(": ", 1)[1].strip(), cwd=elsewhere)
-    finally:
-        launcher.send_signal(signal.SIGTERM)  # the launcher stops its server and exits
-        launcher.wait(timeout=120)
 
 
 async def _served_version(url):

@@ -74,16 +74,21 @@ def _run(tiny_run_inputs, run_dir, *, rollout_process: bool, steps: int, resume=
     return [{k: v for k, v in h.items() if not k.endswith("_s")} for h in history]
 
 
-def test_a_run_with_its_rollouts_in_the_engine_process_trains_as_one_without(tiny_run_inputs, tmp_path):
+@pytest.fixture(scope="module")
+def straight(tiny_run_inputs, tmp_path_factory):
+    """4 uninterrupted steps through a RolloutProcess: what the other runs are compared with."""
+    return _run(tiny_run_inputs, tmp_path_factory.mktemp("straight"), rollout_process=True, steps=4)
+
+
+def test_a_run_with_its_rollouts_in_the_engine_process_trains_as_one_without(tiny_run_inputs, tmp_path, straight):
     here = _run(tiny_run_inputs, tmp_path / "here", rollout_process=False, steps=4)
-    there = _run(tiny_run_inputs, tmp_path / "there", rollout_process=True, steps=4)
+    there = straight
     assert len(there) == 4 and there == here  # same samples, rewards, losses: the same manager, elsewhere
     assert max(h["staleness_max"] for h in there) <= 1.0  # generated one step ahead
     assert not child_processes(b"rollouts.loops.engines.rollout_worker")  # reaped
 
 
-def test_a_run_with_its_rollouts_in_the_engine_process_resumes_as_if_never_stopped(tiny_run_inputs, tmp_path):
-    straight = _run(tiny_run_inputs, tmp_path / "straight", rollout_process=True, steps=4)
+def test_a_run_with_its_rollouts_in_the_engine_process_resumes_as_if_never_stopped(tiny_run_inputs, tmp_path, straight):
     with pytest.raises(_Crash):  # after step 3, so the last checkpoint is step 2's
         _run(tiny_run_inputs, tmp_path / "stopped", rollout_process=True, steps=4, on_step=_crash_at(3))
     # The checkpoint at step 2 holds the batch generated ahead and the remote buffer and manager after it.

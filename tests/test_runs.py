@@ -146,29 +146,16 @@ def test_gradient_checkpointing_is_honoured_in_one_process_with_the_same_gradien
         torch.testing.assert_close(grads[True][name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
-def test_model_compile_layers_compiles_each_decoder_layer_with_the_eager_gradients(tiny_run_inputs):
-    import torch
-
-    from rollouts.backends import forward_backward
-    from rollouts.data import pack_samples
+def test_model_compile_layers_compiles_each_decoder_layer(tiny_run_inputs):
+    """The run file's switch reaches the model (that compiled layers give the eager gradients is
+    rollouts-backends' test_compiled_layers_give_the_eager_loss_and_gradients)."""
     from rollouts.loops.app.run_setup import run_components as _components
-    from rollouts.losses import sft_loss_fn
-    from rollouts.types import OptimizerConfig, Sample
+    from rollouts.types import OptimizerConfig
 
-    grads = {}
     for mode in ("none", "layers"):
         run = build_run(SFTRun, {"model": {"path": str(tiny_run_inputs / "model"), "compile": mode}})
-        components = _components(run, OptimizerConfig(), 1)
-        layers = components.model.model.layers
+        layers = _components(run, OptimizerConfig(), 1).model.model.layers
         assert all((layer._compiled_call_impl is not None) is (mode == "layers") for layer in layers)
-        sample = Sample(tokens=[3 + i % 8 for i in range(12)], num_prompt_tokens=4, loss_mask=[0.0] * 4 + [1.0] * 8)
-        forward_backward(
-            components, pack_samples([sample], max_tokens=32), sft_loss_fn(), num_tokens=8, num_sequences=1
-        )
-        grads[mode] = {n: p.grad.clone() for n, p in components.model.named_parameters() if p.grad is not None}
-    assert grads["layers"].keys() == grads["none"].keys() and grads["none"]
-    for name, grad in grads["none"].items():  # fused float32 elementwise ops, reordered sums: a few roundings
-        torch.testing.assert_close(grads["layers"][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_a_hub_id_the_hub_cannot_provide_is_a_config_error_naming_it(tiny_run_inputs, tmp_path, monkeypatch, capsys):

@@ -255,6 +255,7 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
     logger.close()
     timings["sft_s"] = time.perf_counter() - phase
     accuracy_after_sft = accuracy("after SFT")
+    save_model(model, tokenizer, out / "sft_model")  # e.g. a teacher to distill from
 
     rl = RLConfig(
         num_steps=config.rl_steps,
@@ -316,6 +317,7 @@ def run_demo(config: DemoConfig, out_dir: str | Path, *, progress: bool = True) 
         "accuracy_after_rl": accuracy_after_rl,
         "wall_time_s": time.perf_counter() - start,
         **timings,
+        "sft_model": str(out / "sft_model"),
         "final_model": str(final),
         "config": dataclasses.asdict(config),
     }
