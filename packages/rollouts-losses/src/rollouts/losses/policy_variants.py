@@ -282,7 +282,8 @@ class ClipCovPick:
     cov_bounds: tuple[float, float] = (1.0, 5.0)
     """(low, high): a token is eligible when low < covariance < high."""
     generator: torch.Generator | None = None
-    """The random draw's generator (None: torch's global RNG)."""
+    """The random draw's generator (None: torch's global RNG). On another device than the loss's tensors,
+    the draws are copied over, and a copy from the host waits for the device: give one on their device."""
 
 
 DEFAULT_CLIP_COV_PICK = ClipCovPick()
