@@ -158,6 +158,20 @@ def test_aggregate_with_a_zero_count_on_a_device_neither_reads_nor_raises():
     assert counter.copies == []
 
 
+@pytest.mark.parametrize("loss", ["sigmoid", "simpo", "orpo", "kto"])
+def test_sft_value_and_preference_losses_on_fake_cuda_tensors_copy_nothing_from_the_host(loss):
+    layout = packed(random_seqs(4, [6, 3]), pad=1)
+    batch = micro_batch(layout)
+    with FakeTensorMode(), _CountHostCopies() as counter:
+        fake = {k: _fake_cuda(v) for k, v in layout.items()}
+        sft_loss_fn()(fake["logprobs"], _fake_cuda_batch(batch), num_tokens=5, num_sequences=2, entropy_B_T=None)
+        value_loss(fake["values"], fake["old_logprobs"], fake["advantages"], fake["loss_mask"])
+        names = ("chosen_P", "rejected_P", "chosen_tokens_P", "rejected_tokens_P", "ref_chosen_P", "ref_rejected_P")
+        pair = PairLogps(**{name: _fake_cuda(torch.zeros(3, dtype=torch.float64)) for name in names})
+        preference_loss(pair, PreferenceConfig(loss=loss), num_pairs=3, num_chosen_tokens=13)
+    assert counter.copies == []
+
+
 def test_the_copy_counter_sees_a_copy_from_the_host():
     with FakeTensorMode(), _CountHostCopies() as counter:
         x = _fake_cuda(torch.ones(3))
