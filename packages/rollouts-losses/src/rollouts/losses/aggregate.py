@@ -64,7 +64,10 @@ def check_same_shape(**tensors: Tensor | None) -> None:
 
 def safe_divide(numerator: Tensor, denominator: Tensor | float) -> Tensor:
     """numerator / denominator, or 0 where the denominator is 0 (an empty set of tokens contributes nothing)."""
-    denominator = torch.as_tensor(denominator, dtype=numerator.dtype, device=numerator.device)
+    if not isinstance(denominator, Tensor):
+        # a fill on the device: as_tensor of a host number copies it in, and that copy waits for the stream
+        denominator = torch.full((), denominator, dtype=numerator.dtype, device=numerator.device)
+    denominator = denominator.to(dtype=numerator.dtype, device=numerator.device)
     nonzero = denominator != 0
     return torch.where(nonzero, numerator / torch.where(nonzero, denominator, 1.0), 0.0)
 
@@ -133,9 +136,10 @@ def aggregate(
         "seq-mean-token-sum-norm": ("num_sequences", num_sequences),
     }
     name, count = denominators.get(mode, ("", None))
-    # Checked only when 0 (no device sync otherwise): a zero step-wide count with loss tokens here
-    # would divide them away to a zero loss and silently drop this micro-batch's gradient.
-    if count == 0 and bool((mask_B_T != 0).any()):
+    # A zero step-wide count with loss tokens here would divide them away to a zero loss and silently
+    # drop this micro-batch's gradient. Checked on CPU tensors only: on a device, reading the mask
+    # would wait for every kernel queued before it.
+    if count == 0 and mask_B_T.device.type == "cpu" and bool((mask_B_T != 0).any()):
         raise ValueError(f"{name}=0 for a batch that has loss tokens: the step-wide count must include them")
     mask_B_T = mask_B_T.to(loss_B_T.dtype)
     # where(), not a product alone: inf or NaN on masked-out tokens must not leak into the sum

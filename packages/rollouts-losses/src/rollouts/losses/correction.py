@@ -164,6 +164,24 @@ def off_policy_sequence_mask(
     )
 
 
+def _masked_quantile(x_N: Tensor, selected_N: Tensor, q: float) -> Tensor:
+    """0-dim: torch.quantile(x_N[selected_N], q) (linear interpolation), without the data-dependent shape.
+
+    torch.quantile's own steps on a sort of every entry, the unselected ones set to +inf so the
+    selected come first: q rounded to x's dtype, rank = q x (n - 1) in float64, lerp (in x's dtype)
+    between the entries at floor and ceil of the rank; NaN when a selected entry is NaN, and when
+    nothing is selected (the lerp of +inf and +inf).
+    """
+    sorted_N = torch.sort(torch.where(selected_N, x_N, torch.inf)).values
+    last = (selected_N.sum() - 1).clamp(min=0)
+    rank = torch.full((), q, dtype=x_N.dtype, device=x_N.device).double() * last
+    below = rank.long()
+    # index_select with a 1-d index: indexing by a 0-dim integer tensor reads it on the host
+    low, high = sorted_N.index_select(0, torch.stack([below, rank.ceil().long()])).unbind()
+    value = torch.lerp(low, high, (rank - below).to(x_N.dtype))
+    return torch.where((selected_N & x_N.isnan()).any(), torch.nan, value)
+
+
 def high_entropy_mask(entropy_B_T: Tensor, mask_B_T: Tensor, *, top_quantile: float) -> Tensor:
     """[B, T] entropy -> [B, T] float mask of loss tokens whose entropy is >= the (1 - top_quantile) quantile."""
     check_same_shape(entropy_B_T=entropy_B_T, mask_B_T=mask_B_T)
@@ -171,9 +189,11 @@ def high_entropy_mask(entropy_B_T: Tensor, mask_B_T: Tensor, *, top_quantile: fl
         raise ValueError(f"top_quantile must be in (0, 1] (the fraction of tokens kept), got {top_quantile!r}")
     selected_B_T = mask_B_T > 0
     entropy_B_T = entropy_B_T.detach()
-    if not bool(selected_B_T.any()):
+    if entropy_B_T.numel() == 0:
         return torch.zeros_like(mask_B_T, dtype=entropy_B_T.dtype)
-    threshold = torch.quantile(entropy_B_T[selected_B_T].float(), 1.0 - top_quantile)
+    # float32, as torch.quantile of the float32 entropies; without loss tokens the threshold is NaN and
+    # keeps nothing, as nothing is selected
+    threshold = _masked_quantile(entropy_B_T.float().reshape(-1), selected_B_T.reshape(-1), 1.0 - top_quantile)
     return (selected_B_T & (entropy_B_T.float() >= threshold)).to(entropy_B_T.dtype)
 
 

@@ -247,22 +247,29 @@ def token_covariance(logprobs_B_T: Tensor, advantages_B_T: Tensor, mask_B_T: Ten
     return torch.where(selected_B_T, cov_B_T, 0.0)
 
 
-def _num_picked(mask_B_T: Tensor, fraction: float) -> int:
-    """max(1, floor(fraction x loss tokens)), as verl; 0 when there are no loss tokens."""
+def _num_picked(mask_B_T: Tensor, fraction: float) -> Tensor:
+    """0-dim int64: max(1, floor(fraction x loss tokens)), as verl; 0 when there are no loss tokens.
+    A device count, never read on the host."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"cov_fraction must be in (0, 1] (a fraction of the loss tokens), got {fraction!r}")
-    num_selected = int((mask_B_T > 0).sum())
-    return 0 if num_selected == 0 else max(1, int(fraction * num_selected))
+    num_selected = (mask_B_T > 0).sum()
+    # float64, as Python's int(fraction * n): a float32 product could round across an integer
+    wanted = torch.floor(num_selected.double() * fraction).long().clamp(min=1)
+    return torch.where(num_selected > 0, wanted, 0)
 
 
-def _top_k_mask(scores_B_T: Tensor, eligible_B_T: Tensor, k: int) -> Tensor:
-    """[B, T] bool: the (at most) k eligible positions with the largest scores."""
-    picked_N = torch.zeros(scores_B_T.numel(), dtype=torch.bool, device=scores_B_T.device)
-    k = min(k, int(eligible_B_T.sum()))
-    if k > 0:
-        index_K = torch.topk(torch.where(eligible_B_T, scores_B_T, -torch.inf).reshape(-1), k).indices
-        picked_N[index_K] = True
-    return picked_N.reshape(scores_B_T.shape)
+def _top_k_mask(scores_B_T: Tensor, eligible_B_T: Tensor, k: Tensor) -> Tensor:
+    """[B, T] bool: the (at most) k eligible positions with the largest scores; k a 0-dim device count.
+
+    A fixed-shape top-k: a stable sort of every position by score, then the first k eligible ones in
+    that order, so nothing waits for k on the host. Among tied scores the earlier position wins.
+    """
+    scores_N, eligible_N = scores_B_T.reshape(-1), eligible_B_T.reshape(-1)
+    order_N = torch.sort(torch.where(eligible_N, scores_N, -torch.inf), descending=True, stable=True).indices
+    eligible_sorted_N = eligible_N[order_N]
+    # the rank of each eligible position among the eligible ones, 1-based, in score order
+    picked_sorted_N = eligible_sorted_N & (torch.cumsum(eligible_sorted_N, 0) <= k)
+    return torch.zeros_like(eligible_N).scatter(0, order_N, picked_sorted_N).reshape(scores_B_T.shape)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -275,7 +282,8 @@ class ClipCovPick:
     cov_bounds: tuple[float, float] = (1.0, 5.0)
     """(low, high): a token is eligible when low < covariance < high."""
     generator: torch.Generator | None = None
-    """The random draw's generator (None: torch's global RNG)."""
+    """The random draw's generator (None: torch's global RNG). On another device than the loss's tensors,
+    the draws are copied over, and a copy from the host waits for the device: give one on their device."""
 
 
 DEFAULT_CLIP_COV_PICK = ClipCovPick()

@@ -333,7 +333,9 @@ def kto_loss(
         both = torch.cat([chosen_ratio_P, rejected_ratio_P]).detach()
         kl_value = safe_divide(both.sum(), both.numel()).clamp(min=0.0)
     else:
-        kl_value = torch.as_tensor(kl, dtype=chosen_P.dtype, device=chosen_P.device).detach().clamp(min=0.0)
+        # a float is filled in on the device: a copy from the host would wait for the stream
+        kl_tensor = kl if isinstance(kl, Tensor) else torch.full((), kl, dtype=chosen_P.dtype, device=chosen_P.device)
+        kl_value = kl_tensor.to(dtype=chosen_P.dtype, device=chosen_P.device).detach().clamp(min=0.0)
     chosen_losses_P = desirable_weight * (1.0 - torch.sigmoid(beta * (chosen_ratio_P - kl_value)))
     rejected_losses_P = undesirable_weight * (1.0 - torch.sigmoid(beta * (kl_value - rejected_ratio_P)))
     losses_N = torch.cat([chosen_losses_P, rejected_losses_P])
