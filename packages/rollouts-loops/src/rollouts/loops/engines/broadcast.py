@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -178,7 +179,11 @@ class BroadcastPool(EnginePool):
             if stale or not self.broadcast.connected:
                 not_joined.extend(await self._join())
             pushing = True  # from here the push itself gathers every bucket, whatever fails
-            source = weights if isinstance(weights, BucketSource) else await trio.to_thread.run_sync(read_torch_weights, weights)
+            source = (
+                weights
+                if isinstance(weights, BucketSource)
+                else await trio.to_thread.run_sync(read_torch_weights, weights)
+            )
             result = await self.broadcast.push(source, weight_version)
         finally:
             if not pushing and isinstance(weights, BucketSource):
@@ -191,7 +196,7 @@ class BroadcastPool(EnginePool):
         try:
             await self.broadcast.connect(self.engines)
         except BroadcastJoinError as exc:
-            return exc.failures
+            return tuple(replace(f, text=f"did not join the broadcast group: {f.text}") for f in exc.failures)
         return ()
 
     async def _timed_out(self, weight_version: int, not_joined: Sequence[EngineFailure]) -> WeightSyncError:
