@@ -108,7 +108,9 @@ class BroadcastPool(EnginePool):
     not join, broke mid-sync or ended on another version is named in a WeightSyncError whose
     `updated` lists the engines serving the new version, each whole (the others keep their old
     weights whole); an AttestationError wins over both. The whole sync is bounded by
-    `sync_timeout_s`; on that bound, the engines that report the new version count as updated.
+    `sync_timeout_s` (a group join or a bucket already under way first ends at its own bound,
+    setup_timeout_s or bucket_timeout_s); past it, the engines that report the new version count as
+    updated and the others are named.
 
     After any failed sync every engine joins afresh at the next one (new groups on the same store,
     each join bounded by setup_timeout_s): a restarted engine rejoins without the others keeping a
