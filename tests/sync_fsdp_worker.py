@@ -4,8 +4,9 @@ as rank 0 sends it. Argument: OUT_DIR.
 
 Writes OUT_DIR/rank<r>.json on each rank (the sync's metrics, the largest planned bucket, what a
 consumer that keeps every bucket holds, how the sync to an engine that cannot join ended) and, on
-rank 0, OUT_DIR/engine.safetensors (what the engine loaded, as float32: exact for bf16) and
-OUT_DIR/full.safetensors (the unsharded model's weights, gathered whole by `model_tensors`).
+rank 0, OUT_DIR/engine.safetensors (what the engine loaded, as float32: exact for bf16),
+OUT_DIR/pool0.safetensors and pool1.safetensors (what each engine of a two-engine BroadcastPool
+loaded) and OUT_DIR/full.safetensors (the unsharded model's weights, gathered whole by `model_tensors`).
 """
 
 import json
@@ -22,7 +23,7 @@ from safetensors.torch import save_file
 from rollouts.backends import WeightBuckets, build_components, shard_model
 from rollouts.backends.checkpoint.export import model_tensors
 from rollouts.backends.train.distributed import close_process_group
-from rollouts.loops.engines.broadcast import BroadcastWeights
+from rollouts.loops.engines.broadcast import BroadcastPool, BroadcastWeights
 from rollouts.loops.engines.coalescing import BoundedSync
 from rollouts.loops.recipes.tiny import build_tiny_model
 from rollouts.loops.rl.generation import sync_engine
@@ -67,6 +68,24 @@ async def sync_to_fake(components, names, run_dir):
     return metrics, {n: torch.from_numpy(np.asarray(a, np.float32)) for n, a in state.weights.items()}
 
 
+async def sync_to_pool(components, names, run_dir, out):
+    """Rank 0: the sync to two fake SGLang servers behind one BroadcastPool (each bucket gathered
+    once, sent to both); writes what each loaded to OUT_DIR/pool<i>.safetensors."""
+    states = [FakeEngineState(weights={n: np.zeros(1, np.float32) for n in names}) for _ in range(2)]
+    async with serve_fake_engine(states[0]) as a, serve_fake_engine(states[1]) as b:
+        pool = BroadcastPool(
+            [SGLangEngine(a.url, http=HTTP), SGLangEngine(b.url, http=HTTP)], OPTIONS, sync_timeout_s=60.0
+        )
+        metrics = await sync(components, pool, 3, run_dir)
+    for i, state in enumerate(states):
+        assert state.weight_version == "3", state.weight_version
+        save_file(
+            {n: torch.from_numpy(np.asarray(a, np.float32)) for n, a in state.weights.items()},
+            str(out / f"pool{i}.safetensors"),
+        )
+    return metrics
+
+
 async def sync_to_nobody(components, run_dir):
     """An engine that cannot join (nothing listens at its URL): rank 0 raises, having gathered every
     bucket with the other rank, which returns."""
@@ -101,6 +120,10 @@ def main(out: Path) -> None:
     del kept
     record["kept_held_after_drop"] = hoarder.held_bytes
     record["no_engine"] = trio.run(sync_to_nobody, components, out)
+    if rank == 0:
+        record["pool_metrics"] = trio.run(sync_to_pool, components, [n for n, _, _ in specs], out, out)
+    else:
+        record["pool_metrics"] = trio.run(sync, components, None, 3, out)
     full = model_tensors(components.model)  # gathered whole (on rank 0), the reference
     if rank == 0:
         save_file(loaded, str(out / "engine.safetensors"))

@@ -37,6 +37,19 @@ def test_the_engine_loads_the_unsharded_models_weights_bit_for_bit(ranks):
     assert not (out / "weights").exists()
 
 
+def test_a_pool_of_two_engines_loads_the_same_weights_from_one_gather_per_bucket(ranks):
+    out, records = ranks
+    full = load_file(str(out / "full.safetensors"))
+    for i in range(2):
+        loaded = load_file(str(out / f"pool{i}.safetensors"))
+        assert sorted(loaded) == sorted(n for n in full if n != "lm_head.weight")
+        for name, tensor in loaded.items():
+            assert tensor.equal(full[name]), (i, name)
+    for record in records:
+        assert record["pool_metrics"]["sync_export_s"] == 0.0
+        assert 0 < record["pool_metrics"]["sync_gathered_bytes_max"] <= record["bucket_bytes_max"]
+
+
 def test_no_rank_holds_more_than_one_bucket_of_gathered_weights(ranks):
     _, records = ranks
     for record in records:

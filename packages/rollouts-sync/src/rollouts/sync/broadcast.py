@@ -180,8 +180,8 @@ class BroadcastSync:
         address = self.options.host or local_address_toward(_engine_host(link.receiver.name))
         result: dict[str, Any] = {}
 
-        def make_group() -> None:
-            result["group"] = join_group(
+        def make_group() -> Any:
+            return join_group(
                 self._store,
                 group=group,
                 rank=0,
@@ -192,11 +192,22 @@ class BroadcastSync:
                 bucket_timeout_s=self.options.bucket_timeout_s,
             )
 
+        async def trainer_side() -> None:
+            # its failure is raised after the task group: raised inside it, a join cancelled from
+            # outside (a caller's deadline) would end in that error instead of the cancellation
+            try:
+                result["group"] = await anyio.to_thread.run_sync(make_group)
+            except Exception as exc:  # noqa: BLE001 - raised below
+                result["error"] = exc
+                tg.cancel_scope.cancel()  # the workers cannot join without rank 0
+
         async with anyio.create_task_group() as tg:
-            tg.start_soon(anyio.to_thread.run_sync, make_group)  # meets the workers' joins below
+            tg.start_soon(trainer_side)  # meets the workers' joins below
             await link.receiver.join(
                 host=host, port=int(self._store.port), group=group, world_size=world_size, options=self.options
             )
+        if "error" in result:
+            raise result["error"]
         link.group = result["group"]
 
     async def push(

@@ -275,13 +275,14 @@ def remote_engine(
     """A vLLM / SGLang client (a pool of them for several URLs); the API key comes from `api_key_env`.
 
     `sync`: "disk" reloads each engine from the exported weights' absolute path (a shared
-    filesystem); "http" sends them in request bodies (`SendWeights`); "broadcast" through a
-    process group with the engine's workers (`BroadcastWeights`). `partial` (rl.rollout.partial,
-    vLLM only): a sync pauses the server in mode "abort" and the responses it cuts short come back
-    as partial samples (`VLLMEngine(keep_partial=True)`), to be continued. `attest`: vLLM engines check
-    the checksums of the weights each sync loaded (`VLLMEngine(attest=...)`, and the broadcast's
-    `BroadcastOptions(attest=...)`); SGLang cannot report them, and the log says once that its syncs go
-    unattested. `http_wire` (sync "http"): how the bytes travel (`VLLMEngine(tensor_wire=...)`)."""
+    filesystem); "http" sends them in request bodies (`SendWeights`); "broadcast" through process
+    groups with the engines' workers (`BroadcastWeights`; for several URLs one `BroadcastPool`, each
+    bucket sent to them all). `partial` (rl.rollout.partial, vLLM only): a sync pauses the server in
+    mode "abort" and the responses it cuts short come back as partial samples
+    (`VLLMEngine(keep_partial=True)`), to be continued. `attest`: vLLM engines check the checksums of
+    the weights each sync loaded (`VLLMEngine(attest=...)`, and the broadcast's
+    `BroadcastOptions(attest=...)`); SGLang cannot report them, and the log says once that its syncs
+    go unattested. `http_wire` (sync "http"): how the bytes travel (`VLLMEngine(tensor_wire=...)`)."""
     if sync not in ("disk", "http", "broadcast"):
         raise ValueError(f"sync must be 'disk', 'http' or 'broadcast', got {sync!r}")
     api_key = os.environ.get(api_key_env) if api_key_env else None
@@ -303,11 +304,13 @@ def remote_engine(
     if sync == "http":
         engines = [SendWeights(e) for e in engines]
     if sync == "broadcast":
-        from rollouts.loops.engines.broadcast import BroadcastWeights  # it imports this module
+        from rollouts.loops.engines.broadcast import BroadcastPool, BroadcastWeights  # it imports this module
         from rollouts.sync import BroadcastOptions
 
         options = BroadcastOptions(attest=attest)
-        engines = [BroadcastWeights(e, options, sync_timeout_s=sync_timeout_s) for e in engines]
+        if len(engines) > 1:  # one broadcast to them all: each bucket read or gathered once
+            return BroadcastPool(engines, options, sync_timeout_s=sync_timeout_s)
+        engines = [BroadcastWeights(engines[0], options, sync_timeout_s=sync_timeout_s)]
     if len(engines) == 1:
         return BoundedSync(engines[0], sync_timeout_s=sync_timeout_s)
     return EnginePool(engines, sync_timeout_s=sync_timeout_s)
