@@ -5,23 +5,24 @@ Legend: B sequences (rows), T tokens, H hidden size, V vocabulary, S sequences i
 Micro-batches are `rollouts.types.MicroBatch` of numpy arrays (rollouts-data builds them); how
 they are checked, moved and laid out for the model is in rollouts.backends.train.inputs. The
 log-probs are computed from the last hidden state at the positions that need one, chunk by
-chunk, so the full [B, T, V] logits never exist.
+chunk, so the full [B, T, V] logits never exist (rollouts.backends.train.hidden).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
 
-from rollouts.backends.train.components import TrainingComponents, model_attr
+from rollouts.backends.train.components import TrainingComponents
+from rollouts.backends.train.distill_term import DISTILL_DIVERGENCE_METRIC, DistillTerm, distill_term
 from rollouts.backends.train.distributed import data_parallel_size
-from rollouts.backends.train.inputs import HostLayout, host_layout, micro_batch_to_torch, model_inputs
-from rollouts.losses import LossFn, Metrics, check_beta, floats_of, fused_distill_divergence, fused_token_logprobs
+from rollouts.backends.train.hidden import kept_hidden, logprobs_at, token_logprobs_of_model
+from rollouts.backends.train.inputs import host_layout, micro_batch_to_torch
+from rollouts.losses import LossFn, Metrics, floats_of
 from rollouts.types import MicroBatch, OptimizerConfig, TrainingState
 
 __all__ = [
@@ -40,170 +41,6 @@ _MAX_NAMED_PARAMETERS = 5
 
 class NonFiniteError(FloatingPointError):
     """Raised when too many optimizer steps in a row had a non-finite loss or gradient."""
-
-
-DISTILL_DIVERGENCE_METRIC = "distill/divergence"
-"""forward_backward's metric with a DistillTerm: the divergence's mean over the loss tokens."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DistillTerm:
-    """A term forward_backward adds to the loss: `coef` times the divergence between the model's
-    next-token distribution and a frozen teacher's, over the whole vocabulary, at every loss token
-    (rollouts.losses.fused_distill_divergence: `beta` 1 reverse KL, 0 forward KL, between GKD's
-    generalized JSD), weighted by the loss mask and divided by the step's `num_tokens`.
-
-    The teacher runs one forward per micro-batch, without gradients, on the same inputs (under
-    FSDP every rank runs it the same number of times, as the reference model). Its vocabulary
-    must be the model's. The model's distribution is its softmax at forward_backward's
-    temperature (top-k / top-p truncation does not apply to it); the teacher's at temperature 1.
-    """
-
-    teacher: TrainingComponents
-    coef: float = 1.0
-    beta: float = 1.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.teacher, TrainingComponents):
-            raise TypeError(f"DistillTerm.teacher must be TrainingComponents, got {type(self.teacher).__name__}")
-        if isinstance(self.coef, bool) or not isinstance(self.coef, (int, float)) or not math.isfinite(self.coef):
-            raise ValueError(f"DistillTerm.coef must be a finite number, got {self.coef!r}")
-        if self.coef <= 0:
-            raise ValueError(f"DistillTerm.coef must be > 0, got {self.coef}")
-        check_beta(self.beta)
-
-
-def _final_hidden(
-    model: torch.nn.Module, batch: MicroBatch[torch.Tensor], layout: HostLayout | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, T, H] last hidden state (after the final norm) and [V, H] output projection weight.
-
-    The full forward runs (so FSDP's hooks gather and later reduce every parameter) but the
-    output projection sees zero positions: logits are computed afterwards, chunk by chunk. The
-    weight is taken as the projection saw it (under FSDP2: the gathered, unsharded tensor).
-    """
-    hidden: list[torch.Tensor] = []
-    weight: list[torch.Tensor] = []
-
-    def keep_hidden(_module: torch.nn.Module, _args: Any, output: Any) -> None:
-        hidden.append(output[0] if isinstance(output, tuple) else output.last_hidden_state)
-
-    def keep_weight(module: torch.nn.Module, _args: Any) -> None:
-        weight.append(cast(torch.Tensor, module.weight))  # a Linear's (or tied embedding's) weight
-
-    handles = [
-        model_attr(model, "base_model").register_forward_hook(keep_hidden),
-        model_attr(model, "get_output_embeddings")().register_forward_pre_hook(keep_weight),
-    ]
-    try:
-        no_positions = torch.empty(0, dtype=torch.long, device=batch.input_ids.device)
-        model(**model_inputs(model, batch, layout), use_cache=False, logits_to_keep=no_positions)
-    finally:
-        for handle in handles:
-            handle.remove()
-    assert len(hidden) == 1 and len(weight) == 1, "the base model and the output projection ran once"
-    return hidden[0], weight[0]
-
-
-def token_logprobs_of_model(
-    model: torch.nn.Module,
-    batch: MicroBatch[torch.Tensor],
-    *,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    top_k: int = -1,
-    top_p: float = 1.0,
-    loss_positions_only: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[B, T] log p(token t | tokens < t) (0 at sequence starts and padding), and entropy if asked.
-
-    `top_k` / `top_p`: log-probs of the truncated, renormalised distribution a sampler with those
-    settings draws from (the entropy stays the full softmax's).
-    `loss_positions_only`: the output layer runs only for tokens the loss mask covers (the others
-    read 0): prompts carry no loss, so a loss needs nothing else and skips their logits.
-    """
-    layout = host_layout(batch, loss_positions_only=loss_positions_only)
-    return _token_logprobs(
-        model, batch, layout, temperature=temperature, with_entropy=with_entropy, top_k=top_k, top_p=top_p
-    )
-
-
-def _kept_hidden(
-    model: torch.nn.Module, batch: MicroBatch[torch.Tensor], layout: HostLayout
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """([1, K, H] last hidden state at the layout's kept positions, [V, H] output projection, [K] kept)."""
-    hidden_B_T_H, weight_V_H = _final_hidden(model, batch, layout)
-    b, t, h = hidden_B_T_H.shape
-    kept_K = torch.from_numpy(layout.kept)
-    if kept_K.device != hidden_B_T_H.device:
-        kept_K = kept_K.pin_memory().to(hidden_B_T_H.device, non_blocking=True)
-    return hidden_B_T_H.reshape(b * t, h).index_select(0, kept_K)[None], weight_V_H, kept_K
-
-
-def _token_logprobs(
-    model: torch.nn.Module,
-    batch: MicroBatch[torch.Tensor],
-    layout: HostLayout,
-    *,
-    temperature: float,
-    with_entropy: bool,
-    top_k: int,
-    top_p: float,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`token_logprobs_of_model` given the batch's layout, with no wait on the device."""
-    hidden_1_K_H, weight_V_H, kept_K = _kept_hidden(model, batch, layout)
-    return _logprobs_at(
-        hidden_1_K_H,
-        weight_V_H,
-        kept_K,
-        batch,
-        temperature=temperature,
-        with_entropy=with_entropy,
-        top_k=top_k,
-        top_p=top_p,
-    )
-
-
-def _logprobs_at(
-    hidden_1_K_H: torch.Tensor,
-    weight_V_H: torch.Tensor,
-    kept_K: torch.Tensor,
-    batch: MicroBatch[torch.Tensor],
-    *,
-    temperature: float,
-    with_entropy: bool,
-    top_k: int,
-    top_p: float,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[B, T] log-probs (and entropy) of the tokens predicted from the kept positions' hidden states."""
-    b, t = batch.input_ids.shape
-    labels_1_K = batch.input_ids.reshape(b * t).index_select(0, kept_K + 1)[None]
-    truncated = top_k > 0 or top_p < 1.0
-    result = fused_token_logprobs(
-        hidden_1_K_H,
-        weight_V_H,
-        labels_1_K,
-        temperature=temperature,
-        return_entropy=with_entropy and not truncated,
-        top_k=top_k,
-        top_p=top_p,
-    )
-    if truncated and with_entropy:
-        logprobs_1_K = cast(torch.Tensor, result)  # return_entropy was off: log-probs alone
-        _, entropy_1_K = fused_token_logprobs(
-            hidden_1_K_H, weight_V_H, labels_1_K, temperature=temperature, return_entropy=True
-        )
-    elif with_entropy:
-        logprobs_1_K, entropy_1_K = cast(tuple[torch.Tensor, torch.Tensor], result)
-    else:
-        logprobs_1_K, entropy_1_K = cast(torch.Tensor, result), None
-    logprobs_B_T = _scatter_kept(logprobs_1_K, kept_K, b, t)
-    return logprobs_B_T, None if entropy_1_K is None else _scatter_kept(entropy_1_K, kept_K, b, t)
-
-
-def _scatter_kept(values_1_K: torch.Tensor, kept_K: torch.Tensor, b: int, t: int) -> torch.Tensor:
-    """[B, T]: values_1_K at the predicted positions (kept_K + 1, flat), 0 elsewhere."""
-    return values_1_K.new_zeros(b * t).index_copy(0, kept_K + 1, values_1_K[0]).view(b, t)
 
 
 def forward_backward(
@@ -246,8 +83,8 @@ def forward_backward(
     for micro_batch in micro_batches:
         batch = micro_batch_to_torch(micro_batch, components.device)
         layout = host_layout(micro_batch, loss_positions_only=True)
-        hidden_1_K_H, weight_V_H, kept_K = _kept_hidden(model, batch, layout)
-        logprobs_B_T, entropy_B_T = _logprobs_at(
+        hidden_1_K_H, weight_V_H, kept_K = kept_hidden(model, batch, layout)
+        logprobs_B_T, entropy_B_T = logprobs_at(
             hidden_1_K_H,
             weight_V_H,
             kept_K,
@@ -262,7 +99,7 @@ def forward_backward(
             kwargs["entropy_B_T"] = entropy_B_T
         loss, metrics = loss_fn(logprobs_B_T, batch, **kwargs)
         if distill is not None:
-            term, divergence = _distill_term(
+            term, divergence = distill_term(
                 distill, micro_batch, layout, hidden_1_K_H, weight_V_H, kept_K, batch, temperature, num_tokens
             )
             loss = loss + term
@@ -282,45 +119,6 @@ def forward_backward(
         num_loss_tokens=float(num_loss),
     )
     return out
-
-
-def _distill_term(
-    distill: DistillTerm,
-    micro_batch: MicroBatch[np.ndarray],
-    layout: HostLayout,
-    hidden_1_K_H: torch.Tensor,
-    weight_V_H: torch.Tensor,
-    kept_K: torch.Tensor,
-    batch: MicroBatch[torch.Tensor],
-    temperature: float,
-    num_tokens: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the micro-batch's distillation loss term, its mean divergence over its loss tokens, detached)."""
-    teacher = distill.teacher.model
-    on_teacher = (
-        batch
-        if distill.teacher.device == hidden_1_K_H.device
-        else micro_batch_to_torch(micro_batch, distill.teacher.device)
-    )
-    was_training = teacher.training
-    teacher.eval()
-    try:
-        with torch.no_grad():
-            teacher_1_K_G, teacher_V_G, _ = _kept_hidden(teacher, on_teacher, layout)
-    finally:
-        teacher.train(was_training)
-    divergence_K = fused_distill_divergence(
-        hidden_1_K_H[0],
-        weight_V_H,
-        teacher_1_K_G[0].to(hidden_1_K_H.device),
-        teacher_V_G.to(hidden_1_K_H.device),
-        beta=distill.beta,
-        temperature=temperature,
-    )
-    mask_K = batch.loss_mask.reshape(-1).index_select(0, kept_K + 1).to(divergence_K.dtype)
-    weighted = (mask_K * divergence_K).sum()
-    mean = weighted.detach() / mask_K.sum().clamp(min=1.0)
-    return distill.coef * weighted / max(num_tokens, 1), mean
 
 
 def _weighted_means(metrics_per_batch: Sequence[tuple[float, Metrics]]) -> dict[str, float]:
@@ -354,8 +152,16 @@ def compute_logprobs(
         for micro_batch in micro_batches:
             batch = micro_batch_to_torch(micro_batch, components.device)
             layout = host_layout(micro_batch, loss_positions_only=False)
-            logprobs_B_T, _ = _token_logprobs(
-                model, batch, layout, temperature=temperature, with_entropy=False, top_k=top_k, top_p=top_p
+            hidden_1_K_H, weight_V_H, kept_K = kept_hidden(model, batch, layout)
+            logprobs_B_T, _ = logprobs_at(
+                hidden_1_K_H,
+                weight_V_H,
+                kept_K,
+                batch,
+                temperature=temperature,
+                with_entropy=False,
+                top_k=top_k,
+                top_p=top_p,
             )
             flat.append(logprobs_B_T.float().reshape(-1))
         # One copy to the host after the last forward is queued, not one wait per micro-batch.
