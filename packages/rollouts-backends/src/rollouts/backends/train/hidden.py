@@ -18,7 +18,7 @@ from rollouts.backends.train.inputs import HostLayout, host_layout, model_inputs
 from rollouts.losses import fused_token_logprobs
 from rollouts.types import MicroBatch
 
-__all__ = ["kept_hidden", "logprobs_at", "token_logprobs_of_model"]
+__all__ = ["kept_hidden", "layout_logprobs", "logprobs_at", "token_logprobs_of_model"]
 
 
 def _final_hidden(
@@ -71,7 +71,7 @@ def token_logprobs_of_model(
     read 0): prompts carry no loss, so a loss needs nothing else and skips their logits.
     """
     layout = host_layout(batch, loss_positions_only=loss_positions_only)
-    return _token_logprobs(
+    return layout_logprobs(
         model, batch, layout, temperature=temperature, with_entropy=with_entropy, top_k=top_k, top_p=top_p
     )
 
@@ -88,7 +88,7 @@ def kept_hidden(
     return hidden_B_T_H.reshape(b * t, h).index_select(0, kept_K)[None], weight_V_H, kept_K
 
 
-def _token_logprobs(
+def layout_logprobs(
     model: torch.nn.Module,
     batch: MicroBatch[torch.Tensor],
     layout: HostLayout,

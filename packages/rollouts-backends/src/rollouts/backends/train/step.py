@@ -20,7 +20,7 @@ import torch
 from rollouts.backends.train.components import TrainingComponents
 from rollouts.backends.train.distill_term import DISTILL_DIVERGENCE_METRIC, DistillTerm, distill_term
 from rollouts.backends.train.distributed import data_parallel_size
-from rollouts.backends.train.hidden import kept_hidden, logprobs_at, token_logprobs_of_model
+from rollouts.backends.train.hidden import kept_hidden, layout_logprobs, logprobs_at, token_logprobs_of_model
 from rollouts.backends.train.inputs import host_layout, micro_batch_to_torch
 from rollouts.losses import LossFn, Metrics, floats_of
 from rollouts.types import MicroBatch, OptimizerConfig, TrainingState
@@ -152,16 +152,8 @@ def compute_logprobs(
         for micro_batch in micro_batches:
             batch = micro_batch_to_torch(micro_batch, components.device)
             layout = host_layout(micro_batch, loss_positions_only=False)
-            hidden_1_K_H, weight_V_H, kept_K = kept_hidden(model, batch, layout)
-            logprobs_B_T, _ = logprobs_at(
-                hidden_1_K_H,
-                weight_V_H,
-                kept_K,
-                batch,
-                temperature=temperature,
-                with_entropy=False,
-                top_k=top_k,
-                top_p=top_p,
+            logprobs_B_T, _ = layout_logprobs(
+                model, batch, layout, temperature=temperature, with_entropy=False, top_k=top_k, top_p=top_p
             )
             flat.append(logprobs_B_T.float().reshape(-1))
         # One copy to the host after the last forward is queued, not one wait per micro-batch.
