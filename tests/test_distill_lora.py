@@ -12,7 +12,7 @@ import torch
 from dp_rl_cases import batch, config
 from run_configs import tiny_rl_config
 
-from rollouts.backends import InProcessEngine, build_components, load_hf_model
+from rollouts.backends import DISTILL_DIVERGENCE_METRIC, InProcessEngine, build_components, load_hf_model
 from rollouts.backends.train.lora import apply_lora
 from rollouts.data import DataBuffer
 from rollouts.loops.algorithms import ALGORITHMS
@@ -35,16 +35,17 @@ def _tiny(seed):
     )  # fmt: skip
 
 
-def test_a_lora_students_first_step_is_the_full_models():
+@pytest.mark.parametrize(("estimate", "metric"), [("sampled", REVERSE_KL_METRIC), ("full", DISTILL_DIVERGENCE_METRIC)])
+def test_a_lora_students_first_step_is_the_full_models(estimate, metric):
     teacher = build_components(_tiny(1).eval(), OptimizerConfig(), num_training_steps=1)
-    distill = Distillation(teacher=teacher, coef=0.5, mode="add")
+    distill = Distillation(teacher=teacher, coef=0.5, mode="add", estimate=estimate)
     settings = config(ALGORITHMS["grpo"])
     got = {}
     for name, lora in [("full", None), ("lora", LORA)]:
         student = build_components(_tiny(0), settings.optimizer, num_training_steps=1, lora=lora)
         _, got[name] = rl_update(student, TrainingState(), batch(), settings, distill=distill)
     # x @ W + (alpha / r) * (x @ A) @ B with B = 0 adds exact zeros: the same floats, not just close
-    assert got["lora"][REVERSE_KL_METRIC] == got["full"][REVERSE_KL_METRIC] != 0.0
+    assert got["lora"][metric] == got["full"][metric] != 0.0
     assert got["lora"]["loss"] == got["full"]["loss"]
 
 
