@@ -152,9 +152,9 @@ def test_rollouts_sft_under_torchrun_uses_fsdp2(tiny_run_inputs, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "preset", ["grpo", "ppo_no_critic", "ppo"]
-)  # ppo_no_critic: KL in the loss, a sharded reference on every rank; ppo: a sharded critic too
+# ppo: KL in the loss (a sharded reference on every rank) and a sharded critic; the other presets'
+# losses under two ranks are tests/test_rl_data_parallel.py's
+@pytest.mark.parametrize("preset", ["grpo", "ppo"])
 def test_rollouts_rl_under_torchrun(tiny_run_inputs, tmp_path, preset):
     out = tmp_path / "rl_fsdp"
     config = rl_toml(tiny_run_inputs, out, tiny_run_inputs / "model")

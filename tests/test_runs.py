@@ -90,12 +90,20 @@ def _hold(run_dir):
     return holder
 
 
-def test_a_second_run_on_a_directory_in_use_is_refused_with_the_holders_pid(tiny_run_inputs, tmp_path, capsys):
+def test_a_run_directory_in_use_is_refused_with_the_holders_pid_and_free_once_it_dies(
+    tiny_run_inputs, tmp_path, capsys
+):
     """Two runs on one out_dir interleaved metrics and one died in the background publisher."""
+    from rollouts.loops.run.run_dir import RunDirInUse, lock_run_dir
+
     out = tmp_path / "run"
     config = _sft_toml(tiny_run_inputs, tmp_path / "r.toml", out_dir=out, steps=1)
-    holder = _hold(out)
+    with lock_run_dir(out), lock_run_dir(out):  # reentrant in one process: the CLI holds it, then the loop
+        pass
+    holder = _hold(out)  # released above, so another process can take it
     try:
+        with pytest.raises(RunDirInUse, match=f"pid {holder.pid}"), lock_run_dir(out):
+            pass
         assert main(["sft", "--config", str(config)]) == 2
         err = capsys.readouterr().err
         assert f"{out} is in use by another run (pid {holder.pid} on" in err
@@ -106,20 +114,6 @@ def test_a_second_run_on_a_directory_in_use_is_refused_with_the_holders_pid(tiny
     # The kernel drops a killed holder's lock: the directory is usable again at once.
     assert main(["sft", "--config", str(config)]) == 0
     assert [r["step"] for r in read_jsonl(out / "metrics_sft.jsonl")] == [1]
-
-
-def test_the_run_directory_lock_is_reentrant_in_one_process_and_released(tmp_path):
-    from rollouts.loops.run.run_dir import RunDirInUse, lock_run_dir
-
-    with lock_run_dir(tmp_path / "d"), lock_run_dir(tmp_path / "d"):  # the CLI holds it, then the loop
-        pass
-    holder = _hold(tmp_path / "d")  # released above, so another process can take it
-    try:
-        with pytest.raises(RunDirInUse, match=f"pid {holder.pid}"), lock_run_dir(tmp_path / "d"):
-            pass
-    finally:
-        holder.kill()
-        holder.wait(timeout=30)
 
 
 def test_gradient_checkpointing_is_honoured_in_one_process_with_the_same_gradients(tiny_run_inputs, tmp_path):
