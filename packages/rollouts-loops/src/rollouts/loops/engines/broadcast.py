@@ -69,11 +69,7 @@ class BroadcastWeights(_Wrapped):
         return self.sync.options.bucket_bytes
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
-        if is_adapter_dir(path):
-            raise ValueError(
-                f"{path!r} is a LoRA adapter: engine.sync = 'broadcast' sends full weights only; use "
-                "engine.sync = 'disk' (the engine loads the adapter from that path) or model.lora.sync = 'merged'"
-            )
+        refuse_adapter(path)
         if not self.sync.connected:  # the first sync, or the last one broke the group (a restarted engine)
             await self.sync.connect([self.engine])
         tensors = await trio.to_thread.run_sync(read_torch_weights, path)
@@ -140,11 +136,7 @@ class BroadcastPool(EnginePool):
 
     async def sync(self, path: str, weight_version: int) -> SyncResult:
         """Read the safetensors at `path` once and broadcast them to every engine as `weight_version`."""
-        if is_adapter_dir(path):
-            raise ValueError(
-                f"{path!r} is a LoRA adapter: engine.sync = 'broadcast' sends full weights only; use "
-                "engine.sync = 'disk' (the engines load the adapter from that path) or model.lora.sync = 'merged'"
-            )
+        refuse_adapter(path)
         return await self._push(path, weight_version)
 
     async def push_weights(self, weights: BucketSource, weight_version: int) -> None:
@@ -226,6 +218,16 @@ class BroadcastPool(EnginePool):
             if v != weight_version
         ]
         return WeightSyncError(weight_version, failures, updated)
+
+
+def refuse_adapter(path: str) -> None:
+    """ValueError if `path` holds a LoRA adapter: vLLM loads an adapter from a path only, so a
+    broadcast sends full weights."""
+    if is_adapter_dir(path):
+        raise ValueError(
+            f"{path!r} is a LoRA adapter: engine.sync = 'broadcast' sends full weights only; use "
+            "engine.sync = 'disk' (the engine loads the adapter from that path) or model.lora.sync = 'merged'"
+        )
 
 
 def read_torch_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
