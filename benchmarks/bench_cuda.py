@@ -91,6 +91,26 @@ grpo (--steps 3, the third machine of the 2026-11-26 runs): generate 1435.6 ms (
 decode steps of 64 rows, about 11 ms each, bound by the host's launches at this model size),
 train 211.4 ms.
 
+Measured 2026-11-27 on one NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130, transformers 5.17, triton 3.6,
+liger-kernel 0.8.5; the log-probs on the Triton kernel, `kernel="auto"`), train --steps 3, one run
+with the peer steps beside ours:
+                   variant   step ms fwd+bwd ms  optim ms  other ms   tokens/s 6N tok/s TF  peak GiB compile s
+                       trl     904.2      892.6       9.3       2.3      72480       214.8     17.81       2.1
+               trl-compile     642.3      632.2       9.2       0.8     102038       302.5     14.72       9.7
+                     liger    1219.3     1209.0       8.4       1.8      53750       159.3     14.70       2.0
+                      bf16     963.0      948.5       9.0       5.5      68052       201.7     14.71       1.7
+              bf16-compile     668.0      652.8       8.9       6.3      98112       290.8     11.61       2.5
+                fsdp2-bf16    1503.4     1468.4      26.0       9.0      43590       129.2     18.66       2.9
+and just after it, on the same machine: fsdp2-bf16-compile 1321.4 ms, bf16-compile 738.2 ms (the
+same variant 10% slower than in the first run: compare rows of one run only). The library's step is
+0.94x the TRL-style step's speed eager and 0.96x compiled; regional compilation gives it 1.44x;
+FSDP2 on one rank costs 1.56x the unsharded step at 8k-token micro-batches (1.79x compiled).
+
+logprobs (--repeats 3, the same machine): the table in packages/rollouts-losses/README.md ("The
+Triton kernel"): at H=896 the Triton kernel runs 0.68-0.74x naive's time from 4k tokens with 1.6x
+Liger's extra memory and log-prob errors of 3.4e-6 to 4.8e-6 against float64; at H=3584 1.15x
+(4k) and 1.29x (16k) naive's time (32k was cut by the section's time limit).
+
 Run: python benchmarks/bench_cuda.py [--sections logprobs,train] [--repeats 5] [--steps 5] [--quick]
 (`--quick`: small sizes, to check the script itself; on a machine without CUDA it runs the
 same code on the CPU with gloo, which says nothing about speed.)
