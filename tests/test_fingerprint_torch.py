@@ -59,3 +59,29 @@ def test_numpy_bfloat16_rounds_as_torch_does(values):
 def test_a_gpu_tensor_gives_the_cpu_checksum():
     tensor = torch.randn(1000, 77, dtype=torch.bfloat16)
     assert checksum_torch(tensor.cuda()) == checksum_torch(tensor) == checksum(tensor)
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    st.lists(st.tuples(st.sampled_from(DTYPES), st.integers(0, 40), st.booleans()), min_size=0, max_size=6),
+    st.integers(0, 2**31 - 1),
+)
+def test_the_device_path_gives_numpys_checksums_for_many_tensors_at_once(specs, seed):
+    """The GPU's arithmetic (int64 sums per chunk, every tensor's queued before one read back), run on
+    CPU tensors with chunks of 8 words so that tensors span several; `cast` applied first."""
+    import rollouts.sync.fingerprint_torch as impl
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i, (dtype, n, strided) in enumerate(specs):
+        raw = torch.randint(0, 256, (n + 1,), generator=generator, dtype=torch.uint8)
+        tensor = raw.view(torch.int8).to(dtype) if dtype.itemsize > 1 else raw.view(dtype)
+        tensors[f"t{i}"] = tensor[1:] if strided else tensor[:n]
+    expected = {name: checksum(t) for name, t in tensors.items()}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(impl, "_on_host", lambda device: False)
+        patch.setattr(impl, "_GPU_CHUNK_WORDS", 8)
+        assert fingerprint_torch(tensors) == expected
+        halves = fingerprint_torch(tensors, cast=lambda t: t.to(torch.bfloat16))
+    assert list(halves) == list(tensors)
+    assert halves == {name: checksum(t.to(torch.bfloat16)) for name, t in tensors.items()}

@@ -23,27 +23,34 @@ def _weights_dir(model, path):
     return str(path)
 
 
-@pytest.mark.parametrize("engine_dtype", ["float32", "bfloat16"])
-def test_syncs_of_float32_weights_pass_attestation_in_the_engines_dtype(engine_dtype, tmp_path):
-    """The client checks against the weights cast to the engine's dtype, as its model holds them."""
+def test_syncs_pass_attestation_until_a_tensor_is_corrupted_in_the_engine_process(monkeypatch, tmp_path):
+    """float32 weights into a float32 engine pass, by shared memory and from disk; then the engine
+    process corrupts a tensor after each load (fault injection, read at every load from a file) and
+    both syncs fail naming it, the version unclaimed and the process healthy."""
+    fault = tmp_path / "fault"
+    monkeypatch.setenv("ROLLOUTS_SYNC_FAULT", f"file:{fault}")  # read by the engine process it starts
     base, other = tiny_model(seed=0), tiny_model(seed=5)
-    with ProcessEngine.from_model(base, weight_version=0, dtype=engine_dtype) as engine:
+    with ProcessEngine.from_model(base, weight_version=0) as engine:
         trio.run(engine.load_weights, model_tensors(other), 1)
         trio.run(engine.update_weights_from_disk, _weights_dir(base, tmp_path / "w"), 2)
         assert trio.run(engine.weight_version) == 2
-
-
-def test_a_tensor_corrupted_in_the_engine_process_fails_attestation_naming_it(monkeypatch, tmp_path):
-    monkeypatch.setenv("ROLLOUTS_SYNC_FAULT", f"corrupt:{CORRUPTED}")  # read by the engine process it starts
-    base, other = tiny_model(seed=0), tiny_model(seed=5)
-    with ProcessEngine.from_model(base, weight_version=0) as engine:
+        fault.write_text(f"corrupt:{CORRUPTED}")
         with pytest.raises(AttestationError) as info:
-            trio.run(engine.load_weights, model_tensors(other), 1)
+            trio.run(engine.load_weights, model_tensors(other), 3)
         assert info.value.mismatched == (CORRUPTED,) and CORRUPTED in str(info.value)
-        assert trio.run(engine.weight_version) == 0  # the version is not claimed
+        assert trio.run(engine.weight_version) == 2  # the version is not claimed
         with pytest.raises(AttestationError, match=CORRUPTED):
-            trio.run(engine.update_weights_from_disk, _weights_dir(other, tmp_path / "w"), 2)
+            trio.run(engine.update_weights_from_disk, _weights_dir(other, tmp_path / "w2"), 4)
         assert trio.run(engine.health)  # a refused sync names the tensors; the process itself is fine
+
+
+def test_syncs_of_float32_weights_pass_attestation_in_a_bf16_engine(tmp_path):
+    """The client checks against the weights cast to the engine's dtype, as its model holds them."""
+    base, other = tiny_model(seed=0), tiny_model(seed=5)
+    with ProcessEngine.from_model(base, weight_version=0, dtype="bfloat16") as engine:
+        trio.run(engine.load_weights, model_tensors(other), 1)
+        trio.run(engine.update_weights_from_disk, _weights_dir(base, tmp_path / "w"), 2)
+        assert trio.run(engine.weight_version) == 2
 
 
 def test_attest_false_is_the_off_switch(monkeypatch):

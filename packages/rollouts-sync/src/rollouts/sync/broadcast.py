@@ -45,7 +45,7 @@ from rollouts.sync.broadcast_wire import (
     receiver_for,
 )
 from rollouts.sync.fingerprint import AttestationError, check_attestation
-from rollouts.sync.fingerprint_torch import checksum_torch
+from rollouts.sync.fingerprint_torch import fingerprint_torch
 from rollouts.sync.weight_sync import EngineFailure, SyncResult, WeightSyncError
 from rollouts.sync.worker_extension import broadcast_from_trainer, join_group, local_address_toward
 
@@ -302,7 +302,7 @@ class BroadcastSync:
         for index, bucket in enumerate(plan.buckets):
             full = [t.to(self.device) for t in next(gathers)]
             if self.options.attest:
-                expected.update({spec.name: checksum_torch(t) for spec, t in zip(bucket, full, strict=True)})
+                expected.update(fingerprint_torch({spec.name: t for spec, t in zip(bucket, full, strict=True)}))
             self._send_bucket(index, bucket, full, live)
             del full  # dropped before the next bucket is gathered
 

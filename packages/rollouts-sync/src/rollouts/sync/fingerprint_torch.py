@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,27 +63,55 @@ def checksum_bytes(data: np.ndarray) -> int:
 def checksum_torch(tensor: Any) -> int:
     """The checksum of a torch tensor, computed where it lives: on a GPU with torch's int64 ops, on the
     CPU with numpy (several times faster than torch's CPU ops here, and the same int)."""
-    torch = sys.modules["torch"]  # loaded already: `tensor` is one of its tensors
-    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-    if flat.device.type == "cpu":
-        return checksum_bytes(flat.numpy())
-    nbytes = int(flat.numel())
-    if nbytes % 4 or flat.storage_offset() % 4:  # an unaligned or ragged byte view cannot be read as words
-        flat = torch.cat([flat, flat.new_zeros(-nbytes % 4)])
-    words = flat.view(torch.int32)
-    size = _GPU_CHUNK_WORDS
-    weights = torch.arange(1, min(words.numel(), size) + 1, dtype=torch.int64, device=words.device)
+    return fingerprint_torch({"": tensor})[""]
+
+
+def fingerprint_torch(tensors: Mapping[str, Any], cast: Callable[[Any], Any] | None = None) -> dict[str, int]:
+    """{name: checksum} of torch tensors (each passed through `cast` first, e.g. to the engine's dtype),
+    each computed on its own device. A GPU's sums stay on it until every tensor's are queued, then
+    come back in one read per device: a sync of hundreds of tensors waits for its GPU once, not once
+    per tensor."""
+    torch = sys.modules["torch"]  # loaded already: the values are its tensors
+    host: dict[str, int] = {}
+    queued: dict[Any, list[tuple[str, Any, int]]] = {}  # device -> (name, [chunks, 2] int64 sums, nbytes)
+    weights: dict[Any, Any] = {}  # device -> the chunk's word weights 1..n, made once per call
+    for name, value in tensors.items():
+        tensor = value.detach() if cast is None else cast(value.detach())
+        flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+        if _on_host(flat.device):
+            host[name] = checksum_bytes(flat.numpy())
+            continue
+        need = min(-(-flat.numel() // 4), _GPU_CHUNK_WORDS)
+        if flat.device not in weights or weights[flat.device].numel() < need:
+            weights[flat.device] = torch.arange(1, need + 1, dtype=torch.int64, device=flat.device)
+        queued.setdefault(flat.device, []).append((name, _device_sums(flat, weights[flat.device]), flat.numel()))
+    for items in queued.values():
+        rows = torch.cat([sums for _, sums, _ in items]).tolist()  # the one wait for this device
+        for name, sums, nbytes in items:
+            pairs, rows = rows[: len(sums)], rows[len(sums) :]
+            host[name] = combine([p[0] for p in pairs], [p[1] for p in pairs], nbytes, _GPU_CHUNK_WORDS)
+    return {name: host[name] for name in tensors}
+
+
+def _on_host(device: Any) -> bool:
+    """Whether a tensor on `device` is summed with numpy (the CPU) rather than with torch's ops where it lives."""
+    return bool(device.type == "cpu")
+
+
+def _device_sums(flat_u8: Any, weights: Any) -> Any:
+    """[chunks, 2] int64 (sum_j (j + 1) w_j, sum_j w_j) per chunk of _GPU_CHUNK_WORDS little-endian
+    uint32 words w of the [nbytes] uint8 `flat_u8`, computed on its device with no read back
+    (int64 products and sums wrap mod 2^64, as the definition wants)."""
+    torch = sys.modules["torch"]
+    nbytes = int(flat_u8.numel())
+    if nbytes % 4 or flat_u8.storage_offset() % 4:  # an unaligned or ragged byte view cannot be read as words
+        flat_u8 = torch.cat([flat_u8, flat_u8.new_zeros(-nbytes % 4)])
+    words = flat_u8.view(torch.int32)
     parts = []
-    for start in range(0, words.numel(), size):
-        chunk = words[start : start + size].to(torch.int64) & 0xFFFFFFFF  # unsigned words
+    for start in range(0, words.numel(), _GPU_CHUNK_WORDS):
+        chunk = words[start : start + _GPU_CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF  # unsigned words
         parts.append(torch.stack([(chunk * weights[: chunk.numel()]).sum(), chunk.sum()]))
-    pairs = torch.stack(parts).tolist() if parts else []  # one device sync for the whole tensor
-    return combine([p[0] for p in pairs], [p[1] for p in pairs], nbytes, size)
-
-
-def fingerprint_torch(tensors: Mapping[str, Any]) -> dict[str, int]:
-    """{name: checksum} of torch tensors, each computed on its own device."""
-    return {name: checksum_torch(value) for name, value in tensors.items()}
+    return torch.stack(parts) if parts else torch.zeros(0, 2, dtype=torch.int64, device=flat_u8.device)
 
 
 def sync_fault_target(environ: Mapping[str, str] = os.environ) -> str | None:

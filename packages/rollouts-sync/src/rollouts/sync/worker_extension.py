@@ -47,9 +47,9 @@ from safetensors.torch import load as load_bytes
 from safetensors.torch import load_file
 
 try:
-    from rollouts.sync.fingerprint_torch import checksum_torch, flip_bit_torch, sync_fault_target
+    from rollouts.sync.fingerprint_torch import fingerprint_torch, flip_bit_torch, sync_fault_target
 except ModuleNotFoundError:  # in a server started by rollouts.sync.launch: its copy beside this one's
-    from rollouts_fingerprint_torch import checksum_torch, flip_bit_torch, sync_fault_target  # type: ignore[no-redef,import-not-found]
+    from rollouts_fingerprint_torch import fingerprint_torch, flip_bit_torch, sync_fault_target  # type: ignore[no-redef,import-not-found]
 
 _SAFETENSORS_SUFFIX = ".safetensors"
 _TORCH_DTYPES = {
@@ -91,7 +91,7 @@ def _received(tensors: dict[str, Any]) -> dict[str, Any]:
 
 
 def _checksums(tensors: dict[str, Any]) -> dict[str, int]:
-    return {name: checksum_torch(tensor) for name, tensor in tensors.items()}
+    return fingerprint_torch(tensors)  # one wait for the device per load
 
 
 def _read_dir(path: str) -> dict[str, Any]:

@@ -44,7 +44,7 @@ from rollouts.backends.engine_process.wire import ChildGone, encode_frame, read_
 from rollouts.backends.sampling.engine import check_version_grows
 from rollouts.backends.sampling.sampler import check_prompt_ids, prompt_limits
 from rollouts.sync import is_adapter_dir
-from rollouts.sync.fingerprint import check_attestation, checksum_torch
+from rollouts.sync.fingerprint import check_attestation, fingerprint_torch
 from rollouts.types import Sample, SamplingParams
 from rollouts.types.wire import batch_from_bytes
 
@@ -311,7 +311,7 @@ class ProcessEngine:
 
     def _expected(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
         """Checksums of `tensors` as the engine process's model holds them: cast to its dtype."""
-        return {name: checksum_torch(tensor.to(self._dtype)) for name, tensor in tensors.items()}
+        return fingerprint_torch(tensors, cast=lambda tensor: tensor.to(self._dtype))
 
     def _check(self, expected: Mapping[str, int] | None, answer: Mapping[str, Any], version: int) -> None:
         if expected is not None:
