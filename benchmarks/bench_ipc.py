@@ -10,8 +10,9 @@ ProcessEngine cuda_ipc        0.1602       6.2      78.0             0
 ProcessEngine shared_mem      0.4279       2.3     208.4     988065536
 CUDA IPC moves no host bytes and is 2.7x the shared-memory path, but 78x a bare copy: a sync is a
 request to the engine process and its reply, the handles opened there, the copies into the engine's
-model and (on by default) attestation's checksums on both sides; which of these takes the time was
-not measured.
+model and (on by default) attestation's checksums on both sides, which then waited for the GPU once
+per tensor on each side (now once per sync). The attest=False rows, added after this run, split
+attestation's share out.
 
 Run (on a CUDA machine; needs torch, transformers, safetensors only):
   PYTHONPATH=packages/rollouts-types/src:packages/rollouts-losses/src:packages/rollouts-backends/src \
@@ -75,10 +76,14 @@ def run_now(coroutine: Coroutine[Any, Any, None]) -> None:
     raise RuntimeError("the coroutine suspended: it needs an event loop")
 
 
-def engine_sync(model_dir: Path, tensors: Mapping[str, torch.Tensor], transport: str) -> tuple[float, int]:
+def engine_sync(
+    model_dir: Path, tensors: Mapping[str, torch.Tensor], transport: str, attest: bool = True
+) -> tuple[float, int]:
     """Median seconds of a `load_weights` of `tensors` into an engine process on cuda:0 by `transport`,
-    and the bytes its shared-memory file holds afterwards."""
-    options = EngineProcessOptions(device="cuda:0", dtype="bfloat16", weights_transport=transport, timeout_s=300.0)
+    attested or not, and the bytes its shared-memory file holds afterwards."""
+    options = EngineProcessOptions(
+        device="cuda:0", dtype="bfloat16", weights_transport=transport, timeout_s=300.0, attest=attest
+    )
     with ProcessEngine(model_dir, options) as engine:
         versions = iter(range(1, 100))
         seconds = median_s(lambda: run_now(engine.load_weights(tensors, next(versions))))
@@ -105,7 +110,9 @@ def main() -> None:
         safetensors.torch.save_file(cpu, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
         del cpu
         ipc_s, ipc_file = engine_sync(Path(tmp), tensors, "cuda_ipc")
+        bare_ipc_s, _ = engine_sync(Path(tmp), tensors, "cuda_ipc", attest=False)
         shm_s, shm_file = engine_sync(Path(tmp), tensors, "shared_memory")
+        bare_shm_s, _ = engine_sync(Path(tmp), tensors, "shared_memory", attest=False)
     bare_s = median_s(bare)
     gpu = torch.cuda.get_device_name(0)
     print(f"colocated sync on {gpu}: {len(tensors)} tensors, {num_bytes / 1e9:.3f} GB bf16, median of {NUM_REPEATS}")
@@ -113,7 +120,9 @@ def main() -> None:
     for name, seconds, host in (
         ("bare copy_ (d2d)", bare_s, 0),
         ("ProcessEngine cuda_ipc", ipc_s, ipc_file),
+        ("  attest=False", bare_ipc_s, ipc_file),
         ("ProcessEngine shared_mem", shm_s, shm_file),
+        ("  attest=False", bare_shm_s, shm_file),
     ):
         print(f"{name:<26}{seconds:>10.4f}{num_bytes / seconds / 1e9:>10.1f}{seconds / bare_s:>10.1f}{host:>14}")
 
