@@ -10,7 +10,10 @@ logprobs  `fused_token_logprobs` against naive log_softmax(h @ W.T).gather, forw
           are, float32 accumulation and logits) and, for bf16, with matmul_dtype=float32 (exact
           upcast, as on CPU) for comparison; triton is kernel="triton" (the default on CUDA for
           bf16 / fp16); triton-chained is the same kernel with its forward summing all of H in the
-          tensor cores' accumulator (128 x 256 tiles, no split accumulation), for bf16; liger is
+          tensor cores' accumulator (128 x 256 tiles, no split accumulation), and triton-h128 with
+          the split every 128 of H instead of 64 (half the float32 adds; the "logits" line gives
+          both slices' error), for bf16; `--hidden 3584` and `--logprob-variants triton,triton-h128`
+          keep those shapes and variants (naive always runs: the ratios' base); liger is
           Liger's fused linear cross-entropy (reduction="none", log p = -loss), when liger_kernel
           is installed.
           - time: CUDA events around forward + backward, median of `--repeats` after a warm-up;
@@ -126,6 +129,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 from train_peers import PEERS, batch_tensors, peer_step_fn
@@ -207,18 +211,27 @@ def _liger():
     return run
 
 
-def _triton_chained():
-    """kernel="triton" with the forward's logits chained through all of H in the tensor cores' accumulator."""
+def _triton_forward(forward_blocks: dict) -> Callable:
+    """kernel="triton" with these forward tiles (TritonBlocks' fields) and the default backward."""
     from rollouts.losses.triton_logprobs import TritonBlocks, TritonConfig, TritonTokenLogprobs, default_triton_config
 
     backward = default_triton_config(torch.device("cuda")).backward
-    forward = TritonBlocks(block_k=128, block_v=256, block_h=64, num_warps=8, num_stages=3, split_accumulation=False)
-    config = TritonConfig(forward=forward, backward=backward)
+    config = TritonConfig(forward=TritonBlocks(**forward_blocks), backward=backward)
 
     def run(hidden_K_H: torch.Tensor, weight_V_H: torch.Tensor, labels_K: torch.Tensor) -> torch.Tensor:
         return TritonTokenLogprobs.apply(hidden_K_H, weight_V_H, labels_K, 1.0, False, config)[0]
 
     return run
+
+
+TRITON_FORWARDS = {
+    # the forward's logits chained through all of H in the tensor cores' accumulator (no split accumulation)
+    "triton-chained": {"block_k": 128, "block_v": 256, "block_h": 64, "num_warps": 8, "num_stages": 3,
+                       "split_accumulation": False},
+    # split accumulation every 128 of H, not 64: half the round-to-nearest adds, twice the chained run
+    "triton-h128": {"block_k": 128, "block_v": 128, "block_h": 128, "num_warps": 8, "num_stages": 2,
+                    "split_accumulation": True},
+}  # fmt: skip
 
 
 def _logit_errors(hidden_K_H: torch.Tensor, weight_V_H: torch.Tensor, slice_h: int = 64) -> tuple[float, float]:
@@ -275,7 +288,11 @@ def logprob_case(fn, hidden, weight, labels, g, repeats: int, exact) -> dict[str
     return {"ms": 1e3 * statistics.median(times), "beyond_gib": peak_beyond, "lp_err": lp_err, "dh_rel": dh_err}
 
 
-def section_logprobs(device: torch.device, repeats: int, quick: bool) -> list[dict]:
+def section_logprobs(
+    device: torch.device, repeats: int, quick: bool, hidden_sizes: set[int], only: set[str]
+) -> list[dict]:
+    """The table; `hidden_sizes` / `only` (when not empty) keep those shapes' H / those variants (naive always)."""
+    only = only | {"naive"} if only else only
     rows = []
     print("\n== log-probs: forward + backward of sum(g log p), naive vs fused")
     print(
@@ -283,6 +300,8 @@ def section_logprobs(device: torch.device, repeats: int, quick: bool) -> list[di
         f"{'x naive ms':>10} {'x naive mem':>11} {'|lp err|':>9} {'dh rel err':>10}"
     )
     for (hid, vocab), by_dtype in (QUICK_SHAPES if quick else LOGPROB_SHAPES).items():
+        if hidden_sizes and hid not in hidden_sizes:
+            continue
         for dtype, sizes in by_dtype.items():
             for k in sizes:
                 gen = torch.Generator(device="cpu").manual_seed(k + hid)
@@ -296,13 +315,17 @@ def section_logprobs(device: torch.device, repeats: int, quick: bool) -> list[di
                     variants.append(("fused-upcast", _fused(torch.float32)))
                 variants.append(("triton", _fused(None, "triton") if _triton_available(device) else None))
                 if dtype == torch.bfloat16 and _triton_available(device):
-                    variants.append(("triton-chained", _triton_chained()))
+                    variants += [(name, _triton_forward(blocks)) for name, blocks in TRITON_FORWARDS.items()]
                     chained, split = _logit_errors(hidden, weight)
+                    _, split128 = _logit_errors(hidden, weight, slice_h=128)
                     print(f"{hid:>5} {vocab:>7} {str(dtype)[6:]:>9} {k:>6} {'logits':>14}  max |error|: "
-                          f"cuBLAS bf16 -> float32 {chained:.1e}, summed over H in slices of 64 {split:.1e}")  # fmt: skip
+                          f"cuBLAS bf16 -> float32 {chained:.1e}, summed over H in slices of 64 {split:.1e}, "
+                          f"of 128 {split128:.1e}")  # fmt: skip
                 variants.append(("liger", _liger() if device.type == "cuda" else None))
                 base = None
                 for name, fn in variants:
+                    if only and name not in only:
+                        continue
                     if fn is None:
                         reason = "not installed" if device.type == "cuda" else "needs CUDA"
                         print(f"{hid:>5} {vocab:>7} {str(dtype)[6:]:>9} {k:>6} {name:>14}  {reason}")
@@ -630,6 +653,8 @@ def main() -> None:
     parser.add_argument("--json", default="", help="write every figure to this file")
     parser.add_argument("--train-worker", default="", help=argparse.SUPPRESS)
     parser.add_argument("--variants", default=",".join(TRAIN_VARIANTS), help="training variants to run")
+    parser.add_argument("--hidden", default="", help="logprobs: only these hidden sizes (e.g. 3584)")
+    parser.add_argument("--logprob-variants", default="", help="logprobs: only these variants (and naive)")
     parser.add_argument("--micro-tokens", type=int, default=0, help="tokens per micro-batch (default 8192)")
     parser.add_argument("--profile-dir", default="", help="write a torch.profiler table of one step per variant here")
     args = parser.parse_args()
@@ -642,7 +667,9 @@ def main() -> None:
     out: dict[str, list] = {}
     sections = args.sections.split(",")
     if "logprobs" in sections:
-        out["logprobs"] = section_logprobs(device, args.repeats, args.quick)
+        hidden_sizes = {int(h) for h in args.hidden.split(",") if h}
+        only = {v for v in args.logprob_variants.split(",") if v}
+        out["logprobs"] = section_logprobs(device, args.repeats, args.quick, hidden_sizes, only)
     if "train" in sections:
         out["train"] = section_train(
             args.steps, args.quick, args.variants.split(","), args.profile_dir, args.micro_tokens
