@@ -36,6 +36,8 @@ train     `rl_step` (advantages, packing into micro-batches of 8192 tokens, forw
             library's AdamW (torch's fused kernel for plain weights on CPU or CUDA);
           - a suffix -compile (bf16-compile, fsdp2-bf16-compile): each decoder layer compiled
             (`compile_layers`, the run file's `model.compile = "layers"`);
+          - fsdp2-bf16-gathered (also with -compile): `shard_model(gather_once_per_step=True)`, each
+            layer gathered once per step and its gradients reduced once, not per micro-batch;
           - trl, trl-compile, liger: the peer steps of train_peers.py on the same model and batch (HF
             forward + TRL's selective_log_softmax over logits_to_keep; the same with regional
             compilation; HF decoder + liger_kernel's fused linear cross-entropy, "not installed"
@@ -453,7 +455,7 @@ def train_worker(variant: str, steps: int, quick: bool, profile: str = "", micro
         model = model.to(device)
         compile_layers(model, "layers" if "-compile" in variant else "none")  # before sharding
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if "bf16" in variant else None
-        model = shard_model(model, mixed_precision=mp)
+        model = shard_model(model, mixed_precision=mp, gather_once_per_step="-gathered" in variant)
         opt = build_optimizer(model, optimizer_config)
         components = TrainingComponents(
             model=model, optimizer=opt, device=device,

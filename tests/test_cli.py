@@ -176,6 +176,8 @@ def test_rollouts_rl_under_torchrun(tiny_run_inputs, tmp_path, preset):
         "--set",
         "rl.rollout.batch_size=3",
     ]
+    if preset == "ppo":  # several micro-batches per step, each layer gathered once per step (policy and critic)
+        command += ["--set", "model.gather_once_per_step=true", "--set", "rl.max_tokens_per_micro_batch=64"]
     done = subprocess.run(
         command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=_KILL_WAIT_S
     )
@@ -187,6 +189,7 @@ def test_rollouts_rl_under_torchrun(tiny_run_inputs, tmp_path, preset):
     assert all(("vf_loss" in r) == (preset == "ppo") for r in records)  # the critic's update
     if preset == "ppo":
         assert (out / "checkpoints" / "critic" / "step_3" / "state.json").is_file()
+        assert all(r["num_micro_batches"] > 1 for r in records), [r["num_micro_batches"] for r in records]
     weights = load_file(out / "checkpoints" / "step_3" / "model.safetensors")
     assert weights and all(v.size > 0 for v in weights.values())
     assert (out / "checkpoints" / "step_2" / "state.json").is_file()

@@ -135,6 +135,23 @@ def test_fsdp2_on_two_gloo_ranks_matches_single_process(tmp_path):
     for name, tensor in single_resumed.model.state_dict().items():
         torch.testing.assert_close(tensor, reference[name], atol=_WEIGHT_ATOL, rtol=0)
 
+    # Micro-batches of one sequence: per micro-batch and gathered once per step, the same training;
+    # gathered, each FSDP unit (the decoder layers and the root) is gathered once and reduced once.
+    runs = json.loads((tmp_path / "gathered.json").read_text())
+    units = tiny_model().config.num_hidden_layers + 1
+    micro_batches = len(GLOBAL_SEQUENCES) // 2
+    failure = runs.pop("after_failure")  # a step failing midway leaves no partial gradient behind
+    assert failure["sharded"] and failure["after_failure"] == pytest.approx(failure["clean"], rel=_REL_TOL)
+    for run in runs.values():
+        assert run["losses"] == pytest.approx(losses, rel=_REL_TOL)
+    assert runs["True"]["grad_norms"] == pytest.approx(runs["False"]["grad_norms"], rel=_REL_TOL)
+    gathered = read_weights(tmp_path / "gathered")
+    assert max(float((gathered[n].double() - reference[n]).abs().max()) for n in reference) <= _WEIGHT_ATOL
+    # per micro-batch: the layers gathered in forward and again in backward, the root once; all reduced
+    per_micro_batch = {"all_gather": micro_batches * (2 * units - 1), "reduce_scatter": micro_batches * units}
+    assert runs["False"]["collectives"] == [per_micro_batch] * NUM_STEPS
+    assert runs["True"]["collectives"] == [{"all_gather": units, "reduce_scatter": units}] * NUM_STEPS
+
 
 @pytest.mark.slow
 def test_the_fsdp2_comparison_catches_a_missing_one_over_world_size(tmp_path):

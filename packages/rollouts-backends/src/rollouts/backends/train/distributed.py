@@ -7,19 +7,29 @@ number of ranks before backward, so the result is the sum over ranks: num_tokens
 num_sequences are the totals over all ranks and the loss normalization stays global.
 (`set_gradient_divide_factor(1.0)` would say the same, but its PREMUL_SUM reduction is not
 supported by gloo.)
+
+Collectives per micro-batch. By default each micro-batch's forward gathers every layer, its backward
+gathers them again and reduce-scatters their gradients: a step of M micro-batches runs 3 M
+collectives per layer, each with its host-side bookkeeping. `shard_model(gather_once_per_step=True)`
+makes it one gather and one reduce-scatter per layer per step (`step_collectives`): the layers stay
+gathered from the step's first forward to its last backward and the gradients accumulate unsharded,
+then are reduced once. The price is memory: during the step each rank holds the whole model's
+weights (in the compute dtype) and gradients, as an unsharded model would.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
-from rollouts.backends.train.components import model_attr
+from rollouts.backends.train.components import model_attr, set_model_attr
 
 __all__ = [
     "all_ok",
@@ -32,9 +42,12 @@ __all__ = [
     "on_all_ranks",
     "rank_world",
     "shard_model",
+    "step_collectives",
     "transformer_blocks",
 ]
 
+_GATHER_ONCE = "_rollouts_gather_once_per_step"
+_RESHARD_AFTER_FORWARD = "_rollouts_reshard_after_forward"
 CLOSE_BARRIER_TIMEOUT_S = 300.0
 """How long a rank waits at the closing barrier for the others (a checkpoint flush on rank 0, say)."""
 
@@ -94,11 +107,13 @@ def shard_model(
     mixed_precision: MixedPrecisionPolicy | None = None,
     reshard_after_forward: bool = True,
     activation_checkpointing: bool = False,
+    gather_once_per_step: bool = False,
 ) -> torch.nn.Module:
     """Shard each decoder layer and then the root with `fully_shard`; returns the (same) model.
 
     Call before building the optimizer (its parameters become DTensor shards). `mesh` defaults
-    to all ranks of the default process group.
+    to all ranks of the default process group. `gather_once_per_step`: forward_backward gathers
+    each layer once per step and reduces its gradients once, not per micro-batch (module docstring).
     """
     if not torch.distributed.is_initialized():
         raise ValueError("shard_model needs torch.distributed initialized (launch with torchrun, init_process_group)")
@@ -115,7 +130,55 @@ def shard_model(
     # backward: forward_backward computes log-probs from the output projection's weight after
     # the model's forward returns, and backward would gather it again right away anyway.
     fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+    set_model_attr(model, _GATHER_ONCE, gather_once_per_step)
+    set_model_attr(model, _RESHARD_AFTER_FORWARD, reshard_after_forward)
     return model
+
+
+def _no_preparation(index: int) -> None:
+    del index
+
+
+@contextlib.contextmanager
+def step_collectives(model: torch.nn.Module, num_micro_batches: int) -> Iterator[Callable[[int], None]]:
+    """Around a step's micro-batches: yields `before(i)`, to call before micro-batch i's forward.
+
+    For a model sharded with `gather_once_per_step` and a step of two micro-batches or more, the
+    decoder layers stay gathered after each forward and backward, and gradients are reduced only by
+    the last micro-batch's backward (which then reshards everything); on the way out the settings
+    are restored, and after a failure the step's partial gradients are dropped (those of earlier
+    calls, already reduced into the shards, stay) and every layer is resharded. Otherwise `before`
+    does nothing.
+    Every rank must run the same number of micro-batches (as it must anyway under FSDP2).
+    """
+    if num_micro_batches < 2 or not getattr(model, _GATHER_ONCE, False) or not isinstance(model, FSDPModule):
+        yield _no_preparation
+        return
+    root: FSDPModule = model
+    blocks = [module for module in model.modules() if isinstance(module, FSDPModule) and module is not model]
+
+    def before(index: int) -> None:
+        last = index == num_micro_batches - 1
+        root.set_requires_gradient_sync(last)
+        root.set_reshard_after_backward(last)
+
+    for block in blocks:
+        block.set_reshard_after_forward(False, recurse=False)
+    finished = False
+    try:
+        yield before
+        finished = True
+    finally:
+        for block in blocks:
+            block.set_reshard_after_forward(getattr(model, _RESHARD_AFTER_FORWARD), recurse=False)
+        root.set_requires_gradient_sync(True)
+        root.set_reshard_after_backward(True)
+        if not finished:  # drop this step's partial, never-reduced gradients, then reshard every layer
+            for param in model.parameters():
+                if not isinstance(param, DTensor):  # a gathered layer's (sharded ones keep earlier steps' gradients)
+                    param.grad = None
+            for module in (*blocks, root):
+                module.reshard()
 
 
 def data_parallel_size(model: torch.nn.Module) -> int:

@@ -25,7 +25,7 @@ from rollouts.backends.train.components import (
     load_hf_model,
     model_attr,
 )
-from rollouts.backends.train.distributed import data_parallel_size, shard_model
+from rollouts.backends.train.distributed import data_parallel_size, shard_model, step_collectives
 from rollouts.backends.train.inputs import micro_batch_to_torch, model_inputs
 from rollouts.losses import Reduction, floats_of, value_loss
 from rollouts.types import MicroBatch, OptimizerConfig
@@ -68,17 +68,19 @@ def build_critic(
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
     shard: bool = False,
+    gather_once_per_step: bool = False,
 ) -> TrainingComponents:
     """A critic from a causal LM (a local path or a module: its backbone is copied into the value
     model, so the policy's own weights are never shared), with its own AdamW and schedule.
-    `shard`: under torchrun, shard it with FSDP2 like the policy (before the optimizer is built)."""
+    `shard`: under torchrun, shard it with FSDP2 like the policy (before the optimizer is built);
+    `gather_once_per_step` as in `shard_model`."""
     if isinstance(model_path, torch.nn.Module):
         causal_lm = copy.deepcopy(model_path)
     else:
         causal_lm = load_hf_model(model_path, dtype=dtype, device=device, attn_implementation=attn_implementation)
     model: torch.nn.Module = ValueModel(causal_lm).to(torch.device(device))
     if shard:
-        model = shard_model(model)
+        model = shard_model(model, gather_once_per_step=gather_once_per_step)
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config, num_training_steps=num_training_steps)
     return TrainingComponents(model=model, optimizer=optimizer, scheduler=scheduler, device=torch.device(device))
@@ -112,20 +114,22 @@ def critic_forward_backward(
     losses: list[torch.Tensor] = []
     clip_fracs: list[torch.Tensor | float] = []
     token_counts: list[float] = []
-    for micro_batch in micro_batches:
-        batch = micro_batch_to_torch(micro_batch, critic.device)
-        returns, old = batch.extras.get("returns"), batch.extras.get("old_values")
-        if returns is None or old is None:
-            raise ValueError("critic micro-batches need extras 'returns' and 'old_values' ([B, T] each)")
-        values_B_T = model(batch)
-        reduction = Reduction(num_tokens=num_tokens)
-        loss, metrics = value_loss(
-            values_B_T, old, returns, batch.loss_mask, clip_range=clip_range, reduction=reduction
-        )
-        (loss * num_ranks if num_ranks > 1 else loss).backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
-        losses.append(loss.detach())
-        clip_fracs.append(metrics.get("vf_clip_frac", 0.0))
-        token_counts.append(float(max(int(np.count_nonzero(np.asarray(micro_batch.loss_mask) > 0)), 1)))
+    with step_collectives(model, len(micro_batches)) as before_micro_batch:
+        for index, micro_batch in enumerate(micro_batches):
+            before_micro_batch(index)
+            batch = micro_batch_to_torch(micro_batch, critic.device)
+            returns, old = batch.extras.get("returns"), batch.extras.get("old_values")
+            if returns is None or old is None:
+                raise ValueError("critic micro-batches need extras 'returns' and 'old_values' ([B, T] each)")
+            values_B_T = model(batch)
+            reduction = Reduction(num_tokens=num_tokens)
+            loss, metrics = value_loss(
+                values_B_T, old, returns, batch.loss_mask, clip_range=clip_range, reduction=reduction
+            )
+            (loss * num_ranks if num_ranks > 1 else loss).backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
+            losses.append(loss.detach())
+            clip_fracs.append(metrics.get("vf_clip_frac", 0.0))
+            token_counts.append(float(max(int(np.count_nonzero(np.asarray(micro_batch.loss_mask) > 0)), 1)))
     values = floats_of([*losses, *clip_fracs])
     loss_values, clip_values = values[: len(losses)], values[len(losses) :]
     weighted = sum(tokens * frac for tokens, frac in zip(token_counts, clip_values, strict=True))

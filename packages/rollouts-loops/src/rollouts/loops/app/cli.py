@@ -23,7 +23,7 @@ from rollouts.loops.app.toml_out import documented_toml
 from rollouts.loops.errors import DamagedCheckpointError
 
 _SECTIONS = {
-    "sft": "[model] path, dtype, device, attn_implementation, gradient_checkpointing, compile\n"
+    "sft": "[model] path, dtype, device, attn_implementation, gradient_checkpointing, compile, gather_once_per_step\n"
     "  [data] train_path (chat JSONL: messages)\n  [run] out_dir, resume\n"
     "  [log] wandb, tensorboard\n  [sft] num_steps, batch_size, max_length, ... [sft.optimizer] [sft.checkpoint]",
     "rl": "preset = grpo | drgrpo | dapo | ...\n  [model] path, ...\n  [data] train_path, eval_path, prompt_key, answer_key\n"

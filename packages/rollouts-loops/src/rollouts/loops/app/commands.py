@@ -255,6 +255,7 @@ def cmd_rl(run: RLRun, source: str) -> RunResult:
                 num_training_steps=run.rl.num_updates,
                 device=components.device,
                 shard=world > 1,
+                gather_once_per_step=run.model.gather_once_per_step,
             )
         ref_components = None
         if run.rl.algorithm.needs_reference and run.model.lora.enabled:

@@ -48,6 +48,10 @@ class ModelSpec:
     compile: Literal["none", "layers"] = "none"
     """`layers`: each decoder layer compiled with torch.compile (fused norms, rotary and activations;
     the first steps pay the compile time)."""
+    gather_once_per_step: bool = False
+    """Under torchrun (FSDP2): gather each layer once per step and reduce its gradients once, not per
+    micro-batch; fewer collectives, at the memory of the whole model's weights and gradients per rank
+    during the step (rollouts.backends.shard_model)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """LoRA adapters instead of full fine-tuning (rank 0: off); needs rollouts-backends[lora]."""
 

@@ -272,7 +272,11 @@ def sharded_model(run: Any, device: str) -> torch.nn.Module:
     if run.model.lora.enabled:  # the adapter goes in before sharding; only its weights train
         model = apply_lora(model, run.model.lora)
     compile_layers(model, run.model.compile)  # before sharding: each sharded unit wraps a compiled layer
-    return shard_model(model, activation_checkpointing=run.model.gradient_checkpointing)
+    return shard_model(
+        model,
+        activation_checkpointing=run.model.gradient_checkpointing,
+        gather_once_per_step=run.model.gather_once_per_step,
+    )
 
 
 def run_tokenizer(run: Any) -> Any:
