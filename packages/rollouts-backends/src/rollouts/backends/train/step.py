@@ -21,7 +21,7 @@ from rollouts.backends.train.components import TrainingComponents
 from rollouts.backends.train.distill_term import DISTILL_DIVERGENCE_METRIC, DistillTerm, distill_term
 from rollouts.backends.train.distributed import data_parallel_size, step_collectives
 from rollouts.backends.train.hidden import kept_hidden, layout_logprobs, logprobs_at, token_logprobs_of_model
-from rollouts.backends.train.inputs import HostLayout, host_layout, micro_batch_to_torch
+from rollouts.backends.train.inputs import host_layout, micro_batch_to_torch
 from rollouts.losses import LossFn, Metrics, floats_of
 from rollouts.types import MicroBatch, OptimizerConfig, TrainingState
 
@@ -83,12 +83,33 @@ def forward_backward(
     with step_collectives(model, len(micro_batches)) as before_micro_batch:
         for index, micro_batch in enumerate(micro_batches):
             before_micro_batch(index)
-            loss, metrics, layout = _micro_batch_backward(
-                components, micro_batch, loss_fn, num_ranks=num_ranks, with_entropy=with_entropy,
-                temperature=temperature, top_k=top_k, top_p=top_p, distill=distill,
-                counts={"num_tokens": num_tokens, "num_sequences": num_sequences},
-            )  # fmt: skip
-            losses.append(loss)
+            batch = micro_batch_to_torch(micro_batch, components.device)
+            layout = host_layout(micro_batch, loss_positions_only=True)
+            hidden_1_K_H, weight_V_H, kept_K = kept_hidden(model, batch, layout)
+            logprobs_B_T, entropy_B_T = logprobs_at(
+                hidden_1_K_H,
+                weight_V_H,
+                kept_K,
+                batch,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                top_k=top_k,
+                top_p=top_p,
+            )
+            kwargs: dict[str, Any] = {"num_tokens": num_tokens, "num_sequences": num_sequences}
+            if with_entropy:
+                kwargs["entropy_B_T"] = entropy_B_T
+            loss, metrics = loss_fn(logprobs_B_T, batch, **kwargs)
+            if distill is not None:
+                term, divergence = distill_term(
+                    distill, micro_batch, layout, hidden_1_K_H, weight_V_H, kept_K, batch, temperature, num_tokens
+                )
+                loss = loss + term
+                metrics = {**metrics, DISTILL_DIVERGENCE_METRIC: divergence}
+            # FSDP averages gradients over ranks; the loss already divides by global counts, so
+            # scaling by the rank count turns that average into the sum the step needs.
+            (loss * num_ranks if num_ranks > 1 else loss).backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+            losses.append(loss.detach())
             metrics_per_batch.append((float(max(layout.num_loss_tokens, 1)), metrics))
             num_real += layout.num_real_tokens
             num_loss += layout.num_loss_tokens
@@ -100,43 +121,6 @@ def forward_backward(
         num_loss_tokens=float(num_loss),
     )
     return out
-
-
-def _micro_batch_backward(
-    components: TrainingComponents,
-    micro_batch: MicroBatch[np.ndarray],
-    loss_fn: LossFn,
-    *,
-    num_ranks: int,
-    with_entropy: bool,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    distill: DistillTerm | None,
-    counts: dict[str, int],
-) -> tuple[torch.Tensor, Metrics, HostLayout]:
-    """One micro-batch's forward and backward: (its loss, detached, and metrics, on the device; its layout)."""
-    model = components.model
-    batch = micro_batch_to_torch(micro_batch, components.device)
-    layout = host_layout(micro_batch, loss_positions_only=True)
-    hidden_1_K_H, weight_V_H, kept_K = kept_hidden(model, batch, layout)
-    logprobs_B_T, entropy_B_T = logprobs_at(
-        hidden_1_K_H, weight_V_H, kept_K, batch, temperature=temperature, with_entropy=with_entropy, top_k=top_k, top_p=top_p
-    )  # fmt: skip
-    kwargs: dict[str, Any] = dict(counts)
-    if with_entropy:
-        kwargs["entropy_B_T"] = entropy_B_T
-    loss, metrics = loss_fn(logprobs_B_T, batch, **kwargs)
-    if distill is not None:
-        term, divergence = distill_term(
-            distill, micro_batch, layout, hidden_1_K_H, weight_V_H, kept_K, batch, temperature, counts["num_tokens"]
-        )
-        loss = loss + term
-        metrics = {**metrics, DISTILL_DIVERGENCE_METRIC: divergence}
-    # FSDP averages gradients over ranks; the loss already divides by global counts, so
-    # scaling by the rank count turns that average into the sum the step needs.
-    (loss * num_ranks if num_ranks > 1 else loss).backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-    return loss.detach(), metrics, layout
 
 
 def _weighted_means(metrics_per_batch: Sequence[tuple[float, Metrics]]) -> dict[str, float]:
