@@ -43,8 +43,9 @@ def tiny_run_inputs(tmp_path_factory):
 def vllm_for_tiny_model(tiny_run_inputs, tmp_path_factory):
     """One vLLM server of the tiny model for the session's tests (a start costs about half a minute),
     started the way a user starts one: `rollouts engine vllm` in another process, from another working
-    directory, its URL read from what it prints. Tests sync weights into it: a test that needs the
-    model's own weights loads them first (run_configs.reset_vllm_weights)."""
+    directory, its URL read from what it prints, with runtime LoRA adapters on. Tests sync weights
+    into it: a test that needs the model's own weights loads them first
+    (run_configs.reset_vllm_weights)."""
     import os
     import signal
     import subprocess
@@ -62,6 +63,7 @@ def vllm_for_tiny_model(tiny_run_inputs, tmp_path_factory):
         sys.executable, "-m", "rollouts.loops.app.cli", "engine", "vllm",
         "--model", str(tiny_run_inputs / "model"), "--python", find_vllm_python(),
         "--dtype", "float32", "--max-model-len", "64", "--enforce-eager", "--startup-timeout-s", "600",
+        "--max-lora-rank", "8",  # test_lora_vllm's adapters: one server for all (a start costs ~35 s)
     ]
     # fmt: on
     launcher = subprocess.Popen(

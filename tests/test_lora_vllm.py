@@ -2,20 +2,17 @@
 fallback: after each sync vLLM's greedy tokens equal transformers' with the same adapter and its
 log-probs agree within 1e-4."""
 
-import os
-
 import httpx
 import numpy as np
 import pytest
 import torch
 import trio
+from run_configs import reset_vllm_weights
 
 from rollouts.backends import build_components
 from rollouts.backends.train.lora import syncs_adapter
 from rollouts.loops.rl.generation import sync_engine
 from rollouts.sync import HTTPOptions, VLLMEngine
-from rollouts.sync.launch import VLLMServeOptions, launch_vllm_server
-from rollouts.sync.testing import find_vllm_python, vllm_unavailable_reason
 from rollouts.types import LoraConfig, OptimizerConfig, SamplingParams, TrainingState
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -28,17 +25,10 @@ LOGPROB_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def lora_server(tiny_run_inputs):
-    reason = vllm_unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"vLLM CPU server unavailable: {reason}")
-    with launch_vllm_server(
-        tiny_run_inputs / "model",
-        options=VLLMServeOptions(dtype="float32", max_model_len=64, enforce_eager=True, max_lora_rank=8),
-        python=find_vllm_python(),
-        env={"VLLM_CPU_KVCACHE_SPACE": "1", **{k: v for k, v in os.environ.items() if k.startswith("OMP_")}},
-    ) as server:
-        yield server
+def lora_server(tiny_run_inputs, vllm_for_tiny_model):
+    """The session's server (started with --max-lora-rank 8), serving the model's own weights."""
+    reset_vllm_weights(vllm_for_tiny_model.url, tiny_run_inputs / "model")
+    return vllm_for_tiny_model
 
 
 def _components(inputs, *, sync, seed):

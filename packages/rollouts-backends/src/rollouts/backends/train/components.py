@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from rollouts.backends.train.attention import DOCUMENT_SDPA
+from rollouts.backends.train import attention
 from rollouts.backends.train.cpu_memory import retain_freed_cpu_memory
 from rollouts.types import LoraConfig, OptimizerConfig
 
@@ -134,8 +134,9 @@ def load_hf_model(
 
     path = Path(path)
     check_model_dir(path)
-    if attn_implementation == "sdpa" and torch.device(device).type == "cuda":
-        attn_implementation = DOCUMENT_SDPA
+    cuda_sdpa = attn_implementation == "sdpa" and torch.device(device).type == "cuda"
+    if cuda_sdpa or attn_implementation == attention.DOCUMENT_SDPA:
+        attn_implementation = attention.register()
     model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
     )
@@ -146,7 +147,7 @@ def use_document_attention(model: torch.nn.Module) -> None:
     """Switch an "sdpa" model to DOCUMENT_SDPA: the same SDPA for every mask but a packed row's,
     which attends through FlexAttention within each sequence (train.attention). Others unchanged."""
     if getattr(model_attr(model, "config"), "_attn_implementation", None) == "sdpa":
-        model_attr(model, "set_attn_implementation")(DOCUMENT_SDPA)
+        model_attr(model, "set_attn_implementation")(attention.register())
 
 
 def _decays(name: str, param: torch.Tensor) -> bool:

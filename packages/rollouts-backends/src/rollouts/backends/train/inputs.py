@@ -16,14 +16,16 @@ DOCUMENT_SDPA on CUDA (rollouts.backends.train.attention).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch.nn.attention.flex_attention import BlockMask
 
 from rollouts.backends.train.attention import DOCUMENT_SDPA, SDPA_IMPLEMENTATIONS, document_block_mask
 from rollouts.types import MicroBatch
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 __all__ = [
     "HostLayout",
