@@ -5,7 +5,9 @@
    988 MB; `--quick`: a small one): seconds and bytes per sync for disk, http and broadcast, each
    run alternately with its bare transport (a file write+read; a POST of the tensor bytes to a sink
    in another process; a plain gloo broadcast of the same buckets between two processes); target
-   <= 1.3x. Disk writes with the project's streaming writer (as export_weights does); http's bytes
+   <= 1.3x. Beside it, vLLM's own reload within each sync (its worker's "load" seconds: on CPU it
+   repacks every linear weight, which no bare transport does) and the ratio without it, what the
+   transport itself adds. Disk writes with the project's streaming writer (as export_weights does); http's bytes
    are those on the wire (request bodies and what the engine fetched). `--phases` adds, per
    transport, the median seconds of each HTTP call, each step the worker extension reports and
    the trainer-side steps (benchmarks/sync_phases.py). Skipped with a message when the vLLM venv is
@@ -28,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import AsyncExitStack, contextmanager, nullcontext
+from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -241,22 +243,25 @@ def bare_gloo(bucket_sizes: list[int]) -> Iterator:
         peer.wait(timeout=60)
 
 
-async def timed_syncs(name: str, sync, bare, repeats: int, phases: Phases | None, engine) -> tuple[float, float]:
-    """Median seconds of `sync()` (awaited) and of `bare()` (a float it returns, or its wall time),
-    run alternately `repeats` times."""
+async def timed_syncs(
+    name: str, sync, bare, repeats: int, phases: Phases, engine, *, profile: bool
+) -> tuple[float, float, float]:
+    """Median seconds of `sync()` (awaited), of `bare()` (a float it returns, or its wall time), run
+    alternately `repeats` times, and of the engine's own load within each sync (as its worker reports)."""
     ours, theirs = [], []
-    with phases.installed(engine) if phases else nullcontext():
+    with phases.installed(engine):
         for _ in range(repeats):
-            with phases.sync() if phases else nullcontext():
+            with phases.sync():
                 start = time.perf_counter()
                 await sync()
                 ours.append(time.perf_counter() - start)
             start = time.perf_counter()
             result = await trio.to_thread.run_sync(bare)
             theirs.append(result if isinstance(result, float) else time.perf_counter() - start)
-    if phases:
+    if profile:
         print(phases.table(name), flush=True)
-    return statistics.median(ours), statistics.median(theirs)
+    load = statistics.median(row.get("  worker load", 0.0) for row in phases.syncs)
+    return statistics.median(ours), statistics.median(theirs), load
 
 
 async def transports(url: str, tensors: dict[str, torch.Tensor], tmp: Path, repeats: int, profile: bool) -> list[tuple]:
@@ -266,13 +271,13 @@ async def transports(url: str, tensors: dict[str, torch.Tensor], tmp: Path, repe
     async with VLLMEngine(url, http=HTTPOptions(timeout_s=600.0)) as engine:
         version = (await engine.weight_version() or 0) + 1
 
-        disk_phases = Phases() if profile else None
+        disk_phases = Phases()
 
         async def disk() -> None:  # the trainer writes its bf16 weights, the engine reads them
             nonlocal version
             out = tmp / f"disk_v{version}"
             shutil.copytree(tmp / "model", out, ignore=shutil.ignore_patterns("*.safetensors"))
-            with disk_phases.step("trainer write_tensors") if disk_phases else nullcontext():
+            with disk_phases.step("trainer write_tensors"):
                 write_tensors(out / "model.safetensors", tensors, {"format": "pt"}, sync=False)  # as export_weights
             await engine.update_weights_from_disk(str(out), version)
             version += 1
@@ -280,8 +285,10 @@ async def transports(url: str, tensors: dict[str, torch.Tensor], tmp: Path, repe
 
         disk_bytes = os.path.getsize(tmp / "model" / "model.safetensors")
         blob = os.urandom(1 << 20) * (disk_bytes >> 20) + os.urandom(disk_bytes % (1 << 20))
-        seconds, bare = await timed_syncs("disk", disk, lambda: bare_file(blob, tmp), repeats, disk_phases, engine)
-        rows.append(("disk", seconds, disk_bytes, bare))
+        seconds, bare, load = await timed_syncs(
+            "disk", disk, lambda: bare_file(blob, tmp), repeats, disk_phases, engine, profile=profile
+        )
+        rows.append(("disk", seconds, disk_bytes, bare, load))
 
         async def http() -> None:  # the tensors in their own dtype as safetensors
             nonlocal version
@@ -290,8 +297,8 @@ async def transports(url: str, tensors: dict[str, torch.Tensor], tmp: Path, repe
 
         tensor_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         with bare_post(tensor_bytes) as post:
-            seconds, bare = await timed_syncs("http", http, post, repeats, Phases() if profile else None, engine)
-        rows.append(("http", seconds, wire_bytes(engine.last_upload), bare))
+            seconds, bare, load = await timed_syncs("http", http, post, repeats, Phases(), engine, profile=profile)
+        rows.append(("http", seconds, wire_bytes(engine.last_upload), bare, load))
         print(f"  http: {engine.last_upload}", flush=True)
 
         sync = BroadcastSync(BroadcastOptions(bucket_timeout_s=300.0, load_timeout_s=600.0))
@@ -308,10 +315,10 @@ async def transports(url: str, tensors: dict[str, torch.Tensor], tmp: Path, repe
             weight_version=0,
         )
         with bare_gloo([plan.bucket_bytes(k) for k in range(len(plan.buckets))]) as gloo:
-            seconds, bare = await timed_syncs(
-                "broadcast", broadcast, gloo, repeats, Phases() if profile else None, engine
+            seconds, bare, load = await timed_syncs(
+                "broadcast", broadcast, gloo, repeats, Phases(), engine, profile=profile
             )
-        rows.append(("broadcast", seconds, sync.last_num_bytes, bare))
+        rows.append(("broadcast", seconds, sync.last_num_bytes, bare, load))
     return rows
 
 
@@ -341,18 +348,23 @@ def bench_transports(tmp: Path, quick: bool, profile: bool) -> None:
             f"median of {repeats}:"
         )
         rows = trio.run(transports, server.url, tensors, tmp, repeats, profile)
-    print(f"  {'transport':<10} {'s/sync':>8} {'MB/sync':>9} {'bare s':>8} {'ratio':>6}  bare transport")
+    print(
+        f"  {'transport':<10} {'s/sync':>8} {'MB/sync':>9} {'bare s':>8} {'ratio':>6} {'load s':>7} "
+        f"{'ratio w/o load':>14}  bare transport"
+    )
     bare_names = {
         "disk": "file write+read",
         "http": "POST to a sink process",
         "broadcast": "gloo broadcast, 2 processes",
     }
-    for name, seconds, num_bytes, bare in rows:
+    for name, seconds, num_bytes, bare, load in rows:
         print(
-            f"  {name:<10} {seconds:>8.3f} {num_bytes / 1e6:>9.1f} {bare:>8.3f} {seconds / bare:>6.2f}x  "
-            f"{bare_names[name]}"
+            f"  {name:<10} {seconds:>8.3f} {num_bytes / 1e6:>9.1f} {bare:>8.3f} {seconds / bare:>6.2f}x {load:>7.3f} "
+            f"{(seconds - load) / bare:>13.2f}x  {bare_names[name]}"
         )
-    print("  (http's bytes are those on the wire: request bodies plus the payload the engine fetched)")
+    print("  (http's bytes are those on the wire: request bodies plus the payload the engine fetched;")
+    print("   load s: vLLM's own reload_weights within the sync, as its worker reports it, which no bare")
+    print("   transport includes; ratio w/o load: (s/sync - load s) / bare s, what the transport adds)")
 
 
 def bench_attest() -> None:

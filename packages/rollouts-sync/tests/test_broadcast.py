@@ -19,7 +19,13 @@ from safetensors.torch import save_file  # noqa: E402
 
 from rollouts.sync import HTTPOptions, SGLangEngine, WeightSyncError  # noqa: E402
 from rollouts.sync.broadcast import BroadcastSync  # noqa: E402
-from rollouts.sync.broadcast_wire import ALIGN_BYTES, BroadcastOptions, plan_buckets  # noqa: E402
+from rollouts.sync.broadcast_wire import (  # noqa: E402
+    ALIGN_BYTES,
+    SMALL_TENSOR_BYTES,
+    BroadcastOptions,
+    bucket_pieces,
+    plan_buckets,
+)
 from rollouts.sync.fake_http import Fault  # noqa: E402
 from rollouts.sync.fake_server import FakeEngineState, serve_fake_engine  # noqa: E402
 from rollouts.sync.fingerprint_torch import checksum_torch  # noqa: E402
@@ -52,6 +58,35 @@ def test_a_plan_holds_every_tensor_once_in_order_at_aligned_offsets(shapes, dtyp
             assert spec.offset % ALIGN_BYTES == 0 and spec.offset >= end
             end = spec.offset + spec.num_bytes
     assert plan.num_bytes == sum(int(np.prod(s, dtype=np.int64)) * {"float32": 4, "bfloat16": 2, "int64": 8, "uint8": 1}[k] for k, s in zip(kinds, shapes, strict=True))  # fmt: skip
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    sizes=st.lists(
+        st.sampled_from([1, 7, SMALL_TENSOR_BYTES - 1, SMALL_TENSOR_BYTES, 3 << 20]), min_size=1, max_size=12
+    )
+)
+def test_the_pieces_of_a_bucket_send_each_tensor_once_in_order_and_pack_only_small_ones(sizes):
+    """What fills a flat bucket: every tensor in one piece, in order, byte ranges that follow each
+    other; a piece of several tensors holds small ones only. flat_pieces gives each piece's bytes."""
+    specs = [(f"t{i}", "uint8", (n,)) for i, n in enumerate(sizes)]
+    (bucket,) = plan_buckets(specs, bucket_bytes=sum(sizes) + ALIGN_BYTES * len(sizes), weight_version=0).buckets
+    pieces = bucket_pieces(bucket)
+    assert [spec for piece in pieces for spec in piece] == list(bucket)
+    assert all(len(p) == 1 or all(s.num_bytes < SMALL_TENSOR_BYTES for s in p) for p in pieces)
+    tensors = [torch.full((n,), i % 251, dtype=torch.uint8) for i, n in enumerate(sizes)]
+    from rollouts.sync.broadcast import flat_pieces
+
+    buffer = torch.zeros(plan_bytes := bucket[-1].offset + bucket[-1].num_bytes, dtype=torch.uint8)
+    for piece, data in zip(pieces, flat_pieces(bucket, tensors), strict=True):
+        start, end = piece[0].offset, piece[-1].offset + piece[-1].num_bytes
+        assert data.numel() == end - start <= plan_bytes
+        buffer[start:end] = data  # what the engine's broadcast into buffer[start:end] receives
+    for spec, tensor in zip(bucket, tensors, strict=True):
+        assert torch.equal(buffer[spec.offset : spec.offset + spec.num_bytes], tensor)
+    big = [data for piece, data in zip(pieces, flat_pieces(bucket, tensors), strict=True) if len(piece) == 1]
+    for data, piece in zip(big, [p for p in pieces if len(p) == 1], strict=True):  # no copy: the tensor itself
+        assert data.data_ptr() == tensors[bucket.index(piece[0])].data_ptr()
 
 
 def test_a_plan_refuses_what_an_engine_could_not_allocate():
@@ -89,20 +124,25 @@ def _trainer_sends(port, plan, tensors, *, stop_after_buckets=None):
         setup_timeout_s=30.0,
         bucket_timeout_s=5.0,
     )
-    from rollouts.sync.broadcast import _pack
+    from rollouts.sync.broadcast import flat_pieces
+    from rollouts.sync.worker_extension import broadcast_from_trainer
 
     for k, bucket in enumerate(plan.buckets):
         if k == stop_after_buckets:
             return  # the trainer died here
-        flat = _pack(bucket, [tensors[s.name] for s in bucket], torch.device("cpu"))
-        from rollouts.sync.worker_extension import broadcast_from_trainer
-
-        broadcast_from_trainer(group, flat)
+        for piece in flat_pieces(bucket, [tensors[s.name] for s in bucket]):
+            broadcast_from_trainer(group, piece)
 
 
 @pytest.fixture
 def worker(tmp_path):
-    weights = {"a": torch.zeros(3, 5), "b": torch.zeros(7), "c": torch.zeros(2, 2)}
+    weights = {
+        "a": torch.zeros(3, 5),
+        "b": torch.zeros(7),
+        "big": torch.zeros(513, 512),
+        "c": torch.zeros(2, 2),
+        "d": torch.zeros(300, 512),
+    }
     save_file(weights, str(tmp_path / "model.safetensors"))
     return StandInWorker(tmp_path)
 
@@ -124,11 +164,18 @@ def _join_worker(worker, store):
 def test_the_worker_extension_loads_only_once_every_bucket_arrived(worker, stop_after_buckets):
     """bf16 stays bf16 on the wire; a trainer that stops after one bucket leaves the weights as they
     were, and the worker's wait ends within the bucket timeout, saying so."""
-    tensors = {"a": torch.randn(3, 5).bfloat16(), "b": torch.randn(7), "c": torch.randn(2, 2)}
+    tensors = {
+        "a": torch.randn(3, 5).bfloat16(),
+        "b": torch.randn(7),
+        "big": torch.randn(513, 512),  # over SMALL_TENSOR_BYTES: a broadcast of its own, no copy
+        "c": torch.randn(2, 2),
+        "d": torch.randn(300, 512),
+    }
     plan = plan_buckets(
-        [(n, str(t.dtype)[6:], tuple(t.shape)) for n, t in tensors.items()], bucket_bytes=40, weight_version=1
+        [(n, str(t.dtype)[6:], tuple(t.shape)) for n, t in tensors.items()], bucket_bytes=3 << 19, weight_version=1
     )
-    assert len(plan.buckets) == 3
+    assert [[s.name for s in piece] for piece in bucket_pieces(plan.buckets[0])] == [["a", "b"], ["big"], ["c"]]
+    assert [[s.name for s in bucket] for bucket in plan.buckets[1:]] == [["d"]]
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
     trainer = threading.Thread(
         target=_trainer_sends, args=(store.port, plan, tensors), kwargs={"stop_after_buckets": stop_after_buckets}
@@ -137,7 +184,7 @@ def test_the_worker_extension_loads_only_once_every_bucket_arrived(worker, stop_
     _join_worker(worker, store)
     if stop_after_buckets is None:
         answer = worker.rollouts_receive_broadcast(plan.to_json())
-        assert answer["num_tensors"] == 3
+        assert answer["num_tensors"] == 5
         assert answer["checksums"] == {n: checksum_torch(t) for n, t in tensors.items()}  # what attestation compares
         assert all(torch.equal(worker.loaded[n], t) and worker.loaded[n].dtype == t.dtype for n, t in tensors.items())
     else:

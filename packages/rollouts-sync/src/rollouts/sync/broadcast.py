@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
@@ -41,6 +42,7 @@ from rollouts.sync.broadcast_wire import (
     BroadcastPlan,
     BroadcastReceiver,
     TensorSpec,
+    bucket_pieces,
     plan_buckets,
     receiver_for,
 )
@@ -299,28 +301,61 @@ class BroadcastSync:
         """Every bucket to every live group, gathered once per bucket; a group that fails is dropped
         (its engine's receive fails within the bucket bound) and the rest go on. With attestation,
         `expected` gets each tensor's checksum as sent."""
-        for index, bucket in enumerate(plan.buckets):
-            full = [t.to(self.device) for t in next(gathers)]
-            if self.options.attest:
-                expected.update(fingerprint_torch({spec.name: t for spec, t in zip(bucket, full, strict=True)}))
-            self._send_bucket(index, bucket, full, live)
-            del full  # dropped before the next bucket is gathered
+        with ThreadPoolExecutor(1, thread_name_prefix="rollouts-checksum") as checksums:
+            for index, bucket in enumerate(plan.buckets):
+                full = [t.to(self.device) for t in next(gathers)]
+                pending = None  # the bucket's checksums, computed while it is sent (both only read it)
+                if self.options.attest:
+                    pending = checksums.submit(
+                        fingerprint_torch, dict(zip((s.name for s in bucket), full, strict=True))
+                    )
+                try:
+                    self._send_bucket(index, bucket, full, live)
+                finally:
+                    if pending is not None:
+                        expected.update(pending.result())
+                del full, pending  # dropped before the next bucket is gathered
 
     def _send_bucket(
         self, index: int, bucket: tuple[TensorSpec, ...], full: list[torch.Tensor], live: list[_Link]
     ) -> None:
         del index  # where a test injects a fault
-        flat = _pack(bucket, full, self.device) if any(k.receiver.layout == "flat" for k in live) else None
+        flat = [k for k in live if k.receiver.layout == "flat"]
+        if flat:
+            for piece in flat_pieces(bucket, full):
+                for link in flat:
+                    _send(link, piece)
         for link in live:
-            group = link.group
-            if group is None:
-                continue
-            try:
-                for tensor in [flat] if link.receiver.layout == "flat" else full:
-                    broadcast_from_trainer(group, tensor)
-            except RuntimeError as exc:
-                link.error = f"broadcast failed: {exc}"
-                link.group = None  # a broken group is never used again
+            if link.receiver.layout != "flat":
+                for tensor in full:
+                    _send(link, tensor)
+
+
+def _send(link: _Link, tensor: torch.Tensor) -> None:
+    """Broadcast `tensor` on the link's group; a group that fails is marked broken (never used again)."""
+    if link.group is None:
+        return
+    try:
+        broadcast_from_trainer(link.group, tensor)
+    except RuntimeError as exc:
+        link.error = f"broadcast failed: {exc}"
+        link.group = None
+
+
+def flat_pieces(bucket: Sequence[TensorSpec], full: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """What fills a bucket's flat buffer, one broadcast each, in the plan's order (`bucket_pieces`):
+    a large tensor's own bytes (a view: no copy), or a run of small ones packed at their offsets."""
+    tensors = dict(zip((spec.name for spec in bucket), full, strict=True))
+    for piece in bucket_pieces(bucket):
+        if len(piece) == 1:
+            yield _bytes_of(tensors[piece[0].name])
+        else:
+            yield _pack(piece, [tensors[spec.name] for spec in piece])
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, as a flat uint8 view."""
+    return tensor.reshape(-1).view(torch.uint8)
 
 
 def _drain(gathers: Iterator[list[torch.Tensor]]) -> None:
@@ -335,12 +370,13 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous()
 
 
-def _pack(bucket: tuple[TensorSpec, ...], full: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One flat byte buffer holding each tensor's bytes at its planned offset."""
-    last = bucket[-1]
-    flat = torch.empty(last.offset + last.num_bytes, dtype=torch.uint8, device=device)
-    for spec, tensor in zip(bucket, full, strict=True):
-        flat[spec.offset : spec.offset + spec.num_bytes].copy_(tensor.reshape(-1).view(torch.uint8))
+def _pack(piece: Sequence[TensorSpec], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The bytes [first offset, last end) of a bucket's flat buffer, each tensor at its planned
+    offset (on the tensors' device; zeros in the alignment gaps)."""
+    start, last = piece[0].offset, piece[-1]
+    flat = torch.zeros(last.offset + last.num_bytes - start, dtype=torch.uint8, device=tensors[0].device)
+    for spec, tensor in zip(piece, tensors, strict=True):
+        flat[spec.offset - start : spec.offset - start + spec.num_bytes].copy_(_bytes_of(tensor))
     return flat
 
 

@@ -4,8 +4,11 @@ of the HTTP control calls (vLLM through the worker extension, SGLang through its
 A sync sends the model as buckets. Both sides agree on the plan before the bytes flow: the trainer
 POSTs it to the engine, which then receives every bucket from the process group and loads only
 after the last one arrived (all or nothing). vLLM receives one flat byte buffer per bucket (the
-"flat" layout: each tensor's bytes at an aligned offset); SGLang's /update_weights_from_distributed
-receives one broadcast per tensor (the "tensors" layout), as its own trainers send them.
+"flat" layout: each tensor's bytes at an aligned offset), filled piece by piece: a tensor of at
+least SMALL_TENSOR_BYTES is a broadcast of its own, sent straight from the trainer's memory (no
+copy), and each run of smaller neighbours one broadcast, packed; SGLang's
+/update_weights_from_distributed receives one broadcast per tensor (the "tensors" layout), as its
+own trainers send them.
 
 The torch half, `rollouts.sync.broadcast.BroadcastSync`, runs the process group on the trainer.
 """
@@ -39,6 +42,9 @@ DTYPE_BYTES = {
 }
 """Bytes per element of each dtype a plan may carry (torch's names, without "torch.")."""
 ALIGN_BYTES = 16  # each tensor starts at a multiple of this in a flat bucket, so any dtype can view it
+SMALL_TENSOR_BYTES = 1 << 20
+"""Tensors under this many bytes travel packed with their small neighbours (one broadcast per run of
+them); larger ones each in a broadcast of their own, from the trainer's memory as it is."""
 _NO_RETRY = RetryPolicy(max_retries=0)  # a retried receive would join a broadcast already under way
 _MIB = 1024 * 1024
 
@@ -118,14 +124,38 @@ class BroadcastPlan:
         return last.offset + last.num_bytes
 
     def to_json(self) -> str:
+        """The plan as the engine reads it: per bucket its flat buffer's bytes, its tensors (name,
+        dtype, shape, offset) and the [start, end) bytes of each broadcast that fills it."""
         buckets = [
-            {"nbytes": self.bucket_bytes(i), "tensors": [[t.name, t.dtype, list(t.shape), t.offset] for t in bucket]}
+            {
+                "nbytes": self.bucket_bytes(i),
+                "tensors": [[t.name, t.dtype, list(t.shape), t.offset] for t in bucket],
+                "pieces": [[p[0].offset, p[-1].offset + p[-1].num_bytes] for p in bucket_pieces(bucket)],
+            }
             for i, bucket in enumerate(self.buckets)
         ]
         return json.dumps({"version": self.weight_version, "buckets": buckets})
 
     def names(self) -> list[str]:
         return [t.name for bucket in self.buckets for t in bucket]
+
+
+def bucket_pieces(bucket: Sequence[TensorSpec]) -> list[tuple[TensorSpec, ...]]:
+    """A bucket's tensors grouped as they are broadcast, in order: each tensor of at least
+    SMALL_TENSOR_BYTES alone, each run of smaller ones together."""
+    out: list[tuple[TensorSpec, ...]] = []
+    run: list[TensorSpec] = []
+    for spec in bucket:
+        if spec.num_bytes < SMALL_TENSOR_BYTES:
+            run.append(spec)
+            continue
+        if run:
+            out.append(tuple(run))
+            run = []
+        out.append((spec,))
+    if run:
+        out.append(tuple(run))
+    return out
 
 
 def plan_buckets(

@@ -38,6 +38,8 @@ import os
 import socket
 import time
 import urllib.parse
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -176,17 +178,21 @@ def broadcast_from_trainer(group: Any, tensor: Any) -> None:
     group.broadcast([tensor], options).wait()
 
 
-def receive_flat_buckets(group: Any, plan: dict[str, Any], device: Any) -> dict[str, Any]:
-    """Every tensor of a plan's flat buckets, received in order: views into one buffer per bucket."""
-    out: dict[str, Any] = {}
+def receive_flat_buckets(group: Any, plan: dict[str, Any], device: Any) -> Iterator[dict[str, Any]]:
+    """The tensors of each of a plan's flat buckets as it arrives, views into one buffer per bucket,
+    filled by the bucket's "pieces" ([start, end) bytes, one broadcast each; the whole buffer in one
+    when the plan names none)."""
     for bucket in plan["buckets"]:
-        buffer = torch.empty(int(bucket["nbytes"]), dtype=torch.uint8, device=device)
-        broadcast_from_trainer(group, buffer)
+        num_bytes = int(bucket["nbytes"])
+        buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        for start, end in bucket.get("pieces") or [[0, num_bytes]]:
+            broadcast_from_trainer(group, buffer[int(start) : int(end)])
+        out: dict[str, Any] = {}
         for name, dtype, shape, offset in bucket["tensors"]:
             kind = getattr(torch, dtype)
-            num_bytes = torch.Size(shape).numel() * torch.empty((), dtype=kind).element_size()
-            out[name] = buffer[offset : offset + num_bytes].view(kind).view(shape)
-    return out
+            size = torch.Size(shape).numel() * torch.empty((), dtype=kind).element_size()
+            out[name] = buffer[offset : offset + size].view(kind).view(shape)
+        yield out
 
 
 def receive_tensor_list(group: Any, specs: list[tuple[str, str, list[int]]], device: Any) -> dict[str, Any]:
@@ -301,9 +307,16 @@ class SafetensorsWeightLoader:
             raise RuntimeError("no broadcast group: call rollouts_init_broadcast first")
         plan = json.loads(plan_json)
         start = time.perf_counter()
-        incoming = _received(receive_flat_buckets(group, plan, self._rollouts_group_device))
-        seconds = {"receive": time.perf_counter() - start}
-        answer = self._rollouts_apply(incoming, seconds)
+        incoming: dict[str, Any] = {}
+        with ThreadPoolExecutor(1, thread_name_prefix="rollouts-checksum") as pool:
+            pending = []  # each bucket's checksums, computed while the next one arrives
+            for tensors in receive_flat_buckets(group, plan, self._rollouts_group_device):
+                incoming.update(_received(tensors))
+                pending.append(pool.submit(_checksums, tensors))
+            seconds = {"receive": time.perf_counter() - start}
+            checksums = {name: value for done in pending for name, value in done.result().items()}
+        seconds["checksum"] = time.perf_counter() - start - seconds["receive"]  # what was left after the last bucket
+        answer = self._rollouts_apply(incoming, seconds, checksums=checksums)
         return {**answer, "num_bytes": sum(int(b["nbytes"]) for b in plan["buckets"])}
 
     def rollouts_fetch_weights(self, url: str, num_bytes: str, timeout_s: str) -> dict[str, Any]:
@@ -321,11 +334,16 @@ class SafetensorsWeightLoader:
         return self._rollouts_apply(incoming, {"read": time.perf_counter() - start}, known_only=False)
 
     def _rollouts_apply(
-        self, incoming: dict[str, Any], seconds: dict[str, float], *, known_only: bool = True
+        self,
+        incoming: dict[str, Any],
+        seconds: dict[str, float],
+        *,
+        known_only: bool = True,
+        checksums: dict[str, int] | None = None,
     ) -> dict[str, Any]:
         """Reload with the base weights updated by `incoming` (checked first: with `known_only` every name
         must be a checkpoint tensor's, and each shape must match); the cache takes them once the reload
-        succeeded. Answers the checksums of `incoming` and each step's seconds."""
+        succeeded. Answers the checksums of `incoming` (computed here unless given) and each step's seconds."""
         weights = self._rollouts_base_weights()
         if known_only:
             unknown = sorted(set(incoming) - set(weights))
@@ -336,12 +354,14 @@ class SafetensorsWeightLoader:
                 raise ValueError(
                     f"tensor {name!r} has shape {tuple(tensor.shape)}, the checkpoint has {tuple(weights[name].shape)}"
                 )
+        if checksums is None:
+            start = time.perf_counter()
+            checksums = _checksums(incoming)
+            seconds["checksum"] = time.perf_counter() - start
         start = time.perf_counter()
-        checksums = _checksums(incoming)
-        seconds["checksum"] = time.perf_counter() - start
         # vLLM's parameters do not require grad, so no autograd graph is built here.
         self.reload_weights(weights_iterator=iter(list({**weights, **incoming}.items())))  # type: ignore[attr-defined]
-        seconds["load"] = time.perf_counter() - start - seconds["checksum"]
+        seconds["load"] = time.perf_counter() - start
         # the cache is host memory: GPU buffers are copied out, CPU ones kept (they outlive the bucket)
         weights.update({name: tensor.to("cpu") for name, tensor in incoming.items()})
         return {"num_tensors": len(incoming), "checksums": checksums, "seconds": seconds}
