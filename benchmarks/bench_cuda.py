@@ -36,6 +36,9 @@ train     `rl_step` (advantages, packing into micro-batches of 8192 tokens, forw
             library's AdamW (torch's fused kernel for plain weights on CPU or CUDA);
           - a suffix -compile (bf16-compile, fsdp2-bf16-compile): each decoder layer compiled
             (`compile_layers`, the run file's `model.compile = "layers"`);
+          - bf16-compile-graphs: each decoder layer compiled with mode="reduce-overhead" (its forward
+            and backward replayed as CUDA graphs: the launches of a layer become one; the bench's
+            micro-batches all have the same shape);
           - fsdp2-bf16-gathered (also with -compile): `shard_model(gather_once_per_step=True)`, each
             layer gathered once per step and its gradients reduced once, not per micro-batch;
           - trl, trl-compile, liger: the peer steps of train_peers.py on the same model and batch (HF
@@ -411,7 +414,7 @@ def train_worker(variant: str, steps: int, quick: bool, profile: str = "", micro
     import rollouts.loops.rl.step as policy_update
     from rollouts.backends import build_components, build_optimizer, build_scheduler
     from rollouts.backends.train.components import TrainingComponents
-    from rollouts.backends.train.distributed import shard_model
+    from rollouts.backends.train.distributed import shard_model, transformer_blocks
     from rollouts.backends.train.regional_compile import compile_layers
     from rollouts.loops.rl.step import rl_step
     from rollouts.types import AlgorithmConfig, OptimizerConfig, RLConfig, RolloutConfig, SamplingParams, TrainingState
@@ -465,7 +468,11 @@ def train_worker(variant: str, steps: int, quick: bool, profile: str = "", micro
         components = build_components(
             model.to(torch.bfloat16), optimizer_config, num_training_steps=warmup + steps, device=str(device)
         )
-        compile_layers(components.model, "layers" if "-compile" in variant else "none")
+        if variant.endswith("-graphs"):  # each layer's compiled forward and backward replayed as CUDA graphs
+            for block in transformer_blocks(components.model):
+                block.compile(mode="reduce-overhead")
+        else:
+            compile_layers(components.model, "layers" if "-compile" in variant else "none")
     for suffix, implementation in ADAMW_SUFFIXES.items():
         if variant.endswith(suffix):  # the same groups and hyperparameters, another implementation
             groups = [
