@@ -20,7 +20,11 @@ TORCH_FREE = frozenset({"types", "data", "sync"})
 # torch where a package's optional extra needs it: rollouts-sync's [broadcast] extra (the trainer's side of
 # the broadcast transport) and the worker extension, which runs inside the engine's own environment.
 TORCH_EXTRA_MODULES = frozenset(
-    {"rollouts-sync/src/rollouts/sync/broadcast.py", "rollouts-sync/src/rollouts/sync/worker_extension.py"}
+    {
+        "rollouts-sync/src/rollouts/sync/broadcast.py",
+        "rollouts-sync/src/rollouts/sync/broadcast_group.py",
+        "rollouts-sync/src/rollouts/sync/worker_extension.py",
+    }
 )
 STDLIB_ONLY = frozenset({"types"})
 

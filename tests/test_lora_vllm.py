@@ -105,6 +105,24 @@ def test_an_adapter_above_the_servers_max_rank_is_refused_with_the_fix(tiny_run_
     assert info.value.status == 500 and "rank" in info.value.text, info.value.text  # what vLLM 0.32 answers
 
 
+def test_an_adapter_sent_by_broadcast_serves_the_trained_adapter(tiny_run_inputs, lora_server, tmp_path):
+    """engine.sync = 'broadcast' with model.lora.sync = 'adapter': the adapter's tensors alone go by
+    broadcast (attested), the workers write them on the engine's host, vLLM serves them as a runtime
+    adapter, and nothing of the adapter is read from the trainer's disk by the engine."""
+    from rollouts.loops.engines.broadcast import BroadcastWeights
+    from rollouts.sync import BroadcastOptions
+
+    inner = VLLMEngine(lora_server.url, http=HTTPOptions(timeout_s=120.0))
+    engine = BroadcastWeights(inner, BroadcastOptions(bucket_bytes=4096, bucket_timeout_s=60.0))
+    for version, seed in ((5, 5), (6, 6)):  # the second replaces the first, over the same group
+        components = _components(tiny_run_inputs, sync="adapter", seed=seed)
+        samples = trio.run(_sync_and_generate, components, engine, tmp_path / f"v{version}", version)
+        assert inner.adapter == f"rollouts-v{version}" and engine.sync.last_num_bytes > 4096  # several buckets
+        _assert_matches(samples, components.model)
+    served = _served(lora_server.url)
+    assert "rollouts-v6" in served and "rollouts-v5" not in served
+
+
 def test_merged_sync_serves_the_same_policy_as_full_weights(tiny_run_inputs, lora_server, tmp_path):
     """Last: it replaces the server's base weights."""
     _merged(tiny_run_inputs, lora_server, tmp_path)

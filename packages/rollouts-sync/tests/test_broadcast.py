@@ -3,6 +3,7 @@ stand-in worker), and SGLang's path against the fake server (a gloo group on loo
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 import types
@@ -19,6 +20,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from rollouts.sync import HTTPOptions, SGLangEngine, WeightSyncError  # noqa: E402
 from rollouts.sync.broadcast import BroadcastSync  # noqa: E402
+from rollouts.sync.broadcast_group import join_group  # noqa: E402
 from rollouts.sync.broadcast_wire import (  # noqa: E402
     ALIGN_BYTES,
     SMALL_TENSOR_BYTES,
@@ -29,7 +31,7 @@ from rollouts.sync.broadcast_wire import (  # noqa: E402
 from rollouts.sync.fake_http import Fault  # noqa: E402
 from rollouts.sync.fake_server import FakeEngineState, serve_fake_engine  # noqa: E402
 from rollouts.sync.fingerprint_torch import checksum_torch  # noqa: E402
-from rollouts.sync.worker_extension import SafetensorsWeightLoader, join_group  # noqa: E402
+from rollouts.sync.worker_extension import SafetensorsWeightLoader  # noqa: E402
 
 
 @pytest.fixture
@@ -112,7 +114,9 @@ class StandInWorker(SafetensorsWeightLoader):
         self.loaded = {k: v.clone() for k, v in weights_iterator}
 
 
-def _trainer_sends(port, plan, tensors, *, stop_after_buckets=None):
+def _trainer_sends(port, plans, tensors, *, stops):
+    """The trainer's side: join group "g", then send each plan's buckets of its tensors, stopping
+    before bucket `stops[i]` of plan i (the trainer died there) where it is not None."""
     store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=30), wait_for_workers=False)
     group = join_group(
         store,
@@ -125,13 +129,14 @@ def _trainer_sends(port, plan, tensors, *, stop_after_buckets=None):
         bucket_timeout_s=5.0,
     )
     from rollouts.sync.broadcast import flat_pieces
-    from rollouts.sync.worker_extension import broadcast_from_trainer
+    from rollouts.sync.broadcast_group import broadcast_from_trainer
 
-    for k, bucket in enumerate(plan.buckets):
-        if k == stop_after_buckets:
-            return  # the trainer died here
-        for piece in flat_pieces(bucket, [tensors[s.name] for s in bucket]):
-            broadcast_from_trainer(group, piece)
+    for plan, named, stop in zip(plans, tensors, stops, strict=True):
+        for k, bucket in enumerate(plan.buckets):
+            if k == stop:
+                return  # the trainer died here
+            for piece in flat_pieces(bucket, [named[s.name] for s in bucket]):
+                broadcast_from_trainer(group, piece)
 
 
 @pytest.fixture
@@ -178,7 +183,7 @@ def test_the_worker_extension_loads_only_once_every_bucket_arrived(worker, stop_
     assert [[s.name for s in bucket] for bucket in plan.buckets[1:]] == [["d"]]
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
     trainer = threading.Thread(
-        target=_trainer_sends, args=(store.port, plan, tensors), kwargs={"stop_after_buckets": stop_after_buckets}
+        target=_trainer_sends, args=(store.port, [plan], [tensors]), kwargs={"stops": [stop_after_buckets]}
     )
     trainer.start()
     _join_worker(worker, store)
@@ -194,6 +199,57 @@ def test_the_worker_extension_loads_only_once_every_bucket_arrived(worker, stop_
         assert time.monotonic() - start < 2.0 + 5.0  # the bucket timeout, with room for a loaded machine
         assert worker.loaded is None
     trainer.join(timeout=30)
+
+
+@pytest.mark.parametrize("stop_after_buckets", [None, 1], ids=["all-buckets", "trainer-dies-mid-way"])
+def test_an_adapter_is_written_for_vllm_only_once_every_bucket_arrived(
+    worker, stop_after_buckets, tmp_path, monkeypatch
+):
+    """A LoRA adapter by broadcast, three versions: the worker writes PEFT's two files (the tensors as
+    received, in their dtype, and the config) at one path per version under its host's temporary
+    directory, keeps the two newest versions, and writes nothing when a bucket never arrives."""
+    import json
+
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    config = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA"}
+    adapters = [
+        {
+            "base_model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(8, 64).bfloat16(),
+            "base_model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(64, 8).bfloat16(),
+        }
+        for _ in range(3)
+    ]
+    plans = [
+        plan_buckets([(n, "bfloat16", tuple(t.shape)) for n, t in a.items()], bucket_bytes=1024, weight_version=v)
+        for v, a in enumerate(adapters, start=1)
+    ]
+    assert all(len(plan.buckets) == 2 for plan in plans)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    stops = [None, None, stop_after_buckets]
+    trainer = threading.Thread(target=_trainer_sends, args=(store.port, plans, adapters), kwargs={"stops": stops})
+    trainer.start()
+    _join_worker(worker, store)
+    root = tmp_path / "rollouts-adapters-g"
+    for plan, adapter, stop in zip(plans, adapters, stops, strict=True):
+        if stop is not None:
+            with pytest.raises(RuntimeError):
+                worker.rollouts_receive_adapter(plan.to_json(), json.dumps(config))
+            continue
+        answer = worker.rollouts_receive_adapter(plan.to_json(), json.dumps(config))
+        path = root / f"v{plan.weight_version}"
+        assert answer["path"] == str(path)
+        assert answer["checksums"] == {n: checksum_torch(t) for n, t in adapter.items()}
+        written = load_file(str(path / "adapter_model.safetensors"))
+        assert written.keys() == adapter.keys()
+        assert all(torch.equal(written[n], t) and written[n].dtype == torch.bfloat16 for n, t in adapter.items())
+        assert json.loads((path / "adapter_config.json").read_text()) == config
+    trainer.join(timeout=30)
+    kept = sorted(p.name for p in root.iterdir())
+    assert kept == (["v2", "v3"] if stop_after_buckets is None else ["v1", "v2"])  # v3 never written
+    assert not list(root.rglob("*.partial"))
+    assert worker.loaded is None  # an adapter leaves the base weights alone
 
 
 def _fake_weights():
@@ -215,6 +271,22 @@ async def test_sglang_broadcast_to_the_fake_server_delivers_every_tensor_in_its_
         assert sync.last_num_bytes == 64 * 32 * 4 + 32 * 2
         await sync.push({"w": torch.zeros(64, 32)}, 8)  # a second sync on the same group
         assert not state.weights["w"].any() and await engine.weight_version() == 8
+
+
+@pytest.mark.anyio
+async def test_an_adapter_for_sglang_or_a_malformed_config_is_refused_before_anything_is_sent():
+    state = FakeEngineState(weights=_fake_weights())
+    async with serve_fake_engine(state) as server, SGLangEngine(server.url) as engine:
+        sync = BroadcastSync(FAST)
+        await sync.connect([engine])
+        config = {"r": 8, "target_modules": ["q_proj"], "peft_type": "LORA"}
+        with pytest.raises(ValueError, match=r"\(SGLang\) load LoRA adapters from a path only"):
+            await sync.push({"w": torch.ones(64, 32)}, 1, adapter_config=config)
+        with pytest.raises(ValueError, match="adapter_config must be PEFT's adapter_config.json"):
+            await sync.push({"w": torch.ones(64, 32)}, 1, adapter_config={"rank": 8})
+        assert state.weight_version == "default" and not state.paused
+        assert (await sync.push({"w": torch.ones(64, 32)}, 2)).updated == (engine.name,)  # the group is intact
+        assert (state.weights["w"] == 1).all()
 
 
 @pytest.mark.anyio

@@ -35,21 +35,26 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rollouts.sync._common import check_weight_version
-from rollouts.sync._http import EngineError
+from rollouts.sync.broadcast_group import broadcast_from_trainer, join_group, local_address_toward
+from rollouts.sync.broadcast_receivers import BroadcastReceiver, receiver_for
 from rollouts.sync.broadcast_wire import (
     DEFAULT_BROADCAST,
     BroadcastOptions,
     BroadcastPlan,
-    BroadcastReceiver,
     TensorSpec,
+    adapter_config_json,
     bucket_pieces,
     plan_buckets,
-    receiver_for,
 )
 from rollouts.sync.fingerprint import AttestationError, check_attestation
 from rollouts.sync.fingerprint_torch import fingerprint_torch
-from rollouts.sync.weight_sync import EngineFailure, SyncResult, WeightSyncError
-from rollouts.sync.worker_extension import broadcast_from_trainer, join_group, local_address_toward
+from rollouts.sync.weight_sync import (
+    BroadcastJoinError,
+    EngineFailure,
+    SyncResult,
+    engine_failure,
+    sync_outcome,
+)
 
 _GROUP_PREFIX = "rollouts-sync"
 
@@ -92,15 +97,6 @@ class _WholeTensors:
     def buckets(self, names: Sequence[Sequence[str]]) -> Iterator[list[torch.Tensor]]:
         for group in names:
             yield [_full(self.tensors[name]) for name in group]
-
-
-class BroadcastJoinError(WeightSyncError):
-    """Some engines did not join the broadcast group; `failures` names each and says why."""
-
-    def __init__(self, failures: Sequence[EngineFailure]) -> None:
-        super().__init__(0, failures, [])
-        lines = [f"{len(self.failures)} engine(s) did not join the weight-broadcast group:"]
-        self.args = ("\n".join(lines + [f"  - {f.describe()}" for f in self.failures]),)
 
 
 class _Link:
@@ -162,7 +158,12 @@ class BroadcastSync:
                     await self._join(i, link, host)
             except Exception as exc:  # noqa: BLE001 - each engine's failure is reported by name
                 failures.append(
-                    _failure(link, exc, f"did not join within setup_timeout_s={self.options.setup_timeout_s}")
+                    engine_failure(
+                        link.receiver.name,
+                        exc,
+                        timeout_text=f"did not join within setup_timeout_s={self.options.setup_timeout_s}",
+                        note=link.error,
+                    )
                 )
 
         async with anyio.create_task_group() as tg:
@@ -216,12 +217,21 @@ class BroadcastSync:
         self,
         named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]] | BucketSource,
         weight_version: int,
+        *,
+        adapter_config: Mapping[str, Any] | None = None,
     ) -> SyncResult | None:
         """Send the tensors (HF names; DTensors gathered bucket by bucket, or a BucketSource's
         buckets) to every connected engine and load them there under `weight_version`. On rank 0
         returns the SyncResult, or raises a WeightSyncError naming each engine that failed (the
-        others serve the new version); on other ranks only takes part in the gathers and returns None."""
+        others serve the new version); on other ranks only takes part in the gathers and returns None.
+
+        With `adapter_config` (PEFT's adapter_config.json, as a dict), the tensors are a LoRA
+        adapter's (adapter_model.safetensors' names): each vLLM engine serves it beside its base
+        weights as `<adapter_prefix>-v<weight_version>`, as a disk sync of the adapter's directory
+        does, without the engine reading the trainer's disk (its workers write the files on their
+        own host). SGLang engines take full weights only (ValueError before anything is sent)."""
         check_weight_version(weight_version)
+        adapter_json = None if adapter_config is None else adapter_config_json(adapter_config)
         source = named_tensors if isinstance(named_tensors, BucketSource) else _WholeTensors(named_tensors)
         plan, gathers = self._gathers(source, weight_version)
         try:
@@ -229,8 +239,14 @@ class BroadcastSync:
                 return None
             if not self._links:
                 raise RuntimeError("BroadcastSync.push before connect(engines): no engine to send to")
+            refusing = [link.receiver.name for link in self._links if not link.receiver.takes_adapters]
+            if adapter_json is not None and refusing:
+                raise ValueError(
+                    f"engines {refusing} (SGLang) load LoRA adapters from a path only: sync the adapter's "
+                    "directory from disk, or send merged weights"
+                )
             self.last_num_bytes = plan.num_bytes
-            return await self._push(plan, gathers)
+            return await self._push(plan, gathers, adapter_json)
         finally:  # every bucket not gathered yet: the other ranks gather each, whatever happened here
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(_drain, gathers)
@@ -247,7 +263,9 @@ class BroadcastSync:
         plan = plan_buckets(source.specs(), bucket_bytes=self.options.bucket_bytes, weight_version=weight_version)
         return plan, source.buckets([[spec.name for spec in bucket] for bucket in plan.buckets])
 
-    async def _push(self, plan: BroadcastPlan, gathers: Iterator[list[torch.Tensor]]) -> SyncResult:
+    async def _push(
+        self, plan: BroadcastPlan, gathers: Iterator[list[torch.Tensor]], adapter_json: str | None
+    ) -> SyncResult:
         links = self._links
         outcomes: list[EngineFailure | AttestationError | float | None] = [None] * len(links)
         paused = [anyio.Event() for _ in links]
@@ -262,7 +280,7 @@ class BroadcastSync:
                 async with link.receiver.paused():
                     paused[i].set()
                     await go.wait()  # every engine paused: the broadcast starts now
-                    reported = await link.receiver.receive(plan, self.options)
+                    reported = await link.receiver.receive(plan, self.options, adapter_json)
                     if self.options.attest and reported is not None:
                         await sent.wait()
                         for checksums in reported:
@@ -278,7 +296,7 @@ class BroadcastSync:
                 if go.is_set():  # it failed mid-sync: its group may hold half a bucket, so no more sends on it
                     link.group = None
                     link.error = link.error or f"lost during the sync to version {plan.weight_version}"
-                outcomes[i] = _failure(link, exc, "")
+                outcomes[i] = engine_failure(link.receiver.name, exc, note=link.error)
             finally:
                 paused[i].set()
 
@@ -293,7 +311,7 @@ class BroadcastSync:
                 await anyio.to_thread.run_sync(self._broadcast_all, plan, gathers, live, expected)
             finally:
                 sent.set()
-        return _result(plan.weight_version, links, outcomes)
+        return sync_outcome(plan.weight_version, [link.receiver.name for link in links], outcomes)
 
     def _broadcast_all(
         self, plan: BroadcastPlan, gathers: Iterator[list[torch.Tensor]], live: list[_Link], expected: dict[str, int]
@@ -378,30 +396,3 @@ def _pack(piece: Sequence[TensorSpec], tensors: Sequence[torch.Tensor]) -> torch
     for spec, tensor in zip(piece, tensors, strict=True):
         flat[spec.offset - start : spec.offset - start + spec.num_bytes].copy_(_bytes_of(tensor))
     return flat
-
-
-def _failure(link: _Link, exc: BaseException, timeout_text: str) -> EngineFailure:
-    name = link.receiver.name
-    if isinstance(exc, EngineError):
-        text = str(exc) + (f"; {link.error}" if link.error else "")
-        return EngineFailure(engine=name, url=exc.url, status=exc.status, text=text)
-    if isinstance(exc, TimeoutError) and timeout_text:
-        return EngineFailure(engine=name, url=name, status=None, text=timeout_text)
-    text = f"{type(exc).__name__}: {exc}" + (f"; {link.error}" if link.error else "")
-    return EngineFailure(engine=name, url=name, status=None, text=text)
-
-
-def _result(
-    version: int, links: list[_Link], outcomes: list[EngineFailure | AttestationError | float | None]
-) -> SyncResult:
-    """The SyncResult; a WeightSyncError naming the failed engines; or, before either, the first
-    AttestationError (an engine serving weights other than those sent: no caller should go on)."""
-    for outcome in outcomes:
-        if isinstance(outcome, AttestationError):
-            raise outcome
-    failures = [o for o in outcomes if isinstance(o, EngineFailure)]
-    updated = [link.receiver.name for link, o in zip(links, outcomes, strict=True) if isinstance(o, float)]
-    if failures:
-        raise WeightSyncError(version, failures, updated)
-    seconds = tuple(o for o in outcomes if isinstance(o, float))
-    return SyncResult(weight_version=version, updated=tuple(updated), seconds_by_engine=seconds)

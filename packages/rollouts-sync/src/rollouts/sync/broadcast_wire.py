@@ -1,5 +1,4 @@
-"""The broadcast transport's torch-free half: its options, the bucket plan, and each engine's side
-of the HTTP control calls (vLLM through the worker extension, SGLang through its native API).
+"""The broadcast transport's torch-free half: its options and the bucket plan.
 
 A sync sends the model as buckets. Both sides agree on the plan before the bytes flow: the trainer
 POSTs it to the engine, which then receives every bucket from the process group and loads only
@@ -10,21 +9,19 @@ copy), and each run of smaller neighbours one broadcast, packed; SGLang's
 /update_weights_from_distributed receives one broadcast per tensor (the "tensors" layout), as its
 own trainers send them.
 
-The torch half, `rollouts.sync.broadcast.BroadcastSync`, runs the process group on the trainer.
+The torch half, `rollouts.sync.broadcast.BroadcastSync`, runs the process group on the trainer;
+each engine's side of the HTTP control calls is in rollouts.sync.broadcast_receivers.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from rollouts.sync._common import check_seconds, check_weight_version
-from rollouts.sync._http import EngineError, RetryPolicy
-from rollouts.sync.sglang import SGLangEngine
-from rollouts.sync.vllm import VLLMEngine
 
 DTYPE_BYTES = {
     "float64": 8,
@@ -45,7 +42,6 @@ ALIGN_BYTES = 16  # each tensor starts at a multiple of this in a flat bucket, s
 SMALL_TENSOR_BYTES = 1 << 20
 """Tensors under this many bytes travel packed with their small neighbours (one broadcast per run of
 them); larger ones each in a broadcast of their own, from the trainer's memory as it is."""
-_NO_RETRY = RetryPolicy(max_retries=0)  # a retried receive would join a broadcast already under way
 _MIB = 1024 * 1024
 
 
@@ -184,187 +180,15 @@ def plan_buckets(
     return BroadcastPlan(weight_version=weight_version, buckets=tuple(tuple(b) for b in buckets))
 
 
-class BroadcastReceiver(Protocol):
-    """One engine's side of the control calls: how many workers join, the join, and a sync."""
-
-    @property
-    def name(self) -> str: ...
-
-    layout: str
-    """"flat" (one buffer per bucket) or "tensors" (one broadcast per tensor)."""
-
-    async def num_workers(self) -> int: ...
-
-    async def join(self, *, host: str, port: int, group: str, world_size: int, options: BroadcastOptions) -> None: ...
-
-    def paused(self) -> Any:
-        """An async context manager: generation paused for its body, resumed after it."""
-        ...
-
-    async def receive(self, plan: BroadcastPlan, options: BroadcastOptions) -> list[dict[str, int]] | None:
-        """Receive `plan`'s buckets and load them (the caller broadcasts them meanwhile); under paused().
-        Returns each worker's checksums of what it received (None: the engine reports none)."""
-        ...
-
-    async def finish(self, weight_version: int) -> None:
-        """After a successful receive, under paused(): drop cached prefixes and record the version."""
-        ...
-
-    async def check_version(self, weight_version: int) -> None: ...
-
-
-def receive_timeout_s(plan: BroadcastPlan, options: BroadcastOptions) -> float:
-    """Bound on one receive call: every bucket at its bound, then the load at its own."""
-    return len(plan.buckets) * options.bucket_timeout_s + options.load_timeout_s
-
-
-class VLLMReceiver:
-    """vLLM's side: the worker extension's rollouts_init_broadcast / rollouts_receive_broadcast
-    methods, called over /collective_rpc (every worker of the server runs them)."""
-
-    layout = "flat"
-
-    def __init__(self, engine: VLLMEngine) -> None:
-        self.engine = engine
-
-    @property
-    def name(self) -> str:
-        return self.engine.name
-
-    async def _rpc(self, method: str, kwargs: dict[str, str], timeout_s: float) -> list[Any]:
-        body = {"method": method, "kwargs": kwargs, "timeout": timeout_s}
-        response = await self.engine._call("POST", "/collective_rpc", json=body, timeout_s=timeout_s, retry=_NO_RETRY)
-        data = self.engine._json_or_empty(response)
-        results = data.get("results") or []
-        for result in results:
-            if isinstance(result, dict) and result.get("error"):
-                raise EngineError(
-                    f"{self.name}: {method} failed: {result['error']}",
-                    engine=self.name,
-                    url=f"{self.name}/collective_rpc",
-                    status=200,
-                    text=str(result["error"]),
-                )
-        return list(results)
-
-    async def num_workers(self) -> int:
-        return len(await self._rpc("rollouts_broadcast_rank", {}, self.engine.timeout_s))
-
-    async def join(self, *, host: str, port: int, group: str, world_size: int, options: BroadcastOptions) -> None:
-        kwargs = {
-            "host": host,
-            "port": str(port),
-            "group": group,
-            "rank_offset": "1",
-            "world_size": str(world_size),
-            "backend": options.backend,
-            "setup_timeout_s": str(options.setup_timeout_s),
-            "bucket_timeout_s": str(options.bucket_timeout_s),
-        }
-        await self._rpc("rollouts_init_broadcast", kwargs, options.setup_timeout_s)
-
-    def paused(self) -> Any:
-        return self.engine._paused("/pause", "/resume", params={"mode": self.engine.pause_mode})
-
-    async def receive(self, plan: BroadcastPlan, options: BroadcastOptions) -> list[dict[str, int]] | None:
-        results = await self._rpc(
-            "rollouts_receive_broadcast", {"plan_json": plan.to_json()}, receive_timeout_s(plan, options)
+def adapter_config_json(config: Mapping[str, Any]) -> str:
+    """`config` as adapter_config.json's text; ValueError unless it is a JSON object with PEFT's
+    `r` (the rank) and `target_modules`."""
+    if not isinstance(config, Mapping) or "r" not in config or "target_modules" not in config:
+        raise ValueError(
+            f"adapter_config must be PEFT's adapter_config.json as a dict (with 'r' and 'target_modules'), "
+            f"got {config!r:.200}"
         )
-        return [dict(r.get("checksums") or {}) for r in results if isinstance(r, dict)]
-
-    async def finish(self, weight_version: int) -> None:
-        await self.engine.reset_prefix_cache()
-        await self.engine._call("POST", "/update_weight_version", json={"new_version": str(weight_version)})
-        self.engine._adapter = None  # full weights: the base model serves again
-
-    async def check_version(self, weight_version: int) -> None:
-        await self.engine._check_version(weight_version)
-
-
-class SGLangReceiver:
-    """SGLang's side: its native /init_weights_update_group and /update_weights_from_distributed
-    (every tensor of the plan in one call, so SGLang loads only once all of them arrived)."""
-
-    layout = "tensors"
-
-    def __init__(self, engine: SGLangEngine) -> None:
-        self.engine = engine
-        self._group = ""
-
-    @property
-    def name(self) -> str:
-        return self.engine.name
-
-    async def _post(self, path: str, body: dict[str, Any], timeout_s: float) -> None:
-        data = (await self.engine._call("POST", path, json=body, timeout_s=timeout_s, retry=_NO_RETRY)).json()
-        if not data.get("success", False):
-            raise EngineError(
-                f"{self.name}: {path} failed: {data.get('message')}",
-                engine=self.name,
-                url=f"{self.name}{path}",
-                status=200,
-                text=str(data.get("message")),
-            )
-
-    async def num_workers(self) -> int:
-        info = (await self.engine._call("GET", "/get_server_info")).json()
-        return int(info.get("tp_size") or 1)
-
-    async def join(self, *, host: str, port: int, group: str, world_size: int, options: BroadcastOptions) -> None:
-        body = {
-            "master_address": host,
-            "master_port": port,
-            "rank_offset": 1,
-            "world_size": world_size,
-            "group_name": group,
-            "backend": options.backend,
-        }
-        await self._post("/init_weights_update_group", body, options.setup_timeout_s)
-        self._group = group
-
-    def paused(self) -> Any:
-        return self.engine._paused("/pause_generation", "/continue_generation")
-
-    async def receive(self, plan: BroadcastPlan, options: BroadcastOptions) -> list[dict[str, int]] | None:
-        tensors = [t for bucket in plan.buckets for t in bucket]
-        body = {
-            "names": [t.name for t in tensors],
-            "dtypes": [t.dtype for t in tensors],
-            "shapes": [list(t.shape) for t in tensors],
-            "group_name": self._group,
-            "flush_cache": True,
-            "weight_version": str(plan.weight_version),
-        }
-        await self._post("/update_weights_from_distributed", body, receive_timeout_s(plan, options))
-        return None  # SGLang reports no checksums of what it loaded
-
-    async def finish(self, weight_version: int) -> None:
-        del weight_version  # SGLang records it and flushes its cache within the update itself
-
-    async def check_version(self, weight_version: int) -> None:
-        got = await self.engine.weight_version()
-        if got != weight_version:
-            raise EngineError(
-                f"{self.name}: weight version reads {got!r} after setting {weight_version}",
-                engine=self.name,
-                url=f"{self.name}/get_weight_version",
-                status=200,
-                text=str(got),
-            )
-
-
-def receiver_for(engine: object) -> BroadcastReceiver:
-    """The receiver for a VLLMEngine or an SGLangEngine (or a wrapper exposing one as `.engine`)."""
-    inner = engine
-    for _ in range(4):  # wrappers (BoundedSync, SendWeights, ...) hold the client as .engine
-        if isinstance(inner, (VLLMEngine, SGLangEngine)):
-            break
-        inner = getattr(inner, "engine", None)
-    if isinstance(inner, VLLMEngine):
-        return VLLMReceiver(inner)
-    if isinstance(inner, SGLangEngine):
-        return SGLangReceiver(inner)
-    raise TypeError(
-        f"the broadcast transport reaches vLLM and SGLang servers only (VLLMEngine, SGLangEngine), "
-        f"got {type(engine).__name__}"
-    )
+    try:
+        return json.dumps(dict(config))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"adapter_config is not JSON: {exc}") from exc

@@ -4,7 +4,7 @@
 The fake joins the trainer's gloo group in a worker thread, and receives one broadcast per tensor
 of an update, as SGLang's model runner does; it loads them only once every tensor arrived. torch
 (the `broadcast` extra) is reached only when these endpoints are called, through the worker
-extension's group helpers, so the rest of the fake server needs no torch.
+group helpers (rollouts.sync.broadcast_group), so the rest of the fake server needs no torch.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ ROUTES = frozenset(
 
 
 def _join(body: dict[str, Any]) -> Any:
-    from rollouts.sync import worker_extension as ext  # torch, from the `broadcast` extra
+    from rollouts.sync import broadcast_group as ext  # torch, from the `broadcast` extra
 
     return ext.connect_to_trainer(
         str(body["master_address"]),
@@ -38,7 +38,7 @@ def _join(body: dict[str, Any]) -> Any:
 
 
 def _receive(group: Any, body: dict[str, Any]) -> dict[str, np.ndarray]:
-    from rollouts.sync import worker_extension as ext
+    from rollouts.sync import broadcast_group as ext
 
     specs = list(zip(body["names"], body["dtypes"], body["shapes"], strict=True))
     out = ext.receive_tensor_list(group, specs, "cpu")

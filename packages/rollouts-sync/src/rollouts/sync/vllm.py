@@ -193,28 +193,33 @@ class VLLMEngine(HTTPEngineBase):
 
     async def _load_adapter(self, path: str, version: int) -> None:
         """Load the adapter at `path` as `<prefix>-v<version>`, route generation to it, drop the old one."""
+        async with self._paused("/pause", "/resume", params={"mode": self.pause_mode}):
+            await self.activate_adapter(path, version)
+        await self._check_version(version)
+
+    async def activate_adapter(self, path: str, version: int) -> None:
+        """Under a pause: load the adapter at `path` (as the server sees it) as `<prefix>-v<version>`,
+        reset the prefix cache, set the version, route generation to it and unload the previous one."""
         name, previous = f"{self.adapter_prefix}-v{version}", self._adapter
         await self.model_name()  # the base model's name, asked before adapters are listed beside it
-        async with self._paused("/pause", "/resume", params={"mode": self.pause_mode}):
-            body = {"lora_name": name, "lora_path": path, "load_inplace": name == previous}
-            try:
-                await self._call("POST", "/v1/load_lora_adapter", json=body)
-            except EngineError as e:
-                raise EngineError(
-                    f"{e} (a LoRA adapter sync needs vLLM started with --enable-lora --max-lora-rank >= the "
-                    "adapter's rank and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, e.g. `rollouts engine vllm "
-                    "--max-lora-rank R`; or set model.lora.sync = 'merged')",
-                    engine=e.engine,
-                    url=e.url,
-                    status=e.status,
-                    text=e.text,
-                ) from e
-            await self.reset_prefix_cache()
-            await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
-            self._adapter = name
-            if previous is not None and previous != name:
-                await self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": previous})
-        await self._check_version(version)
+        body = {"lora_name": name, "lora_path": path, "load_inplace": name == previous}
+        try:
+            await self._call("POST", "/v1/load_lora_adapter", json=body)
+        except EngineError as e:
+            raise EngineError(
+                f"{e} (a LoRA adapter sync needs vLLM started with --enable-lora --max-lora-rank >= the "
+                "adapter's rank and VLLM_ALLOW_RUNTIME_LORA_UPDATING=1, e.g. `rollouts engine vllm "
+                "--max-lora-rank R`; or set model.lora.sync = 'merged')",
+                engine=e.engine,
+                url=e.url,
+                status=e.status,
+                text=e.text,
+            ) from e
+        await self.reset_prefix_cache()
+        await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
+        self._adapter = name
+        if previous is not None and previous != name:
+            await self._call("POST", "/v1/unload_lora_adapter", json={"lora_name": previous})
 
     async def update_weights_from_tensors(
         self,

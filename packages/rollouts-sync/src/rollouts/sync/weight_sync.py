@@ -61,6 +61,43 @@ class WeightSyncError(RuntimeError):
         super().__init__("\n".join(lines))
 
 
+class BroadcastJoinError(WeightSyncError):
+    """Some engines did not join the broadcast group; `failures` names each and says why."""
+
+    def __init__(self, failures: Sequence[EngineFailure]) -> None:
+        super().__init__(0, failures, [])
+        lines = [f"{len(self.failures)} engine(s) did not join the weight-broadcast group:"]
+        self.args = ("\n".join(lines + [f"  - {f.describe()}" for f in self.failures]),)
+
+
+def engine_failure(name: str, exc: BaseException, *, timeout_text: str = "", note: str = "") -> EngineFailure:
+    """Engine `name`'s failure `exc` as an EngineFailure: an EngineError's URL and status; a
+    TimeoutError as `timeout_text` where given; `note` (what else is known) appended."""
+    suffix = f"; {note}" if note else ""
+    if isinstance(exc, EngineError):
+        return EngineFailure(engine=name, url=exc.url, status=exc.status, text=str(exc) + suffix)
+    if isinstance(exc, TimeoutError) and timeout_text:
+        return EngineFailure(engine=name, url=name, status=None, text=timeout_text)
+    return EngineFailure(engine=name, url=name, status=None, text=f"{type(exc).__name__}: {exc}{suffix}")
+
+
+def sync_outcome(
+    version: int, names: Sequence[str], outcomes: Sequence[EngineFailure | AttestationError | float | None]
+) -> SyncResult:
+    """The SyncResult of engines `names` (a float outcome: seconds to update); a WeightSyncError
+    naming the failed engines; or, before either, the first AttestationError (an engine serving
+    weights other than those sent: no caller should go on)."""
+    for outcome in outcomes:
+        if isinstance(outcome, AttestationError):
+            raise outcome
+    failures = [o for o in outcomes if isinstance(o, EngineFailure)]
+    updated = [name for name, o in zip(names, outcomes, strict=True) if isinstance(o, float)]
+    if failures:
+        raise WeightSyncError(version, failures, updated)
+    seconds = tuple(o for o in outcomes if isinstance(o, float))
+    return SyncResult(weight_version=version, updated=tuple(updated), seconds_by_engine=seconds)
+
+
 async def sync_weights_to_engines(
     engines: Sequence[InferenceEngine],
     checkpoint_dir: str,

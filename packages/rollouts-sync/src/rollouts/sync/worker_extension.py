@@ -2,9 +2,9 @@
 a /collective_rpc body.
 
 Start the server with `--worker-extension-cls rollouts.sync.worker_extension.SafetensorsWeightLoader`
-(this module runs inside vLLM's worker process: standard library, torch and
-rollouts.sync.fingerprint_torch; in rollouts.sync only the broadcast transport's torch half imports it,
-for the process-group helpers both sides share).
+(this module runs inside vLLM's worker process: standard library, torch, and of rollouts.sync only
+fingerprint_torch and broadcast_group, which a server started by rollouts.sync.launch gets as copies
+beside it; nothing in rollouts.sync imports this module).
 
 Partial updates: a request may name only some checkpoint tensors. vLLM reloads a layer as a whole
 (on CPU it repacks linear weights and drops the originals, and a fused qkv_proj is built from
@@ -26,7 +26,9 @@ after receipt, for tests of the check.
 Broadcast: `rollouts_init_broadcast` joins a process group made for the sync (a TCPStore client
 of the trainer's store and a gloo or NCCL group on it; vLLM's own groups are never touched), and
 `rollouts_receive_broadcast` receives a plan's flat buckets from the trainer (rank 0), then reloads
-through the same path as `rollouts_load_weights`, only once every bucket arrived.
+through the same path as `rollouts_load_weights`, only once every bucket arrived;
+`rollouts_receive_adapter` receives a LoRA adapter's tensors the same way and writes them as an
+adapter directory on this host, for vLLM's /v1/load_lora_adapter.
 """
 
 from __future__ import annotations
@@ -35,22 +37,23 @@ import base64
 import http.client
 import json
 import os
-import socket
+import shutil
+import tempfile
 import time
 import urllib.parse
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from safetensors.torch import load as load_bytes
 from safetensors.torch import load_file
+from safetensors.torch import save as save_bytes
 
 try:
+    from rollouts.sync.broadcast_group import connect_to_trainer, receive_flat_buckets
     from rollouts.sync.fingerprint_torch import fingerprint_torch, flip_bit_torch, sync_fault_target
-except ModuleNotFoundError:  # in a server started by rollouts.sync.launch: its copy beside this one's
+except ModuleNotFoundError:  # in a server started by rollouts.sync.launch: their copies beside this one
+    from rollouts_broadcast_group import connect_to_trainer, receive_flat_buckets  # type: ignore[no-redef,import-not-found]
     from rollouts_fingerprint_torch import fingerprint_torch, flip_bit_torch, sync_fault_target  # type: ignore[no-redef,import-not-found]
 
 _SAFETENSORS_SUFFIX = ".safetensors"
@@ -96,112 +99,28 @@ def _checksums(tensors: dict[str, Any]) -> dict[str, int]:
     return fingerprint_torch(tensors)  # one wait for the device per load
 
 
+def _write_whole(path: str, data: bytes) -> None:
+    """`data` at `path`, replaced at once (written beside it, then renamed): a reader sees the old
+    file or the new, and workers writing the same bytes there at once do not interleave."""
+    partial = f"{path}.{os.getpid()}.partial"
+    with open(partial, "wb") as f:
+        f.write(data)
+    os.replace(partial, path)
+
+
+def _keep_newest(root: str, keep: int) -> None:
+    """Remove all but the `keep` highest-versioned "v<N>" directories under `root`."""
+    versions = sorted((int(name[1:]), name) for name in os.listdir(root) if name[:1] == "v" and name[1:].isdigit())
+    for _, name in versions[:-keep]:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
 def _read_dir(path: str) -> dict[str, Any]:
     tensors: dict[str, Any] = {}
     for name in sorted(os.listdir(path)):
         if name.endswith(_SAFETENSORS_SUFFIX):
             tensors.update(load_file(os.path.join(path, name), device="cpu"))
     return tensors
-
-
-def local_address_toward(host: str) -> str:
-    """This machine's address on the route to `host` (no packet is sent: a UDP connect only routes)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 1))
-        address: str = s.getsockname()[0]
-        return address
-
-
-def join_group(
-    store: Any,
-    *,
-    group: str,
-    rank: int,
-    world_size: int,
-    backend: str,
-    address: str,
-    setup_timeout_s: float,
-    bucket_timeout_s: float,
-) -> Any:
-    """A process group of its own on `store` (never the default group). Blocks until all `world_size`
-    ranks joined, at most `setup_timeout_s`; each collective on it is then bounded by `bucket_timeout_s`."""
-    group_ = _new_group(dist.PrefixStore(f"{group}/", store), rank, world_size, backend, address, setup_timeout_s)  # type: ignore[attr-defined]
-    group_._set_default_timeout(timedelta(seconds=bucket_timeout_s))
-    return group_
-
-
-def _new_group(store: Any, rank: int, world_size: int, backend: str, address: str, timeout_s: float) -> Any:
-    timeout = timedelta(seconds=timeout_s)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, options)
-    if backend != "gloo":
-        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
-    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-    return dist.ProcessGroupGloo(store, rank, world_size, options)
-
-
-def connect_to_trainer(
-    host: str,
-    port: int,
-    *,
-    group: str,
-    rank: int,
-    world_size: int,
-    backend: str,
-    setup_timeout_s: float,
-    bucket_timeout_s: float,
-) -> Any:
-    """Join group `group` of the trainer's store at host:port as `rank` (an engine's side)."""
-    timeout = timedelta(seconds=setup_timeout_s)
-    store = dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)  # type: ignore[attr-defined]
-    return join_group(
-        store,
-        group=group,
-        rank=rank,
-        world_size=world_size,
-        backend=backend,
-        address=local_address_toward(host),
-        setup_timeout_s=setup_timeout_s,
-        bucket_timeout_s=bucket_timeout_s,
-    )
-
-
-def broadcast_from_trainer(group: Any, tensor: Any) -> None:
-    """Broadcast `tensor` from rank 0 (the trainer) in place; raises once the group's timeout passes."""
-    options = dist.BroadcastOptions()
-    options.rootRank = 0
-    options.rootTensor = 0
-    group.broadcast([tensor], options).wait()
-
-
-def receive_flat_buckets(group: Any, plan: dict[str, Any], device: Any) -> Iterator[dict[str, Any]]:
-    """The tensors of each of a plan's flat buckets as it arrives, views into one buffer per bucket,
-    filled by the bucket's "pieces" ([start, end) bytes, one broadcast each; the whole buffer in one
-    when the plan names none)."""
-    for bucket in plan["buckets"]:
-        num_bytes = int(bucket["nbytes"])
-        buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-        for start, end in bucket.get("pieces") or [[0, num_bytes]]:
-            broadcast_from_trainer(group, buffer[int(start) : int(end)])
-        out: dict[str, Any] = {}
-        for name, dtype, shape, offset in bucket["tensors"]:
-            kind = getattr(torch, dtype)
-            size = torch.Size(shape).numel() * torch.empty((), dtype=kind).element_size()
-            out[name] = buffer[offset : offset + size].view(kind).view(shape)
-        yield out
-
-
-def receive_tensor_list(group: Any, specs: list[tuple[str, str, list[int]]], device: Any) -> dict[str, Any]:
-    """(name, dtype, shape) tensors received one broadcast each, in order (SGLang's layout)."""
-    out: dict[str, Any] = {}
-    for name, dtype, shape in specs:
-        out[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        broadcast_from_trainer(group, out[name])
-    return out
 
 
 def fetch_bytes(url: str, num_bytes: int, timeout_s: float) -> Any:
@@ -285,6 +204,7 @@ class SafetensorsWeightLoader:
     ) -> dict[str, Any]:
         """Join the trainer's process group for weight broadcasts as rank `rank_offset` + this worker's rank."""
         rank = int(rank_offset) + int(self.rank)  # type: ignore[attr-defined]
+        self._rollouts_group_name = group
         self._rollouts_group_device = self.device if backend == "nccl" else torch.device("cpu")  # type: ignore[attr-defined]
         self._rollouts_group = connect_to_trainer(
             host,
@@ -302,22 +222,51 @@ class SafetensorsWeightLoader:
         """Receive every bucket of the plan, then reload with them (all or nothing: a failure before the
         last bucket, or in the load, leaves the weights as they were). Answers the checksums of the
         tensors as received, for the trainer's attestation."""
+        plan = json.loads(plan_json)
+        incoming, checksums, seconds = self._rollouts_receive(plan)
+        answer = self._rollouts_apply(incoming, seconds, checksums=checksums)
+        return {**answer, "num_bytes": sum(int(b["nbytes"]) for b in plan["buckets"])}
+
+    def rollouts_receive_adapter(self, plan_json: str, config_json: str) -> dict[str, Any]:
+        """Receive a LoRA adapter's tensors (every bucket of the plan) and write them, with
+        `config_json`, as a PEFT adapter directory on this worker's host, for vLLM's
+        /v1/load_lora_adapter: <tmp>/rollouts-adapters-<group>/v<version>, the same path on every
+        worker (each file written whole, then renamed into place). Nothing is written unless every
+        bucket arrived. The two newest adapters' directories are kept, older ones removed. Answers
+        the directory and the checksums of the tensors as received."""
+        plan = json.loads(plan_json)
+        config = json.loads(config_json)
+        if not isinstance(config, dict):
+            raise ValueError(f"config_json must be a JSON object (adapter_config.json), got {config_json[:200]!r}")
+        incoming, checksums, seconds = self._rollouts_receive(plan)
+        start = time.perf_counter()
+        root = os.path.join(tempfile.gettempdir(), f"rollouts-adapters-{self._rollouts_group_name}")
+        path = os.path.join(root, f"v{int(plan['version'])}")
+        os.makedirs(path, exist_ok=True)
+        tensors = {name: tensor.to("cpu").clone() for name, tensor in incoming.items()}  # files own their bytes
+        _write_whole(os.path.join(path, "adapter_model.safetensors"), save_bytes(tensors, metadata={"format": "pt"}))
+        _write_whole(os.path.join(path, "adapter_config.json"), json.dumps(config).encode())
+        _keep_newest(root, 2)
+        seconds["write"] = time.perf_counter() - start
+        return {"path": path, "num_tensors": len(incoming), "checksums": checksums, "seconds": seconds}
+
+    def _rollouts_receive(self, plan: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int], dict[str, float]]:
+        """Every tensor of the plan's buckets, their checksums (each bucket's computed while the next
+        one arrives) and the seconds of each step."""
         group = getattr(self, "_rollouts_group", None)
         if group is None:
             raise RuntimeError("no broadcast group: call rollouts_init_broadcast first")
-        plan = json.loads(plan_json)
         start = time.perf_counter()
         incoming: dict[str, Any] = {}
         with ThreadPoolExecutor(1, thread_name_prefix="rollouts-checksum") as pool:
-            pending = []  # each bucket's checksums, computed while the next one arrives
+            pending = []
             for tensors in receive_flat_buckets(group, plan, self._rollouts_group_device):
                 incoming.update(_received(tensors))
                 pending.append(pool.submit(_checksums, tensors))
             seconds = {"receive": time.perf_counter() - start}
             checksums = {name: value for done in pending for name, value in done.result().items()}
         seconds["checksum"] = time.perf_counter() - start - seconds["receive"]  # what was left after the last bucket
-        answer = self._rollouts_apply(incoming, seconds, checksums=checksums)
-        return {**answer, "num_bytes": sum(int(b["nbytes"]) for b in plan["buckets"])}
+        return incoming, checksums, seconds
 
     def rollouts_fetch_weights(self, url: str, num_bytes: str, timeout_s: str) -> dict[str, Any]:
         """Fetch one safetensors payload of `num_bytes` bytes from `url` (raw bytes, within `timeout_s`),

@@ -8,10 +8,11 @@ bucket read or gathered once and sent to every engine's group."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import trio
@@ -27,7 +28,8 @@ from rollouts.sync import (
     WeightSyncError,
     is_adapter_dir,
 )
-from rollouts.sync.broadcast import BroadcastJoinError, BroadcastSync, BucketSource
+from rollouts.sync.broadcast import BroadcastSync, BucketSource
+from rollouts.sync.weight_sync import BroadcastJoinError
 from rollouts.types import InferenceEngine
 
 _DEFAULT_SYNC_TIMEOUT_S = 600.0
@@ -47,8 +49,9 @@ class BucketLoader(Protocol):
 
 class BroadcastWeights(_Wrapped):
     """`update_weights_from_disk(path, version)` sends the safetensors at `path` by broadcast; the
-    engine needs no view of the trainer's disk. LoRA adapters are not sent this way (vLLM loads an
-    adapter from a path only): merged weights are (model.lora.sync = "merged")."""
+    engine needs no view of the trainer's disk. A LoRA adapter's directory (model.lora.sync =
+    "adapter") goes the same way, its tensors alone, and a vLLM engine serves it as a runtime
+    adapter (SGLang takes full weights only: model.lora.sync = "merged")."""
 
     def __init__(
         self,
@@ -69,11 +72,10 @@ class BroadcastWeights(_Wrapped):
         return self.sync.options.bucket_bytes
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
-        refuse_adapter(path)
         if not self.sync.connected:  # the first sync, or the last one broke the group (a restarted engine)
             await self.sync.connect([self.engine])
         tensors = await trio.to_thread.run_sync(read_torch_weights, path)
-        await self.sync.push(tensors, weight_version)
+        await self.sync.push(tensors, weight_version, adapter_config=adapter_config(path))
 
     async def push_weights(self, weights: BucketSource, weight_version: int) -> None:
         """Send `weights` (a sharded model's: every other rank drains the same buckets meanwhile,
@@ -135,8 +137,8 @@ class BroadcastPool(EnginePool):
         return self.broadcast.options.bucket_bytes
 
     async def sync(self, path: str, weight_version: int) -> SyncResult:
-        """Read the safetensors at `path` once and broadcast them to every engine as `weight_version`."""
-        refuse_adapter(path)
+        """Read the safetensors at `path` once and broadcast them to every engine as `weight_version`
+        (a LoRA adapter's directory: the adapter, served by each vLLM engine as a runtime adapter)."""
         return await self._push(path, weight_version)
 
     async def push_weights(self, weights: BucketSource, weight_version: int) -> None:
@@ -178,7 +180,8 @@ class BroadcastPool(EnginePool):
                 if isinstance(weights, BucketSource)
                 else await trio.to_thread.run_sync(read_torch_weights, weights)
             )
-            result = await self.broadcast.push(source, weight_version)
+            config = None if isinstance(weights, BucketSource) else adapter_config(weights)
+            result = await self.broadcast.push(source, weight_version, adapter_config=config)
         finally:
             if not pushing and isinstance(weights, BucketSource):
                 await self.broadcast.drain(weights)
@@ -220,14 +223,15 @@ class BroadcastPool(EnginePool):
         return WeightSyncError(weight_version, failures, updated)
 
 
-def refuse_adapter(path: str) -> None:
-    """ValueError if `path` holds a LoRA adapter: vLLM loads an adapter from a path only, so a
-    broadcast sends full weights."""
-    if is_adapter_dir(path):
-        raise ValueError(
-            f"{path!r} is a LoRA adapter: engine.sync = 'broadcast' sends full weights only; use "
-            "engine.sync = 'disk' (the engine loads the adapter from that path) or model.lora.sync = 'merged'"
-        )
+def adapter_config(path: str) -> dict[str, Any] | None:
+    """The adapter_config.json of `path` if it holds a LoRA adapter (PEFT's format), else None."""
+    if not is_adapter_dir(path):
+        return None
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        config = json.load(f)
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}/adapter_config.json is not a JSON object")
+    return config
 
 
 def read_torch_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:

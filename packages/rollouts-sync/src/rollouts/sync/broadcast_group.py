@@ -1,0 +1,117 @@
+"""The process group a broadcast sync runs on, both sides of it (needs torch: the `broadcast`
+extra): joining a group of its own on the trainer's TCPStore (gloo or NCCL; never the default group,
+so it lives beside FSDP's), each collective bounded, and the engine's receive of a plan's buckets.
+
+The trainer's side (rollouts.sync.broadcast) and vLLM's worker extension both use it; a server
+started by rollouts.sync.launch gets a copy beside the extension (standard library and torch only).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def local_address_toward(host: str) -> str:
+    """This machine's address on the route to `host` (no packet is sent: a UDP connect only routes)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 1))
+        address: str = s.getsockname()[0]
+        return address
+
+
+def join_group(
+    store: Any,
+    *,
+    group: str,
+    rank: int,
+    world_size: int,
+    backend: str,
+    address: str,
+    setup_timeout_s: float,
+    bucket_timeout_s: float,
+) -> Any:
+    """A process group of its own on `store` (never the default group). Blocks until all `world_size`
+    ranks joined, at most `setup_timeout_s`; each collective on it is then bounded by `bucket_timeout_s`."""
+    group_ = _new_group(dist.PrefixStore(f"{group}/", store), rank, world_size, backend, address, setup_timeout_s)  # type: ignore[attr-defined]
+    group_._set_default_timeout(timedelta(seconds=bucket_timeout_s))
+    return group_
+
+
+def _new_group(store: Any, rank: int, world_size: int, backend: str, address: str, timeout_s: float) -> Any:
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    if backend != "gloo":
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
+
+
+def connect_to_trainer(
+    host: str,
+    port: int,
+    *,
+    group: str,
+    rank: int,
+    world_size: int,
+    backend: str,
+    setup_timeout_s: float,
+    bucket_timeout_s: float,
+) -> Any:
+    """Join group `group` of the trainer's store at host:port as `rank` (an engine's side)."""
+    timeout = timedelta(seconds=setup_timeout_s)
+    store = dist.TCPStore(host, port, None, False, timeout, wait_for_workers=False)  # type: ignore[attr-defined]
+    return join_group(
+        store,
+        group=group,
+        rank=rank,
+        world_size=world_size,
+        backend=backend,
+        address=local_address_toward(host),
+        setup_timeout_s=setup_timeout_s,
+        bucket_timeout_s=bucket_timeout_s,
+    )
+
+
+def broadcast_from_trainer(group: Any, tensor: Any) -> None:
+    """Broadcast `tensor` from rank 0 (the trainer) in place; raises once the group's timeout passes."""
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    options.rootTensor = 0
+    group.broadcast([tensor], options).wait()
+
+
+def receive_flat_buckets(group: Any, plan: dict[str, Any], device: Any) -> Iterator[dict[str, Any]]:
+    """The tensors of each of a plan's flat buckets as it arrives, views into one buffer per bucket,
+    filled by the bucket's "pieces" ([start, end) bytes, one broadcast each; the whole buffer in one
+    when the plan names none)."""
+    for bucket in plan["buckets"]:
+        num_bytes = int(bucket["nbytes"])
+        buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        for start, end in bucket.get("pieces") or [[0, num_bytes]]:
+            broadcast_from_trainer(group, buffer[int(start) : int(end)])
+        out: dict[str, Any] = {}
+        for name, dtype, shape, offset in bucket["tensors"]:
+            kind = getattr(torch, dtype)
+            size = torch.Size(shape).numel() * torch.empty((), dtype=kind).element_size()
+            out[name] = buffer[offset : offset + size].view(kind).view(shape)
+        yield out
+
+
+def receive_tensor_list(group: Any, specs: list[tuple[str, str, list[int]]], device: Any) -> dict[str, Any]:
+    """(name, dtype, shape) tensors received one broadcast each, in order (SGLang's layout)."""
+    out: dict[str, Any] = {}
+    for name, dtype, shape in specs:
+        out[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        broadcast_from_trainer(group, out[name])
+    return out
