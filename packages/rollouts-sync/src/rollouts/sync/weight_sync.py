@@ -86,10 +86,12 @@ def sync_outcome(
 ) -> SyncResult:
     """The SyncResult of engines `names` (a float outcome: seconds to update); a WeightSyncError
     naming the failed engines; or, before either, the first AttestationError (an engine serving
-    weights other than those sent: no caller should go on)."""
-    for outcome in outcomes:
-        if isinstance(outcome, AttestationError):
-            raise outcome
+    weights other than those sent: no caller should go on), the others' as its notes."""
+    attestation = [o for o in outcomes if isinstance(o, AttestationError)]
+    if attestation:
+        for other in attestation[1:]:
+            attestation[0].add_note(str(other))
+        raise attestation[0]
     failures = [o for o in outcomes if isinstance(o, EngineFailure)]
     updated = [name for name, o in zip(names, outcomes, strict=True) if isinstance(o, float)]
     if failures:
@@ -142,29 +144,10 @@ async def sync_weights_to_engines(
             outcomes[i] = time.perf_counter() - start_s
         except AttestationError as exc:
             outcomes[i] = exc
-        except TimeoutError:
-            outcomes[i] = EngineFailure(
-                engine=engine.name, url=engine.name, status=None, text=f"did not finish within timeout_s={timeout_s}"
-            )
-        except EngineError as exc:
-            outcomes[i] = EngineFailure(engine=engine.name, url=exc.url, status=exc.status, text=str(exc))
         except Exception as exc:  # noqa: BLE001 - one engine's bug must not hide the others' results
-            outcomes[i] = EngineFailure(
-                engine=engine.name, url=engine.name, status=None, text=f"{type(exc).__name__}: {exc}"
-            )
+            outcomes[i] = engine_failure(engine.name, exc, timeout_text=f"did not finish within timeout_s={timeout_s}")
 
     async with anyio.create_task_group() as tg:
         for i, engine in enumerate(engines):
             tg.start_soon(one, i, engine)
-
-    attestation = [o for o in outcomes if isinstance(o, AttestationError)]
-    if attestation:
-        for other in attestation[1:]:
-            attestation[0].add_note(str(other))
-        raise attestation[0]
-    failures = [o for o in outcomes if isinstance(o, EngineFailure)]
-    updated = [n for n, o in zip(names, outcomes, strict=True) if isinstance(o, float)]
-    if failures:
-        raise WeightSyncError(weight_version, failures, updated)
-    seconds = tuple(o for o in outcomes if isinstance(o, float))
-    return SyncResult(weight_version=weight_version, updated=tuple(updated), seconds_by_engine=seconds)
+    return sync_outcome(weight_version, names, outcomes)
