@@ -231,13 +231,14 @@ def test_an_adapter_is_written_for_vllm_only_once_every_bucket_arrived(
     trainer = threading.Thread(target=_trainer_sends, args=(store.port, plans, adapters), kwargs={"stops": stops})
     trainer.start()
     _join_worker(worker, store)
-    root = tmp_path / "rollouts-adapters-g"
+    token = "0123456789abcdef"  # the trainer's random draw
+    root = tmp_path / f"rollouts-adapters-{token}"
     for plan, adapter, stop in zip(plans, adapters, stops, strict=True):
         if stop is not None:
             with pytest.raises(RuntimeError):
-                worker.rollouts_receive_adapter(plan.to_json(), json.dumps(config))
+                worker.rollouts_receive_adapter(plan.to_json(), json.dumps(config), token)
             continue
-        answer = worker.rollouts_receive_adapter(plan.to_json(), json.dumps(config))
+        answer = worker.rollouts_receive_adapter(plan.to_json(), json.dumps(config), token)
         path = root / f"v{plan.weight_version}"
         assert answer["path"] == str(path)
         assert answer["checksums"] == {n: checksum_torch(t) for n, t in adapter.items()}
@@ -248,8 +249,10 @@ def test_an_adapter_is_written_for_vllm_only_once_every_bucket_arrived(
     trainer.join(timeout=30)
     kept = sorted(p.name for p in root.iterdir())
     assert kept == (["v2", "v3"] if stop_after_buckets is None else ["v1", "v2"])  # v3 never written
-    assert not list(root.rglob("*.partial"))
+    assert not list(root.rglob("*.partial")) and root.stat().st_mode & 0o077 == 0  # this user's only
     assert worker.loaded is None  # an adapter leaves the base weights alone
+    with pytest.raises(ValueError, match="token must be 16 lowercase hex digits"):
+        worker.rollouts_receive_adapter(plans[0].to_json(), json.dumps(config), "../../etc")
 
 
 def _fake_weights():

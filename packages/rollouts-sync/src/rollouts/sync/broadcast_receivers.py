@@ -6,6 +6,7 @@ trainer's torch half, rollouts.sync.broadcast, drives them.
 
 from __future__ import annotations
 
+import secrets
 from typing import Any, Protocol
 
 from rollouts.sync._http import EngineError, RetryPolicy
@@ -66,6 +67,7 @@ class VLLMReceiver:
     def __init__(self, engine: VLLMEngine) -> None:
         self.engine = engine
         self._adapter_path: str | None = None  # where the workers wrote the adapter the last receive took
+        self._adapter_token = secrets.token_hex(8)  # names the workers' adapter directory: unguessable
 
     @property
     def name(self) -> str:
@@ -113,7 +115,8 @@ class VLLMReceiver:
         if adapter_config is None:
             kwargs, method = {"plan_json": plan.to_json()}, "rollouts_receive_broadcast"
         else:
-            kwargs, method = {"plan_json": plan.to_json(), "config_json": adapter_config}, "rollouts_receive_adapter"
+            method = "rollouts_receive_adapter"
+            kwargs = {"plan_json": plan.to_json(), "config_json": adapter_config, "token": self._adapter_token}
         results = [r for r in await self._rpc(method, kwargs, receive_timeout_s(plan, options)) if isinstance(r, dict)]
         if adapter_config is not None:
             paths = sorted({str(r.get("path")) for r in results})

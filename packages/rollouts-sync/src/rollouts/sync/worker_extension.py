@@ -204,7 +204,6 @@ class SafetensorsWeightLoader:
     ) -> dict[str, Any]:
         """Join the trainer's process group for weight broadcasts as rank `rank_offset` + this worker's rank."""
         rank = int(rank_offset) + int(self.rank)  # type: ignore[attr-defined]
-        self._rollouts_group_name = group
         self._rollouts_group_device = self.device if backend == "nccl" else torch.device("cpu")  # type: ignore[attr-defined]
         self._rollouts_group = connect_to_trainer(
             host,
@@ -227,22 +226,26 @@ class SafetensorsWeightLoader:
         answer = self._rollouts_apply(incoming, seconds, checksums=checksums)
         return {**answer, "num_bytes": sum(int(b["nbytes"]) for b in plan["buckets"])}
 
-    def rollouts_receive_adapter(self, plan_json: str, config_json: str) -> dict[str, Any]:
+    def rollouts_receive_adapter(self, plan_json: str, config_json: str, token: str) -> dict[str, Any]:
         """Receive a LoRA adapter's tensors (every bucket of the plan) and write them, with
         `config_json`, as a PEFT adapter directory on this worker's host, for vLLM's
-        /v1/load_lora_adapter: <tmp>/rollouts-adapters-<group>/v<version>, the same path on every
-        worker (each file written whole, then renamed into place). Nothing is written unless every
-        bucket arrived. The two newest adapters' directories are kept, older ones removed. Answers
-        the directory and the checksums of the tensors as received."""
+        /v1/load_lora_adapter: <tmp>/rollouts-adapters-<token>/v<version> (`token`: 16 hex digits the
+        trainer drew, so no one else can know the path before it exists; this user's only), the same
+        path on every worker (each file written whole, then renamed into place). Nothing is written
+        unless every bucket arrived. The two newest adapters' directories are kept, older ones
+        removed. Answers the directory and the checksums of the tensors as received."""
+        if len(token) != 16 or any(c not in "0123456789abcdef" for c in token):
+            raise ValueError(f"token must be 16 lowercase hex digits, got {token[:40]!r}")
         plan = json.loads(plan_json)
         config = json.loads(config_json)
         if not isinstance(config, dict):
             raise ValueError(f"config_json must be a JSON object (adapter_config.json), got {config_json[:200]!r}")
         incoming, checksums, seconds = self._rollouts_receive(plan)
         start = time.perf_counter()
-        root = os.path.join(tempfile.gettempdir(), f"rollouts-adapters-{self._rollouts_group_name}")
+        root = os.path.join(tempfile.gettempdir(), f"rollouts-adapters-{token}")
         path = os.path.join(root, f"v{int(plan['version'])}")
-        os.makedirs(path, exist_ok=True)
+        os.makedirs(root, mode=0o700, exist_ok=True)  # (makedirs gives the mode to the last directory only)
+        os.makedirs(path, mode=0o700, exist_ok=True)
         tensors = {name: tensor.to("cpu").clone() for name, tensor in incoming.items()}  # files own their bytes
         _write_whole(os.path.join(path, "adapter_model.safetensors"), save_bytes(tensors, metadata={"format": "pt"}))
         _write_whole(os.path.join(path, "adapter_config.json"), json.dumps(config).encode())
