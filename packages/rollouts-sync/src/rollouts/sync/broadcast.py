@@ -338,10 +338,10 @@ class BroadcastSync:
         self, index: int, bucket: tuple[TensorSpec, ...], full: list[torch.Tensor], live: list[_Link]
     ) -> None:
         del index  # where a test injects a fault
-        flat = [k for k in live if k.receiver.layout == "flat"]
-        if flat:
+        flat_links = [k for k in live if k.receiver.layout == "flat"]
+        if flat_links:  # each piece cut once, sent to every such engine
             for piece in flat_pieces(bucket, full):
-                for link in flat:
+                for link in flat_links:
                     _send(link, piece)
         for link in live:
             if link.receiver.layout != "flat":

@@ -52,6 +52,11 @@ class BroadcastReceiver(Protocol):
     async def check_version(self, weight_version: int) -> None: ...
 
 
+def _refused(engine: str, path: str, message: str, text: object) -> EngineError:
+    """An engine's answer of 200 that says the call failed, as an EngineError naming it and the path."""
+    return EngineError(f"{engine}: {message}", engine=engine, url=f"{engine}{path}", status=200, text=str(text))
+
+
 def receive_timeout_s(plan: BroadcastPlan, options: BroadcastOptions) -> float:
     """Bound on one receive call: every bucket at its bound, then the load at its own."""
     return len(plan.buckets) * options.bucket_timeout_s + options.load_timeout_s
@@ -80,13 +85,7 @@ class VLLMReceiver:
         results = data.get("results") or []
         for result in results:
             if isinstance(result, dict) and result.get("error"):
-                raise EngineError(
-                    f"{self.name}: {method} failed: {result['error']}",
-                    engine=self.name,
-                    url=f"{self.name}/collective_rpc",
-                    status=200,
-                    text=str(result["error"]),
-                )
+                raise _refused(self.name, "/collective_rpc", f"{method} failed: {result['error']}", result["error"])
         return list(results)
 
     async def num_workers(self) -> int:
@@ -121,12 +120,8 @@ class VLLMReceiver:
         if adapter_config is not None:
             paths = sorted({str(r.get("path")) for r in results})
             if len(paths) != 1:  # every worker must load the same files
-                raise EngineError(
-                    f"{self.name}: its workers wrote the adapter at {paths}, expected one path",
-                    engine=self.name,
-                    url=f"{self.name}/collective_rpc",
-                    status=200,
-                    text=str(paths),
+                raise _refused(
+                    self.name, "/collective_rpc", f"its workers wrote the adapter at {paths}, expected one path", paths
                 )
             self._adapter_path = paths[0]
         return [dict(r.get("checksums") or {}) for r in results]
@@ -161,13 +156,7 @@ class SGLangReceiver:
     async def _post(self, path: str, body: dict[str, Any], timeout_s: float) -> None:
         data = (await self.engine._call("POST", path, json=body, timeout_s=timeout_s, retry=_NO_RETRY)).json()
         if not data.get("success", False):
-            raise EngineError(
-                f"{self.name}: {path} failed: {data.get('message')}",
-                engine=self.name,
-                url=f"{self.name}{path}",
-                status=200,
-                text=str(data.get("message")),
-            )
+            raise _refused(self.name, path, f"{path} failed: {data.get('message')}", data.get("message"))
 
     async def num_workers(self) -> int:
         info = (await self.engine._call("GET", "/get_server_info")).json()
@@ -211,12 +200,8 @@ class SGLangReceiver:
     async def check_version(self, weight_version: int) -> None:
         got = await self.engine.weight_version()
         if got != weight_version:
-            raise EngineError(
-                f"{self.name}: weight version reads {got!r} after setting {weight_version}",
-                engine=self.name,
-                url=f"{self.name}/get_weight_version",
-                status=200,
-                text=str(got),
+            raise _refused(
+                self.name, "/get_weight_version", f"weight version reads {got!r} after setting {weight_version}", got
             )
 
 
