@@ -5,7 +5,8 @@
    988 MB; `--quick`: a small one): seconds and bytes per sync for disk, http and broadcast, each
    run alternately with its bare transport (a file write+read; a POST of the tensor bytes to a sink
    in another process; a plain gloo broadcast of the same buckets between two processes); target
-   <= 1.3x. Beside it, vLLM's own reload within each sync (its worker's "load" seconds: on CPU it
+   <= 1.3x. Each transport twice: attested (the default) and with attestation off (no checksum on
+   either side), so the difference is what attestation costs a sync. Beside it, vLLM's own reload within each sync (its worker's "load" seconds: on CPU it
    repacks every linear weight, which no bare transport does) and the ratio without it, what the
    transport itself adds. Disk writes with the project's streaming writer (as export_weights does); http's bytes
    are those on the wire (request bodies and what the engine fetched). `--phases` adds, per
@@ -260,65 +261,69 @@ async def timed_syncs(
             theirs.append(result if isinstance(result, float) else time.perf_counter() - start)
     if profile:
         print(phases.table(name), flush=True)
-    load = statistics.median(row.get("  worker load", 0.0) for row in phases.syncs)
+    reported = [row["  worker load"] for row in phases.syncs if "  worker load" in row]
+    load = statistics.median(reported) if reported else None  # vLLM's own reload from a path reports none
     return statistics.median(ours), statistics.median(theirs), load
 
 
 async def transports(url: str, tensors: dict[str, torch.Tensor], tmp: Path, repeats: int, profile: bool) -> list[tuple]:
-    """(name, seconds, bytes, bare seconds) per transport: medians of `repeats` syncs, each run
-    alternately with its bare transport."""
+    """(name, seconds, bytes, bare seconds, load seconds) per transport, attested (the default) and not:
+    medians of `repeats` syncs, each run alternately with its bare transport."""
     rows = []
-    async with VLLMEngine(url, http=HTTPOptions(timeout_s=600.0)) as engine:
-        version = (await engine.weight_version() or 0) + 1
+    version = 0
+    for attest in (True, False):
+        label = "" if attest else ", attest off"
+        async with VLLMEngine(url, http=HTTPOptions(timeout_s=600.0), attest=attest) as engine:
+            version = max(version, (await engine.weight_version() or 0) + 1)
+            disk_phases = Phases()
 
-        disk_phases = Phases()
+            async def disk(engine=engine, disk_phases=disk_phases) -> None:  # the trainer writes, the engine reads
+                nonlocal version
+                out = tmp / f"disk_v{version}"
+                shutil.copytree(tmp / "model", out, ignore=shutil.ignore_patterns("*.safetensors"))
+                with disk_phases.step("trainer write_tensors"):
+                    write_tensors(out / "model.safetensors", tensors, {"format": "pt"}, sync=False)  # as export_weights
+                await engine.update_weights_from_disk(str(out), version)
+                version += 1
+                shutil.rmtree(tmp / f"disk_v{version - 2}", ignore_errors=True)
 
-        async def disk() -> None:  # the trainer writes its bf16 weights, the engine reads them
-            nonlocal version
-            out = tmp / f"disk_v{version}"
-            shutil.copytree(tmp / "model", out, ignore=shutil.ignore_patterns("*.safetensors"))
-            with disk_phases.step("trainer write_tensors"):
-                write_tensors(out / "model.safetensors", tensors, {"format": "pt"}, sync=False)  # as export_weights
-            await engine.update_weights_from_disk(str(out), version)
-            version += 1
-            shutil.rmtree(tmp / f"disk_v{version - 2}", ignore_errors=True)
-
-        disk_bytes = os.path.getsize(tmp / "model" / "model.safetensors")
-        blob = os.urandom(1 << 20) * (disk_bytes >> 20) + os.urandom(disk_bytes % (1 << 20))
-        seconds, bare, load = await timed_syncs(
-            "disk", disk, lambda: bare_file(blob, tmp), repeats, disk_phases, engine, profile=profile
-        )
-        rows.append(("disk", seconds, disk_bytes, bare, load))
-
-        async def http() -> None:  # the tensors in their own dtype as safetensors
-            nonlocal version
-            await engine.update_weights_from_tensors(tensors, version)
-            version += 1
-
-        tensor_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        with bare_post(tensor_bytes) as post:
-            seconds, bare, load = await timed_syncs("http", http, post, repeats, Phases(), engine, profile=profile)
-        rows.append(("http", seconds, wire_bytes(engine.last_upload), bare, load))
-        print(f"  http: {engine.last_upload}", flush=True)
-
-        sync = BroadcastSync(BroadcastOptions(bucket_timeout_s=300.0, load_timeout_s=600.0))
-        await sync.connect([engine])
-
-        async def broadcast() -> None:
-            nonlocal version
-            await sync.push(tensors, version)
-            version += 1
-
-        plan = plan_buckets(
-            [(n, "bfloat16", tuple(t.shape)) for n, t in tensors.items()],
-            bucket_bytes=sync.options.bucket_bytes,
-            weight_version=0,
-        )
-        with bare_gloo([plan.bucket_bytes(k) for k in range(len(plan.buckets))]) as gloo:
+            disk_bytes = os.path.getsize(tmp / "model" / "model.safetensors")
+            blob = os.urandom(1 << 20) * (disk_bytes >> 20) + os.urandom(disk_bytes % (1 << 20))
             seconds, bare, load = await timed_syncs(
-                "broadcast", broadcast, gloo, repeats, Phases(), engine, profile=profile
+                "disk" + label, disk, lambda: bare_file(blob, tmp), repeats, disk_phases, engine, profile=profile
             )
-        rows.append(("broadcast", seconds, sync.last_num_bytes, bare, load))
+            rows.append(("disk" + label, seconds, disk_bytes, bare, load))
+
+            async def http(engine=engine) -> None:  # the tensors in their own dtype as safetensors
+                nonlocal version
+                await engine.update_weights_from_tensors(tensors, version)
+                version += 1
+
+            tensor_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            with bare_post(tensor_bytes) as post:
+                seconds, bare, load = await timed_syncs(
+                    "http" + label, http, post, repeats, Phases(), engine, profile=profile
+                )
+            rows.append(("http" + label, seconds, wire_bytes(engine.last_upload), bare, load))
+
+            sync = BroadcastSync(BroadcastOptions(bucket_timeout_s=300.0, load_timeout_s=600.0, attest=attest))
+            await sync.connect([engine])  # a group of its own: the worker leaves the last connect's
+
+            async def broadcast(sync=sync) -> None:
+                nonlocal version
+                await sync.push(tensors, version)
+                version += 1
+
+            plan = plan_buckets(
+                [(n, "bfloat16", tuple(t.shape)) for n, t in tensors.items()],
+                bucket_bytes=sync.options.bucket_bytes,
+                weight_version=0,
+            )
+            with bare_gloo([plan.bucket_bytes(k) for k in range(len(plan.buckets))]) as gloo:
+                seconds, bare, load = await timed_syncs(
+                    "broadcast" + label, broadcast, gloo, repeats, Phases(), engine, profile=profile
+                )
+            rows.append(("broadcast" + label, seconds, sync.last_num_bytes, bare, load))
     return rows
 
 
@@ -349,7 +354,7 @@ def bench_transports(tmp: Path, quick: bool, profile: bool) -> None:
         )
         rows = trio.run(transports, server.url, tensors, tmp, repeats, profile)
     print(
-        f"  {'transport':<10} {'s/sync':>8} {'MB/sync':>9} {'bare s':>8} {'ratio':>6} {'load s':>7} "
+        f"  {'transport':<22} {'s/sync':>8} {'MB/sync':>9} {'bare s':>8} {'ratio':>6} {'load s':>7} "
         f"{'ratio w/o load':>14}  bare transport"
     )
     bare_names = {
@@ -359,12 +364,14 @@ def bench_transports(tmp: Path, quick: bool, profile: bool) -> None:
     }
     for name, seconds, num_bytes, bare, load in rows:
         print(
-            f"  {name:<10} {seconds:>8.3f} {num_bytes / 1e6:>9.1f} {bare:>8.3f} {seconds / bare:>6.2f}x {load:>7.3f} "
-            f"{(seconds - load) / bare:>13.2f}x  {bare_names[name]}"
+            f"  {name:<22} {seconds:>8.3f} {num_bytes / 1e6:>9.1f} {bare:>8.3f} {seconds / bare:>6.2f}x "
+            + (f"{load:>7.3f} {(seconds - load) / bare:>13.2f}x" if load is not None else f"{'-':>7} {'-':>14}")
+            + f"  {bare_names[name.split(',')[0]]}"
         )
     print("  (http's bytes are those on the wire: request bodies plus the payload the engine fetched;")
     print("   load s: vLLM's own reload_weights within the sync, as its worker reports it, which no bare")
-    print("   transport includes; ratio w/o load: (s/sync - load s) / bare s, what the transport adds)")
+    print("   transport includes; ratio w/o load: (s/sync - load s) / bare s, what the transport adds;")
+    print("   '-': an unattested disk sync is vLLM's own reload from the path, which reports no steps)")
 
 
 def bench_attest() -> None:

@@ -201,6 +201,61 @@ def test_the_worker_extension_loads_only_once_every_bucket_arrived(worker, stop_
     trainer.join(timeout=30)
 
 
+def test_an_unattested_broadcast_loads_and_sums_nothing(worker):
+    """A plan sent with checksums=False (BroadcastOptions(attest=False)) says so, and the worker
+    loads every bucket without summing any."""
+    tensors = {"a": torch.randn(3, 5).bfloat16(), "big": torch.randn(513, 512)}
+    plan = plan_buckets(
+        [(n, str(t.dtype)[6:], tuple(t.shape)) for n, t in tensors.items()], bucket_bytes=1024, weight_version=1
+    )
+    assert "checksums" not in plan.to_json() and '"checksums": false' in plan.to_json(checksums=False)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    trainer = threading.Thread(target=_trainer_sends, args=(store.port, [plan], [tensors]), kwargs={"stops": [None]})
+    trainer.start()
+    _join_worker(worker, store)
+    answer = worker.rollouts_receive_broadcast(plan.to_json(checksums=False))
+    trainer.join(timeout=30)
+    assert answer["checksums"] == {}
+    assert all(torch.equal(worker.loaded[n], t) for n, t in tensors.items())
+
+
+def test_syncs_reuse_one_receive_buffer_and_the_cache_never_holds_a_view_of_it(worker):
+    """Every sync receives into the same host memory (no page mapped afresh per sync), and what the
+    worker keeps of a sync outlives the next one overwriting that memory: a partial sync after a full
+    one leaves the other tensors as the full one sent, and a trainer dying mid-way through a third
+    (its first bucket already written over the buffer) leaves what the worker keeps as it was."""
+    full = {"a": torch.randn(3, 5), "b": torch.randn(7), "big": torch.randn(513, 512), "c": torch.randn(2, 2)}
+    full["d"] = torch.randn(300, 512)
+    partial = {"big": torch.randn(513, 512)}
+    dying = {"a": torch.randn(3, 5), "d": torch.randn(300, 512)}
+    sends, bucket_sizes = [full, partial, dying], [3 << 19, 3 << 19, 1024]
+    plans = [
+        plan_buckets([(n, "float32", tuple(t.shape)) for n, t in named.items()], bucket_bytes=size, weight_version=v)
+        for v, (named, size) in enumerate(zip(sends, bucket_sizes, strict=True), start=1)
+    ]
+    assert len(plans[2].buckets) == 2
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    trainer = threading.Thread(
+        target=_trainer_sends,
+        args=(store.port, plans, sends),
+        kwargs={"stops": [None, None, 1]},
+    )
+    trainer.start()
+    _join_worker(worker, store)
+    worker.rollouts_receive_broadcast(plans[0].to_json())
+    memory = worker._rollouts_receive_buffer._buffer.data_ptr()
+    worker.rollouts_receive_broadcast(plans[1].to_json())  # "big" lands where "a", "b" and "big" were
+    expected = {**full, **partial}
+    assert all(torch.equal(worker.loaded[n], t) for n, t in expected.items())
+    assert worker._rollouts_receive_buffer._buffer.data_ptr() == memory
+    with pytest.raises(RuntimeError):
+        worker.rollouts_receive_broadcast(plans[2].to_json())  # "a" arrives over the buffer, "d" never does
+    trainer.join(timeout=30)
+    assert all(torch.equal(worker.loaded[n], t) for n, t in expected.items())  # never reloaded
+    kept = worker._rollouts_base_weights()  # what the next (partial) sync reloads the rest from
+    assert all(torch.equal(kept[n], t) for n, t in expected.items())
+
+
 @pytest.mark.parametrize("stop_after_buckets", [None, 1], ids=["all-buckets", "trainer-dies-mid-way"])
 def test_an_adapter_is_written_for_vllm_only_once_every_bucket_arrived(
     worker, stop_after_buckets, tmp_path, monkeypatch

@@ -5,8 +5,10 @@ one buffer and loads the tensors bit for bit in their own dtype."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -22,6 +24,8 @@ from safetensors.torch import save_file  # noqa: E402
 
 from rollouts.sync.fingerprint_torch import checksum_torch  # noqa: E402
 from rollouts.sync.worker_extension import (  # noqa: E402
+    ChecksumsOnArrival,
+    ReceiveBuffer,
     SafetensorsWeightLoader,
     fetch_bytes,
     tensors_of_safetensors,
@@ -92,6 +96,76 @@ def test_fetched_tensors_are_bit_identical_in_their_own_dtype(specs):
         assert torch.equal(got[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8))
 
 
+def test_the_copy_into_the_cache_runs_after_the_answer_and_a_failed_one_asks_for_a_full_update(tmp_path, monkeypatch):
+    """A fetch answers before its tensors are copied into the worker's cache; the next call waits for
+    that copy. Should a copy fail, a partial update is refused naming why (the cache no longer holds
+    the weights served) while a full one loads, and partial updates work again after it."""
+    import rollouts.sync.worker_extension as extension
+
+    save_file({"a": torch.zeros(64, 16), "b": torch.zeros(256)}, str(tmp_path / "model.safetensors"))
+    worker = StandInWorker(tmp_path)
+    release, original = threading.Event(), extension._keep_in_cache
+
+    def held_copy(*args, **kwargs):
+        assert release.wait(10.0)
+        original(*args, **kwargs)
+
+    monkeypatch.setattr(extension, "_keep_in_cache", held_copy)
+    first = {"a": torch.randn(64, 16), "b": torch.randn(256)}
+    _fetch(worker, first)  # answered while its copy is held
+    assert not worker._rollouts_cache_copy.done()
+    release.set()
+    second = {"a": torch.randn(64, 16)}
+    _fetch(worker, second)  # waits for the first's copy before its bytes overwrite the buffer
+    assert torch.equal(worker.loaded["b"], first["b"]) and torch.equal(worker.loaded["a"], second["a"])
+
+    def failed_copy(*args, **kwargs):
+        raise MemoryError("no room")
+
+    monkeypatch.setattr(extension, "_keep_in_cache", failed_copy)
+    _fetch(worker, {"a": torch.randn(64, 16)})  # served; its copy into the cache fails
+    monkeypatch.setattr(extension, "_keep_in_cache", original)
+    with pytest.raises(RuntimeError, match=r"cache failed: MemoryError\('no room'\).*only a full update"):
+        _fetch(worker, {"b": torch.randn(256)})
+    full = {"a": torch.randn(64, 16), "b": torch.randn(256)}
+    _fetch(worker, full)
+    _fetch(worker, {"b": first["b"]})
+    assert torch.equal(worker.loaded["a"], full["a"]) and torch.equal(worker.loaded["b"], first["b"])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    specs=st.lists(
+        st.tuples(st.sampled_from(_DTYPES), st.lists(st.integers(0, 9), min_size=0, max_size=3)),
+        min_size=1,
+        max_size=6,
+    ),
+    cuts=st.lists(st.floats(0.0, 1.0), max_size=8),
+)
+def test_checksums_on_arrival_are_each_tensors_however_the_bytes_arrive(specs, cuts):
+    """Fed the payload in arbitrary reads (the header split too), each tensor is summed once its last
+    byte is in, and the sums are the tensors' own; a payload cut short is refused."""
+    g = torch.Generator().manual_seed(1)
+    tensors = {
+        f"t{i}": torch.randint(-100, 100, tuple(shape), generator=g).to(dtype) for i, (dtype, shape) in enumerate(specs)
+    }
+    raw = {name: as_raw(t) for name, t in tensors.items()}
+    payload = safetensors_header(raw) + b"".join(r.data.tobytes() for r in raw.values())
+    buffer = torch.zeros(len(payload), dtype=torch.uint8)
+    marks = sorted({int(c * len(payload)) for c in cuts} | {len(payload)})
+    with ThreadPoolExecutor(1) as pool:
+        arriving = ChecksumsOnArrival(buffer, pool)
+        for mark in marks:
+            buffer[:mark] = torch.tensor(list(payload[:mark]), dtype=torch.uint8)
+            arriving(mark)
+        assert arriving.result() == {name: checksum_torch(t) for name, t in tensors.items()}
+        short = ChecksumsOnArrival(buffer, pool)
+        short(len(payload) - 1)  # the payload ends with a tensor's last byte, unless every tensor is empty
+        if sum(r.data.nbytes for r in raw.values()):
+            with pytest.raises(RuntimeError, match="never arrived"):
+                short.result()
+
+
 class StandInWorker(SafetensorsWeightLoader):
     """What the extension needs from vLLM's Worker: the model directory and reload_weights."""
 
@@ -124,6 +198,103 @@ def test_the_worker_extension_loads_fetched_weights_and_answers_their_checksums(
             StandInWorker(tmp_path).rollouts_fetch_weights(served.url, str(served.num_bytes), "10")
     finally:
         served.close()
+
+
+def _fetch(worker, tensors):
+    served = _served(tensors)
+    try:
+        return worker.rollouts_fetch_weights(served.url, str(served.num_bytes), "10")
+    finally:
+        served.close()
+
+
+def _serve_half_then_close(tensors) -> tuple[str, int, threading.Thread]:
+    """A URL that answers `tensors`' payload's full Content-Length, sends half of it, then closes."""
+    raw = {name: as_raw(t) for name, t in tensors.items()}
+    payload = safetensors_header(raw) + b"".join(r.data.tobytes() for r in raw.values())
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with listener, listener.accept()[0] as conn:
+            conn.recv(4096)
+            head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+            conn.sendall(head.encode() + payload[: len(payload) // 2])
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    return f"http://127.0.0.1:{listener.getsockname()[1]}/t", len(payload), thread
+
+
+def test_fetches_reuse_one_receive_buffer_and_the_cache_never_holds_a_view_of_it(tmp_path):
+    """Each fetch lands in the same host memory; what the worker keeps of a sync outlives the next
+    fetch overwriting it, and a fetch cut off half-way (its bytes already over the buffer) changes
+    nothing the worker keeps."""
+    save_file({"a": torch.zeros(64, 16), "b": torch.zeros(256)}, str(tmp_path / "model.safetensors"))
+    worker = StandInWorker(tmp_path)
+    first, second = {"a": torch.randn(64, 16), "b": torch.randn(256)}, {"a": torch.randn(64, 16)}
+    _fetch(worker, first)
+    memory = worker._rollouts_receive_buffer._buffer.data_ptr()
+    _fetch(worker, second)  # "a" lands where the first sync's "a" was
+    url, num_bytes, server = _serve_half_then_close({"b": torch.randn(256), "a": torch.randn(64, 16)})
+    with pytest.raises(RuntimeError, match="closed after"):
+        worker.rollouts_fetch_weights(url, str(num_bytes), "10")
+    server.join(timeout=10)
+    _fetch(worker, {"b": first["b"].clone()})
+    assert torch.equal(worker.loaded["a"], second["a"]) and torch.equal(worker.loaded["b"], first["b"])
+    assert worker._rollouts_receive_buffer._buffer.data_ptr() == memory
+
+
+def test_a_fetched_tensor_corrupted_after_receipt_reports_the_corrupted_checksum(tmp_path, monkeypatch):
+    """The fault hook on the fetch path: the tensor is flipped before its sum, as a fault in the
+    engine's memory would be, so attestation sees it; the others' sums are as sent."""
+    monkeypatch.setenv("ROLLOUTS_SYNC_FAULT", "corrupt:b")
+    save_file({"a": torch.zeros(64, 16), "b": torch.zeros(256)}, str(tmp_path / "model.safetensors"))
+    worker = StandInWorker(tmp_path)
+    sent = {"a": torch.ones(64, 16), "b": torch.ones(256)}
+    answer = _fetch(worker, sent)
+    assert answer["checksums"]["a"] == checksum_torch(sent["a"])
+    assert answer["checksums"]["b"] != checksum_torch(sent["b"])
+    assert answer["checksums"]["b"] == checksum_torch(worker.loaded["b"])  # what the model got, summed
+    assert not torch.equal(worker.loaded["b"], sent["b"])
+
+
+def test_an_unattested_fetch_loads_the_tensors_and_sums_nothing(tmp_path):
+    """VLLMEngine(attest=False) names checksums="0" in its call (and only then: a worker extension
+    from before the option takes the attested call as it was); the worker loads and answers no sums."""
+    from rollouts.sync.tensor_rpc import fetch_rpc_body
+
+    assert "checksums" not in fetch_rpc_body("http://h/t", 8, timeout_s=1.0)["kwargs"]
+    assert fetch_rpc_body("http://h/t", 8, timeout_s=1.0, checksums=False)["kwargs"]["checksums"] == "0"
+    save_file({"a": torch.zeros(64, 16)}, str(tmp_path / "model.safetensors"))
+    worker = StandInWorker(tmp_path)
+    sent = {"a": torch.randn(64, 16).bfloat16()}
+    served = _served(sent)
+    try:
+        answer = worker.rollouts_fetch_weights(served.url, str(served.num_bytes), "10", checksums="0")
+    finally:
+        served.close()
+    assert answer["checksums"] == {} and "checksum" not in answer["seconds"]
+    assert torch.equal(worker.loaded["a"], sent["a"])
+
+
+@settings(deadline=None, max_examples=50)
+@given(takes=st.lists(st.lists(st.integers(0, 300), max_size=5), min_size=1, max_size=4))
+def test_a_receive_buffer_gives_disjoint_aligned_views_and_grows_only_when_needed(takes):
+    buffer = ReceiveBuffer()
+    largest = 0
+    for sizes in takes:
+        before = None if buffer._buffer is None else buffer._buffer.data_ptr()
+        views = buffer.take(sizes)
+        total = sum(-(-n // ReceiveBuffer.ALIGN) * ReceiveBuffer.ALIGN for n in sizes)
+        assert [v.numel() for v in views] == sizes and all(v.dtype == torch.uint8 for v in views)
+        assert all(v.data_ptr() % ReceiveBuffer.ALIGN == 0 for v in views if v.numel())
+        spans = sorted((v.data_ptr(), v.data_ptr() + v.numel()) for v in views if v.numel())
+        assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:], strict=False))
+        if before is not None and total <= largest:
+            assert buffer._buffer.data_ptr() == before  # reused: nothing mapped afresh
+        largest = max(largest, total)
+    with pytest.raises(ValueError, match="size must be >= 0"):
+        buffer.take([-1])
 
 
 def test_a_fetch_from_an_endpoint_that_never_answers_ends_within_its_timeout():

@@ -91,13 +91,22 @@ def broadcast_from_trainer(group: Any, tensor: Any) -> None:
     group.broadcast([tensor], options).wait()
 
 
-def receive_flat_buckets(group: Any, plan: dict[str, Any], device: Any) -> Iterator[dict[str, Any]]:
+def receive_flat_buckets(
+    group: Any, plan: dict[str, Any], device: Any, *, buffers: list[Any] | None = None
+) -> Iterator[dict[str, Any]]:
     """The tensors of each of a plan's flat buckets as it arrives, views into one buffer per bucket,
     filled by the bucket's "pieces" ([start, end) bytes, one broadcast each; the whole buffer in one
-    when the plan names none)."""
-    for bucket in plan["buckets"]:
+    when the plan names none). `buffers`: one uint8 tensor of each bucket's size on `device` to
+    receive into (None: new ones)."""
+    if buffers is not None and len(buffers) != len(plan["buckets"]):
+        raise ValueError(f"{len(buffers)} buffers for a plan of {len(plan['buckets'])} buckets")
+    for k, bucket in enumerate(plan["buckets"]):
         num_bytes = int(bucket["nbytes"])
-        buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        buffer = torch.empty(num_bytes, dtype=torch.uint8, device=device) if buffers is None else buffers[k]
+        if buffer.numel() != num_bytes or buffer.dtype != torch.uint8:
+            raise ValueError(
+                f"bucket {k} needs a uint8 buffer of {num_bytes} bytes, got {buffer.dtype} of {buffer.numel()}"
+            )
         for start, end in bucket.get("pieces") or [[0, num_bytes]]:
             broadcast_from_trainer(group, buffer[int(start) : int(end)])
         out: dict[str, Any] = {}

@@ -119,9 +119,10 @@ class BroadcastPlan:
         last = self.buckets[index][-1]
         return last.offset + last.num_bytes
 
-    def to_json(self) -> str:
+    def to_json(self, *, checksums: bool = True) -> str:
         """The plan as the engine reads it: per bucket its flat buffer's bytes, its tensors (name,
-        dtype, shape, offset) and the [start, end) bytes of each broadcast that fills it."""
+        dtype, shape, offset) and the [start, end) bytes of each broadcast that fills it; with
+        `checksums` False, "checksums": false (the engine sums nothing: the sync is not attested)."""
         buckets = [
             {
                 "nbytes": self.bucket_bytes(i),
@@ -130,7 +131,10 @@ class BroadcastPlan:
             }
             for i, bucket in enumerate(self.buckets)
         ]
-        return json.dumps({"version": self.weight_version, "buckets": buckets})
+        plan: dict[str, Any] = {"version": self.weight_version, "buckets": buckets}
+        if not checksums:
+            plan["checksums"] = False
+        return json.dumps(plan)
 
     def names(self) -> list[str]:
         return [t.name for bucket in self.buckets for t in bucket]

@@ -66,10 +66,12 @@ def body_bytes(rpc: Mapping[str, Any]) -> int:
     return len(json.dumps(rest, separators=(",", ":"))) + len(payload)
 
 
-def fetch_rpc_body(url: str, num_bytes: int, *, timeout_s: float) -> dict[str, Any]:
+def fetch_rpc_body(url: str, num_bytes: int, *, timeout_s: float, checksums: bool = True) -> dict[str, Any]:
     """The /collective_rpc body that has each worker GET `num_bytes` of safetensors from `url` (within
-    `timeout_s`) and load them."""
+    `timeout_s`) and load them, answering their checksums unless `checksums` is False."""
     kwargs = {"url": url, "num_bytes": str(num_bytes), "timeout_s": str(timeout_s)}
+    if not checksums:  # named only when off: a worker extension from before it takes the call as it was
+        kwargs["checksums"] = "0"
     return {"method": "rollouts_fetch_weights", "kwargs": kwargs}
 
 

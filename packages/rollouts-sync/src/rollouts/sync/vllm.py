@@ -249,7 +249,7 @@ class VLLMEngine(HTTPEngineBase):
         host = serve_host or local_address_toward(str(httpx.URL(self.name).host))
         parts = [safetensors_header(raw), *(t.data for t in raw.values())]
         async with serve_bytes(parts, host=host, timeout_s=self.timeout_s) as served:
-            rpc = fetch_rpc_body(served.url, served.num_bytes, timeout_s=self.timeout_s)
+            rpc = fetch_rpc_body(served.url, served.num_bytes, timeout_s=self.timeout_s, checksums=self.attest)
             await self._paused_update([rpc], version, expected=sent)
         self.last_upload = upload_of(raw, [rpc], fetched_bytes=served.sent_bytes)
         return self.last_upload

@@ -16,6 +16,14 @@ Raw fetch: `rollouts_fetch_weights` GETs one safetensors payload from a one-off 
 serves (rollouts.sync.raw_server) into one buffer, the tensors being views of it: the bytes on the
 wire are the tensors' own, no base64, no JSON, no copy through vLLM's API process.
 
+Host memory: a sync received on the host lands in a buffer the worker keeps from one sync to the
+next (`ReceiveBuffer`), and the cache takes the new tensors by copying them into its own, so a sync
+writes memory already mapped: fresh memory would be faulted in page by page every time (about 0.45 s
+per GB on a CPU here: more than the loopback transfer itself). The cost: the receive buffer stays
+mapped between syncs (the same peak as a sync that allocates). The copy into the cache runs once the
+reload succeeded, in a thread, after the call answered (off the sync's path: on a GPU it is the
+whole model's copy to the host); the next call that needs the cache or the buffer waits for it.
+
 Each call answers "seconds": its own steps' durations (receive, checksum, load), for profiles.
 
 Attestation: each load answers the checksums (rollouts.sync.fingerprint) of the tensors this worker
@@ -41,7 +49,8 @@ import shutil
 import tempfile
 import time
 import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -115,6 +124,20 @@ def _keep_newest(root: str, keep: int) -> None:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
+def _keep_in_cache(cache: dict[str, Any], incoming: dict[str, Any], *, owned: bool) -> None:
+    """The host cache of checkpoint weights updated with `incoming`: a tensor of the same dtype and
+    shape is copied into the cache's own (memory mapped already, and off the receive buffer), any other
+    stored as a host copy, or as it is when `owned`."""
+    for name, tensor in incoming.items():
+        kept = cache.get(name)
+        if owned and tensor.device.type == "cpu":
+            cache[name] = tensor
+        elif kept is not None and kept.dtype == tensor.dtype and kept.shape == tensor.shape:
+            kept.copy_(tensor)
+        else:
+            cache[name] = tensor.to("cpu", copy=True)
+
+
 def _read_dir(path: str) -> dict[str, Any]:
     tensors: dict[str, Any] = {}
     for name in sorted(os.listdir(path)):
@@ -123,8 +146,39 @@ def _read_dir(path: str) -> dict[str, Any]:
     return tensors
 
 
-def fetch_bytes(url: str, num_bytes: int, timeout_s: float) -> Any:
-    """The `num_bytes` bytes GET `url` answers, read into one uint8 tensor, all within `timeout_s`."""
+class ReceiveBuffer:
+    """Host memory kept from one sync to the next: `take(sizes)` gives a uint8 view per size (each at a
+    64-byte-aligned offset of one buffer, grown when a sync needs more), so a receive writes pages
+    already mapped instead of faulting in fresh ones. The views of one `take` are valid until the next."""
+
+    ALIGN = 64
+
+    def __init__(self) -> None:
+        self._buffer: Any = None
+
+    def take(self, sizes: list[int]) -> list[Any]:
+        offsets, total = [], 0
+        for size in sizes:
+            if size < 0:
+                raise ValueError(f"a receive buffer's size must be >= 0, got {size}")
+            offsets.append(total)
+            total += -(-size // self.ALIGN) * self.ALIGN
+        if self._buffer is None or self._buffer.numel() < total:
+            self._buffer = None  # the old one goes before the new one is mapped: one buffer at a time
+            self._buffer = torch.empty(total, dtype=torch.uint8)
+        return [self._buffer[start : start + size] for start, size in zip(offsets, sizes, strict=True)]
+
+
+def fetch_bytes(
+    url: str, num_bytes: int, timeout_s: float, *, into: Any = None, on_progress: Callable[[int], None] | None = None
+) -> Any:
+    """The `num_bytes` bytes GET `url` answers, read into one uint8 tensor (`into`, a contiguous uint8
+    CPU tensor of `num_bytes`, when given; else a new one), all within `timeout_s`. `on_progress` is
+    called with the count of bytes in the buffer after each read."""
+    if into is not None and (into.dtype != torch.uint8 or into.numel() != num_bytes or not into.is_contiguous()):
+        raise ValueError(
+            f"into must be a contiguous uint8 tensor of {num_bytes} bytes, got {into.dtype} of {into.numel()}"
+        )
     parts = urllib.parse.urlsplit(url)
     where = f"{parts.hostname}:{parts.port}"  # the path holds the token: never in a message
     deadline = time.monotonic() + timeout_s
@@ -138,7 +192,7 @@ def fetch_bytes(url: str, num_bytes: int, timeout_s: float) -> Any:
                 f"fetching weights from {where}: answered {response.status} with Content-Length {length}, "
                 f"expected 200 with {num_bytes}"
             )
-        buffer = torch.empty(num_bytes, dtype=torch.uint8)
+        buffer = torch.empty(num_bytes, dtype=torch.uint8) if into is None else into
         view = buffer.numpy().data
         received = 0
         while received < num_bytes:
@@ -148,9 +202,51 @@ def fetch_bytes(url: str, num_bytes: int, timeout_s: float) -> Any:
             if not got:
                 raise RuntimeError(f"fetching weights from {where}: closed after {received} of {num_bytes} bytes")
             received += got
+            if on_progress is not None:
+                on_progress(received)
         return buffer
     finally:
         conn.close()
+
+
+class ChecksumsOnArrival:
+    """The checksums of a safetensors payload's tensors, each computed in a thread of `pool` as soon as
+    its bytes are in `buffer` (give it to fetch_bytes as `on_progress`), so they overlap the rest of
+    the fetch. The fault ROLLOUTS_SYNC_FAULT asks for is injected into its tensor before its sum."""
+
+    def __init__(self, buffer: Any, pool: ThreadPoolExecutor) -> None:
+        self._buffer = buffer
+        self._pool = pool
+        self._fault = sync_fault_target()
+        self._spans: list[tuple[int, str, int]] | None = None  # (end, name, start) in the buffer, by end
+        self._pending: list[tuple[str, Any]] = []
+
+    def __call__(self, received: int) -> None:
+        if self._spans is None:
+            if received < 8:
+                return
+            head = int.from_bytes(self._buffer[:8].numpy().tobytes(), "little")
+            if received < 8 + head:
+                return
+            header = json.loads(self._buffer[8 : 8 + head].numpy().tobytes())
+            spans = [
+                (8 + head + int(entry["data_offsets"][1]), name, 8 + head + int(entry["data_offsets"][0]))
+                for name, entry in header.items()
+                if name != "__metadata__"
+            ]
+            self._spans = sorted(spans, reverse=True)  # the next to arrive last: popped first
+        while self._spans and self._spans[-1][0] <= received:
+            end, name, start = self._spans.pop()
+            data = self._buffer[start:end]
+            if name == self._fault:
+                flip_bit_torch(data)
+            self._pending.append((name, self._pool.submit(_checksums, {name: data})))
+
+    def result(self) -> dict[str, int]:
+        """Every tensor's checksum (call once the whole payload arrived)."""
+        if self._spans:
+            raise RuntimeError(f"{len(self._spans)} tensors of the payload never arrived")
+        return {name: done.result()[name] for name, done in self._pending}
 
 
 def tensors_of_safetensors(buffer: Any) -> dict[str, Any]:
@@ -175,7 +271,45 @@ def tensors_of_safetensors(buffer: Any) -> dict[str, Any]:
 class SafetensorsWeightLoader:
     """Mixed into vLLM's Worker class; its methods are called through POST /collective_rpc."""
 
+    def _rollouts_host_buffers(self, sizes: list[int]) -> list[Any]:
+        """Host views of `sizes` bytes in the buffer this worker keeps between syncs (see ReceiveBuffer)."""
+        self._rollouts_settle()  # the last sync's copy out of the buffer
+        buffer = getattr(self, "_rollouts_receive_buffer", None)
+        if buffer is None:
+            buffer = self._rollouts_receive_buffer = ReceiveBuffer()
+        return buffer.take(sizes)
+
+    def _rollouts_settle(self) -> None:
+        """Wait for the last sync's copy into the cache. Should it have failed, the cache no longer
+        holds the weights served, and only a full update (which needs none of it) loads until one
+        succeeds (`_rollouts_cache_lost` says why)."""
+        pending: Future[None] | None = getattr(self, "_rollouts_cache_copy", None)
+        if pending is None:
+            return
+        self._rollouts_cache_copy: Future[None] | None = None
+        try:
+            pending.result()
+        except Exception as exc:  # noqa: BLE001 - kept as the reason later loads give
+            self._rollouts_cache_lost = f"copying the weights of the last sync into the worker's cache failed: {exc!r}"
+
+    def _rollouts_keep(self, cache: dict[str, Any], incoming: dict[str, Any], *, owned: bool) -> None:
+        """`incoming` into the cache: at once when `owned` (nothing to copy), else by a thread of its own."""
+        if owned:
+            _keep_in_cache(cache, incoming, owned=True)
+            self._rollouts_cache_lost = ""
+            return
+        pool = getattr(self, "_rollouts_cache_pool", None)
+        if pool is None:
+            pool = self._rollouts_cache_pool = ThreadPoolExecutor(1, thread_name_prefix="rollouts-cache")
+
+        def keep() -> None:
+            _keep_in_cache(cache, incoming, owned=False)
+            self._rollouts_cache_lost = ""
+
+        self._rollouts_cache_copy = pool.submit(keep)
+
     def _rollouts_base_weights(self) -> dict[str, Any]:
+        self._rollouts_settle()
         model_dir = str(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
         signature = (model_dir, _files_signature(model_dir))
         cache = getattr(self, "_rollouts_weights", None)
@@ -261,29 +395,47 @@ class SafetensorsWeightLoader:
             raise RuntimeError("no broadcast group: call rollouts_init_broadcast first")
         start = time.perf_counter()
         incoming: dict[str, Any] = {}
+        summing = plan.get("checksums", True) is not False  # false: an unattested sync
+        device = self._rollouts_group_device
+        on_host = device.type == "cpu"  # on a GPU fresh buffers come from torch's caching allocator already
+        buffers = self._rollouts_host_buffers([int(b["nbytes"]) for b in plan["buckets"]]) if on_host else None
         with ThreadPoolExecutor(1, thread_name_prefix="rollouts-checksum") as pool:
             pending = []
-            for tensors in receive_flat_buckets(group, plan, self._rollouts_group_device):
+            for tensors in receive_flat_buckets(group, plan, device, buffers=buffers):
                 incoming.update(_received(tensors))
-                pending.append(pool.submit(_checksums, tensors))
+                if summing:
+                    pending.append(pool.submit(_checksums, tensors))
             seconds = {"receive": time.perf_counter() - start}
             checksums = {name: value for done in pending for name, value in done.result().items()}
         seconds["checksum"] = time.perf_counter() - start - seconds["receive"]  # what was left after the last bucket
         return incoming, checksums, seconds
 
-    def rollouts_fetch_weights(self, url: str, num_bytes: str, timeout_s: str) -> dict[str, Any]:
+    def rollouts_fetch_weights(self, url: str, num_bytes: str, timeout_s: str, checksums: str = "1") -> dict[str, Any]:
         """Fetch one safetensors payload of `num_bytes` bytes from `url` (raw bytes, within `timeout_s`),
-        then reload with its tensors (all or nothing). Answers their checksums as received."""
+        then reload with its tensors (all or nothing). Answers their checksums as received (none with
+        checksums="0": an unattested sync)."""
         start = time.perf_counter()
-        incoming = _received(tensors_of_safetensors(fetch_bytes(url, int(num_bytes), float(timeout_s))))
-        return self._rollouts_apply(incoming, {"receive": time.perf_counter() - start})
+        (into,) = self._rollouts_host_buffers([int(num_bytes)])
+        if checksums == "0":
+            fetched = fetch_bytes(url, int(num_bytes), float(timeout_s), into=into)
+            incoming = _received(tensors_of_safetensors(fetched))
+            return self._rollouts_apply(incoming, {"receive": time.perf_counter() - start}, checksums={})
+        with ThreadPoolExecutor(1, thread_name_prefix="rollouts-checksum") as pool:
+            arriving = ChecksumsOnArrival(into, pool)  # each tensor's, while the rest arrives
+            incoming = tensors_of_safetensors(
+                fetch_bytes(url, int(num_bytes), float(timeout_s), into=into, on_progress=arriving)
+            )
+            seconds = {"receive": time.perf_counter() - start}
+            sums = arriving.result()
+        seconds["checksum"] = time.perf_counter() - start - seconds["receive"]  # what was left after the last byte
+        return self._rollouts_apply(incoming, seconds, checksums=sums)
 
     def rollouts_load_dir(self, weights_path: str) -> dict[str, Any]:
         """Reload from the checkpoint files at `weights_path` (as vLLM's reload_weights does from a path),
         reading them once: answers the checksums of what it read, for the trainer's attestation."""
         start = time.perf_counter()
         incoming = _received(_read_dir(weights_path))
-        return self._rollouts_apply(incoming, {"read": time.perf_counter() - start}, known_only=False)
+        return self._rollouts_apply(incoming, {"read": time.perf_counter() - start}, known_only=False, owned=True)
 
     def _rollouts_apply(
         self,
@@ -292,15 +444,21 @@ class SafetensorsWeightLoader:
         *,
         known_only: bool = True,
         checksums: dict[str, int] | None = None,
+        owned: bool = False,
     ) -> dict[str, Any]:
         """Reload with the base weights updated by `incoming` (checked first: with `known_only` every name
         must be a checkpoint tensor's, and each shape must match); the cache takes them once the reload
-        succeeded. Answers the checksums of `incoming` (computed here unless given) and each step's seconds."""
+        succeeded: as they are when `owned` (host tensors nothing else writes), else copied into its own
+        tensors (`incoming` may be views of the receive buffer, which the next sync overwrites). Answers
+        the checksums of `incoming` (computed here unless given) and each step's seconds."""
         weights = self._rollouts_base_weights()
         if known_only:
             unknown = sorted(set(incoming) - set(weights))
             if unknown:
                 raise ValueError(f"tensors not in the model's checkpoint: {unknown[:10]} ({len(unknown)} in all)")
+        lost = getattr(self, "_rollouts_cache_lost", "")
+        if lost and not set(weights) <= set(incoming):
+            raise RuntimeError(f"{lost}; only a full update (every checkpoint tensor) can load until one succeeds")
         for name, tensor in incoming.items():
             if name in weights and tuple(tensor.shape) != tuple(weights[name].shape):
                 raise ValueError(
@@ -314,8 +472,7 @@ class SafetensorsWeightLoader:
         # vLLM's parameters do not require grad, so no autograd graph is built here.
         self.reload_weights(weights_iterator=iter(list({**weights, **incoming}.items())))  # type: ignore[attr-defined]
         seconds["load"] = time.perf_counter() - start
-        # the cache is host memory: GPU buffers are copied out, CPU ones kept (they outlive the bucket)
-        weights.update({name: tensor.to("cpu") for name, tensor in incoming.items()})
+        self._rollouts_keep(weights, incoming, owned=owned)  # after this call answered, unless owned
         return {"num_tensors": len(incoming), "checksums": checksums, "seconds": seconds}
 
     def rollouts_load_weights(self, data_b64: str, apply: str = "1", first: str = "1") -> dict[str, Any]:
