@@ -41,6 +41,28 @@ def test_the_http_wire_is_chosen_in_the_run_file_and_reaches_the_vllm_client():
         EngineSpec(kind="vllm", urls=("http://127.0.0.1:1",), sync="http", http_wire="base64")
 
 
+def test_the_broadcast_backend_is_chosen_in_the_run_file_and_reaches_the_broadcast(monkeypatch):
+    spec = EngineSpec(kind="vllm", urls=("http://127.0.0.1:1",), sync="broadcast")
+    assert spec.broadcast_backend == "gloo"
+    common = {"api_key_env": "", "timeout_s": 30.0, "max_retries": 0, "sync_timeout_s": 60.0}
+    engine = remote_engine("vllm", spec.urls, sync="broadcast", broadcast_backend=spec.broadcast_backend, **common)
+    assert engine.engine.sync.options.backend == "gloo"  # BoundedSync > BroadcastWeights
+    nccl = EngineSpec(kind="sglang", urls=("http://127.0.0.1:1",), sync="broadcast", broadcast_backend="nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # where the trainer has a GPU
+    two = ("http://127.0.0.1:1", "http://127.0.0.1:2")
+    pool = remote_engine("sglang", two, sync="broadcast", broadcast_backend="nccl", **common)
+    assert pool.broadcast.options.backend == "nccl"  # one BroadcastPool for two engines
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(
+        ValueError, match="'nccl' sends the weights from the trainer's GPU, but this process sees no CUDA"
+    ):
+        remote_engine("sglang", nccl.urls, sync="broadcast", broadcast_backend="nccl", **common)
+    with pytest.raises(ValueError, match="EngineSpec.broadcast_backend"):
+        EngineSpec(kind="vllm", urls=("http://127.0.0.1:1",), sync="http", broadcast_backend="nccl")
+    with pytest.raises(ValueError, match="EngineSpec.broadcast_backend"):
+        EngineSpec(kind="vllm", urls=("http://127.0.0.1:1",), sync="broadcast", broadcast_backend="mpi")
+
+
 def test_an_engine_synced_by_broadcast_loads_the_exported_weights_in_their_dtype(tmp_path):
     exported = {"w": torch.randn(16, 8).bfloat16(), "b": torch.randn(8)}
     save_file(exported, str(tmp_path / "model.safetensors"))

@@ -150,6 +150,7 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
             partial=run.rl.rollout.partial,
             attest=run.engine.attest,
             http_wire=run.engine.http_wire,
+            broadcast_backend=run.engine.broadcast_backend,
         )
     if shares:
         model = components.model

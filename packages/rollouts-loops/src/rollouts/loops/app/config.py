@@ -99,12 +99,18 @@ class EngineSpec:
     """How new weights reach remote engines: "disk" sends the absolute path of the exported weights
     (the engines must see the trainer's filesystem at that path); "http" sends the weights in request
     bodies, chunked (no shared disk; vLLM started with the worker extension: `rollouts engine vllm`);
-    "broadcast" through a gloo group with the engine's workers (vLLM's worker extension, or SGLang)."""
+    "broadcast" through a process group with the engine's workers (vLLM's worker extension, or
+    SGLang; `broadcast_backend` says which kind)."""
     http_wire: Literal["fetch", "inline"] = "fetch"
     """With sync = "http": "fetch" serves the weights' raw safetensors bytes on a short-lived endpoint
     of the trainer that the engine's workers download (the bytes on the wire are the weights' own;
     the engine must be able to connect back to the trainer); "inline" sends them base64 in the
     requests to the engine (4/3 the bytes, slower), for an engine that cannot reach the trainer."""
+    broadcast_backend: Literal["gloo", "nccl"] = "gloo"
+    """With sync = "broadcast": "gloo" (the default; runs everywhere: the weights travel through host
+    memory, and the engine's workers receive them there) or "nccl" (GPU to GPU: the trainer on CUDA,
+    the engine's workers on GPUs of their own; NCCL cannot put two ranks on one GPU, so not for an
+    engine sharing the trainer's GPU)."""
     num_threads: int = 1
     """Torch threads of the engine process (kind = "process" or "rollout_process")."""
     attest: bool = True
@@ -130,6 +136,20 @@ class EngineSpec:
         require(self.http_wire in ("fetch", "inline"), "EngineSpec.http_wire", self.http_wire, "be fetch or inline")
         if self.http_wire != "fetch":
             require(self.sync == "http", "EngineSpec.http_wire", self.http_wire, "be 'fetch' unless sync is 'http'")
+        backends = ("gloo", "nccl")
+        require(
+            self.broadcast_backend in backends,
+            "EngineSpec.broadcast_backend",
+            self.broadcast_backend,
+            "be gloo or nccl",
+        )
+        if self.broadcast_backend != "gloo":
+            require(
+                self.sync == "broadcast",
+                "EngineSpec.broadcast_backend",
+                self.broadcast_backend,
+                "be 'gloo' unless sync is 'broadcast'",
+            )
         require(self.num_threads >= 1, "EngineSpec.num_threads", self.num_threads, "be >= 1")
         if self.kind in ("inprocess", "process", "rollout_process"):
             require(not self.urls, "EngineSpec.urls", self.urls, f"be empty for kind={self.kind!r}")

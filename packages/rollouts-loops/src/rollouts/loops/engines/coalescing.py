@@ -271,6 +271,7 @@ def remote_engine(
     partial: bool = False,
     attest: bool = True,
     http_wire: str = "fetch",
+    broadcast_backend: str = "gloo",
 ) -> InferenceEngine:
     """A vLLM / SGLang client (a pool of them for several URLs); the API key comes from `api_key_env`.
 
@@ -282,7 +283,9 @@ def remote_engine(
     (`VLLMEngine(keep_partial=True)`), to be continued. `attest`: vLLM engines check the checksums of
     the weights each sync loaded (`VLLMEngine(attest=...)`, and the broadcast's
     `BroadcastOptions(attest=...)`); SGLang cannot report them, and the log says once that its syncs
-    go unattested. `http_wire` (sync "http"): how the bytes travel (`VLLMEngine(tensor_wire=...)`)."""
+    go unattested. `http_wire` (sync "http"): how the bytes travel (`VLLMEngine(tensor_wire=...)`).
+    `broadcast_backend` (sync "broadcast"): the process group's, "gloo" or "nccl" (the trainer on
+    CUDA: `BroadcastOptions(backend=...)`)."""
     if sync not in ("disk", "http", "broadcast"):
         raise ValueError(f"sync must be 'disk', 'http' or 'broadcast', got {sync!r}")
     api_key = os.environ.get(api_key_env) if api_key_env else None
@@ -304,10 +307,17 @@ def remote_engine(
     if sync == "http":
         engines = [SendWeights(e) for e in engines]
     if sync == "broadcast":
+        import torch
+
         from rollouts.loops.engines.broadcast import BroadcastPool, BroadcastWeights  # it imports this module
         from rollouts.sync import BroadcastOptions
 
-        options = BroadcastOptions(attest=attest)
+        if broadcast_backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError(
+                "engine.broadcast_backend = 'nccl' sends the weights from the trainer's GPU, but this "
+                "process sees no CUDA device: use 'gloo'"
+            )
+        options = BroadcastOptions(attest=attest, backend=broadcast_backend)
         if len(engines) > 1:  # one broadcast to them all: each bucket read or gathered once
             return BroadcastPool(engines, options, sync_timeout_s=sync_timeout_s)
         engines = [BroadcastWeights(engines[0], options, sync_timeout_s=sync_timeout_s)]
