@@ -152,6 +152,15 @@ def worker(tmp_path):
     return StandInWorker(tmp_path)
 
 
+def _trainer_and_worker(worker, plans, sends, stops) -> threading.Thread:
+    """The trainer's thread sending `plans` (see _trainer_sends), started, with `worker` joined to it."""
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
+    trainer = threading.Thread(target=_trainer_sends, args=(store.port, plans, sends), kwargs={"stops": stops})
+    trainer.start()
+    _join_worker(worker, store)
+    return trainer
+
+
 def _join_worker(worker, store):
     worker.rollouts_init_broadcast(
         host="127.0.0.1",
@@ -181,12 +190,7 @@ def test_the_worker_extension_loads_only_once_every_bucket_arrived(worker, stop_
     )
     assert [[s.name for s in piece] for piece in bucket_pieces(plan.buckets[0])] == [["a", "b"], ["big"], ["c"]]
     assert [[s.name for s in bucket] for bucket in plan.buckets[1:]] == [["d"]]
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
-    trainer = threading.Thread(
-        target=_trainer_sends, args=(store.port, [plan], [tensors]), kwargs={"stops": [stop_after_buckets]}
-    )
-    trainer.start()
-    _join_worker(worker, store)
+    trainer = _trainer_and_worker(worker, [plan], [tensors], [stop_after_buckets])
     if stop_after_buckets is None:
         answer = worker.rollouts_receive_broadcast(plan.to_json())
         assert answer["num_tensors"] == 5
@@ -201,6 +205,63 @@ def test_the_worker_extension_loads_only_once_every_bucket_arrived(worker, stop_
     trainer.join(timeout=30)
 
 
+@pytest.mark.parametrize("stop_after_buckets", [None, 1], ids=["all-buckets", "trainer-dies-mid-way"])
+def test_buckets_held_on_the_host_arrive_through_one_buckets_room(worker, monkeypatch, stop_after_buckets):
+    """The path of an NCCL sync without room on the GPU (here on gloo, the staging forced): each
+    bucket lands in one bucket-sized buffer, is summed there (a fault injected first, so the sum is
+    of what the model gets) and copied out to the host before the next bucket reuses the room; the
+    load sees every tensor as sent, and a trainer dying mid-way leaves the weights as they were."""
+    import rollouts.sync.worker_extension as extension
+
+    monkeypatch.setattr(extension, "stage_on_host", lambda device, stage, num_bytes: stage == "host")
+    monkeypatch.setenv("ROLLOUTS_SYNC_FAULT", "corrupt:c")
+    tensors = {"a": torch.randn(3, 5), "big": torch.randn(513, 512), "c": torch.randn(2, 2)}
+    tensors["d"] = torch.randn(300, 512)
+    plan = plan_buckets(
+        [(n, "float32", tuple(t.shape)) for n, t in tensors.items()], bucket_bytes=1024, weight_version=1
+    )
+    sizes = [plan.bucket_bytes(k) for k in range(len(plan.buckets))]
+    assert len(sizes) == 4 and len(set(sizes)) > 1
+    assert '"stage": "host"' in plan.to_json(stage="host") and "stage" not in plan.to_json()
+    allocated = []
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: allocated.append(a) or empty(*a, **k))
+    trainer = _trainer_and_worker(worker, [plan], [tensors], [stop_after_buckets])
+    if stop_after_buckets is None:
+        answer = worker.rollouts_receive_broadcast(plan.to_json(stage="host"))
+        trainer.join(timeout=30)
+        assert (max(sizes),) in allocated  # one bucket's room: receive_flat_buckets allocated none
+        assert all(torch.equal(worker.loaded[n], t) for n, t in tensors.items() if n != "c")
+        assert not torch.equal(worker.loaded["c"], tensors["c"])  # the injected fault reached the model
+        sent = {n: checksum_torch(t) for n, t in tensors.items()}
+        assert answer["checksums"] == {**sent, "c": checksum_torch(worker.loaded["c"])}
+    else:
+        with pytest.raises(RuntimeError):
+            worker.rollouts_receive_broadcast(plan.to_json(stage="host"))
+        trainer.join(timeout=30)
+        assert worker.loaded is None
+
+
+def test_where_buckets_wait_for_the_load_follows_the_gpus_room(monkeypatch):
+    """ "auto" holds an NCCL sync on the GPU only when every bucket fits beside a headroom, counting
+    what torch's allocator holds free; gloo's buckets are on the host already."""
+    from rollouts.sync.worker_extension import DEVICE_HEADROOM_BYTES, stage_on_host
+
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (6 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 3 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2 * gib)  # 1 GiB held free
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    room = 7 * gib - DEVICE_HEADROOM_BYTES
+    assert not stage_on_host(gpu, "auto", room) and stage_on_host(gpu, "auto", room + 1)
+    assert stage_on_host(gpu, "host", 1) and not stage_on_host(gpu, "device", 100 * gib)
+    assert not any(stage_on_host(cpu, stage, 100 * gib) for stage in ("auto", "device", "host"))
+    with pytest.raises(ValueError, match="stage must be 'auto', 'device' or 'host', got 'disk'"):
+        stage_on_host(gpu, "disk", 1)
+    with pytest.raises(ValueError, match="BroadcastOptions.stage"):
+        BroadcastOptions(stage="gpu")
+
+
 def test_an_unattested_broadcast_loads_and_sums_nothing(worker):
     """A plan sent with checksums=False (BroadcastOptions(attest=False)) says so, and the worker
     loads every bucket without summing any."""
@@ -209,10 +270,7 @@ def test_an_unattested_broadcast_loads_and_sums_nothing(worker):
         [(n, str(t.dtype)[6:], tuple(t.shape)) for n, t in tensors.items()], bucket_bytes=1024, weight_version=1
     )
     assert "checksums" not in plan.to_json() and '"checksums": false' in plan.to_json(checksums=False)
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
-    trainer = threading.Thread(target=_trainer_sends, args=(store.port, [plan], [tensors]), kwargs={"stops": [None]})
-    trainer.start()
-    _join_worker(worker, store)
+    trainer = _trainer_and_worker(worker, [plan], [tensors], [None])
     answer = worker.rollouts_receive_broadcast(plan.to_json(checksums=False))
     trainer.join(timeout=30)
     assert answer["checksums"] == {}
@@ -234,14 +292,7 @@ def test_syncs_reuse_one_receive_buffer_and_the_cache_never_holds_a_view_of_it(w
         for v, (named, size) in enumerate(zip(sends, bucket_sizes, strict=True), start=1)
     ]
     assert len(plans[2].buckets) == 2
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
-    trainer = threading.Thread(
-        target=_trainer_sends,
-        args=(store.port, plans, sends),
-        kwargs={"stops": [None, None, 1]},
-    )
-    trainer.start()
-    _join_worker(worker, store)
+    trainer = _trainer_and_worker(worker, plans, sends, [None, None, 1])
     worker.rollouts_receive_broadcast(plans[0].to_json())
     memory = worker._rollouts_receive_buffer._buffer.data_ptr()
     worker.rollouts_receive_broadcast(plans[1].to_json())  # "big" lands where "a", "b" and "big" were
@@ -281,11 +332,8 @@ def test_an_adapter_is_written_for_vllm_only_once_every_bucket_arrived(
         for v, a in enumerate(adapters, start=1)
     ]
     assert all(len(plan.buckets) == 2 for plan in plans)
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
     stops = [None, None, stop_after_buckets]
-    trainer = threading.Thread(target=_trainer_sends, args=(store.port, plans, adapters), kwargs={"stops": stops})
-    trainer.start()
-    _join_worker(worker, store)
+    trainer = _trainer_and_worker(worker, plans, adapters, stops)
     token = "0123456789abcdef"  # the trainer's random draw
     root = tmp_path / f"rollouts-adapters-{token}"
     for plan, adapter, stop in zip(plans, adapters, stops, strict=True):

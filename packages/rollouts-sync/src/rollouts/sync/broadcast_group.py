@@ -109,12 +109,17 @@ def receive_flat_buckets(
             )
         for start, end in bucket.get("pieces") or [[0, num_bytes]]:
             broadcast_from_trainer(group, buffer[int(start) : int(end)])
-        out: dict[str, Any] = {}
-        for name, dtype, shape, offset in bucket["tensors"]:
-            kind = getattr(torch, dtype)
-            size = torch.Size(shape).numel() * torch.empty((), dtype=kind).element_size()
-            out[name] = buffer[offset : offset + size].view(kind).view(shape)
-        yield out
+        yield flat_views(buffer, bucket)
+
+
+def flat_views(buffer: Any, bucket: dict[str, Any]) -> dict[str, Any]:
+    """The tensors of a plan's flat `bucket` as views of its uint8 `buffer`."""
+    out: dict[str, Any] = {}
+    for name, dtype, shape, offset in bucket["tensors"]:
+        kind = getattr(torch, dtype)
+        size = torch.Size(shape).numel() * torch.empty((), dtype=kind).element_size()
+        out[name] = buffer[offset : offset + size].view(kind).view(shape)
+    return out
 
 
 def receive_tensor_list(group: Any, specs: list[tuple[str, str, list[int]]], device: Any) -> dict[str, Any]:

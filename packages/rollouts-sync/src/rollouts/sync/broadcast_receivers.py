@@ -112,10 +112,11 @@ class VLLMReceiver:
     ) -> list[dict[str, int]] | None:
         self._adapter_path = None
         if adapter_config is None:
-            kwargs, method = {"plan_json": plan.to_json(checksums=options.attest)}, "rollouts_receive_broadcast"
+            plan_json = plan.to_json(checksums=options.attest, stage=options.stage)
+            kwargs, method = {"plan_json": plan_json}, "rollouts_receive_broadcast"
         else:
             method = "rollouts_receive_adapter"
-            plan_json = plan.to_json(checksums=options.attest)
+            plan_json = plan.to_json(checksums=options.attest, stage=options.stage)
             kwargs = {"plan_json": plan_json, "config_json": adapter_config, "token": self._adapter_token}
         results = [r for r in await self._rpc(method, kwargs, receive_timeout_s(plan, options)) if isinstance(r, dict)]
         if adapter_config is not None:

@@ -67,6 +67,11 @@ class BroadcastOptions:
     """Check the checksums each vLLM worker reports of what it received against the trainer's own
     (rollouts.sync.fingerprint); a mismatch fails that engine before its version is set. SGLang
     reports none: its syncs go unattested."""
+    stage: str = "auto"
+    """Where a vLLM worker holds an NCCL sync's buckets until the load (all or nothing): "device" (on
+    its GPU: the model's size beside vLLM's own memory), "host" (each bucket copied out to host memory
+    as it arrives: one bucket's room on the GPU, a copy out and back in), or "auto" (the GPU when it
+    has room for them all, else the host). A gloo sync's buckets arrive in host memory."""
 
     def __post_init__(self) -> None:
         size = self.bucket_bytes
@@ -76,6 +81,8 @@ class BroadcastOptions:
             check_seconds(f"BroadcastOptions.{name}", getattr(self, name))
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"BroadcastOptions.backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.stage not in ("auto", "device", "host"):
+            raise ValueError(f"BroadcastOptions.stage must be 'auto', 'device' or 'host', got {self.stage!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"BroadcastOptions.port must be an int in [0, 65536), got {self.port!r}")
 
@@ -119,10 +126,11 @@ class BroadcastPlan:
         last = self.buckets[index][-1]
         return last.offset + last.num_bytes
 
-    def to_json(self, *, checksums: bool = True) -> str:
+    def to_json(self, *, checksums: bool = True, stage: str = "auto") -> str:
         """The plan as the engine reads it: per bucket its flat buffer's bytes, its tensors (name,
         dtype, shape, offset) and the [start, end) bytes of each broadcast that fills it; with
-        `checksums` False, "checksums": false (the engine sums nothing: the sync is not attested)."""
+        `checksums` False, "checksums": false (the engine sums nothing: the sync is not attested);
+        `stage` other than "auto" (BroadcastOptions.stage) as "stage"."""
         buckets = [
             {
                 "nbytes": self.bucket_bytes(i),
@@ -134,6 +142,8 @@ class BroadcastPlan:
         plan: dict[str, Any] = {"version": self.weight_version, "buckets": buckets}
         if not checksums:
             plan["checksums"] = False
+        if stage != "auto":
+            plan["stage"] = stage
         return json.dumps(plan)
 
     def names(self) -> list[str]:

@@ -59,10 +59,10 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_bytes
 
 try:
-    from rollouts.sync.broadcast_group import connect_to_trainer, receive_flat_buckets
+    from rollouts.sync.broadcast_group import connect_to_trainer, flat_views, receive_flat_buckets
     from rollouts.sync.fingerprint_torch import fingerprint_torch, flip_bit_torch, sync_fault_target
 except ModuleNotFoundError:  # in a server started by rollouts.sync.launch: their copies beside this one
-    from rollouts_broadcast_group import connect_to_trainer, receive_flat_buckets  # type: ignore[no-redef,import-not-found]
+    from rollouts_broadcast_group import connect_to_trainer, flat_views, receive_flat_buckets  # type: ignore[no-redef,import-not-found]
     from rollouts_fingerprint_torch import fingerprint_torch, flip_bit_torch, sync_fault_target  # type: ignore[no-redef,import-not-found]
 
 _SAFETENSORS_SUFFIX = ".safetensors"
@@ -136,6 +136,28 @@ def _keep_in_cache(cache: dict[str, Any], incoming: dict[str, Any], *, owned: bo
             kept.copy_(tensor)
         else:
             cache[name] = tensor.to("cpu", copy=True)
+
+
+DEVICE_HEADROOM_BYTES = 1 << 30
+"""GPU memory a broadcast held on the device leaves free beyond its buckets (vLLM's reload
+materializes a layer at a time)."""
+
+
+def stage_on_host(device: Any, stage: str, num_bytes: int) -> bool:
+    """Whether a broadcast of `num_bytes` into GPU `device` is held on the host until the load (each
+    bucket copied out as it arrives: one bucket's room on the GPU) rather than on the GPU: `stage`
+    "host", "device", or "auto" (the host unless the GPU has room for every bucket plus
+    DEVICE_HEADROOM_BYTES, free or held free by torch's allocator). A gloo group's buckets are on
+    the host already: False."""
+    if stage not in ("auto", "device", "host"):
+        raise ValueError(f"stage must be 'auto', 'device' or 'host', got {stage!r}")
+    if device.type == "cpu" or stage == "device":
+        return False
+    if stage == "host":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    held_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return bool(num_bytes + DEVICE_HEADROOM_BYTES > free + held_free)
 
 
 def _read_dir(path: str) -> dict[str, Any]:
@@ -397,16 +419,29 @@ class SafetensorsWeightLoader:
         incoming: dict[str, Any] = {}
         summing = plan.get("checksums", True) is not False  # false: an unattested sync
         device = self._rollouts_group_device
-        on_host = device.type == "cpu"  # on a GPU fresh buffers come from torch's caching allocator already
-        buffers = self._rollouts_host_buffers([int(b["nbytes"]) for b in plan["buckets"]]) if on_host else None
+        sizes = [int(b["nbytes"]) for b in plan["buckets"]]
+        staged = stage_on_host(device, str(plan.get("stage", "auto")), sum(sizes))
+        host: list[Any] = []
+        if staged:  # one bucket's room on the GPU, each bucket copied out to the host as it arrives
+            staging = torch.empty(max(sizes), dtype=torch.uint8, device=device)
+            host, buffers = self._rollouts_host_buffers(sizes), [staging[:n] for n in sizes]
+        elif device.type == "cpu":  # on a GPU fresh buffers come from torch's caching allocator already
+            buffers = self._rollouts_host_buffers(sizes)
+        else:
+            buffers = None
         with ThreadPoolExecutor(1, thread_name_prefix="rollouts-checksum") as pool:
-            pending = []
-            for tensors in receive_flat_buckets(group, plan, device, buffers=buffers):
-                incoming.update(_received(tensors))
-                if summing:
+            pending, checksums = [], {}
+            for k, tensors in enumerate(receive_flat_buckets(group, plan, device, buffers=buffers)):
+                tensors = _received(tensors)
+                if staged:  # summed where it is, then copied out, before the next bucket reuses the room
+                    checksums.update(_checksums(tensors) if summing else {})
+                    host[k].copy_(buffers[k])  # type: ignore[index]
+                    tensors = flat_views(host[k], plan["buckets"][k])
+                elif summing:
                     pending.append(pool.submit(_checksums, tensors))
+                incoming.update(tensors)
             seconds = {"receive": time.perf_counter() - start}
-            checksums = {name: value for done in pending for name, value in done.result().items()}
+            checksums |= {name: value for done in pending for name, value in done.result().items()}
         seconds["checksum"] = time.perf_counter() - start - seconds["receive"]  # what was left after the last bucket
         return incoming, checksums, seconds
 
