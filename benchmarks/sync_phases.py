@@ -18,7 +18,8 @@ from typing import Any
 
 TRAINER_STEPS = {
     "rollouts.sync.vllm": ("fingerprint", "fingerprint_dir", "tensor_rpc_bodies", "raw_tensors", "safetensors_header"),
-    "rollouts.sync.broadcast": ("fingerprint_torch", "_pack", "broadcast_from_trainer", "_full"),
+    "rollouts.sync.broadcast": ("fingerprint_torch", "broadcast_from_trainer", "_full"),
+    "rollouts.sync.broadcast_pieces": ("_pack",),
 }
 """Module -> the trainer-side functions timed in it (what a module lacks is skipped)."""
 

@@ -23,6 +23,7 @@ TORCH_EXTRA_MODULES = frozenset(
     {
         "rollouts-sync/src/rollouts/sync/broadcast.py",
         "rollouts-sync/src/rollouts/sync/broadcast_group.py",
+        "rollouts-sync/src/rollouts/sync/broadcast_pieces.py",
         "rollouts-sync/src/rollouts/sync/worker_extension.py",
     }
 )

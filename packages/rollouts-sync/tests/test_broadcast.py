@@ -77,7 +77,7 @@ def test_the_pieces_of_a_bucket_send_each_tensor_once_in_order_and_pack_only_sma
     assert [spec for piece in pieces for spec in piece] == list(bucket)
     assert all(len(p) == 1 or all(s.num_bytes < SMALL_TENSOR_BYTES for s in p) for p in pieces)
     tensors = [torch.full((n,), i % 251, dtype=torch.uint8) for i, n in enumerate(sizes)]
-    from rollouts.sync.broadcast import flat_pieces
+    from rollouts.sync.broadcast_pieces import flat_pieces
 
     buffer = torch.zeros(plan_bytes := bucket[-1].offset + bucket[-1].num_bytes, dtype=torch.uint8)
     for piece, data in zip(pieces, flat_pieces(bucket, tensors), strict=True):
@@ -89,6 +89,62 @@ def test_the_pieces_of_a_bucket_send_each_tensor_once_in_order_and_pack_only_sma
     big = [data for piece, data in zip(pieces, flat_pieces(bucket, tensors), strict=True) if len(piece) == 1]
     for data, piece in zip(big, [p for p in pieces if len(p) == 1], strict=True):  # no copy: the tensor itself
         assert data.data_ptr() == tensors[bucket.index(piece[0])].data_ptr()
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    sizes=st.lists(st.sampled_from([1, 7, 64, SMALL_TENSOR_BYTES - 1, SMALL_TENSOR_BYTES + 5]), min_size=1, max_size=8),
+    kinds=st.data(),
+)
+def test_a_bucket_laid_out_on_the_host_sends_the_same_bytes_from_one_reused_buffer(sizes, kinds):
+    """A GPU's bucket for a gloo group goes through HostStaging: each tensor at its planned offset of
+    one buffer, its views equal to the tensors, and the pieces sent are slices of that buffer with the
+    bytes the tensors' own pieces carry; the buffer is kept for every later bucket that fits."""
+    from rollouts.sync.broadcast_pieces import HostStaging, flat_pieces, needs_host_copy
+
+    dtypes = [kinds.draw(st.sampled_from([torch.uint8, torch.bfloat16, torch.float32])) for _ in sizes]
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randint(0, 255, (max(1, n // d.itemsize),), generator=g).to(d) for n, d in zip(sizes, dtypes, strict=True)
+    ]
+    specs = [(f"t{i}", str(t.dtype)[6:], tuple(t.shape)) for i, t in enumerate(tensors)]
+    (bucket,) = plan_buckets(specs, bucket_bytes=sum(sizes) * 2 + ALIGN_BYTES * len(sizes), weight_version=0).buckets
+    staging = HostStaging()
+    flat = staging.fill(bucket, tensors)
+    assert all(torch.equal(v, t) for v, t in zip(staging.views(bucket, flat), tensors, strict=True))
+    sent = zip(
+        bucket_pieces(bucket), flat_pieces(bucket, tensors, flat=flat), flat_pieces(bucket, tensors), strict=True
+    )
+    for piece, staged, own in sent:
+        start = piece[0].offset
+        assert staged.numel() == own.numel() and staged.data_ptr() == flat.data_ptr() + start  # a slice: no copy
+        for spec in piece:  # each tensor's bytes (the alignment gaps between them carry nothing)
+            a, b = spec.offset - start, spec.offset - start + spec.num_bytes
+            assert torch.equal(staged[a:b], own[a:b])
+    memory = flat.data_ptr()
+    assert staging.fill(bucket[:1], tensors[:1]).data_ptr() == memory  # a smaller bucket: the same buffer
+    assert not needs_host_copy(tensors, torch.device("cpu")) and needs_host_copy(tensors, torch.device("meta"))
+
+
+@pytest.mark.anyio
+async def test_a_bucket_from_another_device_is_sent_through_the_host_buffer(monkeypatch):
+    """The push of a GPU trainer's weights over gloo, its host copy forced here: the engine gets every
+    tensor in its dtype, sync after sync through one buffer."""
+    import rollouts.sync.broadcast as broadcast
+
+    monkeypatch.setattr(broadcast, "needs_host_copy", lambda tensors, device: True)
+    state = FakeEngineState(weights=_fake_weights())
+    async with serve_fake_engine(state) as server, SGLangEngine(server.url) as engine:
+        sync = BroadcastSync(FAST)
+        await sync.connect([engine])
+        memory = []
+        for version in (1, 2):
+            new = {"w": torch.randn(64, 32), "b": torch.randn(32).bfloat16()}
+            await sync.push(new, version)
+            np.testing.assert_array_equal(state.weights["w"], new["w"].numpy())
+            np.testing.assert_array_equal(state.weights["b"], new["b"].float().numpy())
+            memory.append(sync._staging._buffer.data_ptr())
+        assert memory[0] == memory[1]
 
 
 def test_a_plan_refuses_what_an_engine_could_not_allocate():
@@ -128,8 +184,8 @@ def _trainer_sends(port, plans, tensors, *, stops):
         setup_timeout_s=30.0,
         bucket_timeout_s=5.0,
     )
-    from rollouts.sync.broadcast import flat_pieces
     from rollouts.sync.broadcast_group import broadcast_from_trainer
+    from rollouts.sync.broadcast_pieces import flat_pieces
 
     for plan, named, stop in zip(plans, tensors, stops, strict=True):
         for k, bucket in enumerate(plan.buckets):

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from rollouts.sync._common import check_weight_version
 from rollouts.sync.broadcast_group import broadcast_from_trainer, join_group, local_address_toward
+from rollouts.sync.broadcast_pieces import HostStaging, flat_pieces, needs_host_copy
 from rollouts.sync.broadcast_receivers import BroadcastReceiver, receiver_for
 from rollouts.sync.broadcast_wire import (
     DEFAULT_BROADCAST,
@@ -43,7 +44,6 @@ from rollouts.sync.broadcast_wire import (
     BroadcastPlan,
     TensorSpec,
     adapter_config_json,
-    bucket_pieces,
     plan_buckets,
 )
 from rollouts.sync.fingerprint import AttestationError, check_attestation
@@ -120,6 +120,7 @@ class BroadcastSync:
         self._links: list[_Link] = []
         self._store: Any = None
         self._num_connects = 0  # each connect's groups get fresh names: the store still holds the old keys
+        self._staging = HostStaging()  # where a GPU's bucket goes first for a gloo group
         self.last_num_bytes = 0
         """Bytes of the weights the last push sent to each engine."""
 
@@ -321,26 +322,34 @@ class BroadcastSync:
         `expected` gets each tensor's checksum as sent."""
         with ThreadPoolExecutor(1, thread_name_prefix="rollouts-checksum") as checksums:
             for index, bucket in enumerate(plan.buckets):
-                full = [t.to(self.device) for t in next(gathers)]
-                pending = None  # the bucket's checksums, computed while it is sent (both only read it)
+                full, flat = next(gathers), None
+                pending = None  # the bucket's checksums, computed where it is while it is sent (both only read it)
                 if self.options.attest:
                     pending = checksums.submit(
                         fingerprint_torch, dict(zip((s.name for s in bucket), full, strict=True))
                     )
                 try:
-                    self._send_bucket(index, bucket, full, live)
+                    if needs_host_copy(full, self.device):  # a GPU's bucket for a gloo group: laid out on the host
+                        flat = self._staging.fill(bucket, full)
+                        full = self._staging.views(bucket, flat)
+                    self._send_bucket(index, bucket, full, live, flat)
                 finally:
                     if pending is not None:
                         expected.update(pending.result())
-                del full, pending  # dropped before the next bucket is gathered
+                del full, flat, pending  # dropped before the next bucket is gathered
 
     def _send_bucket(
-        self, index: int, bucket: tuple[TensorSpec, ...], full: list[torch.Tensor], live: list[_Link]
+        self,
+        index: int,
+        bucket: tuple[TensorSpec, ...],
+        full: list[torch.Tensor],
+        live: list[_Link],
+        flat: torch.Tensor | None = None,
     ) -> None:
         del index  # where a test injects a fault
         flat_links = [k for k in live if k.receiver.layout == "flat"]
         if flat_links:  # each piece cut once, sent to every such engine
-            for piece in flat_pieces(bucket, full):
+            for piece in flat_pieces(bucket, full, flat=flat):
                 for link in flat_links:
                     _send(link, piece)
         for link in live:
@@ -360,22 +369,6 @@ def _send(link: _Link, tensor: torch.Tensor) -> None:
         link.group = None
 
 
-def flat_pieces(bucket: Sequence[TensorSpec], full: Sequence[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """What fills a bucket's flat buffer, one broadcast each, in the plan's order (`bucket_pieces`):
-    a large tensor's own bytes (a view: no copy), or a run of small ones packed at their offsets."""
-    tensors = dict(zip((spec.name for spec in bucket), full, strict=True))
-    for piece in bucket_pieces(bucket):
-        if len(piece) == 1:
-            yield _bytes_of(tensors[piece[0].name])
-        else:
-            yield _pack(piece, [tensors[spec.name] for spec in piece])
-
-
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's bytes, as a flat uint8 view."""
-    return tensor.reshape(-1).view(torch.uint8)
-
-
 def _drain(gathers: Iterator[list[torch.Tensor]]) -> None:
     while next(gathers, None) is not None:  # (a for loop's variable would keep a bucket through the next gather)
         pass
@@ -386,13 +379,3 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()
     return tensor.detach().contiguous()
-
-
-def _pack(piece: Sequence[TensorSpec], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The bytes [first offset, last end) of a bucket's flat buffer, each tensor at its planned
-    offset (on the tensors' device; zeros in the alignment gaps)."""
-    start, last = piece[0].offset, piece[-1]
-    flat = torch.zeros(last.offset + last.num_bytes - start, dtype=torch.uint8, device=tensors[0].device)
-    for spec, tensor in zip(piece, tensors, strict=True):
-        flat[spec.offset - start : spec.offset - start + spec.num_bytes].copy_(_bytes_of(tensor))
-    return flat
