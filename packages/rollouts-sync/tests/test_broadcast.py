@@ -123,7 +123,9 @@ def test_a_bucket_laid_out_on_the_host_sends_the_same_bytes_from_one_reused_buff
             assert torch.equal(staged[a:b], own[a:b])
     memory = flat.data_ptr()
     assert staging.fill(bucket[:1], tensors[:1]).data_ptr() == memory  # a smaller bucket: the same buffer
-    assert not needs_host_copy(tensors, torch.device("cpu")) and needs_host_copy(tensors, torch.device("meta"))
+    assert not needs_host_copy(tensors, torch.device("cpu"))
+    assert needs_host_copy([t.to("meta") for t in tensors], torch.device("cpu"))  # another device's, for gloo
+    assert not needs_host_copy(tensors, torch.device("cuda", 0))  # for NCCL: moved to the GPU, not staged
 
 
 @pytest.mark.anyio

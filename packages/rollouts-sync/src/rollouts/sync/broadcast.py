@@ -332,6 +332,8 @@ class BroadcastSync:
                     if needs_host_copy(full, self.device):  # a GPU's bucket for a gloo group: laid out on the host
                         flat = self._staging.fill(bucket, full)
                         full = self._staging.views(bucket, flat)
+                    else:  # already on the group's device, or (NCCL) a host bucket for the GPU
+                        full = [t.to(self.device) for t in full]
                     self._send_bucket(index, bucket, full, live, flat)
                 finally:
                     if pending is not None:

@@ -60,8 +60,9 @@ class HostStaging:
 
 
 def needs_host_copy(tensors: Sequence[torch.Tensor], device: torch.device) -> bool:
-    """Whether a bucket's tensors must be copied to `device` (the group's: the CPU for gloo) first."""
-    return any(t.device != device for t in tensors)
+    """Whether a bucket for a group on the host (`device`, the group's, is the CPU: gloo) holds tensors
+    from another device, to be copied into a HostStaging buffer first."""
+    return device.type == "cpu" and any(t.device != device for t in tensors)
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
