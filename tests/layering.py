@@ -25,6 +25,7 @@ TORCH_EXTRA_MODULES = frozenset(
         "rollouts-sync/src/rollouts/sync/broadcast_group.py",
         "rollouts-sync/src/rollouts/sync/broadcast_pieces.py",
         "rollouts-sync/src/rollouts/sync/worker_extension.py",
+        "rollouts-sync/src/rollouts/sync/worker_receive.py",
     }
 )
 STDLIB_ONLY = frozenset({"types"})

@@ -32,7 +32,11 @@ def test_broadcast_is_a_sync_for_server_engines_only():
 def test_the_http_wire_is_chosen_in_the_run_file_and_reaches_the_vllm_client():
     assert EngineSpec(kind="vllm", urls=("http://127.0.0.1:1",), sync="http").http_wire == "fetch"
     spec = EngineSpec(kind="vllm", urls=("http://127.0.0.1:1",), sync="http", http_wire="inline")
-    common = {"api_key_env": "", "timeout_s": 30.0, "max_retries": 0, "sync_timeout_s": 60.0}
+    common = {
+        "api_key_env": "",
+        "http": HTTPOptions(timeout_s=30.0, retry=RetryPolicy(max_retries=0)),
+        "sync_timeout_s": 60.0,
+    }
     engine = remote_engine("vllm", spec.urls, sync="http", http_wire=spec.http_wire, **common)
     assert engine.engine.engine.tensor_wire == "inline"  # BoundedSync > SendWeights > VLLMEngine
     with pytest.raises(ValueError, match="EngineSpec.http_wire"):
@@ -44,7 +48,11 @@ def test_the_http_wire_is_chosen_in_the_run_file_and_reaches_the_vllm_client():
 def test_the_broadcast_backend_is_chosen_in_the_run_file_and_reaches_the_broadcast(monkeypatch):
     spec = EngineSpec(kind="vllm", urls=("http://127.0.0.1:1",), sync="broadcast")
     assert spec.broadcast_backend == "gloo"
-    common = {"api_key_env": "", "timeout_s": 30.0, "max_retries": 0, "sync_timeout_s": 60.0}
+    common = {
+        "api_key_env": "",
+        "http": HTTPOptions(timeout_s=30.0, retry=RetryPolicy(max_retries=0)),
+        "sync_timeout_s": 60.0,
+    }
     engine = remote_engine("vllm", spec.urls, sync="broadcast", broadcast_backend=spec.broadcast_backend, **common)
     assert engine.engine.sync.options.backend == "gloo"  # BoundedSync > BroadcastWeights
     nccl = EngineSpec(kind="sglang", urls=("http://127.0.0.1:1",), sync="broadcast", broadcast_backend="nccl")
@@ -70,7 +78,11 @@ def test_an_engine_synced_by_broadcast_loads_the_exported_weights_in_their_dtype
 
     async def main():
         async with serve_fake_engine(state) as server:
-            common = {"api_key_env": "", "timeout_s": 30.0, "max_retries": 0, "sync_timeout_s": 60.0}
+            common = {
+                "api_key_env": "",
+                "http": HTTPOptions(timeout_s=30.0, retry=RetryPolicy(max_retries=0)),
+                "sync_timeout_s": 60.0,
+            }
             engine = remote_engine("sglang", [server.url], sync="broadcast", **common)
             assert isinstance(engine.engine, BroadcastWeights)
             await engine.update_weights_from_disk(str(tmp_path), 1)

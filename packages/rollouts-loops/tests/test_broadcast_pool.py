@@ -64,7 +64,11 @@ def test_one_read_of_the_files_syncs_every_engine_and_generation_spreads_over_th
 
     async def main():
         async with serve_fake_engine(states[0]) as a, serve_fake_engine(states[1]) as b:
-            common = {"api_key_env": "", "timeout_s": 30.0, "max_retries": 0, "sync_timeout_s": 60.0}
+            common = {
+                "api_key_env": "",
+                "http": HTTPOptions(timeout_s=30.0, retry=RetryPolicy(max_retries=0)),
+                "sync_timeout_s": 60.0,
+            }
             pool = remote_engine("sglang", [a.url, b.url], sync="broadcast", **common)
             assert isinstance(pool, BroadcastPool) and isinstance(pool, BucketLoader)
             await pool.update_weights_from_disk(str(tmp_path), 1)

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from rollouts.backends import InProcessEngine
 from rollouts.loops.engines.coalescing import CoalescingEngine
 from rollouts.loops.recipes.tiny import build_tiny_model
+from rollouts.sync import HTTPOptions, RetryPolicy
 from rollouts.types import Sample, SamplingParams, Status
 
 
@@ -270,7 +271,11 @@ def test_remote_engine_bounds_a_single_url_by_sync_timeout_s():
     from rollouts.loops.engines.coalescing import BoundedSync, remote_engine
 
     engine = remote_engine(
-        "vllm", ["http://127.0.0.1:1"], api_key_env="", timeout_s=5.0, max_retries=0, sync_timeout_s=7.0
+        "vllm",
+        ["http://127.0.0.1:1"],
+        api_key_env="",
+        http=HTTPOptions(timeout_s=5.0, retry=RetryPolicy(max_retries=0)),
+        sync_timeout_s=7.0,
     )
     assert isinstance(engine, BoundedSync) and engine.sync_timeout_s == 7.0
 
@@ -278,7 +283,11 @@ def test_remote_engine_bounds_a_single_url_by_sync_timeout_s():
 def test_remote_engine_for_partial_rollouts_keeps_aborted_responses_and_refuses_sglang():
     from rollouts.loops.engines.coalescing import remote_engine
 
-    common = {"api_key_env": "", "timeout_s": 5.0, "max_retries": 0, "sync_timeout_s": 7.0}
+    common = {
+        "api_key_env": "",
+        "http": HTTPOptions(timeout_s=5.0, retry=RetryPolicy(max_retries=0)),
+        "sync_timeout_s": 7.0,
+    }
     engine = remote_engine("vllm", ["http://127.0.0.1:1"], partial=True, **common)
     assert engine.engine.keep_partial and engine.engine.pause_mode == "abort"  # a sync cuts responses short
     plain = remote_engine("vllm", ["http://127.0.0.1:1"], **common)

@@ -12,11 +12,15 @@ import trio
 
 from rollouts.loops.app.config import EngineSpec
 from rollouts.loops.engines.coalescing import remote_engine
-from rollouts.sync import AttestationError
+from rollouts.sync import AttestationError, HTTPOptions, RetryPolicy
 from rollouts.sync.fake_server import FakeEngineState, serve_fake_engine
 from rollouts.sync.fingerprint import fingerprint
 
-COMMON = {"api_key_env": "", "timeout_s": 10.0, "max_retries": 0, "sync_timeout_s": 30.0}
+COMMON = {
+    "api_key_env": "",
+    "http": HTTPOptions(timeout_s=10.0, retry=RetryPolicy(max_retries=0)),
+    "sync_timeout_s": 30.0,
+}
 
 
 def bf16_export(path, seed: int) -> dict[str, torch.Tensor]:

@@ -210,16 +210,18 @@ def worker(tmp_path):
     return StandInWorker(tmp_path)
 
 
-def _trainer_and_worker(worker, plans, sends, stops) -> threading.Thread:
-    """The trainer's thread sending `plans` (see _trainer_sends), started, with `worker` joined to it."""
+def _trainer_and_worker(worker, plans, sends, stops, *, bucket_timeout_s: float = 30.0) -> threading.Thread:
+    """The trainer's thread sending `plans` (see _trainer_sends), started, with `worker` joined to it
+    (each of its receives bounded by `bucket_timeout_s`: a trainer that died breaks the connection, so
+    the bound is hit only by one that hangs)."""
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
     trainer = threading.Thread(target=_trainer_sends, args=(store.port, plans, sends), kwargs={"stops": stops})
     trainer.start()
-    _join_worker(worker, store)
+    _join_worker(worker, store, bucket_timeout_s=bucket_timeout_s)
     return trainer
 
 
-def _join_worker(worker, store):
+def _join_worker(worker, store, *, bucket_timeout_s: float = 2.0):
     worker.rollouts_init_broadcast(
         host="127.0.0.1",
         port=str(store.port),
@@ -228,7 +230,7 @@ def _join_worker(worker, store):
         world_size="2",
         backend="gloo",
         setup_timeout_s="30",
-        bucket_timeout_s="2",
+        bucket_timeout_s=str(bucket_timeout_s),
     )
 
 
@@ -248,7 +250,7 @@ def test_the_worker_extension_loads_only_once_every_bucket_arrived(worker, stop_
     )
     assert [[s.name for s in piece] for piece in bucket_pieces(plan.buckets[0])] == [["a", "b"], ["big"], ["c"]]
     assert [[s.name for s in bucket] for bucket in plan.buckets[1:]] == [["d"]]
-    trainer = _trainer_and_worker(worker, [plan], [tensors], [stop_after_buckets])
+    trainer = _trainer_and_worker(worker, [plan], [tensors], [stop_after_buckets], bucket_timeout_s=2.0)
     if stop_after_buckets is None:
         answer = worker.rollouts_receive_broadcast(plan.to_json())
         assert answer["num_tensors"] == 5
@@ -303,7 +305,7 @@ def test_buckets_held_on_the_host_arrive_through_one_buckets_room(worker, monkey
 def test_where_buckets_wait_for_the_load_follows_the_gpus_room(monkeypatch):
     """ "auto" holds an NCCL sync on the GPU only when every bucket fits beside a headroom, counting
     what torch's allocator holds free; gloo's buckets are on the host already."""
-    from rollouts.sync.worker_extension import DEVICE_HEADROOM_BYTES, stage_on_host
+    from rollouts.sync.worker_receive import DEVICE_HEADROOM_BYTES, stage_on_host
 
     gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (6 * gib, 80 * gib))

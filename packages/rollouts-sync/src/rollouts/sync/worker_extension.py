@@ -3,8 +3,8 @@ a /collective_rpc body.
 
 Start the server with `--worker-extension-cls rollouts.sync.worker_extension.SafetensorsWeightLoader`
 (this module runs inside vLLM's worker process: standard library, torch, and of rollouts.sync only
-fingerprint_torch and broadcast_group, which a server started by rollouts.sync.launch gets as copies
-beside it; nothing in rollouts.sync imports this module).
+fingerprint_torch, broadcast_group and worker_receive, which a server started by rollouts.sync.launch
+gets as copies beside it; nothing in rollouts.sync imports this module).
 
 Partial updates: a request may name only some checkpoint tensors. vLLM reloads a layer as a whole
 (on CPU it repacks linear weights and drops the originals, and a fused qkv_proj is built from
@@ -16,12 +16,9 @@ Raw fetch: `rollouts_fetch_weights` GETs one safetensors payload from a one-off 
 serves (rollouts.sync.raw_server) into one buffer, the tensors being views of it: the bytes on the
 wire are the tensors' own, no base64, no JSON, no copy through vLLM's API process.
 
-Host memory: a sync received on the host lands in a buffer the worker keeps from one sync to the
-next (`ReceiveBuffer`), and the cache takes the new tensors by copying them into its own, so a sync
-writes memory already mapped: fresh memory would be faulted in page by page every time (about 0.45 s
-per GB on a CPU here: more than the loopback transfer itself). The cost: the receive buffer stays
-mapped between syncs (the same peak as a sync that allocates). The copy into the cache runs once the
-reload succeeded, in a thread, after the call answered (off the sync's path: on a GPU it is the
+Host memory: a sync lands in a buffer kept from one sync to the next (rollouts.sync.worker_receive)
+and the cache copies the new tensors into its own, so no sync maps fresh memory. The copy runs once
+the reload succeeded, in a thread, after the call answered (off the sync's path: on a GPU it is the
 whole model's copy to the host); the next call that needs the cache or the buffer waits for it.
 
 Each call answers "seconds": its own steps' durations (receive, checksum, load), for profiles.
@@ -42,14 +39,11 @@ adapter directory on this host, for vLLM's /v1/load_lora_adapter.
 from __future__ import annotations
 
 import base64
-import http.client
 import json
 import os
 import shutil
 import tempfile
 import time
-import urllib.parse
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -61,29 +55,26 @@ from safetensors.torch import save as save_bytes
 try:
     from rollouts.sync.broadcast_group import connect_to_trainer, flat_views, receive_flat_buckets
     from rollouts.sync.fingerprint_torch import fingerprint_torch, flip_bit_torch, sync_fault_target
+    from rollouts.sync.worker_receive import (
+        ChecksumsOnArrival,
+        ReceiveBuffer,
+        fetch_bytes,
+        stage_on_host,
+        tensors_of_safetensors,
+    )
 except ModuleNotFoundError:  # in a server started by rollouts.sync.launch: their copies beside this one
     from rollouts_broadcast_group import connect_to_trainer, flat_views, receive_flat_buckets  # type: ignore[no-redef,import-not-found]
     from rollouts_fingerprint_torch import fingerprint_torch, flip_bit_torch, sync_fault_target  # type: ignore[no-redef,import-not-found]
+    from rollouts_worker_receive import (  # type: ignore[no-redef,import-not-found]
+        ChecksumsOnArrival,
+        ReceiveBuffer,
+        fetch_bytes,
+        stage_on_host,
+        tensors_of_safetensors,
+    )
+
 
 _SAFETENSORS_SUFFIX = ".safetensors"
-_TORCH_DTYPES = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
-    "I16": "int16",
-    "U16": "uint16",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I32": "int32",
-    "U32": "uint32",
-    "F32": "float32",
-    "I64": "int64",
-    "U64": "uint64",
-    "F64": "float64",
-}
-"""torch's name of each safetensors dtype."""
 
 
 def _files_signature(model_dir: str) -> tuple[tuple[str, int, int], ...]:
@@ -138,156 +129,12 @@ def _keep_in_cache(cache: dict[str, Any], incoming: dict[str, Any], *, owned: bo
             cache[name] = tensor.to("cpu", copy=True)
 
 
-DEVICE_HEADROOM_BYTES = 1 << 30
-"""GPU memory a broadcast held on the device leaves free beyond its buckets (vLLM's reload
-materializes a layer at a time)."""
-
-
-def stage_on_host(device: Any, stage: str, num_bytes: int) -> bool:
-    """Whether a broadcast of `num_bytes` into GPU `device` is held on the host until the load (each
-    bucket copied out as it arrives: one bucket's room on the GPU) rather than on the GPU: `stage`
-    "host", "device", or "auto" (the host unless the GPU has room for every bucket plus
-    DEVICE_HEADROOM_BYTES, free or held free by torch's allocator). A gloo group's buckets are on
-    the host already: False."""
-    if stage not in ("auto", "device", "host"):
-        raise ValueError(f"stage must be 'auto', 'device' or 'host', got {stage!r}")
-    if device.type == "cpu" or stage == "device":
-        return False
-    if stage == "host":
-        return True
-    free, _ = torch.cuda.mem_get_info(device)
-    held_free = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return bool(num_bytes + DEVICE_HEADROOM_BYTES > free + held_free)
-
-
 def _read_dir(path: str) -> dict[str, Any]:
     tensors: dict[str, Any] = {}
     for name in sorted(os.listdir(path)):
         if name.endswith(_SAFETENSORS_SUFFIX):
             tensors.update(load_file(os.path.join(path, name), device="cpu"))
     return tensors
-
-
-class ReceiveBuffer:
-    """Host memory kept from one sync to the next: `take(sizes)` gives a uint8 view per size (each at a
-    64-byte-aligned offset of one buffer, grown when a sync needs more), so a receive writes pages
-    already mapped instead of faulting in fresh ones. The views of one `take` are valid until the next."""
-
-    ALIGN = 64
-
-    def __init__(self) -> None:
-        self._buffer: Any = None
-
-    def take(self, sizes: list[int]) -> list[Any]:
-        offsets, total = [], 0
-        for size in sizes:
-            if size < 0:
-                raise ValueError(f"a receive buffer's size must be >= 0, got {size}")
-            offsets.append(total)
-            total += -(-size // self.ALIGN) * self.ALIGN
-        if self._buffer is None or self._buffer.numel() < total:
-            self._buffer = None  # the old one goes before the new one is mapped: one buffer at a time
-            self._buffer = torch.empty(total, dtype=torch.uint8)
-        return [self._buffer[start : start + size] for start, size in zip(offsets, sizes, strict=True)]
-
-
-def fetch_bytes(
-    url: str, num_bytes: int, timeout_s: float, *, into: Any = None, on_progress: Callable[[int], None] | None = None
-) -> Any:
-    """The `num_bytes` bytes GET `url` answers, read into one uint8 tensor (`into`, a contiguous uint8
-    CPU tensor of `num_bytes`, when given; else a new one), all within `timeout_s`. `on_progress` is
-    called with the count of bytes in the buffer after each read."""
-    if into is not None and (into.dtype != torch.uint8 or into.numel() != num_bytes or not into.is_contiguous()):
-        raise ValueError(
-            f"into must be a contiguous uint8 tensor of {num_bytes} bytes, got {into.dtype} of {into.numel()}"
-        )
-    parts = urllib.parse.urlsplit(url)
-    where = f"{parts.hostname}:{parts.port}"  # the path holds the token: never in a message
-    deadline = time.monotonic() + timeout_s
-    conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout_s)
-    try:
-        conn.request("GET", parts.path)
-        response = conn.getresponse()
-        length = response.getheader("Content-Length")
-        if response.status != 200 or length != str(num_bytes):
-            raise RuntimeError(
-                f"fetching weights from {where}: answered {response.status} with Content-Length {length}, "
-                f"expected 200 with {num_bytes}"
-            )
-        buffer = torch.empty(num_bytes, dtype=torch.uint8) if into is None else into
-        view = buffer.numpy().data
-        received = 0
-        while received < num_bytes:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"fetching weights from {where}: {received} of {num_bytes} bytes in {timeout_s} s")
-            got = response.readinto(view[received:])
-            if not got:
-                raise RuntimeError(f"fetching weights from {where}: closed after {received} of {num_bytes} bytes")
-            received += got
-            if on_progress is not None:
-                on_progress(received)
-        return buffer
-    finally:
-        conn.close()
-
-
-class ChecksumsOnArrival:
-    """The checksums of a safetensors payload's tensors, each computed in a thread of `pool` as soon as
-    its bytes are in `buffer` (give it to fetch_bytes as `on_progress`), so they overlap the rest of
-    the fetch. The fault ROLLOUTS_SYNC_FAULT asks for is injected into its tensor before its sum."""
-
-    def __init__(self, buffer: Any, pool: ThreadPoolExecutor) -> None:
-        self._buffer = buffer
-        self._pool = pool
-        self._fault = sync_fault_target()
-        self._spans: list[tuple[int, str, int]] | None = None  # (end, name, start) in the buffer, by end
-        self._pending: list[tuple[str, Any]] = []
-
-    def __call__(self, received: int) -> None:
-        if self._spans is None:
-            if received < 8:
-                return
-            head = int.from_bytes(self._buffer[:8].numpy().tobytes(), "little")
-            if received < 8 + head:
-                return
-            header = json.loads(self._buffer[8 : 8 + head].numpy().tobytes())
-            spans = [
-                (8 + head + int(entry["data_offsets"][1]), name, 8 + head + int(entry["data_offsets"][0]))
-                for name, entry in header.items()
-                if name != "__metadata__"
-            ]
-            self._spans = sorted(spans, reverse=True)  # the next to arrive last: popped first
-        while self._spans and self._spans[-1][0] <= received:
-            end, name, start = self._spans.pop()
-            data = self._buffer[start:end]
-            if name == self._fault:
-                flip_bit_torch(data)
-            self._pending.append((name, self._pool.submit(_checksums, {name: data})))
-
-    def result(self) -> dict[str, int]:
-        """Every tensor's checksum (call once the whole payload arrived)."""
-        if self._spans:
-            raise RuntimeError(f"{len(self._spans)} tensors of the payload never arrived")
-        return {name: done.result()[name] for name, done in self._pending}
-
-
-def tensors_of_safetensors(buffer: Any) -> dict[str, Any]:
-    """The tensors of a safetensors payload in uint8 tensor `buffer`, as views of it (a copy only for
-    a tensor whose offset its dtype cannot view at)."""
-    head = int.from_bytes(buffer[:8].numpy().tobytes(), "little")
-    header = json.loads(buffer[8 : 8 + head].numpy().tobytes())
-    body = buffer[8 + head :]
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = (int(x) for x in entry["data_offsets"])
-        kind = getattr(torch, _TORCH_DTYPES[entry["dtype"]])
-        data = body[start:end]
-        if data.storage_offset() % kind.itemsize:
-            data = data.clone()
-        out[name] = data.view(kind).view(entry["shape"])
-    return out
 
 
 class SafetensorsWeightLoader:

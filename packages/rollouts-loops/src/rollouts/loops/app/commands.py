@@ -51,6 +51,7 @@ from rollouts.loops.rl.models import RLModels
 from rollouts.loops.run.distributed import init_distributed, rank_world
 from rollouts.loops.run.run_dir import CHECKPOINTS_DIR
 from rollouts.loops.sft import run_sft_training
+from rollouts.sync import HTTPOptions, RetryPolicy
 from rollouts.types import LoraConfig, TrainingState
 
 
@@ -143,8 +144,7 @@ def _rl_engine(run: RLRun, components: Any, tokenizer: Any, *, shares: bool) -> 
             run.engine.kind,
             run.engine.urls,
             api_key_env=run.engine.api_key_env,
-            timeout_s=run.engine.timeout_s,
-            max_retries=run.engine.max_retries,
+            http=HTTPOptions(timeout_s=run.engine.timeout_s, retry=RetryPolicy(max_retries=run.engine.max_retries)),
             sync_timeout_s=run.engine.sync_timeout_s,
             sync=run.engine.sync,
             partial=run.rl.rollout.partial,

@@ -24,7 +24,6 @@ from rollouts.sync import (
     EnginePool,
     HTTPOptions,
     RawTensor,
-    RetryPolicy,
     SGLangEngine,
     VLLMEngine,
     is_adapter_dir,
@@ -264,8 +263,7 @@ def remote_engine(
     urls: Sequence[str],
     *,
     api_key_env: str,
-    timeout_s: float,
-    max_retries: int,
+    http: HTTPOptions,
     sync_timeout_s: float,
     sync: str = "disk",
     partial: bool = False,
@@ -273,7 +271,8 @@ def remote_engine(
     http_wire: str = "fetch",
     broadcast_backend: str = "gloo",
 ) -> InferenceEngine:
-    """A vLLM / SGLang client (a pool of them for several URLs); the API key comes from `api_key_env`.
+    """A vLLM / SGLang client (a pool of them for several URLs); the API key comes from `api_key_env`,
+    each call's bound and retries from `http`.
 
     `sync`: "disk" reloads each engine from the exported weights' absolute path (a shared
     filesystem); "http" sends them in request bodies (`SendWeights`); "broadcast" through process
@@ -293,7 +292,6 @@ def remote_engine(
         raise ValueError(f"environment variable {api_key_env!r} (engine.api_key_env) is not set")
     if partial and kind != "vllm":
         raise ValueError(f"rl.rollout.partial needs an engine that keeps aborted responses: 'vllm', not {kind!r}")
-    http = HTTPOptions(timeout_s=timeout_s, retry=RetryPolicy(max_retries=max_retries))
     common: dict[str, Any] = {"api_key": api_key, "http": http}
     if partial:
         common |= {"keep_partial": True, "pause_mode": "abort"}
