@@ -334,7 +334,7 @@ class BroadcastSync:
                         full = self._staging.views(bucket, flat)
                     else:  # already on the group's device, or (NCCL) a host bucket for the GPU
                         full = [t.to(self.device) for t in full]
-                    self._send_bucket(index, bucket, full, live, flat)
+                    self._send_bucket(index, bucket, full, live, flat=flat)
                 finally:
                     if pending is not None:
                         expected.update(pending.result())
