@@ -115,15 +115,13 @@ def _keep_newest(root: str, keep: int) -> None:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def _keep_in_cache(cache: dict[str, Any], incoming: dict[str, Any], *, owned: bool) -> None:
+def _keep_in_cache(cache: dict[str, Any], incoming: dict[str, Any]) -> None:
     """The host cache of checkpoint weights updated with `incoming`: a tensor of the same dtype and
     shape is copied into the cache's own (memory mapped already, and off the receive buffer), any other
-    stored as a host copy, or as it is when `owned`."""
+    stored as a host copy."""
     for name, tensor in incoming.items():
         kept = cache.get(name)
-        if owned and tensor.device.type == "cpu":
-            cache[name] = tensor
-        elif kept is not None and kept.dtype == tensor.dtype and kept.shape == tensor.shape:
+        if kept is not None and kept.dtype == tensor.dtype and kept.shape == tensor.shape:
             kept.copy_(tensor)
         else:
             cache[name] = tensor.to("cpu", copy=True)
@@ -162,9 +160,10 @@ class SafetensorsWeightLoader:
             self._rollouts_cache_lost = f"copying the weights of the last sync into the worker's cache failed: {exc!r}"
 
     def _rollouts_keep(self, cache: dict[str, Any], incoming: dict[str, Any], *, owned: bool) -> None:
-        """`incoming` into the cache: at once when `owned` (nothing to copy), else by a thread of its own."""
+        """`incoming` into the cache: as they are when `owned` (host tensors of their own, read from
+        files), else copied by a thread of its own."""
         if owned:
-            _keep_in_cache(cache, incoming, owned=True)
+            cache.update(incoming)
             self._rollouts_cache_lost = ""
             return
         pool = getattr(self, "_rollouts_cache_pool", None)
@@ -172,7 +171,7 @@ class SafetensorsWeightLoader:
             pool = self._rollouts_cache_pool = ThreadPoolExecutor(1, thread_name_prefix="rollouts-cache")
 
         def keep() -> None:
-            _keep_in_cache(cache, incoming, owned=False)
+            _keep_in_cache(cache, incoming)
             self._rollouts_cache_lost = ""
 
         self._rollouts_cache_copy = pool.submit(keep)
