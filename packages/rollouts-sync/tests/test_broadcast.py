@@ -172,10 +172,11 @@ class StandInWorker(SafetensorsWeightLoader):
         self.loaded = {k: v.clone() for k, v in weights_iterator}
 
 
-def _trainer_sends(port, plans, tensors, *, stops):
-    """The trainer's side: join group "g", then send each plan's buckets of its tensors, stopping
-    before bucket `stops[i]` of plan i (the trainer died there) where it is not None."""
-    store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=30), wait_for_workers=False)
+def _trainer_sends(store, plans, tensors, *, stops):
+    """The trainer's side: join group "g" on `store` (the trainer's own, as in a run: its server lives
+    as long as this thread holds it, so the trainer's join never outlives it), then send each plan's
+    buckets of its tensors, stopping before bucket `stops[i]` of plan i (the trainer died there) where
+    it is not None."""
     group = join_group(
         store,
         group="g",
@@ -184,7 +185,7 @@ def _trainer_sends(port, plans, tensors, *, stops):
         backend="gloo",
         address="127.0.0.1",
         setup_timeout_s=30.0,
-        bucket_timeout_s=5.0,
+        bucket_timeout_s=30.0,
     )
     from rollouts.sync.broadcast_group import broadcast_from_trainer
     from rollouts.sync.broadcast_pieces import flat_pieces
@@ -215,7 +216,7 @@ def _trainer_and_worker(worker, plans, sends, stops, *, bucket_timeout_s: float 
     (each of its receives bounded by `bucket_timeout_s`: a trainer that died breaks the connection, so
     the bound is hit only by one that hangs)."""
     store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=30), wait_for_workers=False)
-    trainer = threading.Thread(target=_trainer_sends, args=(store.port, plans, sends), kwargs={"stops": stops})
+    trainer = threading.Thread(target=_trainer_sends, args=(store, plans, sends), kwargs={"stops": stops})
     trainer.start()
     _join_worker(worker, store, bucket_timeout_s=bucket_timeout_s)
     return trainer
