@@ -433,7 +433,10 @@ def test_the_host_layout_follows_the_rules_of_the_batch(lengths, num_prompt, lay
     found = host_layout(micro_batch, loss_positions_only=loss_positions_only)
     from_tensors = host_layout(batch, loss_positions_only=loss_positions_only)
     assert found.kept.tolist() == from_tensors.kept.tolist()
-    assert dataclasses.replace(found, kept=None) == dataclasses.replace(from_tensors, kept=None)
+    assert found.labels.tolist() == from_tensors.labels.tolist()
+    assert dataclasses.replace(found, kept=None, labels=None) == dataclasses.replace(
+        from_tensors, kept=None, labels=None
+    )
     keep_B_T, one_per_row = _device_layout_rules(batch, loss_positions_only=loss_positions_only)
     t = batch.input_ids.shape[1]
     rows, cols = torch.nonzero(keep_B_T, as_tuple=True)
@@ -442,6 +445,9 @@ def test_the_host_layout_follows_the_rules_of_the_batch(lengths, num_prompt, lay
     assert found.all_real == bool((batch.attention_mask != 0).all())
     assert found.num_loss_tokens == int((batch.loss_mask > 0).sum())
     assert found.num_real_tokens == int(batch.attention_mask.sum())
+    # the labels the log-probs are of: the device's gather of the predicted tokens, found on the host
+    assert found.labels.tolist() == batch.input_ids.reshape(-1)[torch.from_numpy(found.kept) + 1].tolist()
+    assert found.token_ids == (int(batch.input_ids.min()), int(batch.input_ids.max()))
 
 
 @pytest.mark.cuda
@@ -466,3 +472,42 @@ def test_a_step_on_cuda_matches_the_cpu(seqs):
         torch.testing.assert_close(gpu_grads[name], cpu_grads[name], rtol=1e-4, atol=1e-6, msg=name)
     for a, b in zip(cpu_lps, gpu_lps, strict=True):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [-1, "vocab"])
+def test_an_id_outside_the_vocabulary_is_refused_on_the_host_before_the_forward(components, seqs, bad):
+    """Checked on the host (a GPU would assert on the device, or wait to read the ids back), naming
+    the range and the rule, before any forward: no gradient is left behind."""
+    vocab = components.model.get_input_embeddings().weight.shape[0]
+    micro_batch = packed_batch(seqs)
+    micro_batch.input_ids[0, 4] = vocab if bad == "vocab" else bad
+    low, high = (-1, int(micro_batch.input_ids.max())) if bad == -1 else (int(micro_batch.input_ids.min()), vocab)
+    rule = rf"input_ids must lie in \[0, {vocab}\) \(the model's vocabulary\), got values in \[{low}, {high}\]"
+    with pytest.raises(ValueError, match=rule):
+        forward_backward(components, [micro_batch], sft_loss_fn, num_tokens=10, num_sequences=4)
+    assert grads(components.model) == {}
+    with pytest.raises(ValueError, match=rule):
+        compute_logprobs(components, [micro_batch])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_micro_batch_on_cuda_queues_its_forward_and_backward_without_a_host_wait(seqs):
+    """No read of a device tensor between a micro-batch's copy to the GPU and its backward: the ids
+    and labels are checked on the host (HostLayout), and the metrics are read once after the step."""
+    components = build_components(tiny_model().cuda(), OptimizerConfig(lr=1e-3), num_training_steps=2)
+    loss_fn = loss_fn_from_config(AlgorithmConfig())
+    extra = {"advantages": [0.5, -1.0, 0.2, 1.0]}
+    micro_batches = [packed_batch(seqs, extra=extra), padded_batch(seqs, extra=extra)]
+    forward_backward(components, micro_batches, loss_fn, num_tokens=20, num_sequences=8)  # warm-up
+    from rollouts.backends.train import step as step_module
+
+    read = step_module.floats_of
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:  # every sync raises, except the step's one read of its metrics at the end
+        step_module.floats_of = lambda values: (torch.cuda.set_sync_debug_mode(0), read(values))[1]
+        forward_backward(components, [micro_batches[0]], loss_fn, num_tokens=20, num_sequences=8)
+    finally:
+        step_module.floats_of = read
+        torch.cuda.set_sync_debug_mode(0)

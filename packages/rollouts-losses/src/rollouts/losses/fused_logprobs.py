@@ -191,6 +191,10 @@ def fused_token_logprobs(
     tensor cores, with float32 accumulation and float32 logits; elsewhere they are upcast exactly to
     float32. Pass float32 to upcast on CUDA too (slower), or the inputs' dtype on CPU (the logits
     are then rounded to it, as naive bf16 logits are).
+
+    `labels_B_T` may be on the CPU with `hidden_B_T_H` on a GPU: they are checked there, then copied
+    to the GPU without a wait. A check of labels on the GPU reads their min and max on the host,
+    which waits for every kernel queued before it (the forward that made `hidden_B_T_H`).
     """
     block_c, block_u = chunk_size if isinstance(chunk_size, tuple) else (chunk_size, None)
     for size in (block_c, block_u):
@@ -198,6 +202,9 @@ def fused_token_logprobs(
             check_chunk_size(size)
     _check_shapes(hidden_B_T_H, lm_head_weight_V_H, labels_B_T)
     _check_options(temperature, top_k, top_p)
+    if labels_B_T.device != hidden_B_T_H.device:
+        host = labels_B_T.device.type == "cpu" and hidden_B_T_H.is_cuda
+        labels_B_T = (labels_B_T.pin_memory() if host else labels_B_T).to(hidden_B_T_H.device, non_blocking=host)
     truncated = 0 < top_k < lm_head_weight_V_H.shape[0] or top_p < 1.0
     use_triton = _use_triton(kernel, hidden_B_T_H, lm_head_weight_V_H, chunk_size, matmul_dtype, truncated)
     operand_dtype = resolve_matmul_dtype(hidden_B_T_H, lm_head_weight_V_H, matmul_dtype)

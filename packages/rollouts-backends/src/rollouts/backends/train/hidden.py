@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+import numpy as np
 import torch
 
 from rollouts.backends.train.components import model_attr
@@ -79,7 +80,10 @@ def token_logprobs_of_model(
 def kept_hidden(
     model: torch.nn.Module, batch: MicroBatch[torch.Tensor], layout: HostLayout
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """([1, K, H] last hidden state at the layout's kept positions, [V, H] output projection, [K] kept)."""
+    """([1, K, H] last hidden state at the layout's kept positions, [V, H] output projection, [K] kept).
+    The batch's ids are checked against the model's vocabulary on the host first."""
+    rows = [model_attr(model, f"get_{side}_embeddings")().weight.shape[0] for side in ("input", "output")]
+    layout.check_vocabulary(min(rows))
     hidden_B_T_H, weight_V_H = _final_hidden(model, batch, layout)
     b, t, h = hidden_B_T_H.shape
     kept_K = torch.from_numpy(layout.kept)
@@ -109,6 +113,7 @@ def layout_logprobs(
         with_entropy=with_entropy,
         top_k=top_k,
         top_p=top_p,
+        labels_K=layout.labels,
     )
 
 
@@ -122,10 +127,16 @@ def logprobs_at(
     with_entropy: bool,
     top_k: int,
     top_p: float,
+    labels_K: np.ndarray | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[B, T] log-probs (and entropy) of the tokens predicted from the kept positions' hidden states."""
+    """[B, T] log-probs (and entropy) of the tokens predicted from the kept positions' hidden states.
+    `labels_K`: those tokens on the host (HostLayout.labels), checked and copied there without a wait
+    on the device; by default gathered from the batch on its device (checked there: a wait)."""
     b, t = batch.input_ids.shape
-    labels_1_K = batch.input_ids.reshape(b * t).index_select(0, kept_K + 1)[None]
+    if labels_K is None:
+        labels_1_K = batch.input_ids.reshape(b * t).index_select(0, kept_K + 1)[None]
+    else:
+        labels_1_K = torch.from_numpy(labels_K)[None]
     truncated = top_k > 0 or top_p < 1.0
     result = fused_token_logprobs(
         hidden_1_K_H,

@@ -86,9 +86,23 @@ class HostLayout:
     a log-prob, row-major; the token predicted is at b * T + t + 1."""
     num_loss_tokens: int
     num_real_tokens: int
+    labels: np.ndarray
+    """[K] int64: the token predicted from each kept position (input_ids' b * T + t + 1)."""
+    token_ids: tuple[int, int]
+    """The lowest and the highest of input_ids ((0, 0) for none)."""
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """Raise unless every input id lies in [0, vocab_size): checked here on the host, before the
+        forward (on a GPU a bad id is a device-side assert, and a check of the device's ids a wait)."""
+        low, high = self.token_ids
+        if low < 0 or high >= vocab_size:
+            raise ValueError(
+                f"input_ids must lie in [0, {vocab_size}) (the model's vocabulary), got values in [{low}, {high}]"
+            )
 
 
 def _layout(
+    input_ids: np.ndarray,
     position_ids: np.ndarray,
     attention_mask: np.ndarray,
     segment_ids: np.ndarray,
@@ -105,12 +119,15 @@ def _layout(
         if on_loss.any():
             keep_B_T = on_loss
     rows, cols = np.nonzero(keep_B_T)
+    kept = (rows * t + cols).astype(np.int64)
     return HostLayout(
         one_sequence_per_row=_one_sequence_per_row(position_ids, segment_ids),
         all_real=bool((attention_mask != 0).all()),
-        kept=(rows * t + cols).astype(np.int64),
+        kept=kept,
         num_loss_tokens=int((loss_mask > 0).sum()),
         num_real_tokens=int(attention_mask.sum()),
+        labels=input_ids.reshape(-1)[kept + 1].astype(np.int64),
+        token_ids=(int(input_ids.min()), int(input_ids.max())) if input_ids.size else (0, 0),
     )
 
 
@@ -130,6 +147,7 @@ def _host(array: Any) -> np.ndarray:
 def host_layout(micro_batch: MicroBatch[Any], *, loss_positions_only: bool) -> HostLayout:
     """The layout of a numpy micro-batch, or of a torch one (copied to the host first)."""
     return _layout(
+        _host(micro_batch.input_ids),
         _host(micro_batch.position_ids),
         _host(micro_batch.attention_mask),
         _host(micro_batch.segment_ids),

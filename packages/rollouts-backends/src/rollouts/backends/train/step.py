@@ -95,6 +95,7 @@ def forward_backward(
                 with_entropy=with_entropy,
                 top_k=top_k,
                 top_p=top_p,
+                labels_K=layout.labels,
             )
             kwargs: dict[str, Any] = {"num_tokens": num_tokens, "num_sequences": num_sequences}
             if with_entropy:
