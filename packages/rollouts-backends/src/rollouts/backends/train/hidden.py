@@ -82,7 +82,10 @@ def kept_hidden(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """([1, K, H] last hidden state at the layout's kept positions, [V, H] output projection, [K] kept).
     The batch's ids are checked against the model's vocabulary on the host first."""
-    rows = [model_attr(model, f"get_{side}_embeddings")().weight.shape[0] for side in ("input", "output")]
+    rows = [model_attr(model, "get_output_embeddings")().weight.shape[0]]
+    input_embeddings = getattr(model, "get_input_embeddings", None)  # a wrapper may show the output side alone
+    if input_embeddings is not None:
+        rows.append(input_embeddings().weight.shape[0])
     layout.check_vocabulary(min(rows))
     hidden_B_T_H, weight_V_H = _final_hidden(model, batch, layout)
     b, t, h = hidden_B_T_H.shape
