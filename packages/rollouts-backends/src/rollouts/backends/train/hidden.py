@@ -130,16 +130,13 @@ def logprobs_at(
     with_entropy: bool,
     top_k: int,
     top_p: float,
-    labels_K: np.ndarray | None = None,
+    labels_K: np.ndarray,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B, T] log-probs (and entropy) of the tokens predicted from the kept positions' hidden states.
-    `labels_K`: those tokens on the host (HostLayout.labels), checked and copied there without a wait
-    on the device; by default gathered from the batch on its device (checked there: a wait)."""
+    `labels_K`: those tokens on the host (HostLayout.labels): checked there and copied to the device
+    without a wait (checked on the device, they would be read back: a wait for the forward)."""
     b, t = batch.input_ids.shape
-    if labels_K is None:
-        labels_1_K = batch.input_ids.reshape(b * t).index_select(0, kept_K + 1)[None]
-    else:
-        labels_1_K = torch.from_numpy(labels_K)[None]
+    labels_1_K = torch.from_numpy(labels_K)[None]
     truncated = top_k > 0 or top_p < 1.0
     result = fused_token_logprobs(
         hidden_1_K_H,
