@@ -24,7 +24,10 @@ TORCH_EXTRA_MODULES = frozenset(
         "rollouts-sync/src/rollouts/sync/broadcast.py",
         "rollouts-sync/src/rollouts/sync/broadcast_group.py",
         "rollouts-sync/src/rollouts/sync/broadcast_pieces.py",
+        "rollouts-sync/src/rollouts/sync/ipc.py",
+        "rollouts-sync/src/rollouts/sync/ipc_handles.py",
         "rollouts-sync/src/rollouts/sync/worker_extension.py",
+        "rollouts-sync/src/rollouts/sync/worker_ipc.py",
         "rollouts-sync/src/rollouts/sync/worker_receive.py",
     }
 )

@@ -4,6 +4,7 @@ float32 forward pass); a tensor corrupted in the engine's worker fails the sync'
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import numpy as np
@@ -115,3 +116,43 @@ async def test_a_bf16_http_sync_serves_the_bf16_weights_and_attestation_catches_
             await engine.update_weights_from_tensors(sent, base + 1)
         assert info.value.mismatched == (corrupted,) and corrupted in str(info.value)
         assert await engine.weight_version() == base  # a sync that failed attestation claims no version
+
+
+@pytest.mark.anyio
+async def test_an_ipc_sync_serves_the_trainers_bf16_weights_and_attestation_catches_a_corrupted_one(
+    vllm_server, vllm_python, vllm_fault_file, tmp_path
+):
+    """A server on this machine copies the trainer's bf16 tensors out of its memory, bucket by bucket
+    (/dev/shm on the CPU): none of their bytes in a request body, none left in /dev/shm."""
+    torch = pytest.importorskip("torch")
+    from rollouts.sync.ipc_handles import shm_dir
+
+    v0 = vllm_server.model_dir
+    weights = load_file(str(v0 / "model.safetensors"))
+    generator = torch.Generator().manual_seed(11)
+    sent = {
+        n: (torch.from_numpy(w) + torch.randn(w.shape, generator=generator) * 0.3).to(torch.bfloat16)
+        for n, w in weights.items()
+    }
+    reference = tmp_path / "bf16_as_float32"
+    shutil.copytree(v0, reference)
+    save_file(
+        {n: t.float().numpy() for n, t in sent.items()}, str(reference / "model.safetensors"), metadata={"format": "pt"}
+    )
+    left = {n for n in os.listdir(shm_dir()) if n.startswith("rollouts-ipc-")}
+
+    async with VLLMEngine(vllm_server.url, http=HTTPOptions(timeout_s=120.0), tensor_wire="ipc") as engine:
+        base = (await engine.weight_version() or 0) + 1
+        bucket_bytes = max(t.numel() * 2 for t in sent.values())  # several buckets
+        upload = await engine.update_weights_from_tensors(sent, base, chunk_bytes=bucket_bytes)
+        assert upload.tensor_bytes == sum(2 * w.size for w in weights.values()) <= upload.shared_bytes
+        assert upload.num_requests > 1 and upload.fetched_bytes == 0 and upload.body_bytes < 2000 * len(sent)
+        assert_matches_reference((await engine.generate([PROMPT], GREEDY))[0], reference, vllm_python)
+
+        corrupted = "model.layers.1.self_attn.v_proj.weight"
+        vllm_fault_file.write_text(f"corrupt:{corrupted}")
+        with pytest.raises(AttestationError) as info:
+            await engine.update_weights_from_tensors(sent, base + 1, chunk_bytes=bucket_bytes)
+        assert info.value.mismatched == (corrupted,)
+        assert await engine.weight_version() == base
+    assert {n for n in os.listdir(shm_dir()) if n.startswith("rollouts-ipc-")} == left

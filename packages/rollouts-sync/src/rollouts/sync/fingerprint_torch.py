@@ -24,6 +24,7 @@ __all__ = [
     "fingerprint_torch",
     "flip_bit_torch",
     "sync_fault_target",
+    "with_sync_fault",
 ]
 
 FAULT_ENV = "ROLLOUTS_SYNC_FAULT"
@@ -132,3 +133,11 @@ def flip_bit_torch(tensor: Any) -> None:
     torch = sys.modules["torch"]  # loaded already: `tensor` is one of its tensors
     if tensor.numel():
         tensor.detach().reshape(-1).view(torch.uint8)[0] ^= 1  # detached: a parameter changes in place too
+
+
+def with_sync_fault(tensors: dict[str, Any]) -> dict[str, Any]:
+    """`tensors` as received, with the fault ROLLOUTS_SYNC_FAULT asks for injected (a test hook)."""
+    target = sync_fault_target()
+    if target is not None and target in tensors:
+        flip_bit_torch(tensors[target])
+    return tensors

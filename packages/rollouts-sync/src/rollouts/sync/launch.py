@@ -42,14 +42,11 @@ __all__ = [
 
 EXTENSION_MODULE = "rollouts_worker_extension"
 """The worker extension's module name in the server's environment: the launcher copies
-rollouts/sync/worker_extension.py (standard library, torch and safetensors only; with
-fingerprint_torch.py, broadcast_group.py and worker_receive.py beside it as rollouts_fingerprint_torch,
-rollouts_broadcast_group and rollouts_worker_receive) into a directory of its own on
+rollouts/sync/worker_extension.py (standard library, torch and safetensors only; with the modules of
+ours it imports beside it, each as rollouts_<name>: _EXTENSION_IMPORTS) into a directory of its own on
 the server's PYTHONPATH, so nothing else of this environment leaks into vLLM's."""
 _EXTENSION_SOURCE = Path(__file__).with_name("worker_extension.py")
-_FINGERPRINT_SOURCE = Path(__file__).with_name("fingerprint_torch.py")  # the extension's imports of ours
-_GROUP_SOURCE = Path(__file__).with_name("broadcast_group.py")
-_RECEIVE_SOURCE = Path(__file__).with_name("worker_receive.py")
+_EXTENSION_IMPORTS = ("fingerprint_torch", "broadcast_group", "worker_receive", "worker_ipc", "ipc_handles")
 _POLL_INTERVAL_S = 1.0
 _STOP_GRACE_S = 15.0  # SIGTERM first, SIGKILL after this
 _MAX_LORAS = 2  # the adapter being replaced and its successor, both loaded during a sync
@@ -204,9 +201,8 @@ def launch_vllm_server(
     port = port if port is not None else free_port(host)
     with tempfile.TemporaryDirectory(prefix="rollouts-vllm-") as extension_dir:
         shutil.copyfile(_EXTENSION_SOURCE, Path(extension_dir) / f"{EXTENSION_MODULE}.py")
-        shutil.copyfile(_FINGERPRINT_SOURCE, Path(extension_dir) / "rollouts_fingerprint_torch.py")
-        shutil.copyfile(_GROUP_SOURCE, Path(extension_dir) / "rollouts_broadcast_group.py")
-        shutil.copyfile(_RECEIVE_SOURCE, Path(extension_dir) / "rollouts_worker_receive.py")
+        for name in _EXTENSION_IMPORTS:
+            shutil.copyfile(_EXTENSION_SOURCE.with_name(f"{name}.py"), Path(extension_dir) / f"rollouts_{name}.py")
         log = Path(log_path) if log_path is not None else Path(extension_dir) / "server.log"
         cmd = vllm_server_command(model_dir, python=python, host=host, port=port, options=options)
         server_env = {

@@ -40,6 +40,9 @@ class TensorUpload:
     fetched_bytes: int = 0
     """Bytes the server's workers fetched from this process (fetch wire): each worker gets the
     safetensors payload, `tensor_bytes` plus its header, once."""
+    shared_bytes: int = 0
+    """Bytes of the buckets shared with the server's workers by IPC (ipc wire: no tensor byte in a
+    body or on a socket; each worker copies the buckets out of this process's memory)."""
 
     @property
     def wire_bytes(self) -> int:

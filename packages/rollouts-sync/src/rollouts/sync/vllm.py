@@ -17,7 +17,7 @@ Legend: P prompts, G samples per prompt, R response tokens.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -90,10 +90,13 @@ class VLLMEngine(HTTPEngineBase):
         extension; LoRA adapter loads are not attested.
         `tensor_wire`: how `update_weights_from_tensors` moves the bytes: "fetch" (the server's workers
         GET the raw safetensors bytes from a one-off URL this process serves: the tensors' own bytes on
-        the wire; needs a route from the server to this machine) or "inline" (base64 in the JSON
-        /collective_rpc bodies: a third more bytes, for a server that cannot reach this machine)."""
-        if tensor_wire not in ("fetch", "inline"):
-            raise ValueError(f"tensor_wire must be 'fetch' or 'inline', got {tensor_wire!r}")
+        the wire; needs a route from the server to this machine), "inline" (base64 in the JSON
+        /collective_rpc bodies: a third more bytes, for a server that cannot reach this machine) or
+        "ipc" (a server on this machine: its workers copy the weights out of this process's memory,
+        bucket by bucket, by CUDA IPC handles for tensors on a GPU, else through files in /dev/shm;
+        needs torch, rollouts.sync.ipc)."""
+        if tensor_wire not in ("fetch", "inline", "ipc"):
+            raise ValueError(f"tensor_wire must be 'fetch', 'inline' or 'ipc', got {tensor_wire!r}")
         self.tensor_wire = tensor_wire
         if pause_mode not in ("wait", "abort", "keep"):
             raise ValueError(f"pause_mode must be 'wait', 'abort' or 'keep', got {pause_mode!r}")
@@ -235,10 +238,14 @@ class VLLMEngine(HTTPEngineBase):
 
         With tensor_wire "fetch" the workers GET them as one raw safetensors payload served here on
         `serve_host` (None: this machine's address on the route to the server); with "inline" they
-        travel base64-encoded in /collective_rpc bodies of at most ~`chunk_bytes` tensor bytes each.
+        travel base64-encoded in /collective_rpc bodies of at most ~`chunk_bytes` tensor bytes each;
+        with "ipc" the workers map buckets of at most ~`chunk_bytes` of this process's memory (torch
+        tensors all on one device; on a GPU, CUDA IPC).
         Needs the server started with --worker-extension-cls WORKER_EXTENSION_CLS; no shared disk.
         """
         version = check_weight_version(weight_version)
+        if self.tensor_wire == "ipc":
+            return await self._update_by_ipc(tensors, version, chunk_bytes)
         raw = raw_tensors(tensors)
         sent = Background(fingerprint, raw).result if self.attest else None
         if self.tensor_wire == "inline":
@@ -254,15 +261,28 @@ class VLLMEngine(HTTPEngineBase):
         self.last_upload = upload_of(raw, [rpc], fetched_bytes=served.sent_bytes)
         return self.last_upload
 
+    async def _update_by_ipc(self, tensors: Mapping[str, Any], version: int, bucket_bytes: int) -> TensorUpload:
+        from rollouts.sync.ipc import IpcUpdate  # needs torch, as the tensors it shares do
+
+        update = IpcUpdate(tensors, bucket_bytes=bucket_bytes, weight_version=version, checksums=self.attest)
+        sent = Background(lambda _: update.expected(), None).result if self.attest else None
+        rpcs = update.rpcs()
+        try:
+            await self._paused_update(rpcs, version, expected=sent)
+        finally:
+            rpcs.close()  # the bucket still shared, if the sync failed, is freed
+        self.last_upload = update.upload()
+        return self.last_upload
+
     async def _paused_update(
         self,
-        rpcs: list[dict[str, Any]],
+        rpcs: Iterable[dict[str, Any]],
         version: int,
         *,
         expected: Callable[[], Awaitable[dict[str, int]]] | None = None,
     ) -> None:
-        """Run `rpcs` paused; with `expected` (the sender's checksums, asked once they ran), compare the
-        checksums each worker reported with them."""
+        """Run `rpcs` paused, in order, each asked for once the one before it answered; with `expected`
+        (the sender's checksums, asked once they ran), compare the checksums each worker reported with them."""
         # Pause so no request straddles two weight versions; resume even when the update fails,
         # so a failed sync leaves the engine serving (old weights) rather than stuck paused.
         async with self._paused("/pause", "/resume", params={"mode": self.pause_mode}):

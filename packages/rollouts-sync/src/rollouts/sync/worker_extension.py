@@ -3,8 +3,8 @@ a /collective_rpc body.
 
 Start the server with `--worker-extension-cls rollouts.sync.worker_extension.SafetensorsWeightLoader`
 (this module runs inside vLLM's worker process: standard library, torch, and of rollouts.sync only
-fingerprint_torch, broadcast_group and worker_receive, which a server started by rollouts.sync.launch
-gets as copies beside it; nothing in rollouts.sync imports this module).
+fingerprint_torch, broadcast_group, worker_receive, worker_ipc and ipc_handles, which a server started
+by rollouts.sync.launch gets as copies beside it; nothing in rollouts.sync imports this module).
 
 Partial updates: a request may name only some checkpoint tensors. vLLM reloads a layer as a whole
 (on CPU it repacks linear weights and drops the originals, and a fused qkv_proj is built from
@@ -34,6 +34,9 @@ of the trainer's store and a gloo or NCCL group on it; vLLM's own groups are nev
 through the same path as `rollouts_load_weights`, only once every bucket arrived;
 `rollouts_receive_adapter` receives a LoRA adapter's tensors the same way and writes them as an
 adapter directory on this host, for vLLM's /v1/load_lora_adapter.
+
+IPC (the trainer on this machine): `rollouts_receive_ipc`, from rollouts.sync.worker_ipc, maps each
+bucket of the trainer's memory (CUDA IPC handles, or files in /dev/shm) and copies it out.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ from safetensors.torch import save as save_bytes
 
 try:
     from rollouts.sync.broadcast_group import connect_to_trainer, flat_views, receive_flat_buckets
-    from rollouts.sync.fingerprint_torch import fingerprint_torch, flip_bit_torch, sync_fault_target
+    from rollouts.sync.fingerprint_torch import fingerprint_torch, with_sync_fault
+    from rollouts.sync.worker_ipc import IpcWeightReceiver
     from rollouts.sync.worker_receive import (
         ChecksumsOnArrival,
         ReceiveBuffer,
@@ -64,7 +68,8 @@ try:
     )
 except ModuleNotFoundError:  # in a server started by rollouts.sync.launch: their copies beside this one
     from rollouts_broadcast_group import connect_to_trainer, flat_views, receive_flat_buckets  # type: ignore[no-redef,import-not-found]
-    from rollouts_fingerprint_torch import fingerprint_torch, flip_bit_torch, sync_fault_target  # type: ignore[no-redef,import-not-found]
+    from rollouts_fingerprint_torch import fingerprint_torch, with_sync_fault  # type: ignore[no-redef,import-not-found]
+    from rollouts_worker_ipc import IpcWeightReceiver  # type: ignore[no-redef,import-not-found]
     from rollouts_worker_receive import (  # type: ignore[no-redef,import-not-found]
         ChecksumsOnArrival,
         ReceiveBuffer,
@@ -85,14 +90,6 @@ def _files_signature(model_dir: str) -> tuple[tuple[str, int, int], ...]:
             st = os.stat(os.path.join(model_dir, name))
             out.append((name, st.st_size, st.st_mtime_ns))
     return tuple(out)
-
-
-def _received(tensors: dict[str, Any]) -> dict[str, Any]:
-    """`tensors` as received, with the fault ROLLOUTS_SYNC_FAULT asks for injected (a test hook)."""
-    target = sync_fault_target()
-    if target is not None and target in tensors:
-        flip_bit_torch(tensors[target])
-    return tensors
 
 
 def _checksums(tensors: dict[str, Any]) -> dict[str, int]:
@@ -135,7 +132,7 @@ def _read_dir(path: str) -> dict[str, Any]:
     return tensors
 
 
-class SafetensorsWeightLoader:
+class SafetensorsWeightLoader(IpcWeightReceiver):
     """Mixed into vLLM's Worker class; its methods are called through POST /collective_rpc."""
 
     def _rollouts_host_buffers(self, sizes: list[int]) -> list[Any]:
@@ -278,7 +275,7 @@ class SafetensorsWeightLoader:
         with ThreadPoolExecutor(1, thread_name_prefix="rollouts-checksum") as pool:
             pending, checksums = [], {}
             for k, tensors in enumerate(receive_flat_buckets(group, plan, device, buffers=buffers)):
-                tensors = _received(tensors)
+                tensors = with_sync_fault(tensors)
                 if staged:  # summed where it is, then copied out, before the next bucket reuses the room
                     checksums.update(_checksums(tensors) if summing else {})
                     host[k].copy_(buffers[k])  # type: ignore[index]
@@ -299,7 +296,7 @@ class SafetensorsWeightLoader:
         (into,) = self._rollouts_host_buffers([int(num_bytes)])
         if checksums == "0":
             fetched = fetch_bytes(url, int(num_bytes), float(timeout_s), into=into)
-            incoming = _received(tensors_of_safetensors(fetched))
+            incoming = with_sync_fault(tensors_of_safetensors(fetched))
             return self._rollouts_apply(incoming, {"receive": time.perf_counter() - start}, checksums={})
         with ThreadPoolExecutor(1, thread_name_prefix="rollouts-checksum") as pool:
             arriving = ChecksumsOnArrival(into, pool)  # each tensor's, while the rest arrives
@@ -315,7 +312,7 @@ class SafetensorsWeightLoader:
         """Reload from the checkpoint files at `weights_path` (as vLLM's reload_weights does from a path),
         reading them once: answers the checksums of what it read, for the trainer's attestation."""
         start = time.perf_counter()
-        incoming = _received(_read_dir(weights_path))
+        incoming = with_sync_fault(_read_dir(weights_path))
         return self._rollouts_apply(incoming, {"read": time.perf_counter() - start}, known_only=False, owned=True)
 
     def _rollouts_apply(
@@ -371,7 +368,7 @@ class SafetensorsWeightLoader:
             self._rollouts_staged: dict[str, Any] = {}
         try:
             weights = self._rollouts_base_weights()
-            incoming = _received(load_bytes(base64.b64decode(data_b64)))
+            incoming = with_sync_fault(load_bytes(base64.b64decode(data_b64)))
             unknown = sorted(set(incoming) - set(weights))
             if unknown:
                 raise ValueError(f"tensors not in the model's checkpoint: {unknown[:10]} ({len(unknown)} in all)")
@@ -395,4 +392,4 @@ class SafetensorsWeightLoader:
     def rollouts_fingerprint(self, weights_path: str) -> dict[str, Any]:
         """{"checksums": {name: checksum}} of the checkpoint tensors at `weights_path` as this worker
         reads them (the files a disk reload from there loaded)."""
-        return {"checksums": _checksums(_received(_read_dir(weights_path)))}
+        return {"checksums": _checksums(with_sync_fault(_read_dir(weights_path)))}

@@ -31,13 +31,14 @@ except ModuleNotFoundError:  # in a server started by rollouts.sync.launch: the 
 __all__ = [
     "DEVICE_HEADROOM_BYTES",
     "ChecksumsOnArrival",
+    "TORCH_DTYPE_NAMES",
     "ReceiveBuffer",
     "fetch_bytes",
     "stage_on_host",
     "tensors_of_safetensors",
 ]
 
-_TORCH_DTYPES = {
+TORCH_DTYPE_NAMES = {
     "BOOL": "bool",
     "U8": "uint8",
     "I8": "int8",
@@ -193,7 +194,7 @@ def tensors_of_safetensors(buffer: Any) -> dict[str, Any]:
         if name == "__metadata__":
             continue
         start, end = (int(x) for x in entry["data_offsets"])
-        kind = getattr(torch, _TORCH_DTYPES[entry["dtype"]])
+        kind = getattr(torch, TORCH_DTYPE_NAMES[entry["dtype"]])
         data = body[start:end]
         if data.storage_offset() % kind.itemsize:
             data = data.clone()

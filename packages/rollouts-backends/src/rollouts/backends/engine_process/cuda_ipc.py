@@ -14,16 +14,14 @@ Why the engine copies rather than aliases: the trainer changes its weights in pl
 optimizer step; an engine sampling from that memory would serve a version it never loaded, half
 updated while the step runs.
 
-What crosses the pipe is JSON: the bucket's `IpcStorage` (the handle `_share_cuda_` gives, bytes
-as base64, its size, offset, reference counter and event) and per tensor its name, dtype, shape
-and byte offset in the bucket. `IpcStorage.from_json` and `ipc_tensors` read it back, refusing
+What crosses the pipe is JSON: the bucket's `IpcStorage` (rollouts.sync.ipc_handles: the handle
+`_share_cuda_` gives, bytes as base64, its size, offset, reference counter and event) and per
+tensor its name, dtype, shape and byte offset in the bucket. `IpcStorage.from_json` and `ipc_tensors` read it back, refusing
 malformed data by field.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
@@ -31,10 +29,10 @@ from typing import Any, Literal
 import torch
 
 from rollouts.backends.engine_process.shared_weights import DTYPE_NAMES, DTYPES
+from rollouts.sync.ipc_handles import IpcStorage, count_field, counts_field, object_fields
 
 __all__ = [
     "TRANSPORTS",
-    "IpcStorage",
     "IpcTensor",
     "buckets",
     "choose_transport",
@@ -69,84 +67,6 @@ def choose_transport(requested: str, devices: Iterable[torch.device], engine_dev
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class IpcStorage:
-    """One CUDA storage of the trainer's process, as `UntypedStorage._share_cuda_` describes it."""
-
-    device: int
-    """CUDA device index the storage lives on."""
-    handle: bytes
-    """The IPC handle of the allocation (segment) holding the storage."""
-    size_bytes: int
-    offset_bytes: int
-    """Where the storage starts in its allocation."""
-    ref_counter_handle: bytes
-    """Name of torch's shared reference counter, which keeps the memory alive while it is mapped."""
-    ref_counter_offset: int
-    event_handle: bytes
-    """IPC handle of the event recorded on the trainer's stream when the storage was shared."""
-    event_sync_required: bool
-
-    @classmethod
-    def of(cls, storage: torch.UntypedStorage) -> IpcStorage:
-        """Share `storage` (a CUDA storage with data) by IPC; the caller keeps it alive until the
-        other process has mapped, read and dropped it."""
-        device, handle, size, offset, counter, counter_offset, event, sync = storage._share_cuda_()  # type: ignore[no-untyped-call]
-        return cls(
-            device=int(device),
-            handle=bytes(handle),
-            size_bytes=int(size),
-            offset_bytes=int(offset),
-            ref_counter_handle=bytes(counter),
-            ref_counter_offset=int(counter_offset),
-            event_handle=bytes(event),
-            event_sync_required=bool(sync),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "device": self.device,
-            "handle": _b64(self.handle),
-            "size_bytes": self.size_bytes,
-            "offset_bytes": self.offset_bytes,
-            "ref_counter_handle": _b64(self.ref_counter_handle),
-            "ref_counter_offset": self.ref_counter_offset,
-            "event_handle": _b64(self.event_handle),
-            "event_sync_required": self.event_sync_required,
-        }
-
-    @classmethod
-    def from_json(cls, data: Any, where: str = "storage") -> IpcStorage:
-        """The storage `to_json` wrote; ValueError naming `where` and the field for anything else."""
-        fields = _object(data, where, {f.name for f in dataclasses.fields(cls)})
-        return cls(
-            device=_count(fields, "device", where),
-            handle=_bytes(fields, "handle", where),
-            size_bytes=_count(fields, "size_bytes", where),
-            offset_bytes=_count(fields, "offset_bytes", where),
-            ref_counter_handle=_bytes(fields, "ref_counter_handle", where),
-            ref_counter_offset=_count(fields, "ref_counter_offset", where),
-            event_handle=_bytes(fields, "event_handle", where),
-            event_sync_required=_flag(fields, "event_sync_required", where),
-        )
-
-    def mapped(self) -> torch.Tensor:
-        """This process's view of the storage, as flat bytes on its device; streams here wait for the
-        trainer's event before they read it. Drop it once read: the trainer's memory stays pinned
-        while it lives."""
-        storage = torch.UntypedStorage._new_shared_cuda(
-            self.device,
-            self.handle,
-            self.size_bytes,
-            self.offset_bytes,
-            self.ref_counter_handle,
-            self.ref_counter_offset,
-            self.event_handle,
-            self.event_sync_required,
-        )
-        return torch.empty(0, dtype=torch.uint8, device=f"cuda:{self.device}").set_(storage)
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class IpcTensor:
     """One tensor of a bucket: contiguous, at `offset_bytes` of the bucket."""
 
@@ -167,16 +87,16 @@ class IpcTensor:
 
     @classmethod
     def from_json(cls, data: Any, where: str) -> IpcTensor:
-        fields = _object(data, where, {f.name for f in dataclasses.fields(cls)})
+        fields = object_fields(data, where, {f.name for f in dataclasses.fields(cls)})
         name, dtype = fields["name"], fields["dtype"]
         if not isinstance(name, str):
             raise ValueError(f"{where}.name must be a string, got {name!r:.80}")
         if dtype not in DTYPES:
             raise ValueError(f"{where}.dtype must be one of {sorted(DTYPES)}, got {dtype!r:.80}")
-        offset = _count(fields, "offset_bytes", where)
+        offset = count_field(fields, "offset_bytes", where)
         if offset % _ALIGN:
             raise ValueError(f"{where}.offset_bytes must be a multiple of {_ALIGN}, got {offset}")
-        return cls(name=name, dtype=dtype, shape=_counts(fields, "shape", where), offset_bytes=offset)
+        return cls(name=name, dtype=dtype, shape=counts_field(fields, "shape", where), offset_bytes=offset)
 
 
 # ---------------------------------------------------------------- the trainer's side
@@ -267,50 +187,3 @@ def mapped_views(flat: torch.Tensor, tensors: list[IpcTensor]) -> dict[str, torc
         t.name: flat[t.offset_bytes : t.offset_bytes + t.num_bytes()].view(DTYPES[t.dtype]).view(t.shape)
         for t in tensors
     }
-
-
-# ---------------------------------------------------------------- reading JSON fields
-
-
-def _object(data: Any, where: str, names: set[str]) -> dict[str, Any]:
-    if not isinstance(data, dict):
-        raise ValueError(f"{where} must be a JSON object, got {type(data).__name__}")
-    missing, unknown = sorted(names - data.keys()), sorted(data.keys() - names)
-    if missing or unknown:
-        raise ValueError(f"{where}: missing fields {missing}, unknown fields {unknown}")
-    return data
-
-
-def _count(fields: Mapping[str, Any], key: str, where: str) -> int:
-    value = fields[key]
-    if type(value) is not int or value < 0:  # bool is an int subclass: refused too
-        raise ValueError(f"{where}.{key} must be an integer >= 0, got {value!r:.80}")
-    return value
-
-
-def _counts(fields: Mapping[str, Any], key: str, where: str) -> tuple[int, ...]:
-    value = fields[key]
-    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
-        raise ValueError(f"{where}.{key} must be a list of integers >= 0, got {value!r:.80}")
-    return tuple(value)
-
-
-def _flag(fields: Mapping[str, Any], key: str, where: str) -> bool:
-    value = fields[key]
-    if not isinstance(value, bool):
-        raise ValueError(f"{where}.{key} must be true or false, got {value!r:.80}")
-    return value
-
-
-def _bytes(fields: Mapping[str, Any], key: str, where: str) -> bytes:
-    value = fields[key]
-    if not isinstance(value, str):
-        raise ValueError(f"{where}.{key} must be a base64 string, got {value!r:.80}")
-    try:
-        return base64.b64decode(value, validate=True)
-    except binascii.Error as e:
-        raise ValueError(f"{where}.{key} is not base64 ({e})") from e
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")

@@ -37,12 +37,13 @@ from transformers.utils import logging as hf_logging
 
 from rollouts.backends.checkpoint.export import load_model_weights
 from rollouts.backends.checkpoint.model_files import load_tokenizer
-from rollouts.backends.engine_process.cuda_ipc import IpcStorage, IpcTensor, ipc_tensors, mapped_views
+from rollouts.backends.engine_process.cuda_ipc import IpcTensor, ipc_tensors, mapped_views
 from rollouts.backends.engine_process.shared_weights import DTYPES, shared_views, weight_layout
 from rollouts.backends.engine_process.wire import ChildGone, encode_frame, next_request, write_frame
 from rollouts.backends.sampling.engine import config_eos, load_weights_dir, sample_prompts
 from rollouts.backends.train.components import load_hf_model
 from rollouts.sync.fingerprint import fingerprint_torch, flip_bit_torch, sync_fault_target
+from rollouts.sync.ipc_handles import IpcStorage
 from rollouts.types import RolloutBatch, Sample, SamplingParams, from_dict
 from rollouts.types.wire import batch_to_bytes
 
