@@ -24,7 +24,7 @@ from rollouts.backends import WeightBuckets, build_components, shard_model
 from rollouts.backends.checkpoint.export import model_tensors
 from rollouts.backends.train.distributed import close_process_group
 from rollouts.loops.engines.broadcast import BroadcastPool, BroadcastWeights
-from rollouts.loops.engines.coalescing import BoundedSync
+from rollouts.loops.engines.remote import BoundedSync
 from rollouts.loops.recipes.tiny import build_tiny_model
 from rollouts.loops.rl.generation import sync_engine
 from rollouts.sync import BroadcastOptions, HTTPOptions, RetryPolicy, SGLangEngine

@@ -179,7 +179,7 @@ def test_adapter_sync_is_refused_where_the_engine_cannot_load_it(tmp_path):
     import trio
 
     from rollouts.loops.app.config import ConfigError, RLRun, build_run
-    from rollouts.loops.engines.coalescing import SendWeights
+    from rollouts.loops.engines.remote import SendWeights
     from rollouts.sync import VLLMEngine
 
     for engine in ({"kind": "sglang", "urls": ["http://x"]}, {"kind": "vllm", "urls": ["http://x"], "sync": "http"}):

@@ -24,18 +24,20 @@ async def _served_version(url):
         return await engine.weight_version()
 
 
-@pytest.mark.parametrize("sync", ["disk", "http", "broadcast"])
+@pytest.mark.parametrize("sync", ["disk", "http", "ipc", "broadcast"])
 def test_rl_loop_with_vllm_engine_syncs_weights(tiny_run_inputs, vllm_for_tiny_model, tmp_path, sync):
     """The trainer and the engine run in different working directories: "disk" sends an absolute path
-    (a relative one was unreadable there), "http" sends the weights in request bodies, "broadcast"
-    through a gloo group with vLLM's worker. The sync probe checks every step's sync."""
+    (a relative one was unreadable there), "http" sends the weights in request bodies, "ipc" (sync
+    "http", http_wire "ipc") has vLLM's worker copy them out of the trainer's memory (/dev/shm here),
+    "broadcast" through a gloo group with vLLM's worker. The sync probe checks every step's sync."""
     out = tmp_path / "rl_vllm"
+    wire = 'sync = "http"\nhttp_wire = "ipc"' if sync == "ipc" else f'sync = "{sync}"'
     engine = f"""
 [engine]
 kind = "vllm"
 urls = ["{vllm_for_tiny_model.url}"]
 timeout_s = 60.0
-sync = "{sync}"
+{wire}
 """
     config = rl_toml(tiny_run_inputs, out, tiny_run_inputs / "model", extra=engine)
     probe = ["--set", "rl.sync_probe_tokens=4"]
@@ -47,7 +49,7 @@ sync = "{sync}"
     assert all(r["num_samples"] == 16 for r in records)
     assert trio.run(_served_version, vllm_for_tiny_model.url) == 3
     # The engine serves the trained weights: greedy tokens and log-probs equal transformers' on the
-    # run's last checkpoint (float32 on both sides; "broadcast" sends from the model and exports nothing).
+    # run's last checkpoint (float32 on both sides).
     prompt = [3, 4, 5, 6]
     params = SamplingParams(max_new_tokens=4, temperature=0.0, logprobs=True)
 
@@ -56,7 +58,7 @@ sync = "{sync}"
             return (await engine.generate([prompt], params))[0]
 
     sample = trio.run(served)
-    assert (out / "weights").exists() == (sync != "broadcast")
+    assert (out / "weights").exists() == (sync in ("disk", "http"))  # the others take the model's own tensors
     tokens, logprobs = reference_greedy(out / "checkpoints" / "step_3", prompt, 4, python=find_vllm_python())
     assert list(sample.response_tokens) == tokens
     np.testing.assert_allclose(sample.rollout_logprobs, logprobs, rtol=0, atol=1e-4)

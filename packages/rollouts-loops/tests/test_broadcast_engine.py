@@ -14,12 +14,12 @@ from rollouts.backends import build_components
 from rollouts.backends.checkpoint.export import model_tensors
 from rollouts.loops.app.config import EngineSpec
 from rollouts.loops.engines.broadcast import BroadcastWeights
-from rollouts.loops.engines.coalescing import remote_engine
+from rollouts.loops.engines.remote import MapWeights, remote_engine
 from rollouts.loops.recipes.tiny import build_tiny_model
 from rollouts.loops.rl.generation import sync_engine
-from rollouts.sync import BroadcastOptions, HTTPOptions, RetryPolicy, SGLangEngine
+from rollouts.sync import AttestationError, BroadcastOptions, HTTPOptions, RetryPolicy, SGLangEngine, WeightSyncError
 from rollouts.sync.fake_server import FakeEngineState, serve_fake_engine
-from rollouts.types import OptimizerConfig, TrainingState
+from rollouts.types import OptimizerConfig, TrainingState, WeightLoader
 
 
 def test_broadcast_is_a_sync_for_server_engines_only():
@@ -41,8 +41,44 @@ def test_the_http_wire_is_chosen_in_the_run_file_and_reaches_the_vllm_client():
     assert engine.engine.engine.tensor_wire == "inline"  # BoundedSync > SendWeights > VLLMEngine
     with pytest.raises(ValueError, match="EngineSpec.http_wire"):
         EngineSpec(kind="vllm", urls=("http://127.0.0.1:1",), sync="disk", http_wire="inline")
+    # "ipc": one server takes the model's tensors directly (a WeightLoader); several map the exported files
+    one = remote_engine("vllm", spec.urls, sync="http", http_wire="ipc", **common)
+    assert isinstance(one.engine, MapWeights) and isinstance(one, WeightLoader)
+    two = remote_engine("vllm", [*spec.urls, "http://127.0.0.1:2"], sync="http", http_wire="ipc", **common)
+    assert not isinstance(two, WeightLoader) and {e.engine.tensor_wire for e in two.engines} == {"ipc"}
     with pytest.raises(ValueError, match="EngineSpec.http_wire"):
         EngineSpec(kind="vllm", urls=("http://127.0.0.1:1",), sync="http", http_wire="base64")
+
+
+class _SlowIpcEngine:
+    """Stands in for VLLMEngine(tensor_wire="ipc"): its sync never ends, or fails at once."""
+
+    name, tensor_wire = "http://127.0.0.1:9", "ipc"
+
+    def __init__(self, error=None):
+        self.error = error
+
+    async def update_weights_from_tensors(self, tensors, weight_version):
+        if self.error is not None:
+            raise self.error
+        await trio.sleep_forever()
+
+
+def test_an_ipc_sync_from_the_model_is_bounded_and_named_like_any_sync():
+    tensors = {"w": torch.zeros(2)}
+
+    async def load(engine):
+        await MapWeights(engine, sync_timeout_s=0.2).load_weights(tensors, 3)
+
+    with pytest.raises(WeightSyncError, match=r"http://127\.0\.0\.1:9.*did not finish within sync_timeout_s=0\.2"):
+        trio.run(load, _SlowIpcEngine())
+    with pytest.raises(WeightSyncError, match=r"http://127\.0\.0\.1:9.*OSError: no such file"):
+        trio.run(load, _SlowIpcEngine(OSError("no such file")))
+    mismatch = AttestationError(engine="e", weight_version=3, mismatched=("w",), missing=())
+    with pytest.raises(AttestationError):  # never downgraded to an engine failure the run could go on from
+        trio.run(load, _SlowIpcEngine(mismatch))
+    with pytest.raises(ValueError, match="does not sync by IPC"):
+        MapWeights(SGLangEngine("http://127.0.0.1:9"), sync_timeout_s=1.0)
 
 
 def test_the_broadcast_backend_is_chosen_in_the_run_file_and_reaches_the_broadcast(monkeypatch):

@@ -17,7 +17,7 @@ from rollouts.backends import build_components
 from rollouts.backends.checkpoint.export import model_tensors
 from rollouts.loops.engines import broadcast as broadcast_module
 from rollouts.loops.engines.broadcast import BroadcastPool, BucketLoader
-from rollouts.loops.engines.coalescing import remote_engine
+from rollouts.loops.engines.remote import remote_engine
 from rollouts.loops.recipes.tiny import build_tiny_model
 from rollouts.loops.rl.generation import sync_engine
 from rollouts.sync import BroadcastOptions, HTTPOptions, RetryPolicy, SGLangEngine, WeightSyncError

@@ -251,7 +251,7 @@ class HangingReload:
 
 
 def test_a_single_remote_engine_gets_sync_timeout_s_on_its_reload():
-    from rollouts.loops.engines.coalescing import BoundedSync
+    from rollouts.loops.engines.remote import BoundedSync
     from rollouts.sync import WeightSyncError
 
     inner = HangingReload()
@@ -268,7 +268,7 @@ def test_a_single_remote_engine_gets_sync_timeout_s_on_its_reload():
 
 
 def test_remote_engine_bounds_a_single_url_by_sync_timeout_s():
-    from rollouts.loops.engines.coalescing import BoundedSync, remote_engine
+    from rollouts.loops.engines.remote import BoundedSync, remote_engine
 
     engine = remote_engine(
         "vllm",
@@ -281,7 +281,7 @@ def test_remote_engine_bounds_a_single_url_by_sync_timeout_s():
 
 
 def test_remote_engine_for_partial_rollouts_keeps_aborted_responses_and_refuses_sglang():
-    from rollouts.loops.engines.coalescing import remote_engine
+    from rollouts.loops.engines.remote import remote_engine
 
     common = {
         "api_key_env": "",

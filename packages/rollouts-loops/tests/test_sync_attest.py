@@ -11,7 +11,7 @@ import torch
 import trio
 
 from rollouts.loops.app.config import EngineSpec
-from rollouts.loops.engines.coalescing import remote_engine
+from rollouts.loops.engines.remote import remote_engine
 from rollouts.sync import AttestationError, HTTPOptions, RetryPolicy
 from rollouts.sync.fake_server import FakeEngineState, serve_fake_engine
 from rollouts.sync.fingerprint import fingerprint

@@ -3,6 +3,8 @@ engine's checksums of what it received against the sender's), a corrupted tensor
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 
@@ -64,14 +66,20 @@ async def test_the_inline_wire_moves_base64_in_chunks(tmp_path):
         np.testing.assert_array_equal(state.weights[name], tensor.view())
 
 
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
 @pytest.mark.anyio
-async def test_a_tensor_corrupted_in_the_engine_fails_attestation_naming_it(tmp_path):
+@pytest.mark.parametrize(
+    "wire", ["fetch", pytest.param("ipc", marks=pytest.mark.skipif(not HAS_TORCH, reason="the IPC wire needs torch"))]
+)
+async def test_a_tensor_corrupted_in_the_engine_fails_attestation_naming_it(tmp_path, wire):
     state = FakeEngineState()
-    async with serve_fake_engine(state) as server, VLLMEngine(server.url, http=FAST) as engine:
+    async with serve_fake_engine(state) as server, VLLMEngine(server.url, http=FAST, tensor_wire=wire) as engine:
         await engine.update_weights_from_disk(write_dir(tmp_path / "v0", bf16_weights(0)), 1)
         state.corrupt = "w1"
         with pytest.raises(AttestationError) as info:
-            await engine.update_weights_from_tensors(bf16_weights(1), 2)
+            await engine.update_weights_from_tensors(bf16_weights(1), 2, chunk_bytes=600)  # ipc: two buckets
         assert info.value.mismatched == ("w1",) and info.value.weight_version == 2
         assert "w1" in str(info.value) and server.url in str(info.value)
         assert await engine.weight_version() == 1 and not state.paused  # the version is not claimed; resumed

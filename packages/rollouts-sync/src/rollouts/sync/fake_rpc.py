@@ -8,6 +8,8 @@ numpy lacks, e.g. bfloat16, as their uint16 bit patterns: the fake's "model" onl
 from __future__ import annotations
 
 import base64
+import json
+import math
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -16,7 +18,7 @@ import numpy as np
 
 from rollouts.sync.fake_http import HTTPError, json_response
 from rollouts.sync.fingerprint import fingerprint
-from rollouts.sync.raw import RawTensor, decode_safetensors, read_safetensors_dir
+from rollouts.sync.raw import DTYPE_BYTES, TORCH_NAMES, RawTensor, decode_safetensors, read_safetensors_dir
 
 if TYPE_CHECKING:
     from rollouts.sync.fake_server import FakeEngineState
@@ -50,6 +52,34 @@ async def fetch(kwargs: dict[str, Any]) -> bytes:
     if response.status_code != 200 or len(response.content) != int(kwargs["num_bytes"]):
         raise HTTPError(500, f"fetching weights: {response.status_code} with {len(response.content)} bytes")
     return response.content
+
+
+def receive_ipc(state: FakeEngineState, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """One bucket of an IPC sync (rollouts.sync.ipc), read from its shared-memory file; the last one
+    loads them all (all or nothing), as rollouts.sync.worker_ipc does."""
+    k, token = int(kwargs["index"]), kwargs["token"]
+    if k == 0:
+        state.staged_ipc = {"token": token, "plan": json.loads(kwargs["plan_json"]), "next": 0, "tensors": {}}
+    staged = state.staged_ipc
+    if staged is None or staged["token"] != token or staged["next"] != k:
+        raise ValueError(f"bucket {k} of sync {token} arrived out of turn")
+    shm = json.loads(kwargs["handle_json"])["shm"]
+    bucket = staged["plan"]["buckets"][k]
+    data = np.fromfile(shm["path"], dtype=np.uint8, count=int(shm["size_bytes"]))[: int(bucket["nbytes"])]
+    for name, dtype, shape, offset in bucket["tensors"]:
+        kind = TORCH_NAMES[f"torch.{dtype}"]
+        size = math.prod(shape) * DTYPE_BYTES[kind]
+        staged["tensors"][name] = RawTensor(dtype=kind, shape=tuple(shape), data=data[offset : offset + size])
+    staged["next"] += 1
+    if staged["next"] < len(staged["plan"]["buckets"]):
+        return {"bucket": k}
+    state.staged_ipc = None
+    incoming = arrays(staged["tensors"], corrupt=state.corrupt)
+    unknown = sorted(set(incoming) - set(state.weights)) if state.weights else []
+    if unknown:
+        raise ValueError(f"tensors not in the model's checkpoint: {unknown}")
+    state.weights = {**state.weights, **incoming}
+    return {"num_tensors": len(incoming), "checksums": fingerprint(incoming)}
 
 
 async def collective_rpc(state: FakeEngineState, body: dict[str, Any]) -> tuple[int, bytes]:
@@ -95,6 +125,13 @@ async def collective_rpc(state: FakeEngineState, body: dict[str, Any]) -> tuple[
         except (OSError, KeyError) as exc:
             raise HTTPError(500, f"rollouts_load_dir failed: {type(exc).__name__}: {exc}") from exc
         return json_response(200, {"results": [{"checksums": fingerprint(state.weights)}]})
+    if method == "rollouts_receive_ipc":  # a bucket in a /dev/shm file (the fake runs on the CPU)
+        await anyio.sleep(state.reload_delay_s)
+        try:
+            return json_response(200, {"results": [receive_ipc(state, kwargs)]})
+        except (OSError, KeyError, ValueError) as exc:
+            state.staged_ipc = None
+            raise HTTPError(500, f"rollouts_receive_ipc failed: {type(exc).__name__}: {exc}") from exc
     if method == "rollouts_fingerprint":  # the checksums of what the last disk reload loaded
         return json_response(200, {"results": [{"checksums": fingerprint(state.weights)}]})
     raise HTTPError(500, f"AttributeError: worker has no method {method!r}")

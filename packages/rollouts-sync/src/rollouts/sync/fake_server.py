@@ -58,6 +58,8 @@ class FakeEngineState:
     in a real engine (the fake's checksums then report it)."""
     staged_weights: dict[str, np.ndarray] = field(default_factory=dict)
     """Tensors of an update sent in chunks, waiting for its last chunk."""
+    staged_ipc: dict[str, Any] | None = None
+    """The IPC sync whose buckets are arriving: its token, plan, next bucket and tensors so far."""
     weight_version: str = "default"
     broadcast_group: Any = None
     """The weights-update process group the trainer made (SGLang's broadcast; see fake_broadcast)."""

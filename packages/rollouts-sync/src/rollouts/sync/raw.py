@@ -22,6 +22,7 @@ import numpy as np
 
 __all__ = [
     "DTYPE_BYTES",
+    "TORCH_NAMES",
     "RawTensor",
     "as_raw",
     "bfloat16",
@@ -63,7 +64,7 @@ _NUMPY_NAMES = {
     "uint64": "U64",
     "float64": "F64",
 }
-_TORCH_NAMES = {
+TORCH_NAMES = {  # the safetensors name of each torch dtype
     "torch.bool": "BOOL",
     "torch.uint8": "U8",
     "torch.int8": "I8",
@@ -160,9 +161,9 @@ def as_raw(value: Any, *, name: str = "tensor") -> RawTensor:
 
 def _torch_raw(tensor: Any, *, name: str) -> RawTensor:
     torch = sys.modules["torch"]  # loaded already: `tensor` is one of its tensors
-    kind = _TORCH_NAMES.get(str(tensor.dtype))
+    kind = TORCH_NAMES.get(str(tensor.dtype))
     if kind is None:
-        raise TypeError(f"{name}: torch dtype {tensor.dtype} has no safetensors name; takes {sorted(_TORCH_NAMES)}")
+        raise TypeError(f"{name}: torch dtype {tensor.dtype} has no safetensors name; takes {sorted(TORCH_NAMES)}")
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     return RawTensor(dtype=kind, shape=tuple(int(d) for d in tensor.shape), data=flat.view(torch.uint8).numpy())
 

@@ -42,7 +42,8 @@ from rollouts.loops.app.run_setup import (
     run_tokenizer,
     sharded_model,
 )
-from rollouts.loops.engines.coalescing import CoalescingEngine, remote_engine
+from rollouts.loops.engines.coalescing import CoalescingEngine
+from rollouts.loops.engines.remote import remote_engine
 from rollouts.loops.engines.rollout_process import RolloutProcess
 from rollouts.loops.evaluation import Evaluation, evaluate_groups, group_metrics
 from rollouts.loops.rl.distill import Distillation, EngineTeacher

@@ -101,11 +101,14 @@ class EngineSpec:
     bodies, chunked (no shared disk; vLLM started with the worker extension: `rollouts engine vllm`);
     "broadcast" through a process group with the engine's workers (vLLM's worker extension, or
     SGLang; `broadcast_backend` says which kind)."""
-    http_wire: Literal["fetch", "inline"] = "fetch"
+    http_wire: Literal["fetch", "inline", "ipc"] = "fetch"
     """With sync = "http": "fetch" serves the weights' raw safetensors bytes on a short-lived endpoint
     of the trainer that the engine's workers download (the bytes on the wire are the weights' own;
     the engine must be able to connect back to the trainer); "inline" sends them base64 in the
-    requests to the engine (4/3 the bytes, slower), for an engine that cannot reach the trainer."""
+    requests to the engine (4/3 the bytes, slower), for an engine that cannot reach the trainer;
+    "ipc", for a server on the trainer's machine, has its workers copy the weights out of the
+    trainer's memory, bucket by bucket: by CUDA IPC handles from the trainer's GPU, through files in
+    /dev/shm from the CPU (one server: straight from the model, nothing exported)."""
     broadcast_backend: Literal["gloo", "nccl"] = "gloo"
     """With sync = "broadcast": "gloo" (the default; runs everywhere: the weights travel through host
     memory, and the engine's workers receive them there) or "nccl" (GPU to GPU: the trainer on CUDA,
@@ -133,7 +136,12 @@ class EngineSpec:
         if self.sync in ("http", "broadcast"):
             kinds = ("vllm",) if self.sync == "http" else ("vllm", "sglang")
             require(self.kind in kinds, "EngineSpec.sync", self.sync, f"be 'disk' unless kind is one of {kinds}")
-        require(self.http_wire in ("fetch", "inline"), "EngineSpec.http_wire", self.http_wire, "be fetch or inline")
+        require(
+            self.http_wire in ("fetch", "inline", "ipc"),
+            "EngineSpec.http_wire",
+            self.http_wire,
+            "be fetch, inline or ipc",
+        )
         if self.http_wire != "fetch":
             require(self.sync == "http", "EngineSpec.http_wire", self.http_wire, "be 'fetch' unless sync is 'http'")
         backends = ("gloo", "nccl")

@@ -18,7 +18,7 @@ import torch
 import trio
 from safetensors.torch import load_file
 
-from rollouts.loops.engines.coalescing import _Wrapped
+from rollouts.loops.engines.remote import _Wrapped
 from rollouts.sync import (
     DEFAULT_BROADCAST,
     BroadcastOptions,

@@ -1,0 +1,198 @@
+"""Remote engines (vLLM, SGLang) as the loops use them, built from an EngineSpec's fields
+(`remote_engine`): each weight sync bounded, the weights sent the way `engine.sync` says.
+
+`SendWeights` sends the exported weights in request bodies (sync "http"); `MapWeights`, for a vLLM
+server on the trainer's machine (http_wire "ipc"), takes them straight from the model as well
+(the loops' direct loader: nothing exported), its workers copying them out of the trainer's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import trio
+
+from rollouts.sync import (
+    EnginePool,
+    HTTPOptions,
+    RawTensor,
+    SGLangEngine,
+    VLLMEngine,
+    is_adapter_dir,
+    sync_weights_to_engines,
+)
+from rollouts.sync.fingerprint import AttestationError
+from rollouts.sync.raw import read_safetensors_dir
+from rollouts.sync.weight_sync import WeightSyncError, engine_failure
+from rollouts.types import InferenceEngine, Sample, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+def remote_engine(
+    kind: str,
+    urls: Sequence[str],
+    *,
+    api_key_env: str,
+    http: HTTPOptions,
+    sync_timeout_s: float,
+    sync: str = "disk",
+    partial: bool = False,
+    attest: bool = True,
+    http_wire: str = "fetch",
+    broadcast_backend: str = "gloo",
+) -> InferenceEngine:
+    """A vLLM / SGLang client (a pool of them for several URLs); the API key comes from `api_key_env`,
+    each call's bound and retries from `http`.
+
+    `sync`: "disk" reloads each engine from the exported weights' absolute path (a shared
+    filesystem); "http" sends them in request bodies (`SendWeights`); "broadcast" through process
+    groups with the engines' workers (`BroadcastWeights`; for several URLs one `BroadcastPool`, each
+    bucket sent to them all). `partial` (rl.rollout.partial, vLLM only): a sync pauses the server in
+    mode "abort" and the responses it cuts short come back as partial samples
+    (`VLLMEngine(keep_partial=True)`), to be continued. `attest`: vLLM engines check the checksums of
+    the weights each sync loaded (`VLLMEngine(attest=...)`, and the broadcast's
+    `BroadcastOptions(attest=...)`); SGLang cannot report them, and the log says once that its syncs
+    go unattested. `http_wire` (sync "http"): how the bytes travel (`VLLMEngine(tensor_wire=...)`;
+    "ipc": one server takes them from the model itself, `MapWeights`).
+    `broadcast_backend` (sync "broadcast"): the process group's, "gloo" or "nccl" (the trainer on
+    CUDA: `BroadcastOptions(backend=...)`)."""
+    if sync not in ("disk", "http", "broadcast"):
+        raise ValueError(f"sync must be 'disk', 'http' or 'broadcast', got {sync!r}")
+    api_key = os.environ.get(api_key_env) if api_key_env else None
+    if api_key_env and not api_key:
+        raise ValueError(f"environment variable {api_key_env!r} (engine.api_key_env) is not set")
+    if partial and kind != "vllm":
+        raise ValueError(f"rl.rollout.partial needs an engine that keeps aborted responses: 'vllm', not {kind!r}")
+    common: dict[str, Any] = {"api_key": api_key, "http": http}
+    if partial:
+        common |= {"keep_partial": True, "pause_mode": "abort"}
+    if kind == "vllm":
+        common |= {"attest": attest, "tensor_wire": http_wire}
+    if not attest or kind == "sglang":
+        why = "engine.attest = false" if not attest else "SGLang has no call that reports checksums of its weights"
+        log.warning("weight sync attestation is off for %s engine(s) %s (%s)", kind, ", ".join(urls), why)
+    cls = {"vllm": VLLMEngine, "sglang": SGLangEngine}[kind]
+    engines: list[InferenceEngine] = [cls(url, **common) for url in urls]
+    if sync == "http":
+        mapped = http_wire == "ipc" and len(engines) == 1  # several: each maps the exported weights
+        engines = [MapWeights(e, sync_timeout_s=sync_timeout_s) if mapped else SendWeights(e) for e in engines]
+    if sync == "broadcast":
+        import torch
+
+        from rollouts.loops.engines.broadcast import BroadcastPool, BroadcastWeights  # it imports this module
+        from rollouts.sync import BroadcastOptions
+
+        if broadcast_backend == "nccl" and not torch.cuda.is_available():
+            raise ValueError(
+                "engine.broadcast_backend = 'nccl' sends the weights from the trainer's GPU, but this "
+                "process sees no CUDA device: use 'gloo'"
+            )
+        options = BroadcastOptions(attest=attest, backend=broadcast_backend)
+        if len(engines) > 1:  # one broadcast to them all: each bucket read or gathered once
+            return BroadcastPool(engines, options, sync_timeout_s=sync_timeout_s)
+        engines = [BroadcastWeights(engines[0], options, sync_timeout_s=sync_timeout_s)]
+    if len(engines) == 1:
+        return BoundedSync(engines[0], sync_timeout_s=sync_timeout_s)
+    return EnginePool(engines, sync_timeout_s=sync_timeout_s)
+
+
+class _Wrapped:
+    """An engine wrapper: the InferenceEngine calls pass through to `engine` explicitly (so the
+    protocol sees them); anything else (abort, resume, pause, ...) through attribute lookup."""
+
+    def __init__(self, engine: InferenceEngine) -> None:
+        self.engine = engine
+
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    def __getattr__(self, attribute: str) -> object:
+        return getattr(self.engine, attribute)
+
+    async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
+        return await self.engine.generate(prompts, params)
+
+    async def weight_version(self) -> int | None:
+        return await self.engine.weight_version()
+
+    async def health(self) -> bool:
+        return await self.engine.health()
+
+
+class SendWeights(_Wrapped):
+    """An engine synced through request bodies: `update_weights_from_disk(path, version)` reads the
+    exported safetensors at `path` here, in the trainer's process, and sends the tensors with
+    `update_weights_from_tensors` (chunked; vLLM with the worker extension), so the engine needs no
+    view of the trainer's disk. Each tensor travels in the dtype it was exported in (a bf16 model
+    moves its bf16 bytes); `last_upload` says what the last sync moved."""
+
+    def __init__(self, engine: InferenceEngine) -> None:
+        if not callable(getattr(engine, "update_weights_from_tensors", None)):
+            raise ValueError(
+                f"engine {engine.name} cannot take weights in request bodies (no update_weights_from_tensors): "
+                "use engine.sync = 'disk'"
+            )
+        super().__init__(engine)
+        self.last_upload: Any = None
+
+    async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
+        if is_adapter_dir(path):
+            raise ValueError(
+                f"{path!r} is a LoRA adapter: engine.sync = 'http' sends full weights only; use engine.sync = "
+                "'disk' (the engine loads the adapter from that path) or model.lora.sync = 'merged'"
+            )
+        tensors = await trio.to_thread.run_sync(read_raw_weights, path)
+        self.last_upload = await self.engine.update_weights_from_tensors(tensors, weight_version)  # type: ignore[attr-defined]
+
+
+def read_raw_weights(path: str | os.PathLike[str]) -> dict[str, RawTensor]:
+    """Every tensor of the safetensors files in directory `path`, in the dtype it was written in."""
+    if not any(Path(path).glob("*.safetensors")):
+        raise ValueError(f"{path} holds no .safetensors file to send")
+    return read_safetensors_dir(Path(path))
+
+
+class MapWeights(SendWeights):
+    """A vLLM server on the trainer's machine, synced by IPC (`VLLMEngine(tensor_wire="ipc")`): besides
+    the exported weights (`update_weights_from_disk`, read here and shared from host memory), it takes
+    the model's tensors where they are (`load_weights`: the loops hand them over without exporting;
+    on the trainer's GPU, by CUDA IPC handles), each sync bounded by `sync_timeout_s`."""
+
+    def __init__(self, engine: InferenceEngine, *, sync_timeout_s: float) -> None:
+        if getattr(engine, "tensor_wire", None) != "ipc":
+            raise ValueError(f"engine {engine.name} does not sync by IPC (VLLMEngine(tensor_wire='ipc'))")
+        super().__init__(engine)
+        self.sync_timeout_s = sync_timeout_s
+
+    async def load_weights(self, tensors: Mapping[str, Any], weight_version: int) -> None:
+        try:
+            with anyio.fail_after(self.sync_timeout_s):
+                self.last_upload = await self.engine.update_weights_from_tensors(tensors, weight_version)  # type: ignore[attr-defined]
+        except AttestationError:
+            raise  # the engine serves other weights than those sent: it names the tensors
+        except Exception as exc:  # noqa: BLE001 - named as the engine's failure, as a pool's sync names it
+            timeout = f"did not finish within sync_timeout_s={self.sync_timeout_s}"
+            raise WeightSyncError(weight_version, [engine_failure(self.name, exc, timeout_text=timeout)], []) from exc
+
+
+class BoundedSync(_Wrapped):
+    """One engine whose weight reloads are bounded by `sync_timeout_s`, as a pool bounds each of its
+    engines: a reload that hangs or ends on another version is a WeightSyncError naming the engine
+    (the client's own request timeout and retries alone could run far past the setting).
+    Everything else passes straight through to the engine."""
+
+    def __init__(self, engine: InferenceEngine, *, sync_timeout_s: float) -> None:
+        if not sync_timeout_s > 0:
+            raise ValueError(f"sync_timeout_s must be > 0, got {sync_timeout_s}")
+        super().__init__(engine)
+        self.sync_timeout_s = sync_timeout_s
+
+    async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
+        await sync_weights_to_engines([self.engine], path, weight_version, timeout_s=self.sync_timeout_s)
