@@ -2,9 +2,11 @@
 
 1. Fan-out: sync to 4 fake engines (fixed reload delay) concurrently vs to 1; target <= 1.3x.
 2. Transports to a real vLLM CPU server for a model of Qwen2-0.5B's shape (random bf16 weights,
-   988 MB; `--quick`: a small one): seconds and bytes per sync for disk, http and broadcast, each
-   run alternately with its bare transport (a file write+read; a POST of the tensor bytes to a sink
-   in another process; a plain gloo broadcast of the same buckets between two processes); target
+   988 MB; `--quick`: a small one): seconds and bytes per sync for disk, http (the fetch wire), the
+   IPC wire (/dev/shm buckets here, on the CPU) and broadcast, each run alternately with its bare
+   transport (a file write+read; a POST of the tensor bytes to a sink in another process; a write
+   into a /dev/shm file copied out by another process; a plain gloo broadcast of the same buckets
+   between two processes); target
    <= 1.3x. Each transport twice: attested (the default) and with attestation off (no checksum on
    either side), so the difference is what attestation costs a sync. Beside it, vLLM's own reload within each sync (its worker's "load" seconds: on CPU it
    repacks every linear weight, which no bare transport does) and the ratio without it, what the
@@ -53,6 +55,7 @@ from rollouts.sync.testing import build_tiny_model, find_vllm_python, vllm_unava
 
 RELOAD_DELAY_S = 0.5
 NUM_REPEATS = 5
+IPC_BUCKET_BYTES = 256 << 20  # VLLMEngine's default chunk_bytes
 TARGET_RATIO = 1.3
 
 
@@ -244,6 +247,40 @@ def bare_gloo(bucket_sizes: list[int]) -> Iterator:
         peer.wait(timeout=60)
 
 
+_SHM_PEER = """
+import sys, numpy as np
+into = np.empty(int(sys.argv[1]), dtype=np.uint8)
+for path in sys.stdin:
+    np.copyto(into, np.memmap(path.strip(), dtype=np.uint8, mode="r", shape=into.shape))
+    print("ok", flush=True)
+"""
+
+
+@contextmanager
+def bare_shm(blob: np.ndarray) -> Iterator:
+    """A function that writes `blob` into a new /dev/shm file and has another process copy it out of it
+    (what an IPC sync moves on the CPU, bare: one copy in, one copy out)."""
+    peer = subprocess.Popen(
+        [sys.executable, "-c", _SHM_PEER, str(blob.size)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+    def once() -> None:
+        path = f"/dev/shm/bench-sync-{os.getpid()}"
+        try:
+            np.copyto(np.memmap(path, dtype=np.uint8, mode="w+", shape=blob.shape), blob)
+            peer.stdin.write(path + "\n")
+            peer.stdin.flush()
+            assert peer.stdout.readline().strip() == "ok"
+        finally:
+            os.unlink(path)
+
+    try:
+        yield once
+    finally:
+        peer.stdin.close()
+        peer.wait(timeout=60)
+
+
 async def timed_syncs(
     name: str, sync, bare, repeats: int, phases: Phases, engine, *, profile: bool
 ) -> tuple[float, float, float]:
@@ -306,6 +343,19 @@ async def transports(url: str, tensors: dict[str, torch.Tensor], tmp: Path, repe
                 )
             rows.append(("http" + label, seconds, wire_bytes(engine.last_upload), bare, load))
 
+            async with VLLMEngine(url, http=HTTPOptions(timeout_s=600.0), attest=attest, tensor_wire="ipc") as mapped:
+
+                async def ipc(engine=mapped) -> None:  # the worker copies buckets out of /dev/shm files
+                    nonlocal version
+                    await engine.update_weights_from_tensors(tensors, version, chunk_bytes=IPC_BUCKET_BYTES)
+                    version += 1
+
+                with bare_shm(np.ones(tensor_bytes, dtype=np.uint8)) as shm:
+                    seconds, bare, load = await timed_syncs(
+                        "ipc" + label, ipc, shm, repeats, Phases(), mapped, profile=profile
+                    )
+                rows.append(("ipc" + label, seconds, wire_bytes(mapped.last_upload), bare, load))
+
             sync = BroadcastSync(BroadcastOptions(bucket_timeout_s=300.0, load_timeout_s=600.0, attest=attest))
             await sync.connect([engine])  # a group of its own: the worker leaves the last connect's
 
@@ -328,8 +378,9 @@ async def transports(url: str, tensors: dict[str, torch.Tensor], tmp: Path, repe
 
 
 def wire_bytes(upload) -> int:
-    """Bytes an HTTP sync moved: its request bodies, and what the engine fetched where it fetches."""
-    return upload.body_bytes + getattr(upload, "fetched_bytes", 0)
+    """Bytes an HTTP sync moved: its request bodies, what the engine fetched where it fetches, and the
+    buckets its workers copied out of this process's memory where it shares them (the IPC wire)."""
+    return upload.body_bytes + getattr(upload, "fetched_bytes", 0) + getattr(upload, "shared_bytes", 0)
 
 
 def bench_transports(tmp: Path, quick: bool, profile: bool) -> None:
@@ -361,6 +412,7 @@ def bench_transports(tmp: Path, quick: bool, profile: bool) -> None:
         "disk": "file write+read",
         "http": "POST to a sink process",
         "broadcast": "gloo broadcast, 2 processes",
+        "ipc": "/dev/shm file write + copy out by another process",
     }
     for name, seconds, num_bytes, bare, load in rows:
         print(
