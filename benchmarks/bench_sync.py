@@ -5,7 +5,8 @@
    988 MB; `--quick`: a small one): seconds and bytes per sync for disk, http (the fetch wire), the
    IPC wire (/dev/shm buckets here, on the CPU) and broadcast, each run alternately with its bare
    transport (a file write+read; a POST of the tensor bytes to a sink in another process; a write
-   into a /dev/shm file copied out by another process; a plain gloo broadcast of the same buckets
+   into a /dev/shm file another process copies out of, both keeping their mappings between syncs, as
+   the IPC wire's two sides do; a plain gloo broadcast of the same buckets
    between two processes); target
    <= 1.3x. Each transport twice: attested (the default) and with attestation off (no checksum on
    either side), so the difference is what attestation costs a sync. Beside it, vLLM's own reload within each sync (its worker's "load" seconds: on CPU it
@@ -249,36 +250,41 @@ def bare_gloo(bucket_sizes: list[int]) -> Iterator:
 
 _SHM_PEER = """
 import sys, numpy as np
-into = np.empty(int(sys.argv[1]), dtype=np.uint8)
-for path in sys.stdin:
-    np.copyto(into, np.memmap(path.strip(), dtype=np.uint8, mode="r", shape=into.shape))
+path, size = sys.argv[1], int(sys.argv[2])
+shared = np.memmap(path, dtype=np.uint8, mode="r", shape=(size,))
+into = np.empty(size, dtype=np.uint8)
+for _ in sys.stdin:
+    np.copyto(into, shared)
     print("ok", flush=True)
 """
 
 
 @contextmanager
-def bare_shm(blob: np.ndarray) -> Iterator:
-    """A function that writes `blob` into a new /dev/shm file and has another process copy it out of it
-    (what an IPC sync moves on the CPU, bare: one copy in, one copy out)."""
+def bare_shm(num_bytes: int) -> Iterator:
+    """A function that writes `num_bytes` into a file in /dev/shm and has another process copy them out
+    of it, both keeping their mappings (what an IPC sync moves on the CPU, bare: one copy in, one out)."""
+    path = f"/dev/shm/bench-sync-{os.getpid()}"
+    shared = np.memmap(path, dtype=np.uint8, mode="w+", shape=(num_bytes,))
+    blob = np.ones(num_bytes, dtype=np.uint8)
     peer = subprocess.Popen(
-        [sys.executable, "-c", _SHM_PEER, str(blob.size)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _SHM_PEER, path, str(num_bytes)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
 
     def once() -> None:
-        path = f"/dev/shm/bench-sync-{os.getpid()}"
-        try:
-            np.copyto(np.memmap(path, dtype=np.uint8, mode="w+", shape=blob.shape), blob)
-            peer.stdin.write(path + "\n")
-            peer.stdin.flush()
-            assert peer.stdout.readline().strip() == "ok"
-        finally:
-            os.unlink(path)
+        np.copyto(shared, blob)
+        peer.stdin.write("go\n")
+        peer.stdin.flush()
+        assert peer.stdout.readline().strip() == "ok"
 
     try:
         yield once
     finally:
         peer.stdin.close()
         peer.wait(timeout=60)
+        os.unlink(path)
 
 
 async def timed_syncs(
@@ -350,7 +356,7 @@ async def transports(url: str, tensors: dict[str, torch.Tensor], tmp: Path, repe
                     await engine.update_weights_from_tensors(tensors, version, chunk_bytes=IPC_BUCKET_BYTES)
                     version += 1
 
-                with bare_shm(np.ones(tensor_bytes, dtype=np.uint8)) as shm:
+                with bare_shm(tensor_bytes) as shm:
                     seconds, bare, load = await timed_syncs(
                         "ipc" + label, ipc, shm, repeats, Phases(), mapped, profile=profile
                     )
@@ -412,7 +418,7 @@ def bench_transports(tmp: Path, quick: bool, profile: bool) -> None:
         "disk": "file write+read",
         "http": "POST to a sink process",
         "broadcast": "gloo broadcast, 2 processes",
-        "ipc": "/dev/shm file write + copy out by another process",
+        "ipc": "/dev/shm write, copy out by another process",
     }
     for name, seconds, num_bytes, bare, load in rows:
         print(

@@ -4,6 +4,7 @@ engine's checksums of what it received against the sender's), a corrupted tensor
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import numpy as np
 import pytest
@@ -83,6 +84,10 @@ async def test_a_tensor_corrupted_in_the_engine_fails_attestation_naming_it(tmp_
         assert info.value.mismatched == ("w1",) and info.value.weight_version == 2
         assert "w1" in str(info.value) and server.url in str(info.value)
         assert await engine.weight_version() == 1 and not state.paused  # the version is not claimed; resumed
+    if wire == "ipc":  # the IPC wire's file in /dev/shm goes with the client
+        from rollouts.sync.ipc_handles import shm_dir
+
+        assert not any(name.startswith(f"rollouts-ipc-{os.getpid()}-") for name in os.listdir(shm_dir()))
 
 
 @pytest.mark.anyio

@@ -20,8 +20,8 @@ torch = pytest.importorskip("torch")  # the IPC wire shares torch tensors
 from safetensors.torch import save_file  # noqa: E402
 
 from rollouts.sync.fingerprint_torch import fingerprint_torch  # noqa: E402
-from rollouts.sync.ipc import IpcUpdate  # noqa: E402
-from rollouts.sync.ipc_handles import IpcStorage, ShmFile, mapped, share, shm_dir  # noqa: E402
+from rollouts.sync.ipc import IpcUpdate, ShmBuckets  # noqa: E402
+from rollouts.sync.ipc_handles import IpcStorage, ShmFile, mapped, remove_orphans, share, shm_dir  # noqa: E402
 from rollouts.sync.worker_extension import SafetensorsWeightLoader  # noqa: E402
 
 SHAPES = {"a": (3, 5), "b": (7,), "c": (2, 2, 4)}
@@ -93,9 +93,9 @@ def test_a_shared_memory_bucket_maps_the_bytes_written_and_is_named_only_by_its_
         assert torch.equal(mapped(handle), torch.arange(100, dtype=torch.uint8))
         assert os.stat(shm.path).st_mode & 0o777 == 0o600  # this user's only
         for path, message in [
-            (str(tmp_path / os.path.basename(shm.path)), "must be .*rollouts-ipc-<16 hex digits>"),
-            (os.path.join(shm_dir(), "rollouts-ipc-../../etc"), "must be .*rollouts-ipc-<16 hex digits>"),
-            (os.path.join(shm_dir(), "psm_1234"), "must be .*rollouts-ipc-<16 hex digits>"),
+            (str(tmp_path / os.path.basename(shm.path)), "must be .*rollouts-ipc-<pid>-<16 hex digits>"),
+            (os.path.join(shm_dir(), "rollouts-ipc-1-../../etc"), "must be .*rollouts-ipc-<pid>-<16 hex digits>"),
+            (os.path.join(shm_dir(), "psm_1234"), "must be .*rollouts-ipc-<pid>-<16 hex digits>"),
         ]:
             with pytest.raises(ValueError, match=message):
                 mapped({"shm": {"path": path, "size_bytes": 100}})
@@ -108,6 +108,24 @@ def test_a_shared_memory_bucket_maps_the_bytes_written_and_is_named_only_by_its_
     finally:
         shm.remove()
     shm.remove()  # gone already: fine
+
+
+def test_the_buckets_of_a_process_that_is_gone_are_removed_when_a_new_one_is_made():
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = os.path.join(shm_dir(), f"rollouts-ipc-{int(dead.stdout)}-{'ab' * 8}")  # its pid is gone
+    mine = ShmBuckets()
+    try:
+        own, _ = mine.take(10)
+        with open(orphan, "wb") as f:
+            f.write(b"x" * 10)
+        assert orphan in remove_orphans() and not os.path.exists(orphan)
+        assert os.path.exists(own.path)  # this process's own file stays
+    finally:
+        mine.close()
+        if os.path.exists(orphan):
+            os.unlink(orphan)
+    assert not os.path.exists(own.path)
+    mine.close()  # closed already: fine
 
 
 # ---------------------------------------------------------------- the trainer and a worker
@@ -197,6 +215,25 @@ def test_a_bucket_of_another_sync_or_out_of_order_drops_what_was_staged_and_load
     # a whole sync after those loads
     update, answers, _ = _sync(worker, sent, bucket_bytes=16, version=3)
     assert answers[-1]["num_tensors"] == 3 and torch.equal(worker.loaded["c"], sent["c"])
+
+
+def test_a_clients_file_is_kept_from_sync_to_sync_and_the_worker_keeps_its_mapping(model_dir):
+    worker = StandInWorker(model_dir)
+    shm = ShmBuckets()
+    try:
+        paths, mappings = set(), set()
+        for version in (1, 2):
+            sent = {name: torch.full(shape, float(version)) for name, shape in SHAPES.items()}
+            update = IpcUpdate(sent, bucket_bytes=64, weight_version=version, checksums=True, shm=shm)
+            for rpc in update.rpcs():
+                paths.add(json.loads(rpc["kwargs"]["handle_json"])["shm"]["path"])
+                worker.rollouts_receive_ipc(**rpc["kwargs"])
+                mappings.add(id(worker._rollouts_shm[1]))
+            assert all(torch.equal(worker.loaded[n], t) for n, t in sent.items())  # what this sync sent
+        assert len(paths) == 1 and len(mappings) == 1 and os.path.exists(paths.pop())
+    finally:
+        shm.close()
+    assert not any(name.startswith(f"rollouts-ipc-{os.getpid()}-") for name in _shm_buckets())
 
 
 def test_a_sync_abandoned_by_the_trainer_leaves_no_bucket_behind(model_dir):

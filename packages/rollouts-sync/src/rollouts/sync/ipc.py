@@ -7,7 +7,8 @@ machine takes the weights from buckets of the trainer's own memory, not through 
 Weights on a CUDA device go as CUDA IPC handles: each bucket is one device-to-device copy of its
 tensors into a flat buffer on the trainer's GPU, whose handle the workers map (the engine on the
 same GPU, or another of this machine's), copying it out device to device; no byte crosses the
-host. Weights in host memory go through a file in /dev/shm per bucket. Either way the bytes stay
+host. Weights in host memory go through one file in /dev/shm (`ShmBuckets`: the engine's client
+keeps it from bucket to bucket and sync to sync, so its pages are allocated once). Either way the bytes stay
 in the tensors' own dtype, laid out as a broadcast plan's flat buckets (rollouts.sync.broadcast_wire),
 and one /collective_rpc call per bucket (`IpcUpdate.rpcs`) carries its handle: the trainer stages
 bucket k, the workers copy it out and answer, the trainer frees it and stages bucket k + 1, so no
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import secrets
 import warnings
+import weakref
 from collections.abc import Generator, Mapping
 from typing import Any
 
@@ -36,14 +38,51 @@ from rollouts.sync.raw import RawTensor, as_raw
 from rollouts.sync.tensor_rpc import TensorUpload, body_bytes
 from rollouts.sync.worker_receive import TORCH_DTYPE_NAMES
 
-__all__ = ["IpcUpdate"]
+__all__ = ["IpcUpdate", "ShmBuckets"]
+
+
+class ShmBuckets:
+    """The file in /dev/shm that carries a trainer's buckets in host memory to one server, kept from
+    bucket to bucket and sync to sync (a fresh file's pages are allocated and zeroed on first touch:
+    on a CPU here about 0.5 s per GB, as slow as the copy itself) and grown when a bucket needs more;
+    `close()` removes it (so does the interpreter's exit; a killed process's file goes when the next
+    one is made: rollouts.sync.ipc_handles.remove_orphans)."""
+
+    def __init__(self) -> None:
+        self._file: ShmFile | None = None
+        self._flat: torch.Tensor | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    def take(self, size_bytes: int) -> tuple[ShmFile, torch.Tensor]:
+        """The file (at least `size_bytes`) and this process's mapping of its first `size_bytes`."""
+        if self._file is None or self._file.size_bytes < size_bytes:
+            self.close()
+            self._file, self._flat = ShmFile.create(size_bytes)
+            self._finalizer = weakref.finalize(self, self._file.remove)
+        assert self._flat is not None
+        return self._file, self._flat[:size_bytes]
+
+    def close(self) -> None:
+        self._flat = None
+        if self._finalizer is not None:
+            self._finalizer()  # removes the file, once
+        self._file = self._finalizer = None
 
 
 class IpcUpdate:
     """One sync of `tensors` (torch tensors all on one device, numpy arrays or RawTensors: the host's)
-    by IPC, in buckets of at most `bucket_bytes` (a larger tensor alone in its bucket)."""
+    by IPC, in buckets of at most `bucket_bytes` (a larger tensor alone in its bucket); tensors in host
+    memory through `shm` (None: a file of this sync's own, removed when it ends)."""
 
-    def __init__(self, tensors: Mapping[str, Any], *, bucket_bytes: int, weight_version: int, checksums: bool) -> None:
+    def __init__(
+        self,
+        tensors: Mapping[str, Any],
+        *,
+        bucket_bytes: int,
+        weight_version: int,
+        checksums: bool,
+        shm: ShmBuckets | None = None,
+    ) -> None:
         if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes (chunk_bytes) must be an int >= 1, got {bucket_bytes!r}")
         if not isinstance(tensors, Mapping) or not tensors:
@@ -56,6 +95,7 @@ class IpcUpdate:
         specs = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in self.tensors.items()]
         self.plan: BroadcastPlan = plan_buckets(specs, bucket_bytes=bucket_bytes, weight_version=weight_version)
         self.checksums = checksums
+        self.shm = shm
         self.body_bytes = 0
         """The /collective_rpc bodies' bytes sent so far (handles and the plan, no tensor bytes)."""
 
@@ -69,14 +109,18 @@ class IpcUpdate:
         the workers answered."""
         token = secrets.token_hex(8)
         plan_json = self.plan.to_json(checksums=self.checksums)
-        if self.device.type == "cuda":
+        on_host = self.device.type == "cpu"
+        buckets = (self.shm or ShmBuckets()) if on_host else None
+        if not on_host:
             torch.cuda.synchronize(self.device)  # the trainer's writes, on any stream, end before staging reads
-        for k, bucket in enumerate(self.plan.buckets):
-            size = self.plan.bucket_bytes(k)
-            shm, flat = ShmFile.create(size) if self.device.type == "cpu" else (None, None)
-            try:
-                if flat is None:
-                    flat = torch.empty(max(size, 1), dtype=torch.uint8, device=self.device)  # no bytes, no handle
+        sizes = [max(self.plan.bucket_bytes(k), 1) for k in range(len(self.plan.buckets))]  # no bytes, no handle
+        try:
+            for k, bucket in enumerate(self.plan.buckets):
+                if buckets is not None:
+                    shm, flat = buckets.take(max(sizes))
+                    flat = flat[: sizes[k]]
+                else:
+                    shm, flat = None, torch.empty(sizes[k], dtype=torch.uint8, device=self.device)
                 for spec in bucket:
                     target = flat[spec.offset : spec.offset + spec.num_bytes]
                     target.view(getattr(torch, spec.dtype)).view(spec.shape).copy_(self.tensors[spec.name])
@@ -86,10 +130,10 @@ class IpcUpdate:
                 rpc = {"method": "rollouts_receive_ipc", "kwargs": kwargs}
                 self.body_bytes += body_bytes(rpc)
                 yield rpc
-            finally:
-                del flat  # the workers answered (or the sync failed): the bucket goes
-                if shm is not None:
-                    shm.remove()
+                del flat  # the workers answered: the bucket is free (on a GPU, back to torch's allocator)
+        finally:
+            if buckets is not None and buckets is not self.shm:
+                buckets.close()
 
     def upload(self) -> TensorUpload:
         """What the sync moved: the tensors' own bytes, shared bucket by bucket; no tensor byte in a body."""

@@ -12,10 +12,13 @@ its offset there, torch's shared reference counter and an event recorded on the 
 `_new_shared_cuda` maps it in another process, whose streams wait for that event before reading.
 A handle cannot be mapped in the process that made it.
 
-Shared memory: the trainer creates a file of its own (mode 0600, a random name "rollouts-ipc-<hex>")
-in /dev/shm (the temporary directory where there is none), maps it and fills it; the reader maps it
-privately (no copy) after checking the name and that the file has the size named (a shorter file
-would fault on read).
+Shared memory: the trainer creates a file of its own (mode 0600, named "rollouts-ipc-<its pid>-<16
+random hex digits>") in /dev/shm (the temporary directory where there is none), maps it and fills
+it; the reader maps it (no copy) after checking the name and that the file has the size named (a
+shorter file would fault on read). The trainer keeps such a file from one sync to the next
+(rollouts.sync.ipc.ShmBuckets): a fresh file's pages are allocated and zeroed on first touch, about
+as slow as the copy itself. Files of processes no longer alive are removed when a new one is made
+(`ShmFile.create`), so a trainer killed mid-run leaves its file only until the next one starts.
 """
 
 from __future__ import annotations
@@ -41,11 +44,12 @@ __all__ = [
     "flag_field",
     "mapped",
     "object_fields",
+    "remove_orphans",
     "share",
     "shm_dir",
 ]
 
-_SHM_NAME = re.compile(r"rollouts-ipc-[0-9a-f]{16}")
+_SHM_NAME = re.compile(r"rollouts-ipc-(?P<pid>[0-9]+)-[0-9a-f]{16}")
 
 
 def shm_dir() -> str:
@@ -141,9 +145,11 @@ class ShmFile:
     @classmethod
     def create(cls, size_bytes: int) -> tuple[ShmFile, torch.Tensor]:
         """A new file of `size_bytes` (at least 1) and this process's shared mapping of it, as flat
-        bytes to fill; the caller removes the file (`remove`) once the reader has mapped it."""
+        bytes to fill; the caller removes the file (`remove`) once done with it. The files of this
+        user's processes that are gone are removed first (`remove_orphans`)."""
+        remove_orphans()
         size = max(int(size_bytes), 1)
-        path = os.path.join(shm_dir(), f"rollouts-ipc-{secrets.token_hex(8)}")
+        path = os.path.join(shm_dir(), f"rollouts-ipc-{os.getpid()}-{secrets.token_hex(8)}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, size)
@@ -175,16 +181,45 @@ class ShmFile:
             or os.path.dirname(path) != shm_dir()
             or not _SHM_NAME.fullmatch(os.path.basename(path))
         ):
-            raise ValueError(f"{where}.path must be {shm_dir()}/rollouts-ipc-<16 hex digits>, got {path!r:.120}")
+            raise ValueError(f"{where}.path must be {shm_dir()}/rollouts-ipc-<pid>-<16 hex digits>, got {path!r:.120}")
         return cls(path=path, size_bytes=count_field(fields, "size_bytes", where))
 
     def mapped(self) -> torch.Tensor:
-        """This process's private, read-only in spirit, mapping of the file as flat bytes (no copy);
-        ValueError when the file is not of the size named."""
+        """This process's shared mapping of the file as flat bytes (no copy: what the trainer writes
+        there later shows through it); ValueError when the file is not of the size named."""
         found = os.stat(self.path).st_size
         if found != self.size_bytes:
             raise ValueError(f"{self.path} holds {found} bytes, the bucket names {self.size_bytes}")
-        return torch.from_file(self.path, shared=False, size=self.size_bytes, dtype=torch.uint8)
+        return torch.from_file(self.path, shared=True, size=self.size_bytes, dtype=torch.uint8)
+
+
+def remove_orphans() -> list[str]:
+    """Remove the shared-memory buckets of this user's processes that are no longer alive (a trainer
+    killed before it could remove its own); the paths removed."""
+    removed = []
+    directory = shm_dir()
+    for name in os.listdir(directory):
+        match = _SHM_NAME.fullmatch(name)
+        path = os.path.join(directory, name)
+        if match is None or _alive(int(match["pid"])):
+            continue
+        try:
+            if os.stat(path).st_uid == os.getuid():
+                os.unlink(path)
+                removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive, and not this user's file to remove
+        return True
+    return True
 
 
 def share(flat: torch.Tensor, shm: ShmFile | None = None) -> dict[str, Any]:

@@ -112,6 +112,13 @@ class VLLMEngine(HTTPEngineBase):
         self.attest = attest
         self.last_upload: TensorUpload | None = None
         """What the last `update_weights_from_tensors` moved (None before the first)."""
+        self._shm_buckets: Any = None  # the IPC wire's file in /dev/shm (rollouts.sync.ipc.ShmBuckets), once used
+
+    async def aclose(self) -> None:
+        """Close the HTTP connections and remove the IPC wire's file in /dev/shm, if any."""
+        if self._shm_buckets is not None:
+            self._shm_buckets.close()
+        await super().aclose()
 
     @property
     def adapter(self) -> str | None:
@@ -262,9 +269,13 @@ class VLLMEngine(HTTPEngineBase):
         return self.last_upload
 
     async def _update_by_ipc(self, tensors: Mapping[str, Any], version: int, bucket_bytes: int) -> TensorUpload:
-        from rollouts.sync.ipc import IpcUpdate  # needs torch, as the tensors it shares do
+        from rollouts.sync.ipc import IpcUpdate, ShmBuckets  # needs torch, as the tensors it shares do
 
-        update = IpcUpdate(tensors, bucket_bytes=bucket_bytes, weight_version=version, checksums=self.attest)
+        if self._shm_buckets is None:  # kept from sync to sync: its pages are allocated once
+            self._shm_buckets = ShmBuckets()
+        update = IpcUpdate(
+            tensors, bucket_bytes=bucket_bytes, weight_version=version, checksums=self.attest, shm=self._shm_buckets
+        )
         sent = Background(lambda _: update.expected(), None).result if self.attest else None
         rpcs = update.rpcs()
         try:

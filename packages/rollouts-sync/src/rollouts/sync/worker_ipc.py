@@ -7,7 +7,9 @@ CPU). Its layout is a broadcast plan's flat bucket (rollouts.sync.broadcast_wire
 
 Each call maps its bucket, copies it out whole (one copy: into the worker's GPU when it has room
 for every bucket, else into the host buffer kept between syncs, as a broadcast stages them), drops
-the mapping and answers; the trainer frees the bucket then and fills the next one. The copies'
+a CUDA mapping and answers; the trainer frees the bucket then and fills the next one. The trainer's
+file in /dev/shm is one file for every bucket and sync: it stays mapped here while it is the same
+file (a bucket's size of host memory, held until the trainer makes another or this process ends). The copies'
 checksums are summed in a thread while the next bucket comes. The reload runs only once the last
 bucket arrived (all or nothing: a failure on the way, or a bucket of another sync, drops what was
 staged and leaves the weights as they were), through the same path as every other load.
@@ -19,6 +21,7 @@ fingerprint_torch and worker_receive (copies beside it in a server started by ro
 from __future__ import annotations
 
 import json
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -28,12 +31,12 @@ import torch
 try:
     from rollouts.sync.broadcast_group import flat_views
     from rollouts.sync.fingerprint_torch import fingerprint_torch, with_sync_fault
-    from rollouts.sync.ipc_handles import mapped
+    from rollouts.sync.ipc_handles import ShmFile, mapped
     from rollouts.sync.worker_receive import stage_on_host
 except ModuleNotFoundError:  # in a server started by rollouts.sync.launch: their copies beside this one
     from rollouts_broadcast_group import flat_views  # type: ignore[no-redef,import-not-found]
     from rollouts_fingerprint_torch import fingerprint_torch, with_sync_fault  # type: ignore[no-redef,import-not-found]
-    from rollouts_ipc_handles import mapped  # type: ignore[no-redef,import-not-found]
+    from rollouts_ipc_handles import ShmFile, mapped  # type: ignore[no-redef,import-not-found]
     from rollouts_worker_receive import stage_on_host  # type: ignore[no-redef,import-not-found]
 
 __all__ = ["IpcReceive", "IpcWeightReceiver"]
@@ -96,6 +99,8 @@ class IpcWeightReceiver:
 
     _rollouts_ipc: IpcReceive | None = None
     """The sync whose buckets are arriving."""
+    _rollouts_shm: tuple[tuple[str, int, int, int], torch.Tensor] | None = None
+    """The trainer's file in /dev/shm last mapped, by (path, size, device, inode), and its mapping."""
 
     def rollouts_receive_ipc(self, token: str, index: str, handle_json: str, plan_json: str = "") -> dict[str, Any]:
         """Bucket `index` of sync `token` (bucket 0 carries the plan and starts the sync, dropping any
@@ -110,11 +115,11 @@ class IpcWeightReceiver:
             if receive is None or receive.token != token:
                 expected = "bucket 0 of a sync" if receive is None else f"bucket {receive.next} of sync {receive.token}"
                 raise ValueError(f"bucket {k} of sync {token} arrived, expected {expected}")
-            flat = mapped(json.loads(handle_json), f"bucket {k}")
+            flat = self._rollouts_ipc_map(json.loads(handle_json), f"bucket {k}")
             try:
                 receive.take(k, flat)
             finally:
-                del flat  # the mapping ends here, before the answer
+                del flat  # a CUDA mapping ends here, before the answer (a file's is kept: see _rollouts_ipc_map)
             if not receive.complete:
                 return {"bucket": k}
             self._rollouts_ipc = None
@@ -124,6 +129,20 @@ class IpcWeightReceiver:
         except BaseException:
             self._rollouts_ipc_drop()
             raise
+
+    def _rollouts_ipc_map(self, handle: Any, where: str) -> torch.Tensor:
+        """The bucket `handle` names, mapped; a trainer's file in /dev/shm stays mapped from one call
+        to the next while it is the same file (the trainer keeps it: no page is mapped twice)."""
+        if not isinstance(handle, dict) or set(handle) != {"shm"}:
+            return mapped(handle, where)
+        shm = ShmFile.from_json(handle["shm"], f"{where}.shm")
+        found = os.stat(shm.path)
+        key = (shm.path, shm.size_bytes, found.st_dev, found.st_ino)
+        kept = self._rollouts_shm
+        if kept is None or kept[0] != key:
+            self._rollouts_shm = None  # the old mapping goes before the new one is made
+            kept = self._rollouts_shm = (key, shm.mapped())
+        return kept[1]
 
     def _rollouts_ipc_begin(self, token: str, plan: dict[str, Any]) -> IpcReceive:
         """A sync's receive: its buckets staged on this worker's GPU when it has room for them all
