@@ -28,7 +28,8 @@ SHAPES = {"a": (3, 5), "b": (7,), "c": (2, 2, 4)}
 
 
 def _shm_buckets() -> set[str]:
-    return {name for name in os.listdir(shm_dir()) if name.startswith("rollouts-ipc-")}
+    """This process's buckets in /dev/shm (other test runs may be making their own meanwhile)."""
+    return {name for name in os.listdir(shm_dir()) if name.startswith(f"rollouts-ipc-{os.getpid()}-")}
 
 
 # ---------------------------------------------------------------- handles as JSON
@@ -182,7 +183,7 @@ def test_an_ipc_sync_loads_every_tensor_bit_for_bit_one_bucket_at_a_time(
     }  # a partial update in another dtype than the checkpoint's: stays in its own
     before = _shm_buckets()
     update, answers, held = _sync(worker, sent, bucket_bytes=bucket_bytes)
-    assert held == [len(before) + 1] * len(update.plan.buckets)  # one bucket in /dev/shm at a time
+    assert held == [len(before) + 1] * len(update.plan.buckets)  # one file in /dev/shm for every bucket
     assert _shm_buckets() == before  # and none left
     assert [a.get("bucket") for a in answers[:-1]] == list(range(len(answers) - 1))
     assert answers[-1]["checksums"] == update.expected() == fingerprint_torch(sent)
@@ -233,7 +234,7 @@ def test_a_clients_file_is_kept_from_sync_to_sync_and_the_worker_keeps_its_mappi
         assert len(paths) == 1 and len(mappings) == 1 and os.path.exists(paths.pop())
     finally:
         shm.close()
-    assert not any(name.startswith(f"rollouts-ipc-{os.getpid()}-") for name in _shm_buckets())
+    assert not _shm_buckets()
 
 
 def test_a_sync_abandoned_by_the_trainer_leaves_no_bucket_behind(model_dir):
