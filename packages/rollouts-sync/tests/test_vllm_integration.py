@@ -154,4 +154,5 @@ async def test_an_ipc_sync_serves_the_trainers_bf16_weights_and_attestation_catc
             await engine.update_weights_from_tensors(sent, base + 1, chunk_bytes=bucket_bytes)
         assert info.value.mismatched == (corrupted,)
         assert await engine.weight_version() == base
-    assert not [n for n in os.listdir(shm_dir()) if n.startswith(f"rollouts-ipc-{os.getpid()}-")]  # gone with the client
+    mine = f"rollouts-ipc-{os.getpid()}-"
+    assert not [n for n in os.listdir(shm_dir()) if n.startswith(mine)]  # the file went with the client
