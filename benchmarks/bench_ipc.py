@@ -14,8 +14,13 @@ model and (on by default) attestation's checksums on both sides, which then wait
 per tensor on each side (now once per sync). The attest=False rows, added after this run, split
 attestation's share out.
 
-Run (on a CUDA machine; needs torch, transformers, safetensors only):
-  PYTHONPATH=packages/rollouts-types/src:packages/rollouts-losses/src:packages/rollouts-backends/src \
+The "vLLM extension, IPC wire" rows: `VLLMEngine(tensor_wire="ipc")`'s requests (rollouts.sync.ipc,
+256 MiB buckets staged on the trainer's GPU, one CUDA IPC handle each) answered by vLLM's worker
+extension in a process of its own (rollouts.sync.worker_process.StandInWorker: vLLM's load stood in
+for by copies into the worker's own tensors; no HTTP), attested and not.
+
+Run (on a CUDA machine; needs torch, transformers, safetensors, numpy, httpx, anyio):
+  PYTHONPATH=packages/rollouts-types/src:packages/rollouts-losses/src:packages/rollouts-sync/src:packages/rollouts-backends/src \
     python3 benchmarks/bench_ipc.py
 """
 
@@ -35,6 +40,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from rollouts.backends import EngineProcessOptions, ProcessEngine
 from rollouts.backends.checkpoint.export import model_tensors
+from rollouts.sync.ipc import IpcUpdate
+from rollouts.sync.worker_process import StandInWorker
 
 NUM_REPEATS = 5
 
@@ -90,6 +97,25 @@ def engine_sync(
         return seconds, engine._child.weights_file.stat().st_size
 
 
+def extension_sync(model_dir: Path, tensors: Mapping[str, torch.Tensor], attest: bool = True) -> float:
+    """Median seconds of an IPC-wire sync (rollouts.sync.ipc, VLLMEngine(tensor_wire="ipc")'s requests)
+    of `tensors` into vLLM's worker extension run by a stand-in worker process on cuda:0 (no vLLM: its
+    load stood in for by copies into tensors of the worker's own), attested or not: 256 MiB buckets
+    staged on the trainer's GPU, one request each, the trainer's checksums compared as VLLMEngine does."""
+    with StandInWorker(model_dir, device="cuda:0") as worker:
+        versions = iter(range(1, 100))
+
+        def once() -> None:
+            update = IpcUpdate(tensors, bucket_bytes=256 << 20, weight_version=next(versions), checksums=attest)
+            answer = {}
+            for rpc in update.rpcs():
+                answer = worker.call(rpc["kwargs"], timeout_s=300.0)
+            if attest and answer["checksums"] != update.expected():
+                raise RuntimeError("the worker's checksums differ from the trainer's")
+
+        return median_s(once)
+
+
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("bench_ipc: needs a CUDA GPU")
@@ -113,6 +139,8 @@ def main() -> None:
         bare_ipc_s, _ = engine_sync(Path(tmp), tensors, "cuda_ipc", attest=False)
         shm_s, shm_file = engine_sync(Path(tmp), tensors, "shared_memory")
         bare_shm_s, _ = engine_sync(Path(tmp), tensors, "shared_memory", attest=False)
+        wire_s = extension_sync(Path(tmp), tensors)
+        bare_wire_s = extension_sync(Path(tmp), tensors, attest=False)
     bare_s = median_s(bare)
     gpu = torch.cuda.get_device_name(0)
     print(f"colocated sync on {gpu}: {len(tensors)} tensors, {num_bytes / 1e9:.3f} GB bf16, median of {NUM_REPEATS}")
@@ -123,6 +151,8 @@ def main() -> None:
         ("  attest=False", bare_ipc_s, ipc_file),
         ("ProcessEngine shared_mem", shm_s, shm_file),
         ("  attest=False", bare_shm_s, shm_file),
+        ("vLLM extension, IPC wire", wire_s, 0),
+        ("  attest=False", bare_wire_s, 0),
     ):
         print(f"{name:<26}{seconds:>10.4f}{num_bytes / seconds / 1e9:>10.1f}{seconds / bare_s:>10.1f}{host:>14}")
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import subprocess
 import sys
 import types
@@ -23,6 +22,7 @@ from rollouts.sync.fingerprint_torch import fingerprint_torch  # noqa: E402
 from rollouts.sync.ipc import IpcUpdate, ShmBuckets  # noqa: E402
 from rollouts.sync.ipc_handles import IpcStorage, ShmFile, mapped, remove_orphans, share, shm_dir  # noqa: E402
 from rollouts.sync.worker_extension import SafetensorsWeightLoader  # noqa: E402
+from rollouts.sync.worker_process import StandInWorker  # noqa: E402
 
 SHAPES = {"a": (3, 5), "b": (7,), "c": (2, 2, 4)}
 
@@ -132,7 +132,7 @@ def test_the_buckets_of_a_process_that_is_gone_are_removed_when_a_new_one_is_mad
 # ---------------------------------------------------------------- the trainer and a worker
 
 
-class StandInWorker(SafetensorsWeightLoader):
+class InProcessWorker(SafetensorsWeightLoader):
     """What the extension needs from vLLM's Worker: the model directory and reload_weights."""
 
     def __init__(self, model_dir, device="cpu"):
@@ -176,7 +176,7 @@ def test_an_ipc_sync_loads_every_tensor_bit_for_bit_one_bucket_at_a_time(
 ):
     model_dir = tmp_path_factory.mktemp("model")
     save_file({name: torch.zeros(shape) for name, shape in SHAPES.items()}, str(model_dir / "model.safetensors"))
-    worker = StandInWorker(model_dir)
+    worker = InProcessWorker(model_dir)
     generator = torch.Generator().manual_seed(seed)
     sent = {
         name: (torch.randn(SHAPES[name], generator=generator) * 100).to(dtype) for name in chosen
@@ -197,7 +197,7 @@ def test_an_ipc_sync_loads_every_tensor_bit_for_bit_one_bucket_at_a_time(
 
 
 def test_a_bucket_of_another_sync_or_out_of_order_drops_what_was_staged_and_loads_nothing(model_dir):
-    worker = StandInWorker(model_dir)
+    worker = InProcessWorker(model_dir)
     sent = {name: torch.ones(shape) for name, shape in SHAPES.items()}
     before = _shm_buckets()
     first = IpcUpdate(sent, bucket_bytes=16, weight_version=1, checksums=True).rpcs()
@@ -219,7 +219,7 @@ def test_a_bucket_of_another_sync_or_out_of_order_drops_what_was_staged_and_load
 
 
 def test_a_clients_file_is_kept_from_sync_to_sync_and_the_worker_keeps_its_mapping(model_dir):
-    worker = StandInWorker(model_dir)
+    worker = InProcessWorker(model_dir)
     shm = ShmBuckets()
     try:
         paths, mappings = set(), set()
@@ -248,7 +248,7 @@ def test_a_sync_abandoned_by_the_trainer_leaves_no_bucket_behind(model_dir):
 
 def test_the_fault_hook_corrupts_the_named_tensor_after_receipt_not_the_trainers(model_dir, monkeypatch):
     monkeypatch.setenv("ROLLOUTS_SYNC_FAULT", "corrupt:b")
-    worker = StandInWorker(model_dir)
+    worker = InProcessWorker(model_dir)
     sent = {name: torch.ones(shape) for name, shape in SHAPES.items()}
     update, answers, _ = _sync(worker, sent, bucket_bytes=64)
     expected = update.expected()
@@ -270,28 +270,6 @@ def test_what_cannot_travel_by_ipc_is_refused_naming_it():
 
 # ---------------------------------------------------------------- a worker in a process of its own
 
-_WORKER_PROCESS = """
-import json, sys, types, torch
-from rollouts.sync.fingerprint_torch import fingerprint_torch
-from rollouts.sync.worker_extension import SafetensorsWeightLoader
-
-class Worker(SafetensorsWeightLoader):
-    def __init__(self, model_dir, device):
-        self.vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(model=model_dir))
-        self.device = torch.device(device)
-    def reload_weights(self, weights_iterator):
-        loaded = dict(weights_iterator)
-        self.devices = sorted({str(loaded[name].device) for name in ("a", "b", "c")})  # all sent
-        self.loaded_sums = fingerprint_torch(loaded)
-
-worker = Worker(sys.argv[1], sys.argv[2])
-for line in sys.stdin:
-    answer = worker.rollouts_receive_ipc(**json.loads(line))
-    if "checksums" in answer:
-        answer |= {"loaded": worker.loaded_sums, "staged_on": worker.devices}
-    print(json.dumps(answer), flush=True)
-"""
-
 
 @pytest.mark.parametrize(
     "device",
@@ -310,29 +288,15 @@ def test_a_worker_process_maps_the_trainers_buckets(model_dir, device):
     """On the CPU through /dev/shm; on a GPU by CUDA IPC handles, staged on the worker's GPU."""
     sent = {name: torch.randn(shape).to(torch.bfloat16).to(device) for name, shape in SHAPES.items()}
     update = IpcUpdate(sent, bucket_bytes=64, weight_version=1, checksums=True)
-    child = subprocess.Popen(
-        [sys.executable, "-c", _WORKER_PROCESS, str(model_dir), "cuda:0" if device == "cuda" else "cpu"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with StandInWorker(model_dir, device="cuda:0" if device == "cuda" else "cpu") as worker:
         answers = []
         for rpc in update.rpcs():
-            kinds = set(json.loads(rpc["kwargs"]["handle_json"]))
-            assert kinds == ({"cuda_ipc"} if device == "cuda" else {"shm"})
-            child.stdin.write(json.dumps(rpc["kwargs"]) + "\n")
-            child.stdin.flush()
-            ready, _, _ = select.select([child.stdout], [], [], 120.0)
-            assert ready, "the worker process gave no answer within 120 s"
-            line = child.stdout.readline()
-            assert line, f"the worker process died (exit status {child.poll()})"
-            answers.append(json.loads(line))
-    finally:
-        child.stdin.close()
-        child.wait(timeout=60)
+            assert set(json.loads(rpc["kwargs"]["handle_json"])) == ({"cuda_ipc"} if device == "cuda" else {"shm"})
+            answers.append(worker.call(rpc["kwargs"]))
+        with pytest.raises(RuntimeError, match=r"stand-in worker failed: ValueError: bucket 1 of sync"):
+            worker.call({**rpc["kwargs"], "index": "1"})  # a bucket out of turn: named, the worker serves on
     expected = update.expected()
     assert len(answers) == len(update.plan.buckets) > 1
     assert answers[-1]["checksums"] == expected
-    assert {n: answers[-1]["loaded"][n] for n in expected} == expected
-    assert answers[-1]["staged_on"] == (["cuda:0"] if device == "cuda" else ["cpu"])
+    assert answers[-1]["loaded"] == expected
+    assert answers[-1]["devices"] == (["cuda:0"] if device == "cuda" else ["cpu"])
