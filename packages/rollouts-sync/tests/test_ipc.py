@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import types
@@ -111,20 +112,37 @@ def test_a_shared_memory_bucket_maps_the_bytes_written_and_is_named_only_by_its_
     shm.remove()  # gone already: fine
 
 
-def test_the_buckets_of_a_process_that_is_gone_are_removed_when_a_new_one_is_made():
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    orphan = os.path.join(shm_dir(), f"rollouts-ipc-{int(dead.stdout)}-{'ab' * 8}")  # its pid is gone
+_HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR, 0o600)
+fcntl.flock(fd, fcntl.LOCK_SH)
+print("locked", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_only_buckets_no_process_holds_are_removed_when_a_new_one_is_made():
+    """A trainer holds a lock on its file while it lives; a killed one's file is free of it."""
+    orphan = os.path.join(shm_dir(), f"rollouts-ipc-1-{secrets.token_hex(8)}")  # no process holds it
+    held = os.path.join(shm_dir(), f"rollouts-ipc-1-{secrets.token_hex(8)}")  # a live process of another pid does
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, held], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     mine = ShmBuckets()
     try:
+        assert holder.stdout.readline() == b"locked\n"
         own, _ = mine.take(10)
         with open(orphan, "wb") as f:
             f.write(b"x" * 10)
-        assert orphan in remove_orphans() and not os.path.exists(orphan)
-        assert os.path.exists(own.path)  # this process's own file stays
+        assert orphan not in remove_orphans()  # younger than 10 s: maybe not locked yet
+        remove_orphans(min_age_s=0.0)  # (a test run beside this one may be the one that removes it)
+        assert not os.path.exists(orphan)
+        assert os.path.exists(own.path) and os.path.exists(held)
     finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
         mine.close()
-        if os.path.exists(orphan):
-            os.unlink(orphan)
+        for path in (orphan, held):
+            if os.path.exists(path):
+                os.unlink(path)
     assert not os.path.exists(own.path)
     mine.close()  # closed already: fine
 

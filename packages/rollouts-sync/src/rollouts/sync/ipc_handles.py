@@ -18,7 +18,8 @@ it; the reader maps it (no copy) after checking the name and that the file has t
 shorter file would fault on read). The trainer keeps such a file from one sync to the next
 (rollouts.sync.ipc.ShmBuckets): a fresh file's pages are allocated and zeroed on first touch, about
 as slow as the copy itself. Files of processes no longer alive are removed when a new one is made
-(`ShmFile.create`), so a trainer killed mid-run leaves its file only until the next one starts.
+(`ShmFile.create`: the creator holds a lock on its file while it lives), so a trainer killed
+mid-run leaves its file only until the next one starts.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import fcntl
 import os
 import re
 import secrets
 import tempfile
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,7 +52,8 @@ __all__ = [
     "shm_dir",
 ]
 
-_SHM_NAME = re.compile(r"rollouts-ipc-(?P<pid>[0-9]+)-[0-9a-f]{16}")
+_SHM_NAME = re.compile(r"rollouts-ipc-[0-9]+-[0-9a-f]{16}")  # the creator's process id, 16 random hex digits
+_LOCKS: dict[str, int] = {}  # path -> the descriptor holding this process's lock on a file it made
 
 
 def shm_dir() -> str:
@@ -145,29 +149,32 @@ class ShmFile:
     @classmethod
     def create(cls, size_bytes: int) -> tuple[ShmFile, torch.Tensor]:
         """A new file of `size_bytes` (at least 1) and this process's shared mapping of it, as flat
-        bytes to fill; the caller removes the file (`remove`) once done with it. The files of this
-        user's processes that are gone are removed first (`remove_orphans`)."""
+        bytes to fill; the caller removes the file (`remove`) once done with it. This process holds
+        a shared lock on it until then, which tells `remove_orphans` (run first) that it is in use."""
         remove_orphans()
         size = max(int(size_bytes), 1)
         path = os.path.join(shm_dir(), f"rollouts-ipc-{os.getpid()}-{secrets.token_hex(8)}")
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
             os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
-        try:
             flat = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         except BaseException:
+            os.close(fd)
             os.unlink(path)
             raise
+        _LOCKS[path] = fd
         return cls(path=path, size_bytes=size), flat
 
     def remove(self) -> None:
-        """Remove the file (a mapping of it lives on until dropped); gone already is fine."""
+        """Remove the file and release its lock (a mapping of it lives on until dropped); gone already is fine."""
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        fd = _LOCKS.pop(self.path, None)
+        if fd is not None:
+            os.close(fd)
 
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "size_bytes": self.size_bytes}
@@ -193,33 +200,36 @@ class ShmFile:
         return torch.from_file(self.path, shared=True, size=self.size_bytes, dtype=torch.uint8)
 
 
-def remove_orphans() -> list[str]:
-    """Remove the shared-memory buckets of this user's processes that are no longer alive (a trainer
-    killed before it could remove its own); the paths removed."""
+def remove_orphans(min_age_s: float = 10.0) -> list[str]:
+    """Remove the shared-memory buckets no process holds any more (a trainer killed before it could
+    remove its own: its lock went with it), of this user's and at least `min_age_s` old (a file is
+    locked just after it is made); the paths removed. A lock, not a process id, says whether a file
+    is in use: processes sharing /dev/shm may not share process ids (containers)."""
     removed = []
     directory = shm_dir()
     for name in os.listdir(directory):
-        match = _SHM_NAME.fullmatch(name)
+        if _SHM_NAME.fullmatch(name) is None:
+            continue
         path = os.path.join(directory, name)
-        if match is None or _alive(int(match["pid"])):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:  # gone meanwhile, or not this user's to read
             continue
         try:
-            if os.stat(path).st_uid == os.getuid():
-                os.unlink(path)
-                removed.append(path)
+            found = os.fstat(fd)
+            if found.st_uid != os.getuid() or time.time() - found.st_ctime < min_age_s:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # locked: its process is alive
+                continue
+            os.unlink(path)
+            removed.append(path)
         except FileNotFoundError:
             pass
+        finally:
+            os.close(fd)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive, and not this user's file to remove
-        return True
-    return True
 
 
 def share(flat: torch.Tensor, shm: ShmFile | None = None) -> dict[str, Any]:
