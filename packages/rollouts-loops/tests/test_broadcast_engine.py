@@ -14,7 +14,7 @@ from rollouts.backends import build_components
 from rollouts.backends.checkpoint.export import model_tensors
 from rollouts.loops.app.config import EngineSpec
 from rollouts.loops.engines.broadcast import BroadcastWeights
-from rollouts.loops.engines.remote import MapWeights, remote_engine
+from rollouts.loops.engines.remote import SendWeights, remote_engine
 from rollouts.loops.recipes.tiny import build_tiny_model
 from rollouts.loops.rl.generation import sync_engine
 from rollouts.sync import AttestationError, BroadcastOptions, HTTPOptions, RetryPolicy, SGLangEngine, WeightSyncError
@@ -41,19 +41,20 @@ def test_the_http_wire_is_chosen_in_the_run_file_and_reaches_the_vllm_client():
     assert engine.engine.engine.tensor_wire == "inline"  # BoundedSync > SendWeights > VLLMEngine
     with pytest.raises(ValueError, match="EngineSpec.http_wire"):
         EngineSpec(kind="vllm", urls=("http://127.0.0.1:1",), sync="disk", http_wire="inline")
-    # "ipc": one server takes the model's tensors directly (a WeightLoader); several map the exported files
+    # one server takes the model's tensors directly (a WeightLoader); several send the exported files
     one = remote_engine("vllm", spec.urls, sync="http", http_wire="ipc", **common)
-    assert isinstance(one.engine, MapWeights) and isinstance(one, WeightLoader)
+    assert isinstance(one.engine, SendWeights) and isinstance(one, WeightLoader)
+    assert one.engine.engine.tensor_wire == "ipc" and one.engine.sync_timeout_s == 60.0
     two = remote_engine("vllm", [*spec.urls, "http://127.0.0.1:2"], sync="http", http_wire="ipc", **common)
     assert not isinstance(two, WeightLoader) and {e.engine.tensor_wire for e in two.engines} == {"ipc"}
     with pytest.raises(ValueError, match="EngineSpec.http_wire"):
         EngineSpec(kind="vllm", urls=("http://127.0.0.1:1",), sync="http", http_wire="base64")
 
 
-class _SlowIpcEngine:
-    """Stands in for VLLMEngine(tensor_wire="ipc"): its sync never ends, or fails at once."""
+class _SlowEngine:
+    """Stands in for a VLLMEngine: its sync never ends, or fails at once."""
 
-    name, tensor_wire = "http://127.0.0.1:9", "ipc"
+    name = "http://127.0.0.1:9"
 
     def __init__(self, error=None):
         self.error = error
@@ -64,21 +65,21 @@ class _SlowIpcEngine:
         await trio.sleep_forever()
 
 
-def test_an_ipc_sync_from_the_model_is_bounded_and_named_like_any_sync():
+def test_a_sync_of_the_models_tensors_is_bounded_and_named_like_any_sync():
     tensors = {"w": torch.zeros(2)}
 
     async def load(engine):
-        await MapWeights(engine, sync_timeout_s=0.2).load_weights(tensors, 3)
+        await SendWeights(engine, sync_timeout_s=0.2).load_weights(tensors, 3)
 
     with pytest.raises(WeightSyncError, match=r"http://127\.0\.0\.1:9.*did not finish within sync_timeout_s=0\.2"):
-        trio.run(load, _SlowIpcEngine())
+        trio.run(load, _SlowEngine())
     with pytest.raises(WeightSyncError, match=r"http://127\.0\.0\.1:9.*OSError: no such file"):
-        trio.run(load, _SlowIpcEngine(OSError("no such file")))
+        trio.run(load, _SlowEngine(OSError("no such file")))
     mismatch = AttestationError(engine="e", weight_version=3, mismatched=("w",), missing=())
     with pytest.raises(AttestationError):  # never downgraded to an engine failure the run could go on from
-        trio.run(load, _SlowIpcEngine(mismatch))
-    with pytest.raises(ValueError, match="does not sync by IPC"):
-        MapWeights(SGLangEngine("http://127.0.0.1:9"), sync_timeout_s=1.0)
+        trio.run(load, _SlowEngine(mismatch))
+    with pytest.raises(ValueError, match="cannot take weights in request bodies"):
+        SendWeights(SGLangEngine("http://127.0.0.1:9"), sync_timeout_s=1.0)
 
 
 def test_the_broadcast_backend_is_chosen_in_the_run_file_and_reaches_the_broadcast(monkeypatch):
@@ -155,3 +156,30 @@ def test_a_single_process_sync_sends_the_models_buckets_without_exporting(tmp_pa
     assert num_bytes == sum(t.numel() * 2 for t in full.values())  # bf16 bytes, no float32 detour
     for name, tensor in full.items():  # bf16 -> float32 is exact
         assert torch.from_numpy(np.asarray(state.weights[name], np.float32)).equal(tensor.float()), name
+
+
+@pytest.mark.parametrize("wire", ["fetch", "ipc"])
+def test_a_single_process_http_sync_sends_the_models_tensors_without_exporting(tmp_path, wire):
+    """One process, engine.sync = 'http': `sync_engine` hands the model's tensors to the engine's
+    wire (fetched by the server, or mapped from /dev/shm), bf16 as bf16, nothing written to disk."""
+    model = build_tiny_model(64, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=128)
+    components = build_components(model.to(torch.bfloat16), OptimizerConfig(), num_training_steps=1)
+    full = model_tensors(components.model)
+    state = FakeEngineState(weights={n: np.zeros(1, np.float32) for n in full})
+    common = {"api_key_env": "", "http": HTTPOptions(timeout_s=30.0, retry=RetryPolicy(max_retries=0))}
+
+    async def main():
+        async with serve_fake_engine(state) as server:
+            engine = remote_engine("vllm", [server.url], sync="http", http_wire=wire, sync_timeout_s=60.0, **common)
+            _, metrics = await sync_engine(
+                components, engine, TrainingState(), tmp_path, shares_model=False, lock=trio.Lock()
+            )
+            await engine.aclose()
+            return metrics, engine.engine.last_upload
+
+    metrics, upload = trio.run(main)
+    assert state.weight_version == "1" and metrics["sync_export_s"] == 0.0
+    assert not (tmp_path / "weights").exists()  # nothing written to disk
+    assert upload.tensor_bytes == sum(t.numel() * 2 for t in full.values())  # bf16 bytes, no float32 detour
+    for name, tensor in full.items():  # the fake keeps bf16 as its bit patterns
+        assert np.array_equal(np.asarray(state.weights[name]), tensor.view(torch.int16).numpy().view(np.uint16)), name

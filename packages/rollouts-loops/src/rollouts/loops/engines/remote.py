@@ -1,9 +1,9 @@
 """Remote engines (vLLM, SGLang) as the loops use them, built from an EngineSpec's fields
 (`remote_engine`): each weight sync bounded, the weights sent the way `engine.sync` says.
 
-`SendWeights` sends the exported weights in request bodies (sync "http"); `MapWeights`, for a vLLM
-server on the trainer's machine (http_wire "ipc"), takes them straight from the model as well
-(the loops' direct loader: nothing exported), its workers copying them out of the trainer's memory.
+`SendWeights` sends the weights as tensors (sync "http", by the wire `http_wire` names: fetched by
+the server, inline, or mapped from the trainer's memory by IPC): one server straight from the model
+(the loops' direct loader: nothing exported), several from the exported files.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def remote_engine(
     (`VLLMEngine(keep_partial=True)`), to be continued. `attest`: vLLM engines check the checksums of
     the weights each sync loaded (`VLLMEngine(attest=...)`, and the broadcast's
     `BroadcastOptions(attest=...)`); SGLang cannot report them, and the log says once that its syncs
-    go unattested. `http_wire` (sync "http"): how the bytes travel (`VLLMEngine(tensor_wire=...)`;
-    "ipc": one server takes them from the model itself, `MapWeights`).
+    go unattested. `http_wire` (sync "http"): how the bytes travel (`VLLMEngine(tensor_wire=...)`);
+    one server takes them from the model itself (`SendWeights.load_weights`), several from the export.
     `broadcast_backend` (sync "broadcast"): the process group's, "gloo" or "nccl" (the trainer on
     CUDA: `BroadcastOptions(backend=...)`)."""
     if sync not in ("disk", "http", "broadcast"):
@@ -80,8 +80,7 @@ def remote_engine(
     cls = {"vllm": VLLMEngine, "sglang": SGLangEngine}[kind]
     engines: list[InferenceEngine] = [cls(url, **common) for url in urls]
     if sync == "http":
-        mapped = http_wire == "ipc" and len(engines) == 1  # several: each maps the exported weights
-        engines = [MapWeights(e, sync_timeout_s=sync_timeout_s) if mapped else SendWeights(e) for e in engines]
+        engines = [SendWeights(e, sync_timeout_s=sync_timeout_s) for e in engines]
     if sync == "broadcast":
         import torch
 
@@ -127,20 +126,36 @@ class _Wrapped:
 
 
 class SendWeights(_Wrapped):
-    """An engine synced through request bodies: `update_weights_from_disk(path, version)` reads the
-    exported safetensors at `path` here, in the trainer's process, and sends the tensors with
-    `update_weights_from_tensors` (chunked; vLLM with the worker extension), so the engine needs no
-    view of the trainer's disk. Each tensor travels in the dtype it was exported in (a bf16 model
-    moves its bf16 bytes); `last_upload` says what the last sync moved."""
+    """An engine synced by tensors (sync "http"; vLLM with the worker extension), so it needs no view
+    of the trainer's disk, each tensor in its own dtype (a bf16 model moves its bf16 bytes), by the
+    engine's wire (`VLLMEngine(tensor_wire=...)`: fetched, inline, or mapped from this process's
+    memory by IPC). `load_weights(tensors, version)` sends the model's tensors as they are (the loops
+    hand them over without exporting: one server, one process; on a GPU and the IPC wire, by CUDA IPC
+    handles), bounded by `sync_timeout_s` and a failure named as a WeightSyncError;
+    `update_weights_from_disk(path, version)` reads the exported safetensors at `path` here and sends
+    them. `last_upload` says what the last sync moved."""
 
-    def __init__(self, engine: InferenceEngine) -> None:
+    def __init__(self, engine: InferenceEngine, *, sync_timeout_s: float = 600.0) -> None:
         if not callable(getattr(engine, "update_weights_from_tensors", None)):
             raise ValueError(
                 f"engine {engine.name} cannot take weights in request bodies (no update_weights_from_tensors): "
                 "use engine.sync = 'disk'"
             )
+        if not sync_timeout_s > 0:
+            raise ValueError(f"sync_timeout_s must be > 0, got {sync_timeout_s}")
         super().__init__(engine)
+        self.sync_timeout_s = sync_timeout_s
         self.last_upload: Any = None
+
+    async def load_weights(self, tensors: Mapping[str, Any], weight_version: int) -> None:
+        try:
+            with anyio.fail_after(self.sync_timeout_s):
+                self.last_upload = await self.engine.update_weights_from_tensors(tensors, weight_version)  # type: ignore[attr-defined]
+        except AttestationError:
+            raise  # the engine serves other weights than those sent: it names the tensors
+        except Exception as exc:  # noqa: BLE001 - named as the engine's failure, as a pool's sync names it
+            timeout = f"did not finish within sync_timeout_s={self.sync_timeout_s}"
+            raise WeightSyncError(weight_version, [engine_failure(self.name, exc, timeout_text=timeout)], []) from exc
 
     async def update_weights_from_disk(self, path: str, weight_version: int) -> None:
         if is_adapter_dir(path):
@@ -157,29 +172,6 @@ def read_raw_weights(path: str | os.PathLike[str]) -> dict[str, RawTensor]:
     if not any(Path(path).glob("*.safetensors")):
         raise ValueError(f"{path} holds no .safetensors file to send")
     return read_safetensors_dir(Path(path))
-
-
-class MapWeights(SendWeights):
-    """A vLLM server on the trainer's machine, synced by IPC (`VLLMEngine(tensor_wire="ipc")`): besides
-    the exported weights (`update_weights_from_disk`, read here and shared from host memory), it takes
-    the model's tensors where they are (`load_weights`: the loops hand them over without exporting;
-    on the trainer's GPU, by CUDA IPC handles), each sync bounded by `sync_timeout_s`."""
-
-    def __init__(self, engine: InferenceEngine, *, sync_timeout_s: float) -> None:
-        if getattr(engine, "tensor_wire", None) != "ipc":
-            raise ValueError(f"engine {engine.name} does not sync by IPC (VLLMEngine(tensor_wire='ipc'))")
-        super().__init__(engine)
-        self.sync_timeout_s = sync_timeout_s
-
-    async def load_weights(self, tensors: Mapping[str, Any], weight_version: int) -> None:
-        try:
-            with anyio.fail_after(self.sync_timeout_s):
-                self.last_upload = await self.engine.update_weights_from_tensors(tensors, weight_version)  # type: ignore[attr-defined]
-        except AttestationError:
-            raise  # the engine serves other weights than those sent: it names the tensors
-        except Exception as exc:  # noqa: BLE001 - named as the engine's failure, as a pool's sync names it
-            timeout = f"did not finish within sync_timeout_s={self.sync_timeout_s}"
-            raise WeightSyncError(weight_version, [engine_failure(self.name, exc, timeout_text=timeout)], []) from exc
 
 
 class BoundedSync(_Wrapped):
