@@ -24,12 +24,13 @@ async def _served_version(url):
         return await engine.weight_version()
 
 
-@pytest.mark.parametrize("sync", ["disk", "http", "ipc", "broadcast"])
+@pytest.mark.parametrize("sync", ["disk", "ipc", "broadcast"])
 def test_rl_loop_with_vllm_engine_syncs_weights(tiny_run_inputs, vllm_for_tiny_model, tmp_path, sync):
     """The trainer and the engine run in different working directories: "disk" sends an absolute path
-    (a relative one was unreadable there), "http" sends the weights in request bodies, "ipc" (sync
-    "http", http_wire "ipc") has vLLM's worker copy them out of the trainer's memory (/dev/shm here),
-    "broadcast" through a gloo group with vLLM's worker. The sync probe checks every step's sync."""
+    (a relative one was unreadable there), "ipc" (sync "http", http_wire "ipc") has vLLM's worker copy
+    the model's tensors out of the trainer's memory (/dev/shm here; the default wire, "fetch", takes
+    the same path in the loop, and has its own tests against vLLM in rollouts-sync), "broadcast"
+    through a gloo group with vLLM's worker. The sync probe checks every step's sync."""
     out = tmp_path / "rl_vllm"
     wire = 'sync = "http"\nhttp_wire = "ipc"' if sync == "ipc" else f'sync = "{sync}"'
     engine = f"""

@@ -119,6 +119,7 @@ async def test_a_bf16_http_sync_serves_the_bf16_weights_and_attestation_catches_
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["trio"])  # once: the wire is the same under asyncio
 async def test_an_ipc_sync_serves_the_trainers_bf16_weights_and_attestation_catches_a_corrupted_one(
     vllm_server, vllm_python, vllm_fault_file, tmp_path
 ):

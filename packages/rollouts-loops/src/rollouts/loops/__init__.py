@@ -72,7 +72,7 @@ _EXPORTS = {
     "pass_at_k": "evaluation",
     # engines, run directories, processes
     "CoalescingEngine": "engines.coalescing",
-    "remote_engine": "engines.coalescing",
+    "remote_engine": "engines.remote",
     "RolloutProcess": "engines.rollout_process",
     "RemoteRolloutManager": "engines.rollout_process",
     "resume_if_possible": "run.run_dir",
