@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import anyio
 import httpx
 
 from rollouts.sync._common import (
@@ -253,7 +254,7 @@ class VLLMEngine(HTTPEngineBase):
         version = check_weight_version(weight_version)
         if self.tensor_wire == "ipc":
             return await self._update_by_ipc(tensors, version, chunk_bytes)
-        raw = raw_tensors(tensors)
+        raw = await anyio.to_thread.run_sync(raw_tensors, tensors)  # a GPU tensor's copy to the host waits here
         sent = Background(fingerprint, raw).result if self.attest else None
         if self.tensor_wire == "inline":
             rpcs = tensor_rpc_bodies(raw, chunk_bytes=chunk_bytes)
