@@ -3,8 +3,8 @@
 floor 4 loops; floor 3 backends; floor 2 losses, data, sync; floor 1 types. A module may import
 only packages on lower floors, must declare each rollouts-* package it imports in its
 pyproject.toml, rollouts-types imports only the standard library, and rollouts-data and
-rollouts-sync never import torch (but for the modules of rollouts-sync's [broadcast] extra and the
-engine-side worker extension, TORCH_EXTRA_MODULES). Run as a script to print the problems of a tree.
+rollouts-sync never import torch (but for the modules of rollouts-sync's [broadcast] and [ipc] extras
+and the engine-side worker extension, TORCH_EXTRA_MODULES). Run as a script to print the problems of a tree.
 """
 
 from __future__ import annotations
