@@ -59,7 +59,7 @@ def test_cuda_ipc_asked_of_weights_elsewhere_is_refused_naming_the_devices():
 
 def _storage(size_bytes=4096):
     """A bucket's storage as its handle names it (rollouts.sync.ipc_handles; tested there): the size counts here."""
-    return IpcStorage(device=0, handle=b"\x01" * 64, size_bytes=size_bytes, offset_bytes=512,
+    return IpcStorage(device=0, device_uuid="GPU-0", handle=b"\x01" * 64, size_bytes=size_bytes, offset_bytes=512,
                       ref_counter_handle=b"/torch_1_2", ref_counter_offset=3, event_handle=b"\x02" * 64,
                       event_sync_required=True)  # fmt: skip
 

@@ -198,6 +198,7 @@ class HTTPEngineBase:
         self.retry = http.retry
         self._rng = random.Random(http.seed)
         self._weight_version: int | None = None
+        self._update_lock: anyio.Lock | None = None  # made at the first update, in the event loop running it
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._base_url!r}, timeout_s={self.timeout_s}, max_retries={self.retry.max_retries})"
@@ -254,8 +255,18 @@ class HTTPEngineBase:
         retried (a lost request must not leave the engine paused while the update reports success),
         shielded from cancellation and bounded by `_RESUME_TIMEOUT_S` in all. When the body
         succeeded but no resume got through, an EngineError says so: the engine is still paused,
-        and a pool must count it as failed.
+        and a pool must count it as failed. One update runs at a time: a second waits for the first
+        to resume (two interleaved would resume mid-update, and the IPC wire's buckets share one file).
         """
+        if self._update_lock is None:
+            self._update_lock = anyio.Lock()
+        async with self._update_lock, self._paused_unlocked(pause_path, resume_path, params=params):
+            yield
+
+    @asynccontextmanager
+    async def _paused_unlocked(
+        self, pause_path: str, resume_path: str, *, params: Mapping[str, Any] | None
+    ) -> AsyncIterator[None]:
         body_done = False
         try:
             await self._call("POST", pause_path, params=params)

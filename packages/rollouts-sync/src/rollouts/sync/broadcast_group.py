@@ -8,6 +8,7 @@ started by rollouts.sync.launch gets a copy beside the extension (standard libra
 
 from __future__ import annotations
 
+import json
 import socket
 from collections.abc import Iterator
 from datetime import timedelta
@@ -110,6 +111,63 @@ def receive_flat_buckets(
         for start, end in bucket.get("pieces") or [[0, num_bytes]]:
             broadcast_from_trainer(group, buffer[int(start) : int(end)])
         yield flat_views(buffer, bucket)
+
+
+def read_plan(plan_json: str) -> dict[str, Any]:
+    """The plan rollouts.sync.broadcast_wire.BroadcastPlan.to_json wrote, checked before any byte is
+    received against it: ValueError naming the field and the value for anything that would read a
+    tensor outside its bucket, overlap another, repeat a name or not be a dtype torch knows."""
+    plan = json.loads(plan_json)
+    if not isinstance(plan, dict) or not isinstance(plan.get("buckets"), list) or not plan["buckets"]:
+        raise ValueError(f"plan must be an object with a non-empty list 'buckets', got {plan_json[:120]!r}")
+    _natural(plan.get("version"), "plan.version")
+    if not isinstance(plan.get("checksums", True), bool) or not isinstance(plan.get("stage", "auto"), str):
+        raise ValueError(f"plan.checksums must be true or false and plan.stage a string, got {plan_json[:120]!r}")
+    names: set[str] = set()
+    for k, bucket in enumerate(plan["buckets"]):
+        where = f"plan.buckets[{k}]"
+        if not isinstance(bucket, dict) or not isinstance(bucket.get("tensors"), list):
+            raise ValueError(f"{where} must be an object with a list 'tensors', got {str(bucket)[:120]!r}")
+        size = _natural(bucket.get("nbytes"), f"{where}.nbytes")
+        end = 0
+        for j, tensor in sorted(enumerate(bucket["tensors"]), key=lambda item: _offset_of(item[1])):
+            what = f"{where}.tensors[{j}] {str(tensor)[:120]}"
+            if not isinstance(tensor, list) or len(tensor) != 4 or not isinstance(tensor[0], str):
+                raise ValueError(f"{what} must be [name, dtype, shape, offset]")
+            name, dtype, shape, offset = tensor
+            kind = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+            if not isinstance(kind, torch.dtype) or not isinstance(shape, list):
+                raise ValueError(f"{what}: the dtype must be a torch dtype's name and the shape a list")
+            dims = [_natural(n, f"{what}: shape") for n in shape]
+            element = torch.empty((), dtype=kind).element_size()
+            start = _natural(offset, f"{what}: offset")
+            if start % element or start < end or start + torch.Size(dims).numel() * element > size:
+                raise ValueError(
+                    f"{what}: must start at a multiple of {element} bytes after the tensor before it "
+                    f"(which ends at {end}) and end within the bucket's {size} bytes"
+                )
+            if name in names:
+                raise ValueError(f"{what}: the name {name!r} comes twice in the plan")
+            names.add(name)
+            end = start + torch.Size(dims).numel() * element
+        previous = 0
+        for piece in bucket.get("pieces") or []:
+            start, stop = piece if isinstance(piece, list) and len(piece) == 2 else (-1, -1)
+            if type(start) is not int or type(stop) is not int or not previous <= start <= stop <= size:
+                raise ValueError(f"{where}.pieces: {str(piece)[:60]} must be [start, end] in order within {size} bytes")
+            previous = stop
+    return plan
+
+
+def _natural(value: Any, where: str) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{where} must be an integer >= 0, got {value!r:.80}")
+    return value
+
+
+def _offset_of(tensor: Any) -> int:
+    """Where a plan's tensor starts, for sorting before it is checked (anything malformed first)."""
+    return tensor[3] if isinstance(tensor, list) and len(tensor) == 4 and type(tensor[3]) is int else -1
 
 
 def flat_views(buffer: Any, bucket: dict[str, Any]) -> dict[str, Any]:

@@ -115,15 +115,8 @@ class IpcUpdate:
             torch.cuda.synchronize(self.device)  # the trainer's writes, on any stream, end before staging reads
         sizes = [max(self.plan.bucket_bytes(k), 1) for k in range(len(self.plan.buckets))]  # no bytes, no handle
         try:
-            for k, bucket in enumerate(self.plan.buckets):
-                if buckets is not None:
-                    shm, flat = buckets.take(max(sizes))
-                    flat = flat[: sizes[k]]
-                else:
-                    shm, flat = None, torch.empty(sizes[k], dtype=torch.uint8, device=self.device)
-                for spec in bucket:
-                    target = flat[spec.offset : spec.offset + spec.num_bytes]
-                    target.view(getattr(torch, spec.dtype)).view(spec.shape).copy_(self.tensors[spec.name])
+            for k in range(len(self.plan.buckets)):
+                shm, flat = self._stage(k, buckets, sizes)
                 kwargs = {"token": token, "index": str(k), "handle_json": json.dumps(share(flat, shm))}
                 if k == 0:
                     kwargs["plan_json"] = plan_json
@@ -134,6 +127,19 @@ class IpcUpdate:
         finally:
             if buckets is not None and buckets is not self.shm:
                 buckets.close()
+
+    def _stage(self, k: int, buckets: ShmBuckets | None, sizes: list[int]) -> tuple[ShmFile | None, torch.Tensor]:
+        """Bucket k filled: in the file of `buckets` (host memory), else a fresh buffer on the device.
+        No view of it outlives this call but the one returned, so dropping that frees the bucket."""
+        if buckets is not None:
+            shm, file_flat = buckets.take(max(sizes))
+            flat = file_flat[: sizes[k]]
+        else:
+            shm, flat = None, torch.empty(sizes[k], dtype=torch.uint8, device=self.device)
+        for spec in self.plan.buckets[k]:
+            view = flat[spec.offset : spec.offset + spec.num_bytes].view(getattr(torch, spec.dtype))
+            view.view(spec.shape).copy_(self.tensors[spec.name])
+        return shm, flat
 
     def upload(self) -> TensorUpload:
         """What the sync moved: the tensors' own bytes, shared bucket by bucket; no tensor byte in a body."""

@@ -10,12 +10,15 @@ rollouts_ipc_handles) and rollouts-backends' engine process use it.
 CUDA IPC: `UntypedStorage._share_cuda_` gives the handle of the allocation holding the storage,
 its offset there, torch's shared reference counter and an event recorded on the sharing stream;
 `_new_shared_cuda` maps it in another process, whose streams wait for that event before reading.
-A handle cannot be mapped in the process that made it.
+A handle cannot be mapped in the process that made it. The GPU is named by its UUID, not its index:
+processes with different CUDA_VISIBLE_DEVICES number the same GPU differently.
 
 Shared memory: the trainer creates a file of its own (mode 0600, named "rollouts-ipc-<its pid>-<16
 random hex digits>") in /dev/shm (the temporary directory where there is none), maps it and fills
 it; the reader maps it (no copy) after checking the name and that the file has the size named (a
-shorter file would fault on read). The trainer keeps such a file from one sync to the next
+shorter file would fault on read). Its pages are reserved when it is made (`posix_fallocate`): a
+/dev/shm too small for the bucket (a container's default is 64 MiB) is then an OSError naming the
+size, not a SIGBUS killing the trainer at its first write. The trainer keeps such a file from one sync to the next
 (rollouts.sync.ipc.ShmBuckets): a fresh file's pages are allocated and zeroed on first touch, about
 as slow as the copy itself. Files of processes no longer alive are removed when a new one is made
 (`ShmFile.create`: the creator holds a lock on its file while it lives), so a trainer killed
@@ -27,10 +30,12 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import errno
 import fcntl
 import os
 import re
 import secrets
+import stat
 import tempfile
 import time
 from collections.abc import Mapping
@@ -50,9 +55,13 @@ __all__ = [
     "remove_orphans",
     "share",
     "shm_dir",
+    "visible_cuda_index",
 ]
 
-_SHM_NAME = re.compile(r"rollouts-ipc-[0-9]+-[0-9a-f]{16}")  # the creator's process id, 16 random hex digits
+_SHM_NAME = re.compile(r"rollouts-ipc-[0-9]+-[0-9a-f]{16}")
+_UUID = re.compile(
+    r"[0-9A-Za-z-]{1,64}"
+)  # a GPU's UUID as torch writes it  # the creator's process id, 16 random hex digits
 _LOCKS: dict[str, int] = {}  # path -> the descriptor holding this process's lock on a file it made
 
 
@@ -66,7 +75,9 @@ class IpcStorage:
     """One CUDA storage of the trainer's process, as `UntypedStorage._share_cuda_` describes it."""
 
     device: int
-    """CUDA device index the storage lives on."""
+    """CUDA device index the storage lives on, as the sharing process numbers it (for messages)."""
+    device_uuid: str
+    """The UUID of that GPU: how the mapping process finds it among the GPUs it sees."""
     handle: bytes
     """The IPC handle of the allocation (segment) holding the storage."""
     size_bytes: int
@@ -86,6 +97,7 @@ class IpcStorage:
         device, handle, size, offset, counter, counter_offset, event, sync = storage._share_cuda_()  # type: ignore[no-untyped-call]
         return cls(
             device=int(device),
+            device_uuid=str(torch.cuda.get_device_properties(int(device)).uuid),
             handle=bytes(handle),
             size_bytes=int(size),
             offset_bytes=int(offset),
@@ -98,6 +110,7 @@ class IpcStorage:
     def to_json(self) -> dict[str, Any]:
         return {
             "device": self.device,
+            "device_uuid": self.device_uuid,
             "handle": _b64(self.handle),
             "size_bytes": self.size_bytes,
             "offset_bytes": self.offset_bytes,
@@ -111,8 +124,12 @@ class IpcStorage:
     def from_json(cls, data: Any, where: str = "storage") -> IpcStorage:
         """The storage `to_json` wrote; ValueError naming `where` and the field for anything else."""
         fields = object_fields(data, where, {f.name for f in dataclasses.fields(cls)})
+        uuid = fields["device_uuid"]
+        if not isinstance(uuid, str) or not _UUID.fullmatch(uuid):
+            raise ValueError(f"{where}.device_uuid must be a GPU's UUID (1-64 letters, digits or -), got {uuid!r:.80}")
         return cls(
             device=count_field(fields, "device", where),
+            device_uuid=uuid,
             handle=bytes_field(fields, "handle", where),
             size_bytes=count_field(fields, "size_bytes", where),
             offset_bytes=count_field(fields, "offset_bytes", where),
@@ -125,9 +142,10 @@ class IpcStorage:
     def mapped(self) -> torch.Tensor:
         """This process's view of the storage, as flat bytes on its device; streams here wait for the
         trainer's event before they read it. Drop it once read: the trainer's memory stays pinned
-        while it lives."""
+        while it lives. ValueError when this process does not see the GPU the storage lives on."""
+        index = visible_cuda_index(self.device_uuid, f"the bucket's GPU (the sharer's cuda:{self.device})")
         storage = torch.UntypedStorage._new_shared_cuda(
-            self.device,
+            index,
             self.handle,
             self.size_bytes,
             self.offset_bytes,
@@ -136,7 +154,20 @@ class IpcStorage:
             self.event_handle,
             self.event_sync_required,
         )
-        return torch.empty(0, dtype=torch.uint8, device=f"cuda:{self.device}").set_(storage)
+        return torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}").set_(storage)
+
+
+def visible_cuda_index(uuid: str, what: str = "GPU") -> int:
+    """This process's index of the GPU of `uuid`; ValueError naming it when this process does not see it."""
+    count = torch.cuda.device_count()
+    for index in range(count):
+        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
+            return index
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    raise ValueError(
+        f"{what}, {uuid}, is not among the {count} GPU(s) this process sees (CUDA_VISIBLE_DEVICES={visible!r}): "
+        "the process mapping a CUDA IPC bucket must see the GPU it lives on"
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -154,10 +185,10 @@ class ShmFile:
         remove_orphans()
         size = max(int(size_bytes), 1)
         path = os.path.join(shm_dir(), f"rollouts-ipc-{os.getpid()}-{secrets.token_hex(8)}")
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
-            os.ftruncate(fd, size)
+            _reserve(fd, size, path)
             flat = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
         except BaseException:
             os.close(fd)
@@ -200,6 +231,26 @@ class ShmFile:
         return torch.from_file(self.path, shared=True, size=self.size_bytes, dtype=torch.uint8)
 
 
+def _reserve(fd: int, size: int, path: str) -> None:
+    """Give the file `size` bytes of pages now. A file only truncated to its size holds no pages on
+    tmpfs: a write into a mapping of it with /dev/shm full kills the process (SIGBUS)."""
+    if not hasattr(os, "posix_fallocate"):  # not Linux: no /dev/shm either; the temporary directory's file
+        os.ftruncate(fd, size)
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
+            raise
+        free = os.statvfs(os.path.dirname(path))
+        raise OSError(
+            e.errno,
+            f"{os.path.dirname(path)} has no room for an IPC bucket of {size} bytes "
+            f"({free.f_bavail * free.f_frsize} bytes free): give it more (docker run --shm-size, a Kubernetes "
+            "emptyDir of medium Memory), send smaller buckets (chunk_bytes) or sync by another wire",
+        ) from e
+
+
 def remove_orphans(min_age_s: float = 10.0) -> list[str]:
     """Remove the shared-memory buckets no process holds any more (a trainer killed before it could
     remove its own: its lock went with it), of this user's and at least `min_age_s` old (a file is
@@ -211,13 +262,17 @@ def remove_orphans(min_age_s: float = 10.0) -> list[str]:
         if _SHM_NAME.fullmatch(name) is None:
             continue
         path = os.path.join(directory, name)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:  # gone meanwhile, or not this user's to read
+        try:  # never a link followed, never a wait on a FIFO's writer: only our own regular files count
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:  # gone meanwhile, a link, or not this user's to read
             continue
         try:
             found = os.fstat(fd)
-            if found.st_uid != os.getuid() or time.time() - found.st_ctime < min_age_s:
+            if (
+                not stat.S_ISREG(found.st_mode)
+                or found.st_uid != os.getuid()
+                or time.time() - found.st_ctime < min_age_s
+            ):
                 continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -225,7 +280,7 @@ def remove_orphans(min_age_s: float = 10.0) -> list[str]:
                 continue
             os.unlink(path)
             removed.append(path)
-        except FileNotFoundError:
+        except OSError:  # gone meanwhile, or not ours to remove: left as it is
             pass
         finally:
             os.close(fd)

@@ -30,7 +30,7 @@ from rollouts.sync._common import (
     is_adapter_dir,
     local_address_toward,
 )
-from rollouts.sync._http import DEFAULT_HTTP, EngineError, HTTPEngineBase, HTTPOptions
+from rollouts.sync._http import DEFAULT_HTTP, EngineError, HTTPEngineBase, HTTPOptions, RetryPolicy
 from rollouts.sync.fingerprint import check_attestation, fingerprint, fingerprint_dir
 from rollouts.sync.raw import safetensors_header
 from rollouts.sync.raw_server import serve_bytes
@@ -51,6 +51,8 @@ from rollouts.sync.vllm_completions import parse_completion_response
 from rollouts.types import Sample, SamplingParams
 
 __all__ = ["WORKER_EXTENSION_CLS", "VLLMEngine", "parse_completion_response"]
+
+_NO_RETRY = RetryPolicy(max_retries=0)
 
 
 class VLLMEngine(HTTPEngineBase):
@@ -279,8 +281,8 @@ class VLLMEngine(HTTPEngineBase):
         )
         sent = Background(lambda _: update.expected(), None).result if self.attest else None
         rpcs = update.rpcs()
-        try:
-            await self._paused_update(rpcs, version, expected=sent)
+        try:  # a bucket is never sent twice: a worker that took it (or failed it) would refuse it out of turn
+            await self._paused_update(rpcs, version, expected=sent, retry=_NO_RETRY)
         finally:
             rpcs.close()  # the bucket still shared, if the sync failed, is freed
         self.last_upload = update.upload()
@@ -292,15 +294,18 @@ class VLLMEngine(HTTPEngineBase):
         version: int,
         *,
         expected: Callable[[], Awaitable[dict[str, int]]] | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         """Run `rpcs` paused, in order, each asked for once the one before it answered; with `expected`
-        (the sender's checksums, asked once they ran), compare the checksums each worker reported with them."""
+        (the sender's checksums, asked once they ran), compare the checksums each worker reported with them.
+        `retry`: for each rpc (None: the engine's policy)."""
         # Pause so no request straddles two weight versions; resume even when the update fails,
         # so a failed sync leaves the engine serving (old weights) rather than stuck paused.
         async with self._paused("/pause", "/resume", params={"mode": self.pause_mode}):
             reported: list[dict[str, int]] = []
-            for rpc in rpcs:
-                reported = merge_checksums(reported, await self._rpc(rpc))
+            pending = iter(rpcs)  # each body made in a thread: staging an IPC bucket copies it there
+            while (rpc := await anyio.to_thread.run_sync(next, pending, None)) is not None:
+                reported = merge_checksums(reported, await self._rpc(rpc, retry=retry))
             if expected is not None:  # before the version is set: a failed check never claims it
                 sent = await expected()
                 for worker in reported or [{}]:
@@ -310,9 +315,9 @@ class VLLMEngine(HTTPEngineBase):
             self._adapter = None  # full weights: the base model serves again
         await self._check_version(version)
 
-    async def _rpc(self, rpc: dict[str, Any]) -> dict[str, Any]:
+    async def _rpc(self, rpc: dict[str, Any], *, retry: RetryPolicy | None = None) -> dict[str, Any]:
         try:
-            data = self._json_or_empty(await self._call("POST", "/collective_rpc", json=rpc))
+            data = self._json_or_empty(await self._call("POST", "/collective_rpc", json=rpc, retry=retry))
             raise_on_rpc_error(data, engine=self.name, url=f"{self.name}/collective_rpc")
         except EngineError as e:
             raise with_extension_hint(e, rpc["method"]) from e

@@ -56,7 +56,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_bytes
 
 try:
-    from rollouts.sync.broadcast_group import connect_to_trainer, flat_views, receive_flat_buckets
+    from rollouts.sync.broadcast_group import connect_to_trainer, flat_views, read_plan, receive_flat_buckets
     from rollouts.sync.fingerprint_torch import fingerprint_torch, with_sync_fault
     from rollouts.sync.worker_ipc import IpcWeightReceiver
     from rollouts.sync.worker_receive import (
@@ -67,7 +67,7 @@ try:
         tensors_of_safetensors,
     )
 except ModuleNotFoundError:  # in a server started by rollouts.sync.launch: their copies beside this one
-    from rollouts_broadcast_group import connect_to_trainer, flat_views, receive_flat_buckets  # type: ignore[no-redef,import-not-found]
+    from rollouts_broadcast_group import connect_to_trainer, flat_views, read_plan, receive_flat_buckets  # type: ignore[no-redef,import-not-found]
     from rollouts_fingerprint_torch import fingerprint_torch, with_sync_fault  # type: ignore[no-redef,import-not-found]
     from rollouts_worker_ipc import IpcWeightReceiver  # type: ignore[no-redef,import-not-found]
     from rollouts_worker_receive import (  # type: ignore[no-redef,import-not-found]
@@ -220,7 +220,7 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
         """Receive every bucket of the plan, then reload with them (all or nothing: a failure before the
         last bucket, or in the load, leaves the weights as they were). Answers the checksums of the
         tensors as received, for the trainer's attestation."""
-        plan = json.loads(plan_json)
+        plan = read_plan(plan_json)
         incoming, checksums, seconds = self._rollouts_receive(plan)
         answer = self._rollouts_apply(incoming, seconds, checksums=checksums)
         return {**answer, "num_bytes": sum(int(b["nbytes"]) for b in plan["buckets"])}
@@ -235,7 +235,7 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
         removed. Answers the directory and the checksums of the tensors as received."""
         if len(token) != 16 or any(c not in "0123456789abcdef" for c in token):
             raise ValueError(f"token must be 16 lowercase hex digits, got {token[:40]!r}")
-        plan = json.loads(plan_json)
+        plan = read_plan(plan_json)
         config = json.loads(config_json)
         if not isinstance(config, dict):
             raise ValueError(f"config_json must be a JSON object (adapter_config.json), got {config_json[:200]!r}")

@@ -29,12 +29,12 @@ from typing import Any
 import torch
 
 try:
-    from rollouts.sync.broadcast_group import flat_views
+    from rollouts.sync.broadcast_group import flat_views, read_plan
     from rollouts.sync.fingerprint_torch import fingerprint_torch, with_sync_fault
     from rollouts.sync.ipc_handles import ShmFile, mapped
     from rollouts.sync.worker_receive import stage_on_host
 except ModuleNotFoundError:  # in a server started by rollouts.sync.launch: their copies beside this one
-    from rollouts_broadcast_group import flat_views  # type: ignore[no-redef,import-not-found]
+    from rollouts_broadcast_group import flat_views, read_plan  # type: ignore[no-redef,import-not-found]
     from rollouts_fingerprint_torch import fingerprint_torch, with_sync_fault  # type: ignore[no-redef,import-not-found]
     from rollouts_ipc_handles import ShmFile, mapped  # type: ignore[no-redef,import-not-found]
     from rollouts_worker_receive import stage_on_host  # type: ignore[no-redef,import-not-found]
@@ -110,7 +110,7 @@ class IpcWeightReceiver:
         try:
             if k == 0:
                 self._rollouts_ipc_drop()
-                self._rollouts_ipc = self._rollouts_ipc_begin(token, json.loads(plan_json))
+                self._rollouts_ipc = self._rollouts_ipc_begin(token, read_plan(plan_json))
             receive = self._rollouts_ipc
             if receive is None or receive.token != token:
                 expected = "bucket 0 of a sync" if receive is None else f"bucket {receive.next} of sync {receive.token}"

@@ -68,18 +68,29 @@ class StandInWorker:
 
     def call(self, kwargs: dict[str, Any], *, timeout_s: float = 120.0) -> dict[str, Any]:
         """`rollouts_receive_ipc(**kwargs)` in the child, its answer within `timeout_s`; RuntimeError
-        for an error it raised, one it did not answer in time, or its death."""
+        for an error it raised, its death, or no answer in time (the child is then killed: a late
+        answer would be taken for the next call's)."""
         stdin, stdout = self._child.stdin, self._child.stdout
         assert stdin is not None and stdout is not None
-        stdin.write(json.dumps(kwargs) + "\n")
-        stdin.flush()
+        if self._child.poll() is not None:
+            raise RuntimeError(f"the stand-in worker is not running (exit status {self._child.returncode})")
+        try:
+            stdin.write(json.dumps(kwargs) + "\n")
+            stdin.flush()
+        except BrokenPipeError as e:
+            raise RuntimeError(f"the stand-in worker died (exit status {self._child.wait(timeout=10)})") from e
         ready, _, _ = select.select([stdout], [], [], timeout_s)
         if not ready:
-            raise RuntimeError(f"the stand-in worker gave no answer within {timeout_s} s")
+            self._child.kill()
+            self._child.wait(timeout=10)
+            raise RuntimeError(f"the stand-in worker gave no answer within {timeout_s} s, and was killed")
         line = stdout.readline()
         if not line:
             raise RuntimeError(f"the stand-in worker died (exit status {self._child.wait(timeout=10)})")
-        answer: dict[str, Any] = json.loads(line)
+        try:
+            answer: dict[str, Any] = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise RuntimeError(f"the stand-in worker answered a line that is not JSON: {line[:200]!r}") from e
         if "error" in answer:
             raise RuntimeError(f"the stand-in worker failed: {answer['error']}")
         return answer
