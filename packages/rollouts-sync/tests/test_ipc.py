@@ -397,7 +397,10 @@ def _plan_json(**bucket_changes):
         ),
         (_plan_json(tensors=[["w", "float32", [4], 2]]), r"must start at a multiple of 4 bytes"),
         (_plan_json(tensors=[["w", "float32", [2], 0], ["w", "float32", [1], 16]]), r"the name 'w' comes twice"),
-        (_plan_json(tensors=[["w", "Tensor", [4], 0]]), r"the dtype must be a torch dtype's name"),
+        (_plan_json(tensors=[["w", "Tensor", [4], 0]]), r"the dtype must be one of \['bfloat16'"),
+        (_plan_json(tensors=[["w", "qint8", [4], 0]]), r"the dtype must be one of"),
+        (_plan_json(tensors=[["w", "uint8", [2**32, 2**32], 0]]), r"end within the bucket's 22 bytes"),
+        (_plan_json(pieces=[[0, 8], [16, 22]]), r"bytes \[0, 16\) of a tensor are in none of its pieces"),
         (_plan_json(tensors=[["w", "float32", [4]]]), r"must be \[name, dtype, shape, offset\]"),
         (_plan_json(pieces=[[0, 16], [8, 22]]), r"pieces: \[8, 22\] must be \[start, end\] in order within 22 bytes"),
     ],
@@ -419,6 +422,13 @@ def test_every_plan_the_trainer_makes_is_read_back_as_written(shapes, dtype, buc
     )
     for checksums in (True, False):
         assert read_plan(plan.to_json(checksums=checksums)) == json.loads(plan.to_json(checksums=checksums))
+
+
+def test_the_worker_takes_every_dtype_a_plan_carries_and_no_other():
+    from rollouts.sync.broadcast_group import _WIRE_DTYPES
+    from rollouts.sync.broadcast_wire import DTYPE_BYTES
+
+    assert _WIRE_DTYPES == set(DTYPE_BYTES)
 
 
 def test_what_cannot_travel_by_ipc_is_refused_naming_it():

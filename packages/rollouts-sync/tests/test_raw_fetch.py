@@ -306,6 +306,60 @@ def test_a_fetch_from_an_endpoint_that_never_answers_ends_within_its_timeout():
         assert time.monotonic() - start < 1.0 + 4.0  # the timeout, with room for a loaded machine
 
 
+def test_a_fetch_that_trickles_ends_at_its_deadline_not_when_the_bytes_end():
+    """A server sending a byte now and then keeps each read alive; the deadline bounds the whole fetch."""
+    stop = threading.Event()
+
+    def trickle(server):
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(4096)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\nConnection: close\r\n\r\n")
+            for _ in range(100):  # all of it would take 20 s
+                if stop.wait(0.2):
+                    return
+                conn.sendall(b"x")
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        thread = threading.Thread(target=trickle, args=(server,), daemon=True)
+        thread.start()
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"fetching weights from 127\.0\.0\.1:\d+: \d+ of 100 bytes in 1\.0 s"):
+            fetch_bytes(f"http://127.0.0.1:{server.getsockname()[1]}/token", 100, 1.0)
+        assert time.monotonic() - start < 1.0 + 4.0  # the timeout, with room for a loaded machine
+        stop.set()
+        thread.join(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [-4, 4]}}, r"'w': needs data_offsets \[start, end\]"),
+        ({"w": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, r"'w': needs .*a shape of integers >= 0"),
+        ({"w": {"dtype": "Q8", "shape": [2], "data_offsets": [0, 2]}}, r"'w': needs .*a dtype of"),
+        ({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, r"'w': 8 bytes for shape \[3\] of F32"),
+        (
+            {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+            r"'w': bytes \[0, 16\) .* past the payload's 8",
+        ),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "U8", "shape": [4], "data_offsets": [4, 8]},
+            },
+            r"'b': bytes \[4, 8\) overlap the tensor before it \(which ends at 8\)",
+        ),
+    ],
+)
+def test_a_malformed_safetensors_payload_is_refused_naming_the_tensor(header, message):
+    import json
+
+    head = json.dumps(header).encode()
+    payload = len(head).to_bytes(8, "little") + head + bytes(8)
+    with pytest.raises(ValueError, match=message):
+        tensors_of_safetensors(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+
+
 def test_a_fetch_of_the_wrong_size_is_refused_without_naming_the_token():
     served = ServedBytes([b"abcd"], host="127.0.0.1", timeout_s=5.0, max_fetches=4)
     try:

@@ -9,6 +9,7 @@ started by rollouts.sync.launch gets a copy beside the extension (standard libra
 from __future__ import annotations
 
 import json
+import math
 import socket
 from collections.abc import Iterator
 from datetime import timedelta
@@ -130,18 +131,20 @@ def read_plan(plan_json: str) -> dict[str, Any]:
             raise ValueError(f"{where} must be an object with a list 'tensors', got {str(bucket)[:120]!r}")
         size = _natural(bucket.get("nbytes"), f"{where}.nbytes")
         end = 0
+        spans: list[tuple[int, int]] = []
         for j, tensor in sorted(enumerate(bucket["tensors"]), key=lambda item: _offset_of(item[1])):
             what = f"{where}.tensors[{j}] {str(tensor)[:120]}"
             if not isinstance(tensor, list) or len(tensor) != 4 or not isinstance(tensor[0], str):
                 raise ValueError(f"{what} must be [name, dtype, shape, offset]")
             name, dtype, shape, offset = tensor
             kind = getattr(torch, dtype, None) if isinstance(dtype, str) else None
-            if not isinstance(kind, torch.dtype) or not isinstance(shape, list):
-                raise ValueError(f"{what}: the dtype must be a torch dtype's name and the shape a list")
+            if dtype not in _WIRE_DTYPES or not isinstance(kind, torch.dtype) or not isinstance(shape, list):
+                raise ValueError(f"{what}: the dtype must be one of {sorted(_WIRE_DTYPES)} and the shape a list")
             dims = [_natural(n, f"{what}: shape") for n in shape]
             element = torch.empty((), dtype=kind).element_size()
             start = _natural(offset, f"{what}: offset")
-            if start % element or start < end or start + torch.Size(dims).numel() * element > size:
+            num_bytes = math.prod(dims) * element  # Python's ints: torch.Size's numel wraps past 2^63
+            if start % element or start < end or start + num_bytes > size:
                 raise ValueError(
                     f"{what}: must start at a multiple of {element} bytes after the tensor before it "
                     f"(which ends at {end}) and end within the bucket's {size} bytes"
@@ -149,14 +152,27 @@ def read_plan(plan_json: str) -> dict[str, Any]:
             if name in names:
                 raise ValueError(f"{what}: the name {name!r} comes twice in the plan")
             names.add(name)
-            end = start + torch.Size(dims).numel() * element
+            spans.append((start, start + num_bytes))
+            end = start + num_bytes
         previous = 0
         for piece in bucket.get("pieces") or []:
             start, stop = piece if isinstance(piece, list) and len(piece) == 2 else (-1, -1)
             if type(start) is not int or type(stop) is not int or not previous <= start <= stop <= size:
                 raise ValueError(f"{where}.pieces: {str(piece)[:60]} must be [start, end] in order within {size} bytes")
             previous = stop
+        pieces = bucket.get("pieces") or [[0, size]]
+        for start, stop in spans:  # every tensor's bytes are received (a buffer kept between syncs holds old ones)
+            if stop > start and not any(a <= start and stop <= b for a, b in pieces):
+                raise ValueError(f"{where}: bytes [{start}, {stop}) of a tensor are in none of its pieces")
     return plan
+
+
+_WIRE_DTYPES = frozenset(
+    {"float64", "float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2"}
+    | {"int64", "int32", "int16", "int8", "uint8", "bool"}
+)
+"""The dtypes a plan's tensor may have: rollouts.sync.broadcast_wire.DTYPE_BYTES's (this module
+travels without it)."""
 
 
 def _natural(value: Any, where: str) -> int:

@@ -165,4 +165,5 @@ class Background:
             self._future.set_exception(e)
 
     async def result(self) -> dict[str, int]:
-        return await anyio.to_thread.run_sync(self._future.result)
+        # a cancelled wait (a deadline) returns at once: the thread, a daemon, ends on its own
+        return await anyio.to_thread.run_sync(self._future.result, abandon_on_cancel=True)

@@ -216,8 +216,8 @@ class VLLMEngine(HTTPEngineBase):
         name, previous = f"{self.adapter_prefix}-v{version}", self._adapter
         await self.model_name()  # the base model's name, asked before adapters are listed beside it
         body = {"lora_name": name, "lora_path": path, "load_inplace": name == previous}
-        try:
-            await self._call("POST", "/v1/load_lora_adapter", json=body)
+        try:  # never retried: a retry of a load that landed would be refused as loaded already
+            await self._call("POST", "/v1/load_lora_adapter", json=body, retry=_NO_RETRY)
         except EngineError as e:
             raise EngineError(
                 f"{e} (a LoRA adapter sync needs vLLM started with --enable-lora --max-lora-rank >= the "
@@ -260,14 +260,18 @@ class VLLMEngine(HTTPEngineBase):
         sent = Background(fingerprint, raw).result if self.attest else None
         if self.tensor_wire == "inline":
             rpcs = tensor_rpc_bodies(raw, chunk_bytes=chunk_bytes)
-            await self._paused_update(rpcs, version, expected=sent)
+            # never retried: a worker drops what it staged when a chunk fails, so a retried chunk
+            # would stage onto nothing and the last would load the update in part
+            await self._paused_update(rpcs, version, expected=sent, retry=_NO_RETRY)
             self.last_upload = upload_of(raw, rpcs)
             return self.last_upload
         host = serve_host or local_address_toward(str(httpx.URL(self.name).host))
         parts = [safetensors_header(raw), *(t.data for t in raw.values())]
         async with serve_bytes(parts, host=host, timeout_s=self.timeout_s) as served:
             rpc = fetch_rpc_body(served.url, served.num_bytes, timeout_s=self.timeout_s, checksums=self.attest)
-            await self._paused_update([rpc], version, expected=sent)
+            # never retried (a retry would queue a second fetch and load behind the first), and bounded
+            # by the worker's fetch plus as long again for its load
+            await self._paused_update([rpc], version, expected=sent, retry=_NO_RETRY, rpc_timeout_s=2 * self.timeout_s)
         self.last_upload = upload_of(raw, [rpc], fetched_bytes=served.sent_bytes)
         return self.last_upload
 
@@ -295,17 +299,18 @@ class VLLMEngine(HTTPEngineBase):
         *,
         expected: Callable[[], Awaitable[dict[str, int]]] | None = None,
         retry: RetryPolicy | None = None,
+        rpc_timeout_s: float | None = None,
     ) -> None:
         """Run `rpcs` paused, in order, each asked for once the one before it answered; with `expected`
         (the sender's checksums, asked once they ran), compare the checksums each worker reported with them.
-        `retry`: for each rpc (None: the engine's policy)."""
+        `retry` and `rpc_timeout_s`: each rpc's (None: the engine's policy and timeout)."""
         # Pause so no request straddles two weight versions; resume even when the update fails,
         # so a failed sync leaves the engine serving (old weights) rather than stuck paused.
         async with self._paused("/pause", "/resume", params={"mode": self.pause_mode}):
             reported: list[dict[str, int]] = []
             pending = iter(rpcs)  # each body made in a thread: staging an IPC bucket copies it there
             while (rpc := await anyio.to_thread.run_sync(next, pending, None)) is not None:
-                reported = merge_checksums(reported, await self._rpc(rpc, retry=retry))
+                reported = merge_checksums(reported, await self._rpc(rpc, retry=retry, timeout_s=rpc_timeout_s))
             if expected is not None:  # before the version is set: a failed check never claims it
                 sent = await expected()
                 for worker in reported or [{}]:
@@ -315,9 +320,12 @@ class VLLMEngine(HTTPEngineBase):
             self._adapter = None  # full weights: the base model serves again
         await self._check_version(version)
 
-    async def _rpc(self, rpc: dict[str, Any], *, retry: RetryPolicy | None = None) -> dict[str, Any]:
+    async def _rpc(
+        self, rpc: dict[str, Any], *, retry: RetryPolicy | None = None, timeout_s: float | None = None
+    ) -> dict[str, Any]:
         try:
-            data = self._json_or_empty(await self._call("POST", "/collective_rpc", json=rpc, retry=retry))
+            response = await self._call("POST", "/collective_rpc", json=rpc, retry=retry, timeout_s=timeout_s)
+            data = self._json_or_empty(response)
             raise_on_rpc_error(data, engine=self.name, url=f"{self.name}/collective_rpc")
         except EngineError as e:
             raise with_extension_hint(e, rpc["method"]) from e

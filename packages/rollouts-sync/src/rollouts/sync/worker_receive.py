@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -119,6 +120,7 @@ def fetch_bytes(
     conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout_s)
     try:
         conn.request("GET", parts.path)
+        sock = conn.sock  # the response keeps reading it after the connection hands it over (Connection: close)
         response = conn.getresponse()
         length = response.getheader("Content-Length")
         if response.status != 200 or length != str(num_bytes):
@@ -130,9 +132,18 @@ def fetch_bytes(
         view = buffer.numpy().data
         received = 0
         while received < num_bytes:
-            if time.monotonic() > deadline:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
                 raise TimeoutError(f"fetching weights from {where}: {received} of {num_bytes} bytes in {timeout_s} s")
-            got = response.readinto(view[received:])
+            # one read of the socket at a time, each bounded by the time left: a read filling the whole
+            # buffer would wait for all of it, and a trickle of bytes would hold it past the deadline
+            sock.settimeout(left_s)
+            try:
+                got = response.fp.readinto1(view[received:])
+            except TimeoutError as e:
+                raise TimeoutError(
+                    f"fetching weights from {where}: {received} of {num_bytes} bytes in {timeout_s} s"
+                ) from e
             if not got:
                 raise RuntimeError(f"fetching weights from {where}: closed after {received} of {num_bytes} bytes")
             received += got
@@ -187,16 +198,55 @@ def tensors_of_safetensors(buffer: Any) -> dict[str, Any]:
     """The tensors of a safetensors payload in uint8 tensor `buffer`, as views of it (a copy only for
     a tensor whose offset its dtype cannot view at)."""
     head = int.from_bytes(buffer[:8].numpy().tobytes(), "little")
+    if buffer.numel() < 8 or head > buffer.numel() - 8:
+        raise ValueError(f"a safetensors payload of {buffer.numel()} bytes names a header of {head}")
     header = json.loads(buffer[8 : 8 + head].numpy().tobytes())
     body = buffer[8 + head :]
+    if not isinstance(header, dict):
+        raise ValueError(f"a safetensors header must be a JSON object, got {type(header).__name__}")
     out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = (int(x) for x in entry["data_offsets"])
-        kind = getattr(torch, TORCH_DTYPE_NAMES[entry["dtype"]])
+    end_before = 0
+    entries = [(name, entry) for name, entry in header.items() if name != "__metadata__"]
+    for name, entry in sorted(entries, key=lambda item: _data_start(item[1])):
+        start, end, shape, kind = _checked_entry(name, entry)
+        if start < end_before or end > body.numel():
+            raise ValueError(
+                f"safetensors tensor {name!r}: bytes [{start}, {end}) overlap the tensor before it (which ends at "
+                f"{end_before}) or end past the payload's {body.numel()} bytes"
+            )
+        end_before = end
         data = body[start:end]
         if data.storage_offset() % kind.itemsize:
             data = data.clone()
-        out[name] = data.view(kind).view(entry["shape"])
+        out[name] = data.view(kind).view(shape)
     return out
+
+
+def _data_start(entry: Any) -> int:
+    """Where a header entry's bytes start, for checking them in order (anything malformed first)."""
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    return offsets[0] if isinstance(offsets, list) and offsets and type(offsets[0]) is int else -1
+
+
+def _checked_entry(name: str, entry: Any) -> tuple[int, int, list[int], Any]:
+    """(start, end, shape, torch dtype) of a safetensors header entry; ValueError naming the tensor
+    unless the offsets, shape and dtype are well formed and agree."""
+    fields = entry if isinstance(entry, dict) else {}
+    offsets, shape, dtype = fields.get("data_offsets"), fields.get("shape"), fields.get("dtype")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(x) is int and x >= 0 for x in offsets)
+        or not isinstance(shape, list)
+        or not all(type(n) is int and n >= 0 for n in shape)
+        or dtype not in TORCH_DTYPE_NAMES
+    ):
+        raise ValueError(
+            f"safetensors tensor {name!r}: needs data_offsets [start, end], a shape of integers >= 0 and a dtype "
+            f"of {sorted(TORCH_DTYPE_NAMES)}, got {str(entry)[:160]}"
+        )
+    kind = getattr(torch, TORCH_DTYPE_NAMES[dtype])
+    start, end = offsets
+    if end - start != math.prod(shape) * kind.itemsize:
+        raise ValueError(f"safetensors tensor {name!r}: {end - start} bytes for shape {shape} of {dtype}")
+    return start, end, shape, kind
