@@ -557,7 +557,9 @@ def _timed_steps(variant: str, one_step, warmup: int, steps: int, device: torch.
     }  # fmt: skip
 
 
-def section_train(steps: int, quick: bool, variants: list[str], profile_dir: str, micro_tokens: int) -> list[dict]:
+def section_train(
+    steps: int, quick: bool, variants: list[str], profile_dir: str, micro_tokens: int, variant_timeout_s: float = 900.0
+) -> list[dict]:
     print("\n== training steps: rl_step on a Qwen2-0.5B-shaped model" + (" (quick sizes)" if quick else ""))
     print(
         f"{'variant':>22} {'step ms':>9} {'fwd+bwd ms':>10} {'optim ms':>9} {'other ms':>9} "
@@ -570,7 +572,11 @@ def section_train(steps: int, quick: bool, variants: list[str], profile_dir: str
         cmd += ["--micro-tokens", str(micro_tokens)] if micro_tokens else []
         if profile_dir:
             cmd += ["--profile-dir", os.path.join(profile_dir, f"profile-{variant}.txt")]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=variant_timeout_s)
+        except subprocess.TimeoutExpired:
+            print(f"{variant:>22}  no result within {variant_timeout_s} s", flush=True)
+            continue
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         if proc.returncode != 0 or not lines:
             print(f"{variant:>22}  failed (rc {proc.returncode}): {proc.stderr.strip().splitlines()[-3:]}")
@@ -665,6 +671,7 @@ def main() -> None:
     parser.add_argument("--hidden", default="", help="logprobs: only these hidden sizes (e.g. 3584)")
     parser.add_argument("--logprob-variants", default="", help="logprobs: only these variants (and naive)")
     parser.add_argument("--micro-tokens", type=int, default=0, help="tokens per micro-batch (default 8192)")
+    parser.add_argument("--variant-timeout", type=float, default=900.0, help="train: seconds per variant's process")
     parser.add_argument("--profile-dir", default="", help="write a torch.profiler table of one step per variant here")
     args = parser.parse_args()
     if args.train_worker:
@@ -681,7 +688,7 @@ def main() -> None:
         out["logprobs"] = section_logprobs(device, args.repeats, args.quick, hidden_sizes, only)
     if "train" in sections:
         out["train"] = section_train(
-            args.steps, args.quick, args.variants.split(","), args.profile_dir, args.micro_tokens
+            args.steps, args.quick, args.variants.split(","), args.profile_dir, args.micro_tokens, args.variant_timeout
         )
     if "grpo" in sections:
         out["grpo"] = section_grpo(args.steps, args.quick)

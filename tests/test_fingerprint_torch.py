@@ -55,6 +55,7 @@ def test_numpy_bfloat16_rounds_as_torch_does(values):
     assert checksum(ours) == checksum_torch(theirs)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_gpu_tensor_gives_the_cpu_checksum():
     tensor = torch.randn(1000, 77, dtype=torch.bfloat16)

@@ -128,6 +128,7 @@ def test_compiled_layers_give_the_eager_loss_and_gradients():
         torch.testing.assert_close(grads_compiled[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_packed_rows_on_cuda_take_the_block_mask_and_the_dense_gradients():
     seqs = random_sequences(np.random.default_rng(6), LENGTHS)
