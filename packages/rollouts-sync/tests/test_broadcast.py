@@ -494,6 +494,26 @@ async def test_an_engine_that_never_joins_is_named_within_the_setup_timeout():
 
 
 @pytest.mark.anyio
+async def test_a_connect_releases_the_groups_of_the_one_before(monkeypatch):
+    """Each connect makes new groups; the old ones' connections (an NCCL communicator's GPU memory) go first."""
+    import rollouts.sync.broadcast as broadcast_module
+
+    closed = []
+    real = broadcast_module.close_group
+    monkeypatch.setattr(broadcast_module, "close_group", lambda group: (closed.append(group), real(group)))
+    state = FakeEngineState(weights=_fake_weights())
+    async with serve_fake_engine(state) as server, SGLangEngine(server.url) as engine:
+        sync = BroadcastSync(FAST)
+        await sync.connect([engine])
+        first = sync._links[0].group
+        await sync.push({"w": torch.ones(64, 32)}, 1)
+        await sync.connect([engine])
+        assert closed == [first] and sync._links[0].group is not first
+        await sync.push({"w": torch.full((64, 32), 2.0)}, 2)
+        assert (state.weights["w"] == 2).all() and await engine.weight_version() == 2
+
+
+@pytest.mark.anyio
 async def test_connect_again_after_a_broken_group_syncs_again():
     state = FakeEngineState(weights=_fake_weights())
     async with serve_fake_engine(state) as server, SGLangEngine(server.url) as engine:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from rollouts.sync._common import check_weight_version
-from rollouts.sync.broadcast_group import broadcast_from_trainer, join_group, local_address_toward
+from rollouts.sync.broadcast_group import broadcast_from_trainer, close_group, join_group, local_address_toward
 from rollouts.sync.broadcast_pieces import HostStaging, flat_pieces, needs_host_copy
 from rollouts.sync.broadcast_receivers import BroadcastReceiver, receiver_for
 from rollouts.sync.broadcast_wire import (
@@ -167,6 +167,8 @@ class BroadcastSync:
                     )
                 )
 
+        old, self._links = self._links, []
+        await anyio.to_thread.run_sync(_close_links, old)  # before the new groups: their resources go first
         async with anyio.create_task_group() as tg:
             for i, link in enumerate(links):
                 tg.start_soon(join, i, link)
@@ -368,6 +370,14 @@ def _send(link: _Link, tensor: torch.Tensor) -> None:
         broadcast_from_trainer(link.group, tensor)
     except RuntimeError as exc:
         link.error = f"broadcast failed: {exc}"
+        close_group(link.group)
+        link.group = None
+
+
+def _close_links(links: Sequence[_Link]) -> None:
+    """Release the groups of `links` (a connect's before the next connect's are made)."""
+    for link in links:
+        close_group(link.group)
         link.group = None
 
 

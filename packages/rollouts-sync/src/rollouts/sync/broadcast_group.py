@@ -59,6 +59,23 @@ def _new_group(store: Any, rank: int, world_size: int, backend: str, address: st
     return dist.ProcessGroupGloo(store, rank, world_size, options)
 
 
+def close_group(group: Any) -> None:
+    """Release a group of join_group's now, not when it is collected: its connections, and on NCCL its
+    communicator's GPU memory (a reconnect after a failed sync would otherwise leave one per attempt).
+    Best effort: a group broken already may refuse to shut down cleanly, and is aborted instead."""
+    if group is None:
+        return
+    for how in ("shutdown", "abort"):
+        close = getattr(group, how, None)
+        if close is None:
+            continue
+        try:
+            close()
+            return
+        except Exception:  # noqa: BLE001, S112 - a broken group: try the next way, else leave it to the collector
+            continue
+
+
 def connect_to_trainer(
     host: str,
     port: int,

@@ -90,10 +90,11 @@ class AttestationError(RuntimeError):
         super().__init__(
             f"weight sync attestation failed: engine {engine} loaded weight version {weight_version}, but "
             + "; ".join(parts)
-            + ". The engine's checksums (computed where its weights live, after the load) do not match the "
-            "trainer's, so it would generate from weights other than the ones trained: corrupted in transit "
-            "or in the engine's memory, cast on the way, or skipped by its loader. The sync is not trusted "
-            "and the run stops here; to sync without this check, set engine.attest = false."
+            + ". The engine's checksums (computed in the engine, of the weights it received) "
+            "do not match the trainer's, so it would generate from weights other than the ones "
+            "trained: corrupted in transit or in the engine's memory, or cast on the way. The sync is not "
+            "trusted, its version is not claimed, and the run stops here; to sync without this check, set "
+            "engine.attest = false."
         )
 
 

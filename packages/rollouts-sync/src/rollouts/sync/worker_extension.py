@@ -12,14 +12,12 @@ q/k/v together), so the extension keeps the full checkpoint-format weights in ho
 loaded once from the model directory the server last loaded, updated by each request, and fed
 whole to vLLM's in-place `reload_weights`. Cost: one extra copy of the weights in host memory.
 
-Raw fetch: `rollouts_fetch_weights` GETs one safetensors payload from a one-off URL the trainer
-serves (rollouts.sync.raw_server) into one buffer, the tensors being views of it: the bytes on the
-wire are the tensors' own, no base64, no JSON, no copy through vLLM's API process.
+Raw fetch: `rollouts_fetch_weights` GETs one safetensors payload from the trainer's one-off URL
+(rollouts.sync.raw_server) into one buffer: the tensors' own bytes, no base64, no JSON.
 
-Host memory: a sync lands in a buffer kept from one sync to the next (rollouts.sync.worker_receive)
-and the cache copies the new tensors into its own, so no sync maps fresh memory. The copy runs once
-the reload succeeded, in a thread, after the call answered (off the sync's path: on a GPU it is the
-whole model's copy to the host); the next call that needs the cache or the buffer waits for it.
+Host memory: a sync lands in a buffer kept between syncs (rollouts.sync.worker_receive), whose new
+tensors the cache copies into its own once the reload succeeded, in a thread after the call answered
+(on a GPU, the whole model's copy to the host); the next call needing the cache or buffer waits.
 
 Each call answers "seconds": its own steps' durations (receive, checksum, load), for profiles.
 
@@ -35,8 +33,7 @@ through the same path as `rollouts_load_weights`, only once every bucket arrived
 `rollouts_receive_adapter` receives a LoRA adapter's tensors the same way and writes them as an
 adapter directory on this host, for vLLM's /v1/load_lora_adapter.
 
-IPC (the trainer on this machine): `rollouts_receive_ipc`, from rollouts.sync.worker_ipc, maps each
-bucket of the trainer's memory (CUDA IPC handles, or files in /dev/shm) and copies it out.
+IPC: `rollouts_receive_ipc` (rollouts.sync.worker_ipc) copies buckets out of a local trainer's memory.
 """
 
 from __future__ import annotations
@@ -56,7 +53,13 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_bytes
 
 try:
-    from rollouts.sync.broadcast_group import connect_to_trainer, flat_views, read_plan, receive_flat_buckets
+    from rollouts.sync.broadcast_group import (
+        close_group,
+        connect_to_trainer,
+        flat_views,
+        read_plan,
+        receive_flat_buckets,
+    )
     from rollouts.sync.fingerprint_torch import fingerprint_torch, with_sync_fault
     from rollouts.sync.worker_ipc import IpcWeightReceiver
     from rollouts.sync.worker_receive import (
@@ -67,7 +70,7 @@ try:
         tensors_of_safetensors,
     )
 except ModuleNotFoundError:  # in a server started by rollouts.sync.launch: their copies beside this one
-    from rollouts_broadcast_group import connect_to_trainer, flat_views, read_plan, receive_flat_buckets  # type: ignore[no-redef,import-not-found]
+    from rollouts_broadcast_group import close_group, connect_to_trainer, flat_views, read_plan, receive_flat_buckets  # type: ignore[no-redef,import-not-found]
     from rollouts_fingerprint_torch import fingerprint_torch, with_sync_fault  # type: ignore[no-redef,import-not-found]
     from rollouts_worker_ipc import IpcWeightReceiver  # type: ignore[no-redef,import-not-found]
     from rollouts_worker_receive import (  # type: ignore[no-redef,import-not-found]
@@ -203,6 +206,8 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
     ) -> dict[str, Any]:
         """Join the trainer's process group for weight broadcasts as rank `rank_offset` + this worker's rank."""
         rank = int(rank_offset) + int(self.rank)  # type: ignore[attr-defined]
+        close_group(getattr(self, "_rollouts_group", None))  # the last connect's (a reconnect after a failure)
+        self._rollouts_group = None
         self._rollouts_group_device = self.device if backend == "nccl" else torch.device("cpu")  # type: ignore[attr-defined]
         self._rollouts_group = connect_to_trainer(
             host,
