@@ -51,9 +51,9 @@ def test_only_a_get_of_the_token_url_is_served_and_every_byte_sent_is_counted():
             got = client.get(served.url)
         assert got.status_code == 200 and got.content == b"head" + bytes(range(10)) + b"tail"
         assert served.num_bytes == 18 and served.num_fetches == 1
-        assert 18 < served.sent_bytes < 18 + _HEAD_MAX_BYTES
     finally:
         served.close()
+    assert 18 < served.sent_bytes < 18 + _HEAD_MAX_BYTES  # counted once the sends ended (close waits for them)
 
 
 def test_fetches_past_the_bound_get_no_answer():
@@ -64,6 +64,21 @@ def test_fetches_past_the_bound_get_no_answer():
             with pytest.raises(httpx.TransportError):  # refused, or unanswered until the client's timeout
                 client.get(served.url)
         assert served.num_fetches == 1
+    finally:
+        served.close()
+
+
+def test_a_stalled_fetcher_delays_no_other():
+    """A tensor-parallel server's workers fetch side by side: one that stops reading holds only its own send."""
+    served = ServedBytes([bytes(64 << 20)], host="127.0.0.1", timeout_s=60.0, max_fetches=4)
+    host, port = served.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=10.0) as stalled:
+            stalled.sendall(f"GET /{served.url.rsplit('/', 1)[1]} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            assert stalled.recv(16)  # its answer began, and it reads no further: the server's send blocks
+            start = time.monotonic()
+            assert fetch_bytes(served.url, 64 << 20, 30.0).numel() == 64 << 20  # served beside it
+            assert time.monotonic() - start < 30.0 and served.num_fetches == 2
     finally:
         served.close()
 

@@ -15,8 +15,10 @@ bucket is gathered as it is sent and dropped before the next, so no rank holds m
 bucket beyond its shard; only rank 0 sends, and rank 0 takes part in every gather even when it
 cannot send, so the other ranks never wait on it.
 
-Bounds: joining by `setup_timeout_s`, each bucket by `bucket_timeout_s` (on both sides), the load
-by `load_timeout_s`; an engine that fails any of them is named in a WeightSyncError. Attested
+Bounds: joining by `setup_timeout_s`, each bucket by `bucket_timeout_s` (a vLLM worker waits twice
+that for each piece: the trainer sends to the engines in turn, so a healthy engine outlasts the
+trainer's wait on a stalled one instead of failing with it), the load by `load_timeout_s`; an engine
+that fails any of them is named in a WeightSyncError. Attested
 (`BroadcastOptions.attest`): each vLLM worker answers the checksums of what it received, checked
 against the trainer's before the version is set; a mismatch raises AttestationError naming the tensors.
 """

@@ -57,9 +57,15 @@ def _refused(engine: str, path: str, message: str, text: object) -> EngineError:
     return EngineError(f"{engine}: {message}", engine=engine, url=f"{engine}{path}", status=200, text=str(text))
 
 
+ENGINE_WAIT_FACTOR = 2
+"""A vLLM worker's bound on each piece, in the trainer's `bucket_timeout_s`: the trainer sends each
+piece to the engines in turn, so an engine waits for the piece while the trainer waits, up to its
+bound, on an engine before it that stalls; waiting longer, the healthy engine gets its piece then."""
+
+
 def receive_timeout_s(plan: BroadcastPlan, options: BroadcastOptions) -> float:
-    """Bound on one receive call: every bucket at its bound, then the load at its own."""
-    return len(plan.buckets) * options.bucket_timeout_s + options.load_timeout_s
+    """Bound on one receive call: every bucket at the workers' bound, then the load at its own."""
+    return len(plan.buckets) * ENGINE_WAIT_FACTOR * options.bucket_timeout_s + options.load_timeout_s
 
 
 class VLLMReceiver:
@@ -100,7 +106,7 @@ class VLLMReceiver:
             "world_size": str(world_size),
             "backend": options.backend,
             "setup_timeout_s": str(options.setup_timeout_s),
-            "bucket_timeout_s": str(options.bucket_timeout_s),
+            "bucket_timeout_s": str(ENGINE_WAIT_FACTOR * options.bucket_timeout_s),
         }
         await self._rpc("rollouts_init_broadcast", kwargs, options.setup_timeout_s)
 

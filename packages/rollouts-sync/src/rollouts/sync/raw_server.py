@@ -7,8 +7,9 @@ base64-encoded inside a JSON body.
     served.sent_bytes                          # what went out on the wire
 
 It answers only `GET /<token>` (a random token in the URL, compared in constant time: the URL is the
-credential) and 404 to anything else, one connection at a time, to at most `max_fetches` fetchers,
-and only until the `async with` block ends. The bytes are sent from the buffers given (no copy).
+credential) and 404 to anything else, up to _MAX_CONNECTIONS connections at once (a tensor-parallel
+server's workers fetch side by side; one slow fetcher delays no other), to at most `max_fetches`
+fetchers, and only until the `async with` block ends. The bytes are sent from the buffers given (no copy).
 Every socket operation is bounded by `timeout_s`, and so is a fetcher that stalls.
 """
 
@@ -31,6 +32,7 @@ DEFAULT_MAX_FETCHES = 64
 """Fetches one payload serves: every worker of a server (tensor or pipeline parallel), retries included."""
 _MAX_HEAD_BYTES = 8192  # a GET from the worker extension is a few hundred bytes; more is not one of ours
 _ACCEPT_POLL_S = 0.05  # how often the accept loop looks at the stop flag
+_MAX_CONNECTIONS = 16  # served at once, each in a thread of its own (more wait to be accepted)
 
 
 class ServedBytes:
@@ -56,29 +58,47 @@ class ServedBytes:
         """Bytes written to fetchers so far (response heads included)."""
         self.num_fetches = 0
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # the counts, written by every connection's thread
+        self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
+        self._handlers: list[threading.Thread] = []
         self._thread = threading.Thread(target=self._serve, name="rollouts-raw-server", daemon=True)
         self._thread.start()
 
     def close(self) -> None:
-        """Stop serving; returns once the serving thread ended (a send under way ends within timeout_s)."""
+        """Stop serving; returns once the serving threads ended (a send under way ends within timeout_s)."""
         self._stop.set()
-        self._thread.join(self._timeout_s + 1.0)
+        deadline = time.monotonic() + self._timeout_s + 1.0
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        for handler in list(self._handlers):
+            handler.join(max(0.0, deadline - time.monotonic()))
         self._listener.close()
 
     def _serve(self) -> None:
         while not self._stop.is_set() and self.num_fetches < self._max_fetches:
+            if not self._slots.acquire(timeout=_ACCEPT_POLL_S):
+                continue
             try:
                 conn, _ = self._listener.accept()
             except TimeoutError:
+                self._slots.release()
                 continue
             except OSError:  # the listener was closed
+                self._slots.release()
                 return
+            handler = threading.Thread(target=self._handle, args=(conn,), name="rollouts-raw-fetch", daemon=True)
+            self._handlers.append(handler)
+            handler.start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        try:
             with conn:
                 conn.settimeout(self._timeout_s)
                 try:
                     self._answer(conn)
                 except OSError:  # a fetcher that went away or stalled: its own call reports the failure
                     pass
+        finally:
+            self._slots.release()
 
     def _answer(self, conn: socket.socket) -> None:
         request_line = _read_head(conn, time.monotonic() + self._timeout_s).split(b"\r\n", 1)[0]
@@ -87,18 +107,25 @@ class ServedBytes:
         if method != b"GET" or not hmac.compare_digest(target, f"/{self._token}".encode()):
             conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
             return
-        self.num_fetches += 1
+        with self._lock:
+            if self.num_fetches >= self._max_fetches:  # accepted beside the last one allowed: no answer
+                return
+            self.num_fetches += 1
         head = (
             "HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
             f"Content-Length: {self.num_bytes}\r\nConnection: close\r\n\r\n"
         ).encode()
         conn.sendall(head)
-        self.sent_bytes += len(head)
+        self._count(len(head))
         for part in self._parts:
             if self._stop.is_set():
                 return
             conn.sendall(part)
-            self.sent_bytes += part.nbytes
+            self._count(part.nbytes)
+
+    def _count(self, num_bytes: int) -> None:
+        with self._lock:
+            self.sent_bytes += num_bytes
 
 
 def _family(host: str) -> socket.AddressFamily:
