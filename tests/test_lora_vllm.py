@@ -92,6 +92,12 @@ def test_adapter_sync_serves_the_trained_adapter_and_replaces_the_old_one(tiny_r
     assert "rollouts-v1" not in _served(lora_server.url) and "rollouts-v2" in _served(lora_server.url)
     _assert_matches(samples, second.model)
 
+    # a trainer restarted from an earlier step reaches version 2 again: the server holds that name already
+    restarted = VLLMEngine(lora_server.url, http=HTTPOptions(timeout_s=120.0))
+    samples = trio.run(_sync_and_generate, second, restarted, tmp_path, 2)
+    assert restarted.adapter == "rollouts-v2"
+    _assert_matches(samples, second.model)
+
 
 def test_an_adapter_above_the_servers_max_rank_is_refused_with_the_fix(tiny_run_inputs, lora_server, tmp_path):
     from rollouts.sync import EngineError

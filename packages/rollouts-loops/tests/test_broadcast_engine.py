@@ -4,6 +4,8 @@ from the model bucket by bucket in the RL loop's sync."""
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 import torch
@@ -19,7 +21,7 @@ from rollouts.loops.recipes.tiny import build_tiny_model
 from rollouts.loops.rl.generation import sync_engine
 from rollouts.sync import AttestationError, BroadcastOptions, HTTPOptions, RetryPolicy, SGLangEngine, WeightSyncError
 from rollouts.sync.fake_server import FakeEngineState, serve_fake_engine
-from rollouts.types import OptimizerConfig, TrainingState, WeightLoader
+from rollouts.types import Abortable, OptimizerConfig, TrainingState, WeightLoader
 
 
 def test_broadcast_is_a_sync_for_server_engines_only():
@@ -49,6 +51,22 @@ def test_the_http_wire_is_chosen_in_the_run_file_and_reaches_the_vllm_client():
     assert not isinstance(two, WeightLoader) and {e.engine.tensor_wire for e in two.engines} == {"ipc"}
     with pytest.raises(ValueError, match="EngineSpec.http_wire"):
         EngineSpec(kind="vllm", urls=("http://127.0.0.1:1",), sync="http", http_wire="base64")
+
+
+def test_a_wrapped_engines_capabilities_are_found_as_python_3_12_looks_for_them():
+    """From 3.12 isinstance against a runtime protocol looks attributes up statically (never
+    __getattr__): a wrapper must hold abort / load_weights / push_weights itself, and only when its
+    engine has them."""
+    common = {"api_key_env": "", "http": HTTPOptions(retry=RetryPolicy(max_retries=0)), "sync_timeout_s": 60.0}
+    one = remote_engine("vllm", ("http://127.0.0.1:1",), sync="http", http_wire="ipc", **common)
+    assert callable(inspect.getattr_static(one, "load_weights")) and isinstance(one, WeightLoader)
+    by_disk = remote_engine("vllm", ("http://127.0.0.1:1",), sync="disk", **common)
+    with pytest.raises(AttributeError):  # the engine cannot take tensors: neither can its wrapper
+        inspect.getattr_static(by_disk, "load_weights")
+    assert not isinstance(by_disk, WeightLoader) and not isinstance(by_disk, Abortable)
+    pushed = remote_engine("sglang", ("http://127.0.0.1:1",), sync="broadcast", **common)
+    assert inspect.getattr_static(pushed, "bucket_bytes") == BroadcastOptions().bucket_bytes
+    assert callable(inspect.getattr_static(pushed, "push_weights"))
 
 
 class _SlowEngine:

@@ -215,7 +215,9 @@ class VLLMEngine(HTTPEngineBase):
         reset the prefix cache, set the version, route generation to it and unload the previous one."""
         name, previous = f"{self.adapter_prefix}-v{version}", self._adapter
         await self.model_name()  # the base model's name, asked before adapters are listed beside it
-        body = {"lora_name": name, "lora_path": path, "load_inplace": name == previous}
+        # in place whatever this client knows: a server that outlived a trainer resumed from an earlier
+        # step may hold this version's name already (vLLM refuses a name it holds otherwise)
+        body = {"lora_name": name, "lora_path": path, "load_inplace": True}
         try:  # never retried: a retry of a load that landed would be refused as loaded already
             await self._call("POST", "/v1/load_lora_adapter", json=body, retry=_NO_RETRY)
         except EngineError as e:

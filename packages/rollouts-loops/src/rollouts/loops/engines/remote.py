@@ -101,12 +101,22 @@ def remote_engine(
     return EnginePool(engines, sync_timeout_s=sync_timeout_s)
 
 
+_CAPABILITIES = ("abort", "resume", "load_weights", "push_weights", "bucket_bytes")
+"""What an engine may offer beyond InferenceEngine (rollouts.types.Abortable, WeightLoader, the loops'
+BucketLoader), passed on as attributes of the wrapper itself when the engine has them."""
+
+
 class _Wrapped:
     """An engine wrapper: the InferenceEngine calls pass through to `engine` explicitly (so the
-    protocol sees them); anything else (abort, resume, pause, ...) through attribute lookup."""
+    protocol sees them), and so do the optional capabilities the engine has (`_CAPABILITIES`): from
+    Python 3.12 a runtime protocol's isinstance check looks attributes up statically, never through
+    `__getattr__`. Anything else (pause, last_upload, ...) passes through attribute lookup."""
 
     def __init__(self, engine: InferenceEngine) -> None:
         self.engine = engine
+        for name in _CAPABILITIES:
+            if not hasattr(type(self), name) and hasattr(engine, name):  # a subclass's own method stays
+                setattr(self, name, getattr(engine, name))
 
     @property
     def name(self) -> str:
