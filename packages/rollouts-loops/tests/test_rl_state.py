@@ -75,3 +75,46 @@ def test_a_checkpoint_holding_the_batch_ahead_flat_resumes_with_it(tmp_path):
     _, pending, _, _ = _restore(tmp_path, extra, RLConfig())
     assert pending.batch is not None and list(pending.batch.samples) == list(batch.samples)
     assert pending.batch.metadata == {"groups_requested": 3} and pending.batch.step == 1
+
+
+class _KeptServer:
+    """A server kept up from another run: it reports the version it was last synced to."""
+
+    name = "http://127.0.0.1:9"
+
+    def __init__(self, version):
+        self.version, self.loads = version, []
+
+    async def weight_version(self):
+        return self.version
+
+    async def update_weights_from_disk(self, path, weight_version):
+        self.loads.append(weight_version)
+        self.version = weight_version
+
+
+def _fresh_start(tmp_path, engine) -> TrainingState:
+    model = build_tiny_model(
+        16, hidden_size=64, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, max_position_embeddings=32
+    )
+    models = RLModels(policy=build_components(model, OptimizerConfig(), num_training_steps=10), engine=engine)
+    config = RLConfig()
+    buffer, pending, kl = DataBuffer(list(range(10)), seed=0), PendingBatch(), KLController(config)
+    with CheckpointWriter() as writer:
+        files = RunFiles(run_dir=tmp_path, writer=writer)
+        run = functools.partial(
+            restore, resume=True, resume_from=None, lock=trio.Lock(), average=ReferenceAverage(None, config.reference)
+        )
+        return trio.run(run, models, run_parts(buffer, None, pending, kl), config, files)
+
+
+def test_a_fresh_run_sends_its_weights_first_to_a_server_serving_another_runs(tmp_path, caplog):
+    kept = _KeptServer(version=50)
+    with caplog.at_level("WARNING"):
+        state = _fresh_start(tmp_path / "kept", kept)
+    assert kept.loads == [0] and state.weight_version == 0 and state.step == 0
+    assert "serves weight version 50 from before this run" in caplog.text
+    for version in (None, 0):  # as started from a model directory, or at this run's first version already
+        untouched = _KeptServer(version=version)
+        _fresh_start(tmp_path / f"v{version}", untouched)
+        assert untouched.loads == []

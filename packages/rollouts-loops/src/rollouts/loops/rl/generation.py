@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -34,6 +35,8 @@ from rollouts.sync import BroadcastOptions
 from rollouts.sync.broadcast import BroadcastSync
 from rollouts.types import Abortable, InferenceEngine, RolloutBatch, Sample, SamplingParams, TrainingState, WeightLoader
 from rollouts.types.wire import batch_from_bytes, batch_to_parts
+
+log = logging.getLogger(__name__)
 
 _SHARED_METADATA = (
     "errors",
@@ -179,6 +182,28 @@ def direct_loader(
     if not isinstance(engine, WeightLoader) or shares_model or rank_world()[1] > 1 or syncs_adapter(components.model):
         return None
     return engine.load_weights
+
+
+async def serves_other_weights(engine: InferenceEngine | None, state: TrainingState, *, shares_model: bool) -> bool:
+    """Whether a fresh run's engine serves weights other than the run's own: it reports a version, and
+    not the run's first (a server started from a model directory reports none until synced: a server
+    kept up from another run does; one that cannot say is synced too, and its sync names the failure)."""
+    if engine is None or shares_model:
+        return False
+    try:
+        served: object = await engine.weight_version()
+    except Exception as exc:  # noqa: BLE001 - the sync that follows names the engine's failure, if it is one
+        served = f"unknown ({type(exc).__name__}: {exc})"
+    if served is None or served == state.weight_version:
+        return False
+    log.warning(
+        "engine %s serves weight version %s from before this run: this run's initial weights go to it first, "
+        "as version %d",
+        engine.name,
+        served,
+        state.weight_version,
+    )
+    return True
 
 
 async def sync_engine(

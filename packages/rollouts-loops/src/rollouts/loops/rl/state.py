@@ -28,9 +28,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from rollouts.backends import CheckpointWriter, TrainingComponents, load_checkpoint, save_checkpoint
 from rollouts.data import AsyncRolloutManager, DataBuffer
 from rollouts.loops.engines.rollout_process import RemoteRolloutManager
-from rollouts.loops.rl.generation import shared_metadata, sync_engine
+from rollouts.loops.rl.generation import serves_other_weights, shared_metadata, sync_engine
 from rollouts.loops.rl.models import RLModels
-from rollouts.loops.run.distributed import global_sum, rank_world
+from rollouts.loops.run.distributed import broadcast_json, global_sum, rank_world
 from rollouts.loops.run.run_dir import CHECKPOINTS_DIR, Stateful, load_parts, parts_state, resume_if_possible
 from rollouts.losses import KLControllerState, adaptive_kl_update, ema_accumulators, ema_update_
 from rollouts.types import ReferenceConfig, RLConfig, RolloutBatch, Sample, TrainingState
@@ -312,7 +312,9 @@ async def restore(
     average: ReferenceAverage,
 ) -> TrainingState:
     """The state of a resumed run (its models and parts loaded from the run directory's checkpoint),
-    or of a fresh one; a resumed run's engine then serves the restored weights."""
+    or of a fresh one; a resumed run's engine then serves the restored weights, and so does a fresh
+    run's engine found serving a version of its own (a server kept up from another run: not the
+    weights it was started with, which a fresh run's first batches would otherwise be sampled from)."""
     state, extra, resumed = resume_if_possible(
         models.policy,
         files.run_dir,
@@ -324,7 +326,13 @@ async def restore(
         load_critic(models.critic, resumed)
     average.load(resumed)
     load_parts(parts, _flat_pending_batch(extra, state.step // config.algorithm.num_updates_per_batch))
-    if state.step > 0:  # a resumed run: the engine serves the restored weights, under their own version
+    rank0 = rank_world()[0] == 0  # the engine's rank
+    stale = state.step == 0 and broadcast_json(
+        await serves_other_weights(models.engine, state, shares_model=bool(models.engine_shares_model))
+        if rank0
+        else None
+    )
+    if state.step > 0 or stale:  # the engine serves the run's weights (every rank: they export or gather)
         state, _ = await sync_engine(
             models.policy,
             models.engine,
