@@ -51,6 +51,8 @@ def test_the_http_wire_is_chosen_in_the_run_file_and_reaches_the_vllm_client():
     assert not isinstance(two, WeightLoader) and {e.engine.tensor_wire for e in two.engines} == {"ipc"}
     with pytest.raises(ValueError, match="EngineSpec.http_wire"):
         EngineSpec(kind="vllm", urls=("http://127.0.0.1:1",), sync="http", http_wire="base64")
+    with pytest.raises(ValueError, match=r"engine.http_wire = 'ipc' .* http://192\.0\.2\.1:8000 is not this machine"):
+        remote_engine("vllm", ["http://192.0.2.1:8000"], sync="http", http_wire="ipc", **common)
 
 
 def test_a_wrapped_engines_capabilities_are_found_as_python_3_12_looks_for_them():

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")  # the IPC wire shares torch tensors
 from safetensors.torch import save_file  # noqa: E402
 
-from rollouts.sync import EngineError, HTTPOptions, RetryPolicy, VLLMEngine  # noqa: E402
+from rollouts.sync import EngineError, HTTPOptions, RetryPolicy, VLLMEngine, is_this_machine  # noqa: E402
 from rollouts.sync.broadcast_group import read_plan  # noqa: E402
 from rollouts.sync.broadcast_wire import plan_buckets  # noqa: E402
 from rollouts.sync.fake_server import FakeEngineState, serve_fake_engine  # noqa: E402
@@ -429,6 +429,19 @@ def test_the_worker_takes_every_dtype_a_plan_carries_and_no_other():
     from rollouts.sync.broadcast_wire import DTYPE_BYTES
 
     assert _WIRE_DTYPES == set(DTYPE_BYTES)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.tuples(st.integers(0, 255), st.integers(0, 255), st.integers(1, 254)))
+def test_every_loopback_address_is_this_machine_and_a_documentation_address_is_not(octets):
+    assert is_this_machine("127.{}.{}.{}".format(*octets))
+    assert not is_this_machine(f"192.0.2.{octets[2]}")  # TEST-NET-1: never a machine's own
+
+
+def test_the_ipc_wire_is_refused_for_a_server_on_another_machine():
+    assert VLLMEngine("http://127.0.0.1:8000", tensor_wire="ipc").tensor_wire == "ipc"
+    with pytest.raises(ValueError, match=r"must run on this machine, and '192\.0\.2\.7' .* use 'fetch'"):
+        VLLMEngine("http://192.0.2.7:8000", tensor_wire="ipc")
 
 
 def test_what_cannot_travel_by_ipc_is_refused_naming_it():

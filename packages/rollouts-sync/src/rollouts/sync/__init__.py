@@ -2,7 +2,7 @@
 
 import importlib.metadata
 
-from rollouts.sync._common import is_adapter_dir
+from rollouts.sync._common import is_adapter_dir, is_this_machine
 from rollouts.sync._http import DEFAULT_HTTP, EngineError, HTTPOptions, RetryPolicy
 from rollouts.sync.broadcast_wire import DEFAULT_BROADCAST, BroadcastOptions
 from rollouts.sync.fingerprint import AttestationError, check_attestation, fingerprint, fingerprint_dir
@@ -48,5 +48,6 @@ __all__ = [
     "fingerprint",
     "fingerprint_dir",
     "is_adapter_dir",
+    "is_this_machine",
     "sync_weights_to_engines",
 ]

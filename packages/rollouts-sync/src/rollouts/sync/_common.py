@@ -5,6 +5,7 @@ Legend: P prompts, G samples per prompt, R response tokens.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import socket
 from collections.abc import Sequence
@@ -125,3 +126,22 @@ def local_address_toward(host: str) -> str:
         s.connect((host, 1))
         address: str = s.getsockname()[0]
         return address
+
+
+def is_this_machine(host: str) -> bool:
+    """Whether `host` (a name or an address) is this machine: a loopback address, or one this machine
+    can bind (only its own interfaces' addresses can be bound). No packet is sent."""
+    try:
+        found = socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)
+    except (socket.gaierror, UnicodeError):
+        return False
+    for family, _, _, _, address in found:
+        if ipaddress.ip_address(str(address[0]).split("%", 1)[0]).is_loopback:
+            return True
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.bind((address[0], 0))
+            return True
+        except OSError:
+            continue
+    return False

@@ -28,6 +28,7 @@ from rollouts.sync._common import (
     check_prompts,
     check_weight_version,
     is_adapter_dir,
+    is_this_machine,
     local_address_toward,
 )
 from rollouts.sync._http import DEFAULT_HTTP, EngineError, HTTPEngineBase, HTTPOptions, RetryPolicy
@@ -100,6 +101,12 @@ class VLLMEngine(HTTPEngineBase):
         needs torch, rollouts.sync.ipc)."""
         if tensor_wire not in ("fetch", "inline", "ipc"):
             raise ValueError(f"tensor_wire must be 'fetch', 'inline' or 'ipc', got {tensor_wire!r}")
+        host = httpx.URL(base_url).host
+        if tensor_wire == "ipc" and not is_this_machine(host):
+            raise ValueError(
+                f"tensor_wire='ipc' has the server copy the weights out of this process's memory, so the server "
+                f"must run on this machine, and {host!r} ({base_url}) is not one of its addresses: use 'fetch'"
+            )
         self.tensor_wire = tensor_wire
         if pause_mode not in ("wait", "abort", "keep"):
             raise ValueError(f"pause_mode must be 'wait', 'abort' or 'keep', got {pause_mode!r}")

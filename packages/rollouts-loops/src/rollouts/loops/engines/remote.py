@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import anyio
 import trio
@@ -24,6 +25,7 @@ from rollouts.sync import (
     SGLangEngine,
     VLLMEngine,
     is_adapter_dir,
+    is_this_machine,
     sync_weights_to_engines,
 )
 from rollouts.sync.fingerprint import AttestationError
@@ -67,6 +69,12 @@ def remote_engine(
     api_key = os.environ.get(api_key_env) if api_key_env else None
     if api_key_env and not api_key:
         raise ValueError(f"environment variable {api_key_env!r} (engine.api_key_env) is not set")
+    elsewhere = [u for u in urls if http_wire == "ipc" and not is_this_machine(urlsplit(u).hostname or "")]
+    if sync == "http" and elsewhere:
+        raise ValueError(
+            f"engine.http_wire = 'ipc' has the server copy the weights out of this process's memory, so it must "
+            f"run on this machine; {', '.join(elsewhere)} is not this machine's address: use http_wire = 'fetch'"
+        )
     if partial and kind != "vllm":
         raise ValueError(f"rl.rollout.partial needs an engine that keeps aborted responses: 'vllm', not {kind!r}")
     common: dict[str, Any] = {"api_key": api_key, "http": http}
