@@ -116,3 +116,20 @@ def test_the_fault_spec_comes_from_the_environment_or_a_file(tmp_path):
     assert sync_fault_target({"ROLLOUTS_SYNC_FAULT": f"file:{spec}"}) == "w1"
     with pytest.raises(ValueError, match="corrupt:<tensor name>"):
         sync_fault_target({"ROLLOUTS_SYNC_FAULT": "flip:w1"})
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    mismatched=st.lists(st.from_regex(r"model\.layers\.[0-9]{1,2}\.[a-z_.]{1,30}", fullmatch=True), max_size=40),
+    missing=st.lists(st.from_regex(r"[a-z_.]{1,40}", fullmatch=True), max_size=5),
+)
+def test_an_attestation_failures_first_500_characters_say_what_failed_and_what_to_do(mismatched, missing):
+    """The command line shows a failure's first 500 characters: the engine, the counts, the first names,
+    that the run stops and how to turn the check off come before the long lists of names."""
+    assume(mismatched or missing)
+    text = str(AttestationError(engine="http://10.0.0.12:8000", weight_version=7, mismatched=tuple(mismatched),
+                                missing=tuple(missing)))[:500]  # fmt: skip
+    assert "http://10.0.0.12:8000" in text and "weight version 7" in text
+    assert (f"{len(mismatched)} tensor(s) differ" in text) == bool(mismatched)
+    assert all(name in text for name in mismatched[:1])
+    assert "engine.attest = false" in text or len(", ".join(mismatched[:3] + missing[:3])) > 150

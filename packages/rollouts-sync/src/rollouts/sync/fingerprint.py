@@ -82,25 +82,25 @@ class AttestationError(RuntimeError):
         """Tensors whose checksum the engine reported differently."""
         self.missing = missing
         """Tensors the engine reported no checksum for."""
-        parts = []
-        if mismatched:
-            parts.append(f"{len(mismatched)} tensor(s) differ from what was sent: {_names(mismatched)}")
-        if missing:
-            parts.append(f"{len(missing)} tensor(s) sent but not reported as loaded: {_names(missing)}")
+        found = (
+            [f"{len(mismatched)} tensor(s) differ from what was sent ({_names(mismatched, 3)})"] if mismatched else []
+        )
+        found += [f"{len(missing)} not reported as loaded ({_names(missing, 3)})"] if missing else []
+        more = [f"differ: {_names(mismatched)}"] if len(mismatched) > 3 else []
+        more += [f"not reported: {_names(missing)}"] if len(missing) > 3 else []
+        # what happened and what to do first, long lists of names last: a screen cuts a long message
         super().__init__(
-            f"weight sync attestation failed: engine {engine} loaded weight version {weight_version}, but "
-            + "; ".join(parts)
-            + ". The engine's checksums (computed in the engine, of the weights it received) "
-            "do not match the trainer's, so it would generate from weights other than the ones "
-            "trained: corrupted in transit or in the engine's memory, or cast on the way. The sync is not "
-            "trusted, its version is not claimed, and the run stops here; to sync without this check, set "
-            "engine.attest = false."
+            f"weight sync attestation failed: engine {engine}, weight version {weight_version}: "
+            + " and ".join(found)
+            + ". It would generate from weights other than those trained (corrupted in transit or in its memory, or "
+            "cast on the way): the version is not claimed and the run stops (engine.attest = false skips this check)."
+            + "".join(f" {part}." for part in more)
         )
 
 
-def _names(names: tuple[str, ...]) -> str:
-    shown = ", ".join(names[:_NAMES_SHOWN])
-    return shown + (f" and {len(names) - _NAMES_SHOWN} more" if len(names) > _NAMES_SHOWN else "")
+def _names(names: tuple[str, ...], shown: int = _NAMES_SHOWN) -> str:
+    listed = ", ".join(names[:shown])
+    return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def check_attestation(
