@@ -15,6 +15,7 @@ from safetensors.numpy import save_file
 
 from rollouts.sync import (
     EngineError,
+    EngineFailure,
     EnginePool,
     HTTPOptions,
     RetryPolicy,
@@ -216,3 +217,21 @@ async def test_sync_rejects_bad_arguments(ckpt):
             VLLMEngine("http://127.0.0.1:1", http=HTTPOptions(timeout_s=bad))
         with pytest.raises(ValueError, match="sync_timeout_s must be a finite number of seconds > 0"):
             EnginePool([engine], sync_timeout_s=bad)
+
+
+class _OwnSync:
+    """An engine whose reload is a sync of its own (a broadcast wrapper's): it fails naming itself."""
+
+    name = "http://127.0.0.1:9"
+
+    async def update_weights_from_disk(self, path, weight_version):
+        failure = EngineFailure(engine=self.name, url=self.name, status=None, text="bucket 3 not received in 5 s")
+        raise WeightSyncError(weight_version, [failure], [])
+
+
+@pytest.mark.anyio
+async def test_an_engines_own_sync_failure_is_reported_once_not_wrapped_in_another():
+    with pytest.raises(WeightSyncError) as info:
+        await sync_weights_to_engines([_OwnSync()], "/ckpt", 4, timeout_s=5.0)
+    assert [f.text for f in info.value.failures] == ["bucket 3 not received in 5 s"]
+    assert str(info.value).count("weight sync to version 4 failed") == 1

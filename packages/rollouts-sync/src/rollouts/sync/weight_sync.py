@@ -144,6 +144,9 @@ async def sync_weights_to_engines(
             outcomes[i] = time.perf_counter() - start_s
         except AttestationError as exc:
             outcomes[i] = exc
+        except WeightSyncError as exc:  # a wrapped engine's own sync (a broadcast) named its failure already
+            named = [f for f in exc.failures if f.engine == engine.name]
+            outcomes[i] = named[0] if named else engine_failure(engine.name, exc)
         except Exception as exc:  # noqa: BLE001 - one engine's bug must not hide the others' results
             outcomes[i] = engine_failure(engine.name, exc, timeout_text=f"did not finish within timeout_s={timeout_s}")
 
