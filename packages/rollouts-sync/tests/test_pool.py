@@ -127,6 +127,41 @@ async def test_failover_on_dead_engine_and_no_failover_on_4xx():
             await e.aclose()
 
 
+class _HealthCounted(ScriptedEngine):
+    def __init__(self, name):
+        super().__init__(name)
+        self.health_checks = 0
+
+    async def health(self):
+        self.health_checks += 1
+        return self.healthy
+
+
+@pytest.mark.anyio
+async def test_an_engine_out_of_rotation_comes_back_on_its_own_once_healthy():
+    """A run that runs no health checks does not lose an engine for good to one transient failure."""
+    a, b = _HealthCounted("a"), _HealthCounted("b")
+    a.release.set()
+    b.release.set()
+    pool = EnginePool([a, b], readmit_after_s=3600.0)
+    b.healthy = False
+    await pool.check_health()
+    for _ in range(3):  # not due yet: no check, b stays out
+        await pool.generate([[1]], PARAMS)
+    assert pool.in_rotation == ("a",) and b.health_checks == 1
+    pool.readmit_after_s = 0.0  # due at every call from now on
+    await pool.generate([[1]], PARAMS)  # checked: still unhealthy, still out
+    assert pool.in_rotation == ("a",) and b.health_checks == 2
+    b.healthy = True
+    await pool.generate([[1]], PARAMS)  # checked: back, and the next calls reach it
+    assert pool.in_rotation == ("a", "b") and b.health_checks == 3
+    for _ in range(4):
+        await pool.generate([[1]], PARAMS)
+    assert b.calls >= 2 and b.health_checks == 3  # an engine in rotation is not checked
+    with pytest.raises(ValueError, match="readmit_after_s must be >= 0"):
+        EnginePool([a], readmit_after_s=-1.0)
+
+
 def test_pool_rejects_bad_arguments():
     with pytest.raises(ValueError, match="empty"):
         EnginePool([])

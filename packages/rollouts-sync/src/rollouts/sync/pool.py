@@ -1,12 +1,16 @@
 """Spread generate requests over several engines: least outstanding requests, bounded per engine.
 
 An engine leaves the rotation when a health check fails or a request to it gets no response,
-and comes back after a health check passes. The pool itself implements InferenceEngine, so a
-loop can treat many servers as one.
+and comes back after a health check passes: `check_health` / `run_health_checks`, or on its own,
+once it has been out `readmit_after_s`, at the next generate call (one check per engine per
+period, bounded by `health_timeout_s`), so a transient failure does not cost an engine for the rest
+of a run that runs no health checks. The pool itself implements InferenceEngine, so a loop can
+treat many servers as one.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import anyio
@@ -32,6 +36,7 @@ class EnginePool:
         max_concurrency_per_engine: int = 32,
         health_timeout_s: float = 10.0,
         sync_timeout_s: float = 600.0,
+        readmit_after_s: float = 30.0,
     ) -> None:
         if not engines:
             raise ValueError("engines is empty: a pool needs at least one engine")
@@ -42,6 +47,9 @@ class EnginePool:
             raise ValueError(f"max_concurrency_per_engine must be >= 1, got {max_concurrency_per_engine}")
         check_seconds("health_timeout_s", health_timeout_s)
         check_seconds("sync_timeout_s", sync_timeout_s)
+        if not readmit_after_s >= 0:
+            raise ValueError(f"readmit_after_s must be >= 0, got {readmit_after_s}")
+        self.readmit_after_s = readmit_after_s
         self.engines = tuple(engines)
         self.max_concurrency_per_engine = max_concurrency_per_engine
         self.health_timeout_s = health_timeout_s
@@ -49,6 +57,7 @@ class EnginePool:
         self._limits = [anyio.Semaphore(max_concurrency_per_engine) for _ in engines]
         self._outstanding = [0] * len(engines)
         self._in_rotation = [True] * len(engines)
+        self._out_since: list[float | None] = [None] * len(engines)  # when each engine out of rotation was last checked
         self._next = 0  # tie-break cursor so equal loads rotate instead of piling onto engine 0
 
     def __repr__(self) -> str:
@@ -82,6 +91,7 @@ class EnginePool:
 
     async def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Sample]:
         """Generate on the least-loaded engine; on no response, take it out and try the next one."""
+        await self._readmit()
         tried: set[int] = set()
         while True:
             i = self._pick(tried)
@@ -93,7 +103,7 @@ class EnginePool:
             except EngineError as exc:
                 if exc.status is not None and exc.status < 500:
                     raise  # the request itself is bad; another engine would refuse it too
-                self._in_rotation[i] = False
+                self._take_out(i)
                 if len(tried) == len(self.engines):
                     raise
             finally:
@@ -110,8 +120,39 @@ class EnginePool:
         async with anyio.create_task_group() as tg:
             for i in range(len(self.engines)):
                 tg.start_soon(one, i)
-        self._in_rotation = results
+        for i, ok in enumerate(results):
+            if ok:
+                self._in_rotation[i], self._out_since[i] = True, None
+            else:
+                self._take_out(i)
         return self.in_rotation
+
+    def _take_out(self, i: int) -> None:
+        self._in_rotation[i] = False
+        self._out_since[i] = time.monotonic()
+
+    async def _readmit(self) -> None:
+        """Check the engines out of rotation for `readmit_after_s` (once each per period, whoever calls);
+        those that pass come back."""
+        now = time.monotonic()
+        due = [
+            i for i, since in enumerate(self._out_since) if since is not None and now - since >= self.readmit_after_s
+        ]
+        if not due:
+            return
+        for i in due:
+            self._out_since[i] = now  # the next check of this engine is a period away, whatever the outcome
+
+        async def one(i: int) -> None:
+            healthy = False
+            with anyio.move_on_after(self.health_timeout_s):
+                healthy = await self.engines[i].health()
+            if healthy:
+                self._in_rotation[i], self._out_since[i] = True, None
+
+        async with anyio.create_task_group() as tg:
+            for i in due:
+                tg.start_soon(one, i)
 
     async def run_health_checks(
         self, *, interval_s: float, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED
