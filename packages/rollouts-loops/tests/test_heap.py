@@ -13,10 +13,10 @@ class _Node:
 
 
 def test_objects_alive_at_the_start_are_frozen_for_the_block_and_given_back_after():
-    assert gc.get_freeze_count() == 0
+    before = gc.get_freeze_count()  # 0, or a few hundred on Python 3.12 (frozen at its start)
     with startup_objects_frozen():
         frozen = gc.get_freeze_count()
-        assert frozen > 0
+        assert frozen > before
         with startup_objects_frozen():  # nested: the outer block's objects stay frozen
             assert gc.get_freeze_count() >= frozen
         assert gc.get_freeze_count() >= frozen
