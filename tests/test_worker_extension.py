@@ -95,3 +95,39 @@ def test_the_fingerprint_rpc_reads_the_checkpoint_a_disk_reload_loaded(worker, t
     directory.mkdir()
     save_file({"a": torch.randn(4, dtype=torch.bfloat16), "c": torch.randn(4)}, str(directory / "model.safetensors"))
     assert worker.rollouts_fingerprint(str(directory)) == {"checksums": fingerprint_dir(directory)}
+
+
+def _receive_held(worker, how, tensors, root):
+    """`tensors` received with hold="1" by an inline update or a disk read (a checkpoint in `root`); its answer."""
+    if how == "inline":
+        (body,) = tensor_rpc_bodies(tensors, chunk_bytes=1 << 20)
+        return worker.rollouts_load_weights(**body["kwargs"], hold="1")
+    root.mkdir(exist_ok=True)
+    directory = root / f"v{len(list(root.iterdir()))}"
+    directory.mkdir()
+    save_file({**{n: torch.zeros(4) for n in "abc"}, **tensors}, str(directory / "model.safetensors"))
+    return worker.rollouts_load_dir(str(directory), hold="1")
+
+
+@pytest.mark.parametrize("how", ["inline", "dir"])
+def test_a_held_receive_loads_only_when_committed_and_a_discard_or_the_next_receive_drops_it(worker, how, tmp_path):
+    """An attested sync: the checksums come back with nothing loaded; commit loads, discard drops."""
+    sent = {"a": torch.full((4,), 1.0)}
+    answer = _receive_held(worker, how, sent, tmp_path / "dirs")
+    assert answer["checksums"]["a"] == fingerprint(sent)["a"] and worker.loaded is None
+    assert worker.rollouts_commit()["num_tensors"] >= 1
+    assert worker.loaded["a"] == [1.0] * 4
+    with pytest.raises(RuntimeError, match="no receive is held"):
+        worker.rollouts_commit()  # a commit loads once
+
+    _receive_held(worker, how, {"a": torch.full((4,), 2.0)}, tmp_path / "dirs")
+    assert worker.rollouts_discard()["num_tensors"] >= 1
+    with pytest.raises(RuntimeError, match="no receive is held"):
+        worker.rollouts_commit()
+    assert worker.loaded["a"] == [1.0] * 4  # the discarded weights were never loaded
+
+    _receive_held(worker, how, {"a": torch.full((4,), 3.0)}, tmp_path / "dirs")
+    _send(worker, {"b": torch.full((4,), 4.0).numpy()})  # the next sync, unattested: the held one is gone
+    with pytest.raises(RuntimeError, match="no receive is held"):
+        worker.rollouts_commit()
+    assert worker.loaded["a"] == [1.0] * 4 and worker.loaded["b"] == [4.0] * 4

@@ -26,7 +26,8 @@ def _weights_dir(model, path):
 def test_syncs_pass_attestation_until_a_tensor_is_corrupted_in_the_engine_process(monkeypatch, tmp_path):
     """float32 weights into a float32 engine pass, by shared memory and from disk; then the engine
     process corrupts a tensor after each load (fault injection, read at every load from a file) and
-    both syncs fail naming it, the version unclaimed and the process healthy."""
+    both syncs fail naming it, the version unclaimed and the process healthy; it samples nothing from
+    the weights that failed, and again once a sync passes."""
     fault = tmp_path / "fault"
     monkeypatch.setenv("ROLLOUTS_SYNC_FAULT", f"file:{fault}")  # read by the engine process it starts
     base, other = tiny_model(seed=0), tiny_model(seed=5)
@@ -42,6 +43,11 @@ def test_syncs_pass_attestation_until_a_tensor_is_corrupted_in_the_engine_proces
         with pytest.raises(AttestationError, match=CORRUPTED):
             trio.run(engine.update_weights_from_disk, _weights_dir(other, tmp_path / "w2"), 4)
         assert trio.run(engine.health)  # a refused sync names the tensors; the process itself is fine
+        with pytest.raises(RuntimeError, match=f"samples nothing until a weight sync passes.*{CORRUPTED}"):
+            trio.run(engine.generate, [[5, 6]], SamplingParams(max_new_tokens=2))
+        fault.unlink()
+        trio.run(engine.load_weights, model_tensors(base), 5)
+        assert len(trio.run(engine.generate, [[5, 6]], SamplingParams(max_new_tokens=2))) == 1
 
 
 def test_syncs_of_float32_weights_pass_attestation_in_a_bf16_engine(tmp_path):

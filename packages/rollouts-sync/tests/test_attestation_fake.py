@@ -70,20 +70,34 @@ async def test_the_inline_wire_moves_base64_in_chunks(tmp_path):
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
+def assert_serves(state: FakeEngineState, weights: dict) -> None:
+    assert state.held is None and sorted(state.weights) == sorted(weights)
+    for name, tensor in weights.items():
+        np.testing.assert_array_equal(state.weights[name], tensor.view())
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize(
-    "wire", ["fetch", pytest.param("ipc", marks=pytest.mark.skipif(not HAS_TORCH, reason="the IPC wire needs torch"))]
+    "wire",
+    [
+        "fetch",
+        "inline",
+        pytest.param("ipc", marks=pytest.mark.skipif(not HAS_TORCH, reason="the IPC wire needs torch")),
+    ],
 )
-async def test_a_tensor_corrupted_in_the_engine_fails_attestation_naming_it(tmp_path, wire):
+async def test_a_tensor_corrupted_in_the_engine_fails_attestation_naming_it_and_nothing_is_loaded(tmp_path, wire):
     state = FakeEngineState()
     async with serve_fake_engine(state) as server, VLLMEngine(server.url, http=FAST, tensor_wire=wire) as engine:
         await engine.update_weights_from_disk(write_dir(tmp_path / "v0", bf16_weights(0)), 1)
+        await engine.update_weights_from_tensors(bf16_weights(1), 2, chunk_bytes=600)  # ipc, inline: two calls
+        assert_serves(state, bf16_weights(1))
         state.corrupt = "w1"
         with pytest.raises(AttestationError) as info:
-            await engine.update_weights_from_tensors(bf16_weights(1), 2, chunk_bytes=600)  # ipc: two buckets
-        assert info.value.mismatched == ("w1",) and info.value.weight_version == 2
+            await engine.update_weights_from_tensors(bf16_weights(2), 3, chunk_bytes=600)
+        assert info.value.mismatched == ("w1",) and info.value.weight_version == 3
         assert "w1" in str(info.value) and server.url in str(info.value)
-        assert await engine.weight_version() == 1 and not state.paused  # the version is not claimed; resumed
+        assert await engine.weight_version() == 2 and not state.paused  # the version is not claimed; resumed
+        assert_serves(state, bf16_weights(1))  # the weights that failed were dropped unloaded
     if wire == "ipc":  # the IPC wire's file in /dev/shm goes with the client
         from rollouts.sync.ipc_handles import shm_dir
 
@@ -101,6 +115,7 @@ async def test_a_disk_sync_is_attested_through_the_fingerprint_rpc(tmp_path):
             await sync_weights_to_engines([engine], write_dir(tmp_path / "v2", bf16_weights(2)), 2, timeout_s=30.0)
         assert info.value.mismatched == ("embed",)
         assert ("POST", "/collective_rpc") in state.calls
+        assert_serves(state, bf16_weights(1))
 
 
 @pytest.mark.anyio

@@ -112,9 +112,10 @@ async def test_update_weights_from_disk_changes_tokens_and_version(engine_cls, t
         paths = [target.split("?")[0] for _, target in state.calls]
         if engine_cls is VLLMEngine:
             i = paths.index("/collective_rpc")
-            assert paths[i - 1 : i + 4] == [
+            assert paths[i - 1 : i + 5] == [
                 "/pause",
-                "/collective_rpc",  # the reload, answering the checksums of what it read (attestation)
+                "/collective_rpc",  # the files read and held, answering their checksums (attestation)
+                "/collective_rpc",  # the checksums agree: the reload
                 "/reset_prefix_cache",
                 "/update_weight_version",
                 "/resume",

@@ -523,6 +523,6 @@ async def test_two_syncs_of_one_engine_at_once_run_one_after_the_other():
         final = await engine.weight_version()
     calls = [urlsplit(target).path for _, target in state.calls]
     calls = [path for path in calls if path in ("/pause", "/resume", "/collective_rpc")]
-    per_sync = ["/pause"] + ["/collective_rpc"] * 3 + ["/resume"]  # SHAPES' three tensors: a bucket each
+    per_sync = ["/pause"] + ["/collective_rpc"] * 4 + ["/resume"]  # SHAPES' three tensors: a bucket each; the load
     assert calls == per_sync * 2
     assert final in (1, 2) and all(np.all(state.weights[n].view(np.float32) == final) for n in SHAPES)

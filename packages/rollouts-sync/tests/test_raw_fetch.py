@@ -22,7 +22,7 @@ from rollouts.sync.raw_server import ServedBytes
 torch = pytest.importorskip("torch")  # the worker extension's side runs where torch is
 from safetensors.torch import save_file  # noqa: E402
 
-from rollouts.sync.fingerprint_torch import checksum_torch  # noqa: E402
+from rollouts.sync.fingerprint_torch import checksum_torch, fingerprint_torch  # noqa: E402
 from rollouts.sync.worker_extension import (  # noqa: E402
     ChecksumsOnArrival,
     ReceiveBuffer,
@@ -119,13 +119,13 @@ def test_the_copy_into_the_cache_runs_after_the_answer_and_a_failed_one_asks_for
 
     save_file({"a": torch.zeros(64, 16), "b": torch.zeros(256)}, str(tmp_path / "model.safetensors"))
     worker = StandInWorker(tmp_path)
-    release, original = threading.Event(), extension._keep_in_cache
+    release, original = threading.Event(), extension.keep_in_cache
 
     def held_copy(*args, **kwargs):
         assert release.wait(10.0)
         original(*args, **kwargs)
 
-    monkeypatch.setattr(extension, "_keep_in_cache", held_copy)
+    monkeypatch.setattr(extension, "keep_in_cache", held_copy)
     first = {"a": torch.randn(64, 16), "b": torch.randn(256)}
     _fetch(worker, first)  # answered while its copy is held
     assert not worker._rollouts_cache_copy.done()
@@ -137,9 +137,9 @@ def test_the_copy_into_the_cache_runs_after_the_answer_and_a_failed_one_asks_for
     def failed_copy(*args, **kwargs):
         raise MemoryError("no room")
 
-    monkeypatch.setattr(extension, "_keep_in_cache", failed_copy)
+    monkeypatch.setattr(extension, "keep_in_cache", failed_copy)
     _fetch(worker, {"a": torch.randn(64, 16)})  # served; its copy into the cache fails
-    monkeypatch.setattr(extension, "_keep_in_cache", original)
+    monkeypatch.setattr(extension, "keep_in_cache", original)
     with pytest.raises(RuntimeError, match=r"cache failed: MemoryError\('no room'\).*only a full update"):
         _fetch(worker, {"b": torch.randn(256)})
     full = {"a": torch.randn(64, 16), "b": torch.randn(256)}
@@ -383,3 +383,28 @@ def test_a_fetch_of_the_wrong_size_is_refused_without_naming_the_token():
         assert served.url.rsplit("/", 1)[1] not in str(info.value)
     finally:
         served.close()
+
+
+def test_a_held_fetch_is_loaded_by_the_commit_and_dropped_by_the_next_fetch(tmp_path):
+    """Held (an attested sync), the fetched tensors are views of the receive buffer, unloaded until the
+    commit; the next fetch, which overwrites that buffer, drops one still held."""
+    save_file({"a": torch.zeros(64, 16), "b": torch.zeros(256)}, str(tmp_path / "model.safetensors"))
+    worker = StandInWorker(tmp_path)
+    first = {"a": torch.randn(64, 16), "b": torch.randn(256)}
+    served = _served(first)
+    try:
+        answer = worker.rollouts_fetch_weights(served.url, str(served.num_bytes), "10", hold="1")
+    finally:
+        served.close()
+    assert answer["held"] is True and answer["checksums"] == fingerprint_torch(first) and worker.loaded is None
+    worker.rollouts_commit()
+    assert torch.equal(worker.loaded["a"], first["a"])
+    served = _served({"a": torch.ones(64, 16)})
+    try:
+        worker.rollouts_fetch_weights(served.url, str(served.num_bytes), "10", hold="1")
+    finally:
+        served.close()
+    _fetch(worker, {"b": torch.ones(256)})
+    with pytest.raises(RuntimeError, match="no receive is held"):
+        worker.rollouts_commit()
+    assert torch.equal(worker.loaded["a"], first["a"]) and torch.equal(worker.loaded["b"], torch.ones(256))

@@ -37,10 +37,12 @@ def perturbed_copy(src, dst, *, seed: int, only: tuple[str, ...] | None = None) 
     return changed
 
 
-def assert_matches_reference(sample, model_dir, python):
+def assert_matches_reference(sample, model_dir, python, *more):
+    """`sample` (and each of `more`) is transformers' greedy continuation on `model_dir`'s weights."""
     ref_tokens, ref_logprobs = reference_greedy(model_dir, PROMPT, MAX_NEW_TOKENS, python=python)
-    assert list(sample.response_tokens) == ref_tokens
-    np.testing.assert_allclose(sample.rollout_logprobs, ref_logprobs, rtol=0, atol=LOGPROB_ATOL)
+    for each in (sample, *more):
+        assert list(each.response_tokens) == ref_tokens
+        np.testing.assert_allclose(each.rollout_logprobs, ref_logprobs, rtol=0, atol=LOGPROB_ATOL)
 
 
 @pytest.mark.anyio
@@ -109,14 +111,17 @@ async def test_a_bf16_http_sync_serves_the_bf16_weights_and_attestation_catches_
         # on the wire: the bf16 bytes themselves, fetched once by the one worker, plus the safetensors
         # header (a JSON entry of under 200 bytes per tensor) and a request body of one URL
         assert upload.tensor_bytes < upload.wire_bytes < upload.tensor_bytes + 200 * len(sent) + 1000
-        assert_matches_reference((await engine.generate([PROMPT], GREEDY))[0], reference, vllm_python)
+        served = (await engine.generate([PROMPT], GREEDY))[0]
 
         corrupted = "model.layers.0.mlp.down_proj.weight"
         vllm_fault_file.write_text(f"corrupt:{corrupted}")
+        other = {n: bfloat16(w + rng.standard_normal(w.shape).astype(np.float32) * 0.3) for n, w in weights.items()}
         with pytest.raises(AttestationError) as info:
-            await engine.update_weights_from_tensors(sent, base + 1)
+            await engine.update_weights_from_tensors(other, base + 1)
         assert info.value.mismatched == (corrupted,) and corrupted in str(info.value)
         assert await engine.weight_version() == base  # a sync that failed attestation claims no version
+        after = (await engine.generate([PROMPT], GREEDY))[0]
+    assert_matches_reference(served, reference, vllm_python, after)  # `other` never loaded
 
 
 @pytest.mark.anyio
@@ -148,13 +153,16 @@ async def test_an_ipc_sync_serves_the_trainers_bf16_weights_and_attestation_catc
         upload = await engine.update_weights_from_tensors(sent, base, chunk_bytes=bucket_bytes)
         assert upload.tensor_bytes == sum(2 * w.size for w in weights.values()) <= upload.shared_bytes
         assert upload.num_requests > 1 and upload.fetched_bytes == 0 and upload.body_bytes < 2000 * len(sent)
-        assert_matches_reference((await engine.generate([PROMPT], GREEDY))[0], reference, vllm_python)
+        served = (await engine.generate([PROMPT], GREEDY))[0]
 
         corrupted = "model.layers.1.self_attn.v_proj.weight"
         vllm_fault_file.write_text(f"corrupt:{corrupted}")
+        other = {n: (t.float() + torch.randn(t.shape, generator=generator) * 0.3).bfloat16() for n, t in sent.items()}
         with pytest.raises(AttestationError) as info:
-            await engine.update_weights_from_tensors(sent, base + 1, chunk_bytes=bucket_bytes)
+            await engine.update_weights_from_tensors(other, base + 1, chunk_bytes=bucket_bytes)
         assert info.value.mismatched == (corrupted,)
         assert await engine.weight_version() == base
+        after = (await engine.generate([PROMPT], GREEDY))[0]
+    assert_matches_reference(served, reference, vllm_python, after)  # `other` never loaded
     mine = f"rollouts-ipc-{os.getpid()}-"
     assert not [n for n in os.listdir(shm_dir()) if n.startswith(mine)]  # the file went with the client

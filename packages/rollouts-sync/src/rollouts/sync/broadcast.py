@@ -19,8 +19,9 @@ Bounds: joining by `setup_timeout_s`, each bucket by `bucket_timeout_s` (a vLLM 
 that for each piece: the trainer sends to the engines in turn, so a healthy engine outlasts the
 trainer's wait on a stalled one instead of failing with it), the load by `load_timeout_s`; an engine
 that fails any of them is named in a WeightSyncError. Attested
-(`BroadcastOptions.attest`): each vLLM worker answers the checksums of what it received, checked
-against the trainer's before the version is set; a mismatch raises AttestationError naming the tensors.
+(`BroadcastOptions.attest`): each vLLM worker answers the checksums of what it received and holds it
+unloaded until they are checked against the trainer's; a mismatch drops it (the engine goes on serving
+the weights it had) and raises AttestationError naming the tensors.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from rollouts.sync._common import check_weight_version
 from rollouts.sync.broadcast_group import broadcast_from_trainer, close_group, join_group, local_address_toward
 from rollouts.sync.broadcast_pieces import HostStaging, flat_pieces, needs_host_copy
-from rollouts.sync.broadcast_receivers import BroadcastReceiver, receiver_for
+from rollouts.sync.broadcast_receivers import BroadcastReceiver, attest_or_reject, receiver_for
 from rollouts.sync.broadcast_wire import (
     DEFAULT_BROADCAST,
     BroadcastOptions,
@@ -48,7 +49,7 @@ from rollouts.sync.broadcast_wire import (
     adapter_config_json,
     plan_buckets,
 )
-from rollouts.sync.fingerprint import AttestationError, check_attestation
+from rollouts.sync.fingerprint import AttestationError
 from rollouts.sync.fingerprint_torch import fingerprint_torch
 from rollouts.sync.weight_sync import (
     BroadcastJoinError,
@@ -288,14 +289,11 @@ class BroadcastSync:
                     reported = await link.receiver.receive(plan, self.options, adapter_json)
                     if self.options.attest and reported is not None:
                         await sent.wait()
-                        for checksums in reported:
-                            check_attestation(
-                                expected, checksums, engine=link.receiver.name, weight_version=plan.weight_version
-                            )
+                        await attest_or_reject(link.receiver, expected, reported, plan.weight_version)
                     await link.receiver.finish(plan.weight_version)
                 await link.receiver.check_version(plan.weight_version)
                 outcomes[i] = time.perf_counter() - start_s
-            except AttestationError as exc:  # it loaded other weights than those sent: raised once all are done
+            except AttestationError as exc:  # it received other weights than those sent: raised once all are done
                 outcomes[i] = exc
             except Exception as exc:  # noqa: BLE001 - each engine's failure is reported by name
                 if go.is_set():  # it failed mid-sync: its group may hold half a bucket, so no more sends on it

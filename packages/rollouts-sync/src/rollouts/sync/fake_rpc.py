@@ -1,5 +1,6 @@
 """The fake engine's /collective_rpc: the worker extension's weight loads and fingerprints, done on
-the fake's numpy weights the way rollouts.sync.worker_extension does them in vLLM's workers.
+the fake's numpy weights the way rollouts.sync.worker_extension does them in vLLM's workers (held
+loads too: hold="1" keeps a receive unloaded for rollouts_commit or rollouts_discard).
 
 Weights arrive as safetensors bytes in their own dtype and are kept as numpy arrays (16-bit floats
 numpy lacks, e.g. bfloat16, as their uint16 bit patterns: the fake's "model" only hashes bytes).
@@ -33,12 +34,19 @@ def arrays(tensors: dict[str, RawTensor], *, corrupt: str | None) -> dict[str, n
     return out
 
 
-def load_dir(state: FakeEngineState, path: str) -> None:
-    """Load every *.safetensors file of checkpoint dir `path` (raises if there is none)."""
+def load_dir(state: FakeEngineState, path: str) -> dict[str, np.ndarray]:
+    """Every *.safetensors file of checkpoint dir `path`, read (raises if there is none)."""
     try:
-        state.weights = arrays(read_safetensors_dir(path), corrupt=state.corrupt)
+        return arrays(read_safetensors_dir(path), corrupt=state.corrupt)
     except ValueError as exc:
         raise FileNotFoundError(str(exc)) from exc
+
+
+def load(state: FakeEngineState, incoming: dict[str, np.ndarray], kwargs: dict[str, Any]) -> None:
+    """`incoming` into the weights, or held for rollouts_commit with kwargs hold="1"."""
+    state.held = incoming if kwargs.get("hold") == "1" else None
+    if state.held is None:
+        state.weights = {**state.weights, **incoming}
 
 
 async def fetch(kwargs: dict[str, Any]) -> bytes:
@@ -78,7 +86,7 @@ def receive_ipc(state: FakeEngineState, kwargs: dict[str, Any]) -> dict[str, Any
     unknown = sorted(set(incoming) - set(state.weights)) if state.weights else []
     if unknown:
         raise ValueError(f"tensors not in the model's checkpoint: {unknown}")
-    state.weights = {**state.weights, **incoming}
+    load(state, incoming, kwargs)
     return {"num_tensors": len(incoming), "checksums": fingerprint(incoming)}
 
 
@@ -89,7 +97,7 @@ async def collective_rpc(state: FakeEngineState, body: dict[str, Any]) -> tuple[
     if method == "reload_weights":
         await anyio.sleep(state.reload_delay_s)
         try:
-            load_dir(state, kwargs["weights_path"])
+            state.weights = load_dir(state, kwargs["weights_path"])
         except (OSError, KeyError) as exc:
             raise HTTPError(500, f"reload_weights failed: {type(exc).__name__}: {exc}") from exc
         return 200, b""  # vLLM answers an empty 200 when every worker returned None
@@ -97,7 +105,7 @@ async def collective_rpc(state: FakeEngineState, body: dict[str, Any]) -> tuple[
         await anyio.sleep(state.reload_delay_s)
         # Staged like the worker extension: the first chunk clears, the last applies, an error drops all.
         if kwargs.get("first", "1") == "1":
-            state.staged_weights = {}
+            state.staged_weights, state.held = {}, None
         incoming = arrays(decode_safetensors(base64.b64decode(kwargs["data_b64"])), corrupt=state.corrupt)
         unknown = sorted(set(incoming) - set(state.weights)) if state.weights else []
         if unknown:
@@ -106,7 +114,7 @@ async def collective_rpc(state: FakeEngineState, body: dict[str, Any]) -> tuple[
         state.staged_weights.update(incoming)
         applied = kwargs.get("apply") == "1"
         if applied:
-            state.weights = {**state.weights, **state.staged_weights}
+            load(state, state.staged_weights, kwargs)
             state.staged_weights = {}
         result = {"num_tensors": len(incoming), "applied": applied, "checksums": fingerprint(incoming)}
         return json_response(200, {"results": [result]})
@@ -116,15 +124,16 @@ async def collective_rpc(state: FakeEngineState, body: dict[str, Any]) -> tuple[
         unknown = sorted(set(incoming) - set(state.weights)) if state.weights else []
         if unknown:
             raise HTTPError(500, f"tensors not in the model's checkpoint: {unknown}")
-        state.weights = {**state.weights, **incoming}
+        load(state, incoming, kwargs)
         return json_response(200, {"results": [{"num_tensors": len(incoming), "checksums": fingerprint(incoming)}]})
     if method == "rollouts_load_dir":  # a disk reload answering the checksums of what it read
         await anyio.sleep(state.reload_delay_s)
         try:
-            load_dir(state, kwargs["weights_path"])
+            incoming = load_dir(state, kwargs["weights_path"])
         except (OSError, KeyError) as exc:
             raise HTTPError(500, f"rollouts_load_dir failed: {type(exc).__name__}: {exc}") from exc
-        return json_response(200, {"results": [{"checksums": fingerprint(state.weights)}]})
+        load(state, incoming, kwargs)
+        return json_response(200, {"results": [{"checksums": fingerprint(incoming)}]})
     if method == "rollouts_receive_ipc":  # a bucket in a /dev/shm file (the fake runs on the CPU)
         await anyio.sleep(state.reload_delay_s)
         try:
@@ -132,6 +141,13 @@ async def collective_rpc(state: FakeEngineState, body: dict[str, Any]) -> tuple[
         except (OSError, KeyError, ValueError) as exc:
             state.staged_ipc = None
             raise HTTPError(500, f"rollouts_receive_ipc failed: {type(exc).__name__}: {exc}") from exc
+    if method in ("rollouts_commit", "rollouts_discard"):
+        held, state.held = state.held, None
+        if held is None and method == "rollouts_commit":
+            raise HTTPError(500, "RuntimeError: rollouts_commit: no receive is held")
+        if method == "rollouts_commit":
+            state.weights = {**state.weights, **(held or {})}
+        return json_response(200, {"results": [{"num_tensors": len(held or {})}]})
     if method == "rollouts_fingerprint":  # the checksums of what the last disk reload loaded
         return json_response(200, {"results": [{"checksums": fingerprint(state.weights)}]})
     raise HTTPError(500, f"AttributeError: worker has no method {method!r}")

@@ -32,7 +32,7 @@ from rollouts.sync._common import (
     local_address_toward,
 )
 from rollouts.sync._http import DEFAULT_HTTP, EngineError, HTTPEngineBase, HTTPOptions, RetryPolicy
-from rollouts.sync.fingerprint import check_attestation, fingerprint, fingerprint_dir
+from rollouts.sync.fingerprint import AttestationError, check_attestation, fingerprint, fingerprint_dir
 from rollouts.sync.raw import safetensors_header
 from rollouts.sync.raw_server import serve_bytes
 from rollouts.sync.tensor_rpc import (
@@ -86,9 +86,10 @@ class VLLMEngine(HTTPEngineBase):
         `keep_partial`: a response cut short by an abort (finish_reason "abort", a pause in mode
         "abort") comes back as a partial Sample (status ABORTED, metadata["partial"]) to continue
         with rollouts.sync.partial.continue_partials, instead of failing the request.
-        `attest`: after each weight update, check the checksums the worker extension reports of the
-        weights it received (rollouts.sync.fingerprint) against the sender's, and raise AttestationError
-        naming the tensors that differ; a disk update is then loaded by the extension's `rollouts_load_dir`
+        `attest`: in each weight update, check the checksums the worker extension reports of the
+        weights it received (rollouts.sync.fingerprint) against the sender's before they are loaded,
+        and raise AttestationError naming the tensors that differ (nothing loaded: the engine serves
+        the weights it had); a disk update is then loaded by the extension's `rollouts_load_dir`
         rpc (the files read once, their checksums answered) and the checkpoint is read here too (so the
         path must be readable by this process as well). Needs the server started with the worker
         extension; LoRA adapter loads are not attested.
@@ -311,23 +312,41 @@ class VLLMEngine(HTTPEngineBase):
         rpc_timeout_s: float | None = None,
     ) -> None:
         """Run `rpcs` paused, in order, each asked for once the one before it answered; with `expected`
-        (the sender's checksums, asked once they ran), compare the checksums each worker reported with them.
-        `retry` and `rpc_timeout_s`: each rpc's (None: the engine's policy and timeout)."""
+        (the sender's checksums, asked once they ran), the workers hold what they received unloaded
+        (hold="1"), and load it (rollouts_commit) only once the checksums each reported equal the
+        sender's: weights that fail attestation are dropped unloaded (rollouts_discard), and the engine
+        goes on serving the version it had. `retry` and `rpc_timeout_s`: each rpc's (None: the
+        engine's policy and timeout)."""
         # Pause so no request straddles two weight versions; resume even when the update fails,
         # so a failed sync leaves the engine serving (old weights) rather than stuck paused.
         async with self._paused("/pause", "/resume", params={"mode": self.pause_mode}):
             reported: list[dict[str, int]] = []
             pending = iter(rpcs)  # each body made in a thread: staging an IPC bucket copies it there
             while (rpc := await anyio.to_thread.run_sync(next, pending, None)) is not None:
+                if expected is not None:
+                    rpc = {**rpc, "kwargs": {**rpc["kwargs"], "hold": "1"}}
                 reported = merge_checksums(reported, await self._rpc(rpc, retry=retry, timeout_s=rpc_timeout_s))
-            if expected is not None:  # before the version is set: a failed check never claims it
-                sent = await expected()
-                for worker in reported or [{}]:
-                    check_attestation(sent, worker, engine=self.name, weight_version=version)
+            if expected is not None:  # before the load and the version: a failed check loads nothing
+                await self._commit_if_attested(await expected(), reported, version)
             await self.reset_prefix_cache()
             await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
             self._adapter = None  # full weights: the base model serves again
         await self._check_version(version)
+
+    async def _commit_if_attested(self, sent: Mapping[str, int], reported: list[dict[str, int]], version: int) -> None:
+        """Load what the workers hold if each one's checksums equal `sent`; else drop it and raise
+        AttestationError (the engine keeps serving the weights it had)."""
+        try:
+            for worker in reported or [{}]:
+                check_attestation(sent, worker, engine=self.name, weight_version=version)
+        except AttestationError:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self.timeout_s):
+                try:  # unloaded either way; dropped now rather than kept until the next sync
+                    await self._rpc({"method": "rollouts_discard", "kwargs": {}}, retry=_NO_RETRY)
+                except EngineError:
+                    pass
+            raise
+        await self._rpc({"method": "rollouts_commit", "kwargs": {}}, retry=_NO_RETRY)
 
     async def _rpc(
         self, rpc: dict[str, Any], *, retry: RetryPolicy | None = None, timeout_s: float | None = None

@@ -34,6 +34,11 @@ through the same path as `rollouts_load_weights`, only once every bucket arrived
 adapter directory on this host, for vLLM's /v1/load_lora_adapter.
 
 IPC: `rollouts_receive_ipc` (rollouts.sync.worker_ipc) copies buckets out of a local trainer's memory.
+
+Held loads (an attested sync): with hold="1" a receive answers its checksums and keeps the tensors
+unloaded; the trainer compares them with its own and then calls `rollouts_commit` (reload with them)
+or `rollouts_discard` (drop them). Weights that fail attestation are never loaded, so the engine goes
+on serving the version it had. The next receive drops whatever is still held.
 """
 
 from __future__ import annotations
@@ -41,7 +46,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import shutil
 import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,8 +70,13 @@ try:
         ChecksumsOnArrival,
         ReceiveBuffer,
         fetch_bytes,
+        files_signature,
+        keep_in_cache,
+        keep_newest,
+        read_dir,
         stage_on_host,
         tensors_of_safetensors,
+        write_whole,
     )
 except ModuleNotFoundError:  # in a server started by rollouts.sync.launch: their copies beside this one
     from rollouts_broadcast_group import close_group, connect_to_trainer, flat_views, read_plan, receive_flat_buckets  # type: ignore[no-redef,import-not-found]
@@ -77,62 +86,18 @@ except ModuleNotFoundError:  # in a server started by rollouts.sync.launch: thei
         ChecksumsOnArrival,
         ReceiveBuffer,
         fetch_bytes,
+        files_signature,
+        keep_in_cache,
+        keep_newest,
+        read_dir,
         stage_on_host,
         tensors_of_safetensors,
+        write_whole,
     )
-
-
-_SAFETENSORS_SUFFIX = ".safetensors"
-
-
-def _files_signature(model_dir: str) -> tuple[tuple[str, int, int], ...]:
-    """(name, size, mtime_ns) of each safetensors file: changes when the directory is rewritten."""
-    out = []
-    for name in sorted(os.listdir(model_dir)):
-        if name.endswith(_SAFETENSORS_SUFFIX):
-            st = os.stat(os.path.join(model_dir, name))
-            out.append((name, st.st_size, st.st_mtime_ns))
-    return tuple(out)
 
 
 def _checksums(tensors: dict[str, Any]) -> dict[str, int]:
     return fingerprint_torch(tensors)  # one wait for the device per load
-
-
-def _write_whole(path: str, data: bytes) -> None:
-    """`data` at `path`, replaced at once (written beside it, then renamed): a reader sees the old
-    file or the new, and workers writing the same bytes there at once do not interleave."""
-    partial = f"{path}.{os.getpid()}.partial"
-    with open(partial, "wb") as f:
-        f.write(data)
-    os.replace(partial, path)
-
-
-def _keep_newest(root: str, keep: int) -> None:
-    """Remove all but the `keep` highest-versioned "v<N>" directories under `root`."""
-    versions = sorted((int(name[1:]), name) for name in os.listdir(root) if name[:1] == "v" and name[1:].isdigit())
-    for _, name in versions[:-keep]:
-        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-
-
-def _keep_in_cache(cache: dict[str, Any], incoming: dict[str, Any]) -> None:
-    """The host cache of checkpoint weights updated with `incoming`: a tensor of the same dtype and
-    shape is copied into the cache's own (memory mapped already, and off the receive buffer), any other
-    stored as a host copy."""
-    for name, tensor in incoming.items():
-        kept = cache.get(name)
-        if kept is not None and kept.dtype == tensor.dtype and kept.shape == tensor.shape:
-            kept.copy_(tensor)
-        else:
-            cache[name] = tensor.to("cpu", copy=True)
-
-
-def _read_dir(path: str) -> dict[str, Any]:
-    tensors: dict[str, Any] = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(_SAFETENSORS_SUFFIX):
-            tensors.update(load_file(os.path.join(path, name), device="cpu"))
-    return tensors
 
 
 class SafetensorsWeightLoader(IpcWeightReceiver):
@@ -140,6 +105,7 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
 
     def _rollouts_host_buffers(self, sizes: list[int]) -> list[Any]:
         """Host views of `sizes` bytes in the buffer this worker keeps between syncs (see ReceiveBuffer)."""
+        self._rollouts_held = None  # may be views of the buffer this sync overwrites
         self._rollouts_settle()  # the last sync's copy out of the buffer
         buffer = getattr(self, "_rollouts_receive_buffer", None)
         if buffer is None:
@@ -171,7 +137,7 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
             pool = self._rollouts_cache_pool = ThreadPoolExecutor(1, thread_name_prefix="rollouts-cache")
 
         def keep() -> None:
-            _keep_in_cache(cache, incoming)
+            keep_in_cache(cache, incoming)
             self._rollouts_cache_lost = ""
 
         self._rollouts_cache_copy = pool.submit(keep)
@@ -179,7 +145,7 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
     def _rollouts_base_weights(self) -> dict[str, Any]:
         self._rollouts_settle()
         model_dir = str(self.vllm_config.model_config.model)  # type: ignore[attr-defined]
-        signature = (model_dir, _files_signature(model_dir))
+        signature = (model_dir, files_signature(model_dir))
         cache = getattr(self, "_rollouts_weights", None)
         if cache is None or getattr(self, "_rollouts_signature", None) != signature:
             cache = {}
@@ -221,13 +187,14 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
         )
         return {"rank": rank}
 
-    def rollouts_receive_broadcast(self, plan_json: str) -> dict[str, Any]:
+    def rollouts_receive_broadcast(self, plan_json: str, hold: str = "0") -> dict[str, Any]:
         """Receive every bucket of the plan, then reload with them (all or nothing: a failure before the
-        last bucket, or in the load, leaves the weights as they were). Answers the checksums of the
-        tensors as received, for the trainer's attestation."""
+        last bucket, or in the load, leaves the weights as they were; hold="1": held for rollouts_commit).
+        Answers the checksums of the tensors as received, for the trainer's attestation."""
+        self._rollouts_held = None
         plan = read_plan(plan_json)
         incoming, checksums, seconds = self._rollouts_receive(plan)
-        answer = self._rollouts_apply(incoming, seconds, checksums=checksums)
+        answer = self._rollouts_apply(incoming, seconds, checksums=checksums, hold=hold)
         return {**answer, "num_bytes": sum(int(b["nbytes"]) for b in plan["buckets"])}
 
     def rollouts_receive_adapter(self, plan_json: str, config_json: str, token: str) -> dict[str, Any]:
@@ -251,9 +218,9 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
         os.makedirs(root, mode=0o700, exist_ok=True)  # (makedirs gives the mode to the last directory only)
         os.makedirs(path, mode=0o700, exist_ok=True)
         tensors = {name: tensor.to("cpu").clone() for name, tensor in incoming.items()}  # files own their bytes
-        _write_whole(os.path.join(path, "adapter_model.safetensors"), save_bytes(tensors, metadata={"format": "pt"}))
-        _write_whole(os.path.join(path, "adapter_config.json"), json.dumps(config).encode())
-        _keep_newest(root, 2)
+        write_whole(os.path.join(path, "adapter_model.safetensors"), save_bytes(tensors, metadata={"format": "pt"}))
+        write_whole(os.path.join(path, "adapter_config.json"), json.dumps(config).encode())
+        keep_newest(root, 2)
         seconds["write"] = time.perf_counter() - start
         return {"path": path, "num_tensors": len(incoming), "checksums": checksums, "seconds": seconds}
 
@@ -293,10 +260,12 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
         seconds["checksum"] = time.perf_counter() - start - seconds["receive"]  # what was left after the last bucket
         return incoming, checksums, seconds
 
-    def rollouts_fetch_weights(self, url: str, num_bytes: str, timeout_s: str, checksums: str = "1") -> dict[str, Any]:
+    def rollouts_fetch_weights(
+        self, url: str, num_bytes: str, timeout_s: str, checksums: str = "1", hold: str = "0"
+    ) -> dict[str, Any]:
         """Fetch one safetensors payload of `num_bytes` bytes from `url` (raw bytes, within `timeout_s`),
-        then reload with its tensors (all or nothing). Answers their checksums as received (none with
-        checksums="0": an unattested sync)."""
+        then reload with its tensors (all or nothing; hold="1": held for rollouts_commit). Answers their
+        checksums as received (none with checksums="0": an unattested sync)."""
         start = time.perf_counter()
         (into,) = self._rollouts_host_buffers([int(num_bytes)])
         if checksums == "0":
@@ -311,14 +280,17 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
             seconds = {"receive": time.perf_counter() - start}
             sums = arriving.result()
         seconds["checksum"] = time.perf_counter() - start - seconds["receive"]  # what was left after the last byte
-        return self._rollouts_apply(incoming, seconds, checksums=sums)
+        return self._rollouts_apply(incoming, seconds, checksums=sums, hold=hold)
 
-    def rollouts_load_dir(self, weights_path: str) -> dict[str, Any]:
+    def rollouts_load_dir(self, weights_path: str, hold: str = "0") -> dict[str, Any]:
         """Reload from the checkpoint files at `weights_path` (as vLLM's reload_weights does from a path),
-        reading them once: answers the checksums of what it read, for the trainer's attestation."""
+        reading them once: answers the checksums of what it read, for the trainer's attestation
+        (hold="1": held for rollouts_commit)."""
+        self._rollouts_held = None
         start = time.perf_counter()
-        incoming = with_sync_fault(_read_dir(weights_path))
-        return self._rollouts_apply(incoming, {"read": time.perf_counter() - start}, known_only=False, owned=True)
+        incoming = with_sync_fault(read_dir(weights_path))
+        seconds = {"read": time.perf_counter() - start}
+        return self._rollouts_apply(incoming, seconds, known_only=False, owned=True, hold=hold)
 
     def _rollouts_apply(
         self,
@@ -328,12 +300,14 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
         known_only: bool = True,
         checksums: dict[str, int] | None = None,
         owned: bool = False,
+        hold: str = "0",
     ) -> dict[str, Any]:
         """Reload with the base weights updated by `incoming` (checked first: with `known_only` every name
         must be a checkpoint tensor's, and each shape must match); the cache takes them once the reload
         succeeded: as they are when `owned` (host tensors nothing else writes), else copied into its own
         tensors (`incoming` may be views of the receive buffer, which the next sync overwrites). Answers
-        the checksums of `incoming` (computed here unless given) and each step's seconds."""
+        the checksums of `incoming` (computed here unless given) and each step's seconds. With hold="1"
+        nothing is loaded: `incoming` waits for rollouts_commit (see the module's "Held loads")."""
         weights = self._rollouts_base_weights()
         if known_only:
             unknown = sorted(set(incoming) - set(weights))
@@ -351,15 +325,40 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
             start = time.perf_counter()
             checksums = _checksums(incoming)
             seconds["checksum"] = time.perf_counter() - start
+        self._rollouts_held = (incoming, owned) if hold == "1" else None
+        if hold != "1":
+            self._rollouts_load(weights, incoming, seconds, owned=owned)
+        return {"num_tensors": len(incoming), "checksums": checksums, "seconds": seconds, "held": hold == "1"}
+
+    def _rollouts_load(
+        self, weights: dict[str, Any], incoming: dict[str, Any], seconds: dict[str, float], *, owned: bool
+    ) -> None:
         start = time.perf_counter()
         # vLLM's parameters do not require grad, so no autograd graph is built here.
         self.reload_weights(weights_iterator=iter(list({**weights, **incoming}.items())))  # type: ignore[attr-defined]
         seconds["load"] = time.perf_counter() - start
         self._rollouts_keep(weights, incoming, owned=owned)  # after this call answered, unless owned
-        return {"num_tensors": len(incoming), "checksums": checksums, "seconds": seconds}
 
-    def rollouts_load_weights(self, data_b64: str, apply: str = "1", first: str = "1") -> dict[str, Any]:
-        """Stage the tensors in `data_b64` (base64 safetensors); with apply="1" reload the model with them.
+    def rollouts_commit(self) -> dict[str, Any]:
+        """Reload with the tensors the last receive held (hold="1"): the trainer found their checksums
+        equal to its own. Answers how many and the load's seconds."""
+        held, self._rollouts_held = self._rollouts_held, None
+        if held is None:
+            raise RuntimeError("rollouts_commit: no receive is held (a later receive, or a discard, dropped it)")
+        seconds: dict[str, float] = {}
+        self._rollouts_load(self._rollouts_base_weights(), held[0], seconds, owned=held[1])
+        return {"num_tensors": len(held[0]), "seconds": seconds}
+
+    def rollouts_discard(self) -> dict[str, Any]:
+        """Drop the tensors the last receive held, unloaded: their checksums disagreed with the trainer's."""
+        held, self._rollouts_held = self._rollouts_held, None
+        return {"num_tensors": 0 if held is None else len(held[0])}
+
+    def rollouts_load_weights(
+        self, data_b64: str, apply: str = "1", first: str = "1", hold: str = "0"
+    ) -> dict[str, Any]:
+        """Stage the tensors in `data_b64` (base64 safetensors); with apply="1" reload the model with them
+        (with hold="1" too: held for rollouts_commit).
 
         An update is a run of chunks: the first has first="1" (it drops whatever a failed earlier
         update left staged), the last apply="1". The staged tensors join the cached weights only
@@ -371,6 +370,7 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
         """
         if first == "1" or not hasattr(self, "_rollouts_staged"):
             self._rollouts_staged: dict[str, Any] = {}
+            self._rollouts_held = None
         try:
             weights = self._rollouts_base_weights()
             incoming = with_sync_fault(load_bytes(base64.b64decode(data_b64)))
@@ -386,9 +386,9 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
             applied = apply == "1"
             if applied:
                 staged, self._rollouts_staged = self._rollouts_staged, {}
-                # vLLM's parameters do not require grad, so no autograd graph is built here.
-                self.reload_weights(weights_iterator=iter(list({**weights, **staged}.items())))  # type: ignore[attr-defined]
-                weights.update(staged)
+                self._rollouts_held = (staged, True) if hold == "1" else None  # decoded: tensors of their own
+                if hold != "1":
+                    self._rollouts_load(weights, staged, {}, owned=True)
         except BaseException:
             self._rollouts_staged = {}
             raise
@@ -397,4 +397,4 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
     def rollouts_fingerprint(self, weights_path: str) -> dict[str, Any]:
         """{"checksums": {name: checksum}} of the checkpoint tensors at `weights_path` as this worker
         reads them (the files a disk reload from there loaded)."""
-        return {"checksums": _checksums(with_sync_fault(_read_dir(weights_path)))}
+        return {"checksums": _checksums(with_sync_fault(read_dir(weights_path)))}

@@ -102,13 +102,21 @@ class IpcWeightReceiver:
     _rollouts_shm: tuple[tuple[str, int, int, int], torch.Tensor] | None = None
     """The trainer's file in /dev/shm last mapped, by (path, size, device, inode), and its mapping."""
 
-    def rollouts_receive_ipc(self, token: str, index: str, handle_json: str, plan_json: str = "") -> dict[str, Any]:
+    _rollouts_held: tuple[dict[str, Any], bool] | None = None
+    """A held receive's tensors (views of the receive buffer, or of IPC buffers) and whether they are
+    owned: see rollouts.sync.worker_extension's "Held loads"."""
+
+    def rollouts_receive_ipc(
+        self, token: str, index: str, handle_json: str, plan_json: str = "", hold: str = "0"
+    ) -> dict[str, Any]:
         """Bucket `index` of sync `token` (bucket 0 carries the plan and starts the sync, dropping any
-        other left unfinished), mapped from `handle_json` (rollouts.sync.ipc_handles.share) and copied
-        out; the last bucket reloads with them all and answers the checksums of what was received."""
+        other left unfinished, and anything held), mapped from `handle_json` (rollouts.sync.ipc_handles.share)
+        and copied out; the last bucket reloads with them all (hold="1": holds them for rollouts_commit)
+        and answers the checksums of what was received."""
         k = int(index)
         try:
             if k == 0:
+                self._rollouts_held = None
                 self._rollouts_ipc_drop()
                 self._rollouts_ipc = self._rollouts_ipc_begin(token, read_plan(plan_json))
             receive = self._rollouts_ipc
@@ -124,7 +132,7 @@ class IpcWeightReceiver:
                 return {"bucket": k}
             self._rollouts_ipc = None
             incoming, checksums, seconds = receive.finish()
-            answer = self._rollouts_apply(incoming, seconds, checksums=checksums)  # type: ignore[attr-defined]
+            answer = self._rollouts_apply(incoming, seconds, checksums=checksums, hold=hold)  # type: ignore[attr-defined]
             return {**answer, "num_bytes": sum(int(b["nbytes"]) for b in receive.plan["buckets"])}
         except BaseException:
             self._rollouts_ipc_drop()

@@ -1,7 +1,8 @@
 """The receiving end of a sync in vLLM's worker, host memory and the fetch wire (standard library
 and torch only): the buffer a sync lands in, kept from one sync to the next (`ReceiveBuffer`); the
 raw safetensors fetch (`fetch_bytes`, `tensors_of_safetensors`) and its checksums taken as the bytes
-arrive (`ChecksumsOnArrival`); where an NCCL sync's buckets wait for the load (`stage_on_host`).
+arrive (`ChecksumsOnArrival`); where an NCCL sync's buckets wait for the load (`stage_on_host`); the
+checkpoint files the worker reads and writes, and its host cache of the weights it serves.
 
 Fresh memory for each sync would be faulted in page by page every time (about 0.45 s per GB on a
 CPU here: more than the loopback transfer itself); the buffer kept instead stays mapped between syncs
@@ -16,6 +17,8 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import os
+import shutil
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -23,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
 try:
     from rollouts.sync.fingerprint_torch import fingerprint_torch, flip_bit_torch, sync_fault_target
@@ -35,8 +39,13 @@ __all__ = [
     "TORCH_DTYPE_NAMES",
     "ReceiveBuffer",
     "fetch_bytes",
+    "files_signature",
+    "keep_in_cache",
+    "keep_newest",
+    "read_dir",
     "stage_on_host",
     "tensors_of_safetensors",
+    "write_whole",
 ]
 
 TORCH_DTYPE_NAMES = {
@@ -250,3 +259,54 @@ def _checked_entry(name: str, entry: Any) -> tuple[int, int, list[int], Any]:
     if end - start != math.prod(shape) * kind.itemsize:
         raise ValueError(f"safetensors tensor {name!r}: {end - start} bytes for shape {shape} of {dtype}")
     return start, end, shape, kind
+
+
+# ------------------------------------------------------------ the worker's files and host cache
+
+_SAFETENSORS_SUFFIX = ".safetensors"
+
+
+def files_signature(model_dir: str) -> tuple[tuple[str, int, int], ...]:
+    """(name, size, mtime_ns) of each safetensors file: changes when the directory is rewritten."""
+    out = []
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(_SAFETENSORS_SUFFIX):
+            st = os.stat(os.path.join(model_dir, name))
+            out.append((name, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+def write_whole(path: str, data: bytes) -> None:
+    """`data` at `path`, replaced at once (written beside it, then renamed): a reader sees the old
+    file or the new, and workers writing the same bytes there at once do not interleave."""
+    partial = f"{path}.{os.getpid()}.partial"
+    with open(partial, "wb") as f:
+        f.write(data)
+    os.replace(partial, path)
+
+
+def keep_newest(root: str, keep: int) -> None:
+    """Remove all but the `keep` highest-versioned "v<N>" directories under `root`."""
+    versions = sorted((int(name[1:]), name) for name in os.listdir(root) if name[:1] == "v" and name[1:].isdigit())
+    for _, name in versions[:-keep]:
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def keep_in_cache(cache: dict[str, Any], incoming: dict[str, Any]) -> None:
+    """The host cache of checkpoint weights updated with `incoming`: a tensor of the same dtype and
+    shape is copied into the cache's own (memory mapped already, and off the receive buffer), any other
+    stored as a host copy."""
+    for name, tensor in incoming.items():
+        kept = cache.get(name)
+        if kept is not None and kept.dtype == tensor.dtype and kept.shape == tensor.shape:
+            kept.copy_(tensor)
+        else:
+            cache[name] = tensor.to("cpu", copy=True)
+
+
+def read_dir(path: str) -> dict[str, Any]:
+    tensors: dict[str, Any] = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(_SAFETENSORS_SUFFIX):
+            tensors.update(load_file(os.path.join(path, name), device="cpu"))
+    return tensors

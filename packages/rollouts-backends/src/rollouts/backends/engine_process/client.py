@@ -44,7 +44,7 @@ from rollouts.backends.engine_process.wire import ChildGone, encode_frame, read_
 from rollouts.backends.sampling.engine import check_version_grows
 from rollouts.backends.sampling.sampler import check_prompt_ids, prompt_limits
 from rollouts.sync import is_adapter_dir
-from rollouts.sync.fingerprint import check_attestation, fingerprint_torch
+from rollouts.sync.fingerprint import AttestationError, check_attestation, fingerprint_torch
 from rollouts.types import Sample, SamplingParams
 from rollouts.types.wire import batch_from_bytes
 
@@ -147,6 +147,7 @@ class ProcessEngine:
         self._attest, self._dtype = options.attest, DTYPES[options.dtype]
         self._lock = threading.Lock()  # one request at a time on the pipes
         self._error: EngineProcessError | None = None
+        self._rejected: AttestationError | None = None  # the last sync's, until one passes: nothing is sampled
         args = [*options.args(), "--attn", options.attn_implementation]
         args += ["--eos", *map(str, eos_token_ids)] if eos_token_ids else []
         args += [] if weight_version is None else ["--weight-version", str(weight_version)]
@@ -235,7 +236,14 @@ class ProcessEngine:
     ) -> list[Sample]:
         """`params.n` Samples per prompt, prompt-major, with this engine's weight version, blocking
         the calling thread until the engine process answers. `seeds`: one per prompt
-        (`params.seed` is then ignored), as InProcessEngine's."""
+        (`params.seed` is then ignored), as InProcessEngine's. RuntimeError while the weights the
+        engine process holds are those of a sync that failed attestation (until a sync passes)."""
+        if self._rejected is not None:
+            names = (self._rejected.mismatched + self._rejected.missing)[:3]
+            raise RuntimeError(
+                f"{self._name}: samples nothing until a weight sync passes attestation: the weights it holds "
+                f"failed it at version {self._rejected.weight_version} ({', '.join(names)})"
+            ) from self._rejected
         request = {
             "op": "generate",
             "prompts": [[int(t) for t in p] for p in prompts],
@@ -314,8 +322,15 @@ class ProcessEngine:
         return fingerprint_torch(tensors, cast=lambda tensor: tensor.to(self._dtype))
 
     def _check(self, expected: Mapping[str, int] | None, answer: Mapping[str, Any], version: int) -> None:
+        """AttestationError unless the checksums in `answer` equal `expected`; the engine then samples
+        nothing (its model holds the weights that failed) until a later sync passes."""
+        self._rejected = None
         if expected is not None:
-            check_attestation(expected, answer.get("checksums") or {}, engine=self._name, weight_version=version)
+            try:
+                check_attestation(expected, answer.get("checksums") or {}, engine=self._name, weight_version=version)
+            except AttestationError as e:
+                self._rejected = e
+                raise
 
     async def weight_version(self) -> int | None:
         """The version of the weights sampled from now."""
