@@ -97,37 +97,42 @@ def test_the_fingerprint_rpc_reads_the_checkpoint_a_disk_reload_loaded(worker, t
     assert worker.rollouts_fingerprint(str(directory)) == {"checksums": fingerprint_dir(directory)}
 
 
-def _receive_held(worker, how, tensors, root):
-    """`tensors` received with hold="1" by an inline update or a disk read (a checkpoint in `root`); its answer."""
+def _receive_held(worker, how, tensors, root, token="sync-1"):
+    """`tensors` received, held under `token`, by an inline update or a disk read (a checkpoint in `root`)."""
     if how == "inline":
         (body,) = tensor_rpc_bodies(tensors, chunk_bytes=1 << 20)
-        return worker.rollouts_load_weights(**body["kwargs"], hold="1")
+        return worker.rollouts_load_weights(**body["kwargs"], hold=token)
     root.mkdir(exist_ok=True)
     directory = root / f"v{len(list(root.iterdir()))}"
     directory.mkdir()
     save_file({**{n: torch.zeros(4) for n in "abc"}, **tensors}, str(directory / "model.safetensors"))
-    return worker.rollouts_load_dir(str(directory), hold="1")
+    return worker.rollouts_load_dir(str(directory), hold=token)
 
 
 @pytest.mark.parametrize("how", ["inline", "dir"])
 def test_a_held_receive_loads_only_when_committed_and_a_discard_or_the_next_receive_drops_it(worker, how, tmp_path):
-    """An attested sync: the checksums come back with nothing loaded; commit loads, discard drops."""
-    sent = {"a": torch.full((4,), 1.0)}
-    answer = _receive_held(worker, how, sent, tmp_path / "dirs")
-    assert answer["checksums"]["a"] == fingerprint(sent)["a"] and worker.loaded is None
-    assert worker.rollouts_commit()["num_tensors"] >= 1
+    """An attested sync: the checksums come back with nothing loaded; its commit loads, its discard
+    drops; another sync's token does neither."""
+    root = tmp_path / "dirs"
+    answer = _receive_held(worker, how, {"a": torch.full((4,), 1.0)}, root)
+    assert answer["held"] is True and answer["checksums"]["a"] == fingerprint({"a": torch.full((4,), 1.0)})["a"]
+    assert worker.loaded is None
+    assert worker.rollouts_discard("sync-0") == {"num_tensors": 0}  # another sync's: left held
+    with pytest.raises(RuntimeError, match="commit of receive 'sync-0': the one held is 'sync-1'"):
+        worker.rollouts_commit("sync-0")
+    assert worker.rollouts_commit("sync-1")["num_tensors"] >= 1
     assert worker.loaded["a"] == [1.0] * 4
-    with pytest.raises(RuntimeError, match="no receive is held"):
-        worker.rollouts_commit()  # a commit loads once
+    with pytest.raises(RuntimeError, match="none is held"):
+        worker.rollouts_commit("sync-1")  # a commit loads once
 
-    _receive_held(worker, how, {"a": torch.full((4,), 2.0)}, tmp_path / "dirs")
-    assert worker.rollouts_discard()["num_tensors"] >= 1
-    with pytest.raises(RuntimeError, match="no receive is held"):
-        worker.rollouts_commit()
+    _receive_held(worker, how, {"a": torch.full((4,), 2.0)}, root, token="sync-2")
+    assert worker.rollouts_discard("sync-2")["num_tensors"] >= 1
+    with pytest.raises(RuntimeError, match="none is held"):
+        worker.rollouts_commit("sync-2")
     assert worker.loaded["a"] == [1.0] * 4  # the discarded weights were never loaded
 
-    _receive_held(worker, how, {"a": torch.full((4,), 3.0)}, tmp_path / "dirs")
+    _receive_held(worker, how, {"a": torch.full((4,), 3.0)}, root, token="sync-3")
     _send(worker, {"b": torch.full((4,), 4.0).numpy()})  # the next sync, unattested: the held one is gone
-    with pytest.raises(RuntimeError, match="no receive is held"):
-        worker.rollouts_commit()
+    with pytest.raises(RuntimeError, match="none is held"):
+        worker.rollouts_commit("sync-3")
     assert worker.loaded["a"] == [1.0] * 4 and worker.loaded["b"] == [4.0] * 4

@@ -125,3 +125,24 @@ async def test_attest_false_is_the_off_switch(tmp_path):
         await engine.update_weights_from_disk(write_dir(tmp_path / "v1", bf16_weights(1)), 1)
         await engine.update_weights_from_tensors(bf16_weights(2), 2)
         assert await engine.weight_version() == 2  # the corruption goes unnoticed without the check
+
+
+@pytest.mark.anyio
+async def test_a_sync_that_fails_after_the_workers_hold_its_tensors_has_them_dropped_unloaded(tmp_path, monkeypatch):
+    """Here the sender's checksums fail (a bug of the sender's, say): the engine's workers had received
+    and held the tensors; they drop them, nothing is loaded and the engine serves what it had."""
+    import rollouts.sync.vllm as vllm_module
+
+    def broken(_):
+        raise RuntimeError("the sender's checksums failed")
+
+    state = FakeEngineState()
+    async with serve_fake_engine(state) as server, VLLMEngine(server.url, http=FAST) as engine:
+        await engine.update_weights_from_tensors(bf16_weights(1), 1)
+        monkeypatch.setattr(vllm_module, "fingerprint", broken)
+        with pytest.raises(RuntimeError, match="the sender's checksums failed"):
+            await engine.update_weights_from_tensors(bf16_weights(2), 2)
+        assert await engine.weight_version() == 1 and not state.paused
+    assert_serves(state, bf16_weights(1))  # held, then dropped: never loaded
+    rpcs = [target for _, target in state.calls if target == "/collective_rpc"]
+    assert len(rpcs) == 2 + 2  # the first sync's fetch and commit; the second's fetch and discard

@@ -527,3 +527,47 @@ async def test_connect_again_after_a_broken_group_syncs_again():
         assert sync.connected
         await sync.push({"w": torch.ones(64, 32)}, 2)
         assert (state.weights["w"] == 1).all() and await engine.weight_version() == 2
+
+
+class _Answers:
+    """A VLLMEngine's `_call` stood in for: records each /collective_rpc body, answers one worker."""
+
+    def __init__(self):
+        self.bodies = []
+
+    async def __call__(self, method, path, *, json=None, **kwargs):
+        import httpx
+
+        if path == "/collective_rpc":
+            self.bodies.append(json)
+        return httpx.Response(200, json={"results": [{"checksums": {}}]})
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("attest", [True, False])
+async def test_vllm_receives_are_held_only_when_attested_and_commit_or_discard_name_their_token(attest):
+    from rollouts.sync import VLLMEngine
+    from rollouts.sync.broadcast_receivers import VLLMReceiver
+
+    plan = plan_buckets([("a", "float32", (4,))], bucket_bytes=1 << 20, weight_version=3)
+    options = BroadcastOptions(attest=attest)
+    async with VLLMEngine("http://127.0.0.1:9", http=HTTPOptions(timeout_s=1.0)) as engine:
+        engine._call = answers = _Answers()
+        receiver = VLLMReceiver(engine)
+        await receiver.receive(plan, options)
+        await receiver.finish(3)
+        await receiver.receive(plan, options)
+        await receiver.reject()
+    methods = [(b["method"], b["kwargs"].get("hold"), b["kwargs"].get("token")) for b in answers.bodies]
+    if not attest:  # as before attestation held anything: no hold, no commit, nothing to discard
+        assert methods == [("rollouts_receive_broadcast", None, None)] * 2
+        return
+    (first, _, _), (commit, _, committed), (second, _, _), (discard, _, discarded) = methods
+    holds = [m[1] for m in methods if m[0] == "rollouts_receive_broadcast"]
+    assert (first, commit, second, discard) == (
+        "rollouts_receive_broadcast",
+        "rollouts_commit",
+        "rollouts_receive_broadcast",
+        "rollouts_discard",
+    )
+    assert holds == [committed, discarded] and committed != discarded  # each sync its own token

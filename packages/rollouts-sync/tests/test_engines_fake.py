@@ -222,3 +222,17 @@ def test_a_vllm_choice_that_did_not_finish_is_an_error_not_a_sample(finish):
         parse_completion_response(
             {"choices": [choice(0, "stop"), choice(1, finish)]}, [[1, 2]], params, weight_version=1, engine="e"
         )
+
+
+def test_the_worker_extension_hint_is_given_for_a_missing_or_older_extension_only():
+    from rollouts.sync import EngineError
+    from rollouts.sync.tensor_rpc import with_extension_hint
+
+    def hint(text: str, method: str = "rollouts_commit") -> bool:
+        error = EngineError(f"http://e: /collective_rpc failed: {text}", engine="http://e", url="u", status=500)
+        return "--worker-extension-cls" in str(with_extension_hint(error, method))
+
+    assert hint("NotImplementedError: Method 'rollouts_commit' is not implemented.")  # vLLM's words
+    assert hint("TypeError: rollouts_load_dir() got an unexpected keyword argument 'hold'", "rollouts_load_dir")
+    assert not hint("RuntimeError: commit of receive 'ab': none is held (a later receive dropped it)")
+    assert not hint("NotImplementedError: Method 'reload_weights' is not implemented.", "reload_weights")

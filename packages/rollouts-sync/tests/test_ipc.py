@@ -508,7 +508,8 @@ async def test_a_failed_bucket_is_never_sent_again_and_the_engines_own_error_is_
             await engine.update_weights_from_tensors(wrong, 2, chunk_bytes=64)
         assert await engine.weight_version() == 1 and not state.paused
     buckets = len(IpcUpdate(wrong, bucket_bytes=64, weight_version=2, checksums=True).plan.buckets)
-    assert state.calls.count(("POST", "/collective_rpc")) == buckets > 1
+    # each bucket once, then (the sync failed after a bucket went out) the discard of what it may hold
+    assert state.calls.count(("POST", "/collective_rpc")) == buckets + 1 and buckets > 1
 
 
 @pytest.mark.anyio

@@ -393,18 +393,18 @@ def test_a_held_fetch_is_loaded_by_the_commit_and_dropped_by_the_next_fetch(tmp_
     first = {"a": torch.randn(64, 16), "b": torch.randn(256)}
     served = _served(first)
     try:
-        answer = worker.rollouts_fetch_weights(served.url, str(served.num_bytes), "10", hold="1")
+        answer = worker.rollouts_fetch_weights(served.url, str(served.num_bytes), "10", hold="t1")
     finally:
         served.close()
     assert answer["held"] is True and answer["checksums"] == fingerprint_torch(first) and worker.loaded is None
-    worker.rollouts_commit()
+    worker.rollouts_commit("t1")
     assert torch.equal(worker.loaded["a"], first["a"])
     served = _served({"a": torch.ones(64, 16)})
     try:
-        worker.rollouts_fetch_weights(served.url, str(served.num_bytes), "10", hold="1")
+        worker.rollouts_fetch_weights(served.url, str(served.num_bytes), "10", hold="t2")
     finally:
         served.close()
     _fetch(worker, {"b": torch.ones(256)})
-    with pytest.raises(RuntimeError, match="no receive is held"):
-        worker.rollouts_commit()
+    with pytest.raises(RuntimeError, match="none is held"):
+        worker.rollouts_commit("t2")
     assert torch.equal(worker.loaded["a"], first["a"]) and torch.equal(worker.loaded["b"], torch.ones(256))

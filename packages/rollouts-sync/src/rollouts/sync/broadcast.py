@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from rollouts.sync._common import check_weight_version
 from rollouts.sync.broadcast_group import broadcast_from_trainer, close_group, join_group, local_address_toward
 from rollouts.sync.broadcast_pieces import HostStaging, flat_pieces, needs_host_copy
-from rollouts.sync.broadcast_receivers import BroadcastReceiver, attest_or_reject, receiver_for
+from rollouts.sync.broadcast_receivers import BroadcastReceiver, check_reported, receiver_for
 from rollouts.sync.broadcast_wire import (
     DEFAULT_BROADCAST,
     BroadcastOptions,
@@ -286,11 +286,16 @@ class BroadcastSync:
                 async with link.receiver.paused():
                     paused[i].set()
                     await go.wait()  # every engine paused: the broadcast starts now
-                    reported = await link.receiver.receive(plan, self.options, adapter_json)
-                    if self.options.attest and reported is not None:
-                        await sent.wait()
-                        await attest_or_reject(link.receiver, expected, reported, plan.weight_version)
-                    await link.receiver.finish(plan.weight_version)
+                    try:
+                        reported = await link.receiver.receive(plan, self.options, adapter_json)
+                        if self.options.attest and reported is not None:
+                            await sent.wait()
+                            check_reported(link.receiver, expected, reported, plan.weight_version)
+                        await link.receiver.finish(plan.weight_version)
+                    except BaseException as exc:  # a mismatch or a failure: what it holds is dropped unloaded
+                        if not isinstance(exc, anyio.get_cancelled_exc_class()):  # (cancelled: the next receive)
+                            await link.receiver.reject()
+                        raise
                 await link.receiver.check_version(plan.weight_version)
                 outcomes[i] = time.perf_counter() - start_s
             except AttestationError as exc:  # it received other weights than those sent: raised once all are done

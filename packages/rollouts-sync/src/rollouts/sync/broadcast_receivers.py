@@ -10,11 +10,9 @@ import secrets
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-import anyio
-
 from rollouts.sync._http import EngineError, RetryPolicy
 from rollouts.sync.broadcast_wire import BroadcastOptions, BroadcastPlan
-from rollouts.sync.fingerprint import AttestationError, check_attestation
+from rollouts.sync.fingerprint import check_attestation
 from rollouts.sync.sglang import SGLangEngine
 from rollouts.sync.vllm import VLLMEngine
 
@@ -46,7 +44,8 @@ class BroadcastReceiver(Protocol):
         """Receive `plan`'s buckets and load them (the caller broadcasts them meanwhile); under paused().
         With `adapter_config` (PEFT's adapter_config.json), the tensors are a LoRA adapter's, kept for
         `finish` to serve. Returns each worker's checksums of what it received (None: it reports none);
-        a receiver that reports them holds the weights unloaded until `finish`, or `reject`."""
+        attested (`options.attest`), a receiver that reports them holds full weights unloaded until
+        `finish` loads them, or `reject` drops them."""
         ...
 
     async def finish(self, weight_version: int) -> None:
@@ -55,8 +54,9 @@ class BroadcastReceiver(Protocol):
         ...
 
     async def reject(self) -> None:
-        """After a receive whose checksums disagree with the trainer's, under paused(): drop what it
-        holds, unloaded (the engine goes on serving the weights it had)."""
+        """After a receive whose checksums disagree with the trainer's, or a sync that failed after its
+        receive began, under paused(): drop what it holds, unloaded (the engine goes on serving the
+        weights it had). Best effort and bounded; raises nothing but a cancellation."""
         ...
 
     async def check_version(self, weight_version: int) -> None: ...
@@ -88,7 +88,7 @@ class VLLMReceiver:
     def __init__(self, engine: VLLMEngine) -> None:
         self.engine = engine
         self._adapter_path: str | None = None  # where the workers wrote the adapter the last receive took
-        self._held: float | None = None  # the workers hold the last receive's weights unloaded: the load's bound
+        self._held: tuple[str, float] | None = None  # what the workers may hold: its token, the load's bound
         self._adapter_token = secrets.token_hex(8)  # names the workers' adapter directory: unguessable
 
     @property
@@ -130,10 +130,10 @@ class VLLMReceiver:
         self._adapter_path, self._held = None, None
         if adapter_config is None:
             plan_json = plan.to_json(checksums=options.attest, stage=options.stage)
-            kwargs, method = (
-                {"plan_json": plan_json, "hold": "1" if options.attest else "0"},
-                "rollouts_receive_broadcast",
-            )
+            kwargs, method = {"plan_json": plan_json}, "rollouts_receive_broadcast"
+            if options.attest:  # held until the trainer compared the checksums (unattested: loaded at once)
+                self._held = (secrets.token_hex(8), options.load_timeout_s)
+                kwargs["hold"] = self._held[0]
         else:
             method = "rollouts_receive_adapter"
             plan_json = plan.to_json(checksums=options.attest, stage=options.stage)
@@ -146,7 +146,6 @@ class VLLMReceiver:
                     self.name, "/collective_rpc", f"its workers wrote the adapter at {paths}, expected one path", paths
                 )
             self._adapter_path = paths[0]
-        self._held = options.load_timeout_s if adapter_config is None and options.attest else None
         return [dict(r.get("checksums") or {}) for r in results]
 
     async def finish(self, weight_version: int) -> None:
@@ -154,8 +153,9 @@ class VLLMReceiver:
             await self.engine.activate_adapter(self._adapter_path, weight_version)
             return
         if self._held is not None:  # attested: loaded now
-            load_timeout_s, self._held = self._held, None
-            await self._rpc("rollouts_commit", {}, load_timeout_s)
+            token, load_timeout_s = self._held
+            await self._rpc("rollouts_commit", {"token": token}, load_timeout_s)
+            self._held = None
         await self.engine.reset_prefix_cache()
         await self.engine._call("POST", "/update_weight_version", json={"new_version": str(weight_version)})
         self.engine._adapter = None  # full weights: the base model serves again
@@ -163,7 +163,7 @@ class VLLMReceiver:
     async def reject(self) -> None:
         held, self._held, self._adapter_path = self._held, None, None
         if held is not None:
-            await self._rpc("rollouts_discard", {}, self.engine.timeout_s)
+            await self.engine._discard_held(held[0])
 
     async def check_version(self, weight_version: int) -> None:
         await self.engine._check_version(weight_version)
@@ -229,7 +229,7 @@ class SGLangReceiver:
         del weight_version  # SGLang records it and flushes its cache within the update itself
 
     async def reject(self) -> None:
-        """Never called: SGLang reports no checksums, so its loads are never found to differ."""
+        """Nothing to drop: SGLang loads within its receive (and reports no checksums to check first)."""
 
     async def check_version(self, weight_version: int) -> None:
         got = await self.engine.weight_version()
@@ -256,22 +256,9 @@ def receiver_for(engine: object) -> BroadcastReceiver:
     )
 
 
-async def attest_or_reject(
+def check_reported(
     receiver: BroadcastReceiver, expected: Mapping[str, int], reported: list[dict[str, int]], version: int
 ) -> None:
-    """AttestationError unless every worker's checksums equal `expected`, once the receiver dropped
-    what it holds (unloaded: the engine goes on serving the weights it had)."""
-    try:
-        for checksums in reported:
-            check_attestation(expected, checksums, engine=receiver.name, weight_version=version)
-    except AttestationError:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(_REJECT_TIMEOUT_S):
-            try:
-                await receiver.reject()
-            except Exception:  # noqa: BLE001, S110 - unloaded either way; the next receive drops it too
-                pass
-        raise
-
-
-_REJECT_TIMEOUT_S = 30.0
-"""Bound on dropping a sync that failed attestation (best effort: the next receive drops it too)."""
+    """AttestationError unless every worker's checksums equal `expected` (no worker answering is one)."""
+    for checksums in reported or [{}]:
+        check_attestation(expected, checksums, engine=receiver.name, weight_version=version)

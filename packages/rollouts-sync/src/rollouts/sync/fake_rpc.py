@@ -1,6 +1,6 @@
 """The fake engine's /collective_rpc: the worker extension's weight loads and fingerprints, done on
 the fake's numpy weights the way rollouts.sync.worker_extension does them in vLLM's workers (held
-loads too: hold="1" keeps a receive unloaded for rollouts_commit or rollouts_discard).
+loads too: hold=<token> keeps a receive unloaded for rollouts_commit or rollouts_discard).
 
 Weights arrive as safetensors bytes in their own dtype and are kept as numpy arrays (16-bit floats
 numpy lacks, e.g. bfloat16, as their uint16 bit patterns: the fake's "model" only hashes bytes).
@@ -43,8 +43,9 @@ def load_dir(state: FakeEngineState, path: str) -> dict[str, np.ndarray]:
 
 
 def load(state: FakeEngineState, incoming: dict[str, np.ndarray], kwargs: dict[str, Any]) -> None:
-    """`incoming` into the weights, or held for rollouts_commit with kwargs hold="1"."""
-    state.held = incoming if kwargs.get("hold") == "1" else None
+    """`incoming` into the weights, or held for rollouts_commit with kwargs hold=<token>."""
+    hold = str(kwargs.get("hold", "0"))
+    state.held = None if hold == "0" else (hold, incoming)
     if state.held is None:
         state.weights = {**state.weights, **incoming}
 
@@ -67,6 +68,7 @@ def receive_ipc(state: FakeEngineState, kwargs: dict[str, Any]) -> dict[str, Any
     loads them all (all or nothing), as rollouts.sync.worker_ipc does."""
     k, token = int(kwargs["index"]), kwargs["token"]
     if k == 0:
+        state.held = None
         state.staged_ipc = {"token": token, "plan": json.loads(kwargs["plan_json"]), "next": 0, "tensors": {}}
     staged = state.staged_ipc
     if staged is None or staged["token"] != token or staged["next"] != k:
@@ -120,6 +122,7 @@ async def collective_rpc(state: FakeEngineState, body: dict[str, Any]) -> tuple[
         return json_response(200, {"results": [result]})
     if method == "rollouts_fetch_weights":  # raw safetensors bytes GET from the trainer's one-off URL
         await anyio.sleep(state.reload_delay_s)
+        state.held = None  # a receive drops what the one before it held, as the worker does
         incoming = arrays(decode_safetensors(await fetch(kwargs)), corrupt=state.corrupt)
         unknown = sorted(set(incoming) - set(state.weights)) if state.weights else []
         if unknown:
@@ -128,6 +131,7 @@ async def collective_rpc(state: FakeEngineState, body: dict[str, Any]) -> tuple[
         return json_response(200, {"results": [{"num_tensors": len(incoming), "checksums": fingerprint(incoming)}]})
     if method == "rollouts_load_dir":  # a disk reload answering the checksums of what it read
         await anyio.sleep(state.reload_delay_s)
+        state.held = None
         try:
             incoming = load_dir(state, kwargs["weights_path"])
         except (OSError, KeyError) as exc:
@@ -142,12 +146,13 @@ async def collective_rpc(state: FakeEngineState, body: dict[str, Any]) -> tuple[
             state.staged_ipc = None
             raise HTTPError(500, f"rollouts_receive_ipc failed: {type(exc).__name__}: {exc}") from exc
     if method in ("rollouts_commit", "rollouts_discard"):
-        held, state.held = state.held, None
+        held = state.held if state.held is not None and state.held[0] == kwargs.get("token") else None
         if held is None and method == "rollouts_commit":
-            raise HTTPError(500, "RuntimeError: rollouts_commit: no receive is held")
-        if method == "rollouts_commit":
-            state.weights = {**state.weights, **(held or {})}
-        return json_response(200, {"results": [{"num_tensors": len(held or {})}]})
+            raise HTTPError(500, f"RuntimeError: commit of receive {kwargs.get('token')!r}: it is not held")
+        state.held = None if held is not None else state.held
+        if held is not None and method == "rollouts_commit":
+            state.weights = {**state.weights, **held[1]}
+        return json_response(200, {"results": [{"num_tensors": 0 if held is None else len(held[1])}]})
     if method == "rollouts_fingerprint":  # the checksums of what the last disk reload loaded
         return json_response(200, {"results": [{"checksums": fingerprint(state.weights)}]})
     raise HTTPError(500, f"AttributeError: worker has no method {method!r}")

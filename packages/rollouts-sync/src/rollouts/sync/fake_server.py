@@ -60,8 +60,8 @@ class FakeEngineState:
     """Tensors of an update sent in chunks, waiting for its last chunk."""
     staged_ipc: dict[str, Any] | None = None
     """The IPC sync whose buckets are arriving: its token, plan, next bucket and tensors so far."""
-    held: dict[str, np.ndarray] | None = None
-    """A held receive's tensors (hold="1"), loaded by rollouts_commit, dropped by rollouts_discard."""
+    held: tuple[str, dict[str, np.ndarray]] | None = None
+    """A held receive (hold=<token>): its token and tensors, loaded by rollouts_commit, dropped by rollouts_discard."""
     weight_version: str = "default"
     broadcast_group: Any = None
     """The weights-update process group the trainer made (SGLang's broadcast; see fake_broadcast)."""

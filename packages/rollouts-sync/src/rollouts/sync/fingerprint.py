@@ -12,9 +12,10 @@ S by +-2^k * (i + 1), nonzero and below 2^64 in magnitude, so never 0 mod 2^64; 
 swapped (w_a at i, w_b at j) change it by (w_a - w_b) * (j - i), both factors nonzero and below 2^32,
 so again never 0 mod 2^64. Other corruptions collide with a chance near 2^-64.
 
-Attestation: after a sync the engine reports the checksums of what it received and loaded, computed
-where the weights live (vLLM's worker, the engine process); `check_attestation` compares them with
-the sender's and raises AttestationError naming every tensor that differs or was not reported.
+Attestation: in a sync the engine reports the checksums of what it received, computed where the
+weights live (vLLM's worker, before it loads them; the engine process, of what its model holds);
+`check_attestation` compares them with the sender's and raises AttestationError naming every tensor
+that differs or was not reported.
 
 Fault injection for tests: ROLLOUTS_SYNC_FAULT="corrupt:<tensor name>" in an engine's environment
 makes it flip one bit of that tensor after receiving it (`sync_fault_target`); "file:<path>" reads
@@ -70,7 +71,7 @@ def fingerprint_dir(path: str | Path) -> dict[str, int]:
 
 
 class AttestationError(RuntimeError):
-    """An engine's checksums of the weights it loaded differ from the sender's: `mismatched` and
+    """An engine's checksums of the weights it received differ from the sender's: `mismatched` and
     `missing` name the tensors."""
 
     def __init__(

@@ -136,12 +136,16 @@ def raise_on_rpc_error(data: Mapping[str, Any], *, engine: str, url: str) -> Non
 
 
 def with_extension_hint(e: EngineError, method: str) -> EngineError:
-    """`e`, saying how to start the server, when the worker lacks the extension's `method`."""
-    if not method.startswith("rollouts_") or method not in str(e):
+    """`e`, saying how to start the server, when the worker lacks the extension's `method` (vLLM:
+    "Method ... is not implemented"), or has one from another version (an unexpected keyword)."""
+    text = str(e)
+    missing = method in text and any(m in text for m in ("is not implemented", "has no method", "has no attribute"))
+    if not method.startswith("rollouts_") or not (missing or "unexpected keyword argument" in text):
         return e
     return EngineError(
-        f"{e} (the worker has no {method}: start the server with --worker-extension-cls "
-        f"{WORKER_EXTENSION_CLS}, as `rollouts engine vllm` does; or pass attest=False / set engine.attest = "
+        f"{e} (the worker has no {method} as this client calls it: start the server with "
+        f"--worker-extension-cls {WORKER_EXTENSION_CLS} of this rollouts-sync version, as `rollouts engine "
+        "vllm` does; or pass attest=False / set engine.attest = "
         "false for a disk sync without it)",
         engine=e.engine,
         url=e.url,

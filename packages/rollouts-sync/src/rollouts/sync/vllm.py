@@ -17,6 +17,7 @@ Legend: P prompts, G samples per prompt, R response tokens.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -32,7 +33,7 @@ from rollouts.sync._common import (
     local_address_toward,
 )
 from rollouts.sync._http import DEFAULT_HTTP, EngineError, HTTPEngineBase, HTTPOptions, RetryPolicy
-from rollouts.sync.fingerprint import AttestationError, check_attestation, fingerprint, fingerprint_dir
+from rollouts.sync.fingerprint import check_attestation, fingerprint, fingerprint_dir
 from rollouts.sync.raw import safetensors_header
 from rollouts.sync.raw_server import serve_bytes
 from rollouts.sync.tensor_rpc import (
@@ -54,6 +55,7 @@ from rollouts.types import Sample, SamplingParams
 __all__ = ["WORKER_EXTENSION_CLS", "VLLMEngine", "parse_completion_response"]
 
 _NO_RETRY = RetryPolicy(max_retries=0)
+_DISCARD_TIMEOUT_S = 5.0  # dropping a held sync after a failure: it must not hold up the error for long
 
 
 class VLLMEngine(HTTPEngineBase):
@@ -280,7 +282,7 @@ class VLLMEngine(HTTPEngineBase):
         async with serve_bytes(parts, host=host, timeout_s=self.timeout_s) as served:
             rpc = fetch_rpc_body(served.url, served.num_bytes, timeout_s=self.timeout_s, checksums=self.attest)
             # never retried (a retry would queue a second fetch and load behind the first), and bounded
-            # by the worker's fetch plus as long again for its load
+            # by the worker's fetch plus as long again for its load (unattested; attested, the commit's load)
             await self._paused_update([rpc], version, expected=sent, retry=_NO_RETRY, rpc_timeout_s=2 * self.timeout_s)
         self.last_upload = upload_of(raw, [rpc], fetched_bytes=served.sent_bytes)
         return self.last_upload
@@ -313,40 +315,49 @@ class VLLMEngine(HTTPEngineBase):
     ) -> None:
         """Run `rpcs` paused, in order, each asked for once the one before it answered; with `expected`
         (the sender's checksums, asked once they ran), the workers hold what they received unloaded
-        (hold="1"), and load it (rollouts_commit) only once the checksums each reported equal the
-        sender's: weights that fail attestation are dropped unloaded (rollouts_discard), and the engine
-        goes on serving the version it had. `retry` and `rpc_timeout_s`: each rpc's (None: the
-        engine's policy and timeout)."""
+        (hold=<a token of this sync>), and load it (rollouts_commit) only once the checksums each
+        reported equal the sender's; on a mismatch or a failure they drop it unloaded (rollouts_discard;
+        after a cancellation, a deadline's, nothing more is sent: the next receive drops it), and the
+        engine goes on serving the version it had.
+        `retry` and `rpc_timeout_s`: each rpc's and the commit's (None: the engine's policy and timeout)."""
         # Pause so no request straddles two weight versions; resume even when the update fails,
         # so a failed sync leaves the engine serving (old weights) rather than stuck paused.
         async with self._paused("/pause", "/resume", params={"mode": self.pause_mode}):
-            reported: list[dict[str, int]] = []
-            pending = iter(rpcs)  # each body made in a thread: staging an IPC bucket copies it there
-            while (rpc := await anyio.to_thread.run_sync(next, pending, None)) is not None:
-                if expected is not None:
-                    rpc = {**rpc, "kwargs": {**rpc["kwargs"], "hold": "1"}}
-                reported = merge_checksums(reported, await self._rpc(rpc, retry=retry, timeout_s=rpc_timeout_s))
-            if expected is not None:  # before the load and the version: a failed check loads nothing
-                await self._commit_if_attested(await expected(), reported, version)
+            token = secrets.token_hex(8) if expected is not None else "0"
+            holding = False  # whether a worker may hold this sync's tensors
+            try:
+                reported: list[dict[str, int]] = []
+                pending = iter(rpcs)  # each body made in a thread: staging an IPC bucket copies it there
+                while (rpc := await anyio.to_thread.run_sync(next, pending, None)) is not None:
+                    if expected is not None:
+                        rpc, holding = {**rpc, "kwargs": {**rpc["kwargs"], "hold": token}}, True
+                    reported = merge_checksums(reported, await self._rpc(rpc, retry=retry, timeout_s=rpc_timeout_s))
+                if expected is not None:  # before the load and the version: a failed check loads nothing
+                    sent = await expected()
+                    for worker in reported or [{}]:
+                        check_attestation(sent, worker, engine=self.name, weight_version=version)
+                    commit = {"method": "rollouts_commit", "kwargs": {"token": token}}
+                    await self._rpc(commit, retry=_NO_RETRY, timeout_s=rpc_timeout_s)
+            except BaseException as exc:
+                if holding and not isinstance(exc, anyio.get_cancelled_exc_class()):
+                    await self._discard_held(token)
+                raise
             await self.reset_prefix_cache()
             await self._call("POST", "/update_weight_version", json={"new_version": str(version)})
             self._adapter = None  # full weights: the base model serves again
         await self._check_version(version)
 
-    async def _commit_if_attested(self, sent: Mapping[str, int], reported: list[dict[str, int]], version: int) -> None:
-        """Load what the workers hold if each one's checksums equal `sent`; else drop it and raise
-        AttestationError (the engine keeps serving the weights it had)."""
-        try:
-            for worker in reported or [{}]:
-                check_attestation(sent, worker, engine=self.name, weight_version=version)
-        except AttestationError:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(self.timeout_s):
-                try:  # unloaded either way; dropped now rather than kept until the next sync
-                    await self._rpc({"method": "rollouts_discard", "kwargs": {}}, retry=_NO_RETRY)
-                except EngineError:
-                    pass
-            raise
-        await self._rpc({"method": "rollouts_commit", "kwargs": {}}, retry=_NO_RETRY)
+    async def _discard_held(self, token: str) -> None:
+        """Have the workers drop what sync `token` holds, unloaded, after the sync failed: best effort
+        (the next receive drops it too), within `_DISCARD_TIMEOUT_S` and whatever is left of the
+        caller's deadline (shielded, so the sync's own error is the one raised, never a timeout of this)."""
+        left = min(_DISCARD_TIMEOUT_S, anyio.current_effective_deadline() - anyio.current_time())
+        with anyio.CancelScope(shield=True), anyio.move_on_after(left):
+            try:
+                discard = {"method": "rollouts_discard", "kwargs": {"token": token}}
+                await self._rpc(discard, retry=_NO_RETRY, timeout_s=max(left, 0.001))
+            except EngineError:
+                pass
 
     async def _rpc(
         self, rpc: dict[str, Any], *, retry: RetryPolicy | None = None, timeout_s: float | None = None

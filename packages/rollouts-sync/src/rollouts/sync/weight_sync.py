@@ -85,7 +85,7 @@ def sync_outcome(
     version: int, names: Sequence[str], outcomes: Sequence[EngineFailure | AttestationError | float | None]
 ) -> SyncResult:
     """The SyncResult of engines `names` (a float outcome: seconds to update); a WeightSyncError
-    naming the failed engines; or, before either, the first AttestationError (an engine serving
+    naming the failed engines; or, before either, the first AttestationError (an engine received
     weights other than those sent: no caller should go on), the others' as its notes."""
     attestation = [o for o in outcomes if isinstance(o, AttestationError)]
     if attestation:
@@ -111,8 +111,9 @@ async def sync_weights_to_engines(
 
     Raises WeightSyncError naming every failed engine (URL, status, response text) and the
     engines that did update, so the caller can decide whether to go on with a partial pool; but an
-    engine whose attestation failed (it loaded weights other than the ones sent) raises its
-    AttestationError, naming the tensors, once every engine is done: no caller should go on from it.
+    engine whose attestation failed (it received weights other than the ones sent, and did not load
+    them) raises its AttestationError, naming the tensors, once every engine is done: no caller
+    should go on from it.
     """
     if not engines:
         raise ValueError("engines is empty: nothing to sync")

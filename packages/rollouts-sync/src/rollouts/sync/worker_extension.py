@@ -35,10 +35,9 @@ adapter directory on this host, for vLLM's /v1/load_lora_adapter.
 
 IPC: `rollouts_receive_ipc` (rollouts.sync.worker_ipc) copies buckets out of a local trainer's memory.
 
-Held loads (an attested sync): with hold="1" a receive answers its checksums and keeps the tensors
-unloaded; the trainer compares them with its own and then calls `rollouts_commit` (reload with them)
-or `rollouts_discard` (drop them). Weights that fail attestation are never loaded, so the engine goes
-on serving the version it had. The next receive drops whatever is still held.
+Held loads (an attested sync, rollouts.sync.worker_receive.HeldLoads): with hold=<token> a receive
+answers its checksums and keeps the tensors unloaded until `rollouts_commit(token)` (reload with them)
+or `rollouts_discard(token)`: weights that fail attestation are never loaded.
 """
 
 from __future__ import annotations
@@ -189,9 +188,8 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
 
     def rollouts_receive_broadcast(self, plan_json: str, hold: str = "0") -> dict[str, Any]:
         """Receive every bucket of the plan, then reload with them (all or nothing: a failure before the
-        last bucket, or in the load, leaves the weights as they were; hold="1": held for rollouts_commit).
+        last bucket, or in the load, leaves the weights as they were; hold=<token>: held, see HeldLoads).
         Answers the checksums of the tensors as received, for the trainer's attestation."""
-        self._rollouts_held = None
         plan = read_plan(plan_json)
         incoming, checksums, seconds = self._rollouts_receive(plan)
         answer = self._rollouts_apply(incoming, seconds, checksums=checksums, hold=hold)
@@ -226,7 +224,8 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
 
     def _rollouts_receive(self, plan: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int], dict[str, float]]:
         """Every tensor of the plan's buckets, their checksums (each bucket's computed while the next
-        one arrives) and the seconds of each step."""
+        one arrives) and the seconds of each step. Drops what a receive before it held."""
+        self._rollouts_held = None  # may hold GPU buffers, or views of the host buffer this one reuses
         group = getattr(self, "_rollouts_group", None)
         if group is None:
             raise RuntimeError("no broadcast group: call rollouts_init_broadcast first")
@@ -264,14 +263,14 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
         self, url: str, num_bytes: str, timeout_s: str, checksums: str = "1", hold: str = "0"
     ) -> dict[str, Any]:
         """Fetch one safetensors payload of `num_bytes` bytes from `url` (raw bytes, within `timeout_s`),
-        then reload with its tensors (all or nothing; hold="1": held for rollouts_commit). Answers their
+        then reload with its tensors (all or nothing; hold=<token>: held, see HeldLoads). Answers their
         checksums as received (none with checksums="0": an unattested sync)."""
         start = time.perf_counter()
         (into,) = self._rollouts_host_buffers([int(num_bytes)])
         if checksums == "0":
             fetched = fetch_bytes(url, int(num_bytes), float(timeout_s), into=into)
             incoming = with_sync_fault(tensors_of_safetensors(fetched))
-            return self._rollouts_apply(incoming, {"receive": time.perf_counter() - start}, checksums={})
+            return self._rollouts_apply(incoming, {"receive": time.perf_counter() - start}, checksums={}, hold=hold)
         with ThreadPoolExecutor(1, thread_name_prefix="rollouts-checksum") as pool:
             arriving = ChecksumsOnArrival(into, pool)  # each tensor's, while the rest arrives
             incoming = tensors_of_safetensors(
@@ -285,7 +284,7 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
     def rollouts_load_dir(self, weights_path: str, hold: str = "0") -> dict[str, Any]:
         """Reload from the checkpoint files at `weights_path` (as vLLM's reload_weights does from a path),
         reading them once: answers the checksums of what it read, for the trainer's attestation
-        (hold="1": held for rollouts_commit)."""
+        (hold=<token>: held, see HeldLoads)."""
         self._rollouts_held = None
         start = time.perf_counter()
         incoming = with_sync_fault(read_dir(weights_path))
@@ -306,16 +305,14 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
         must be a checkpoint tensor's, and each shape must match); the cache takes them once the reload
         succeeded: as they are when `owned` (host tensors nothing else writes), else copied into its own
         tensors (`incoming` may be views of the receive buffer, which the next sync overwrites). Answers
-        the checksums of `incoming` (computed here unless given) and each step's seconds. With hold="1"
-        nothing is loaded: `incoming` waits for rollouts_commit (see the module's "Held loads")."""
+        the checksums of `incoming` (computed here unless given) and each step's seconds. With
+        hold=<token> nothing is loaded: `incoming` waits for rollouts_commit (see HeldLoads)."""
         weights = self._rollouts_base_weights()
         if known_only:
             unknown = sorted(set(incoming) - set(weights))
             if unknown:
                 raise ValueError(f"tensors not in the model's checkpoint: {unknown[:10]} ({len(unknown)} in all)")
-        lost = getattr(self, "_rollouts_cache_lost", "")
-        if lost and not set(weights) <= set(incoming):
-            raise RuntimeError(f"{lost}; only a full update (every checkpoint tensor) can load until one succeeds")
+        self._rollouts_check_whole(weights, incoming)
         for name, tensor in incoming.items():
             if name in weights and tuple(tensor.shape) != tuple(weights[name].shape):
                 raise ValueError(
@@ -325,10 +322,16 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
             start = time.perf_counter()
             checksums = _checksums(incoming)
             seconds["checksum"] = time.perf_counter() - start
-        self._rollouts_held = (incoming, owned) if hold == "1" else None
-        if hold != "1":
+        held = self._rollouts_hold(hold, incoming, owned=owned)
+        if not held:
             self._rollouts_load(weights, incoming, seconds, owned=owned)
-        return {"num_tensors": len(incoming), "checksums": checksums, "seconds": seconds, "held": hold == "1"}
+        return {"num_tensors": len(incoming), "checksums": checksums, "seconds": seconds, "held": held}
+
+    def _rollouts_check_whole(self, weights: dict[str, Any], incoming: dict[str, Any]) -> None:
+        """After a failed copy into the cache, only a full update (which needs none of it) may load."""
+        lost = getattr(self, "_rollouts_cache_lost", "")
+        if lost and not set(weights) <= set(incoming):
+            raise RuntimeError(f"{lost}; only a full update (every checkpoint tensor) can load until one succeeds")
 
     def _rollouts_load(
         self, weights: dict[str, Any], incoming: dict[str, Any], seconds: dict[str, float], *, owned: bool
@@ -339,26 +342,11 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
         seconds["load"] = time.perf_counter() - start
         self._rollouts_keep(weights, incoming, owned=owned)  # after this call answered, unless owned
 
-    def rollouts_commit(self) -> dict[str, Any]:
-        """Reload with the tensors the last receive held (hold="1"): the trainer found their checksums
-        equal to its own. Answers how many and the load's seconds."""
-        held, self._rollouts_held = self._rollouts_held, None
-        if held is None:
-            raise RuntimeError("rollouts_commit: no receive is held (a later receive, or a discard, dropped it)")
-        seconds: dict[str, float] = {}
-        self._rollouts_load(self._rollouts_base_weights(), held[0], seconds, owned=held[1])
-        return {"num_tensors": len(held[0]), "seconds": seconds}
-
-    def rollouts_discard(self) -> dict[str, Any]:
-        """Drop the tensors the last receive held, unloaded: their checksums disagreed with the trainer's."""
-        held, self._rollouts_held = self._rollouts_held, None
-        return {"num_tensors": 0 if held is None else len(held[0])}
-
     def rollouts_load_weights(
         self, data_b64: str, apply: str = "1", first: str = "1", hold: str = "0"
     ) -> dict[str, Any]:
         """Stage the tensors in `data_b64` (base64 safetensors); with apply="1" reload the model with them
-        (with hold="1" too: held for rollouts_commit).
+        (with hold=<token> too: held, see HeldLoads).
 
         An update is a run of chunks: the first has first="1" (it drops whatever a failed earlier
         update left staged), the last apply="1". The staged tensors join the cached weights only
@@ -384,15 +372,17 @@ class SafetensorsWeightLoader(IpcWeightReceiver):
                     )
             self._rollouts_staged.update(incoming)
             applied = apply == "1"
+            held = False
             if applied:
                 staged, self._rollouts_staged = self._rollouts_staged, {}
-                self._rollouts_held = (staged, True) if hold == "1" else None  # decoded: tensors of their own
-                if hold != "1":
+                self._rollouts_check_whole(weights, staged)
+                held = self._rollouts_hold(hold, staged, owned=True)  # decoded: tensors of their own
+                if not held:
                     self._rollouts_load(weights, staged, {}, owned=True)
         except BaseException:
             self._rollouts_staged = {}
             raise
-        return {"num_tensors": len(incoming), "applied": applied, "checksums": _checksums(incoming)}
+        return {"num_tensors": len(incoming), "applied": applied, "checksums": _checksums(incoming), "held": held}
 
     def rollouts_fingerprint(self, weights_path: str) -> dict[str, Any]:
         """{"checksums": {name: checksum}} of the checkpoint tensors at `weights_path` as this worker

@@ -32,12 +32,12 @@ try:
     from rollouts.sync.broadcast_group import flat_views, read_plan
     from rollouts.sync.fingerprint_torch import fingerprint_torch, with_sync_fault
     from rollouts.sync.ipc_handles import ShmFile, mapped
-    from rollouts.sync.worker_receive import stage_on_host
+    from rollouts.sync.worker_receive import HeldLoads, stage_on_host
 except ModuleNotFoundError:  # in a server started by rollouts.sync.launch: their copies beside this one
     from rollouts_broadcast_group import flat_views, read_plan  # type: ignore[no-redef,import-not-found]
     from rollouts_fingerprint_torch import fingerprint_torch, with_sync_fault  # type: ignore[no-redef,import-not-found]
     from rollouts_ipc_handles import ShmFile, mapped  # type: ignore[no-redef,import-not-found]
-    from rollouts_worker_receive import stage_on_host  # type: ignore[no-redef,import-not-found]
+    from rollouts_worker_receive import HeldLoads, stage_on_host  # type: ignore[no-redef,import-not-found]
 
 __all__ = ["IpcReceive", "IpcWeightReceiver"]
 
@@ -93,7 +93,7 @@ class IpcReceive:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-class IpcWeightReceiver:
+class IpcWeightReceiver(HeldLoads):
     """Mixed into the worker extension (rollouts.sync.worker_extension.SafetensorsWeightLoader), whose
     `_rollouts_host_buffers` and `_rollouts_apply` it uses."""
 
@@ -102,16 +102,12 @@ class IpcWeightReceiver:
     _rollouts_shm: tuple[tuple[str, int, int, int], torch.Tensor] | None = None
     """The trainer's file in /dev/shm last mapped, by (path, size, device, inode), and its mapping."""
 
-    _rollouts_held: tuple[dict[str, Any], bool] | None = None
-    """A held receive's tensors (views of the receive buffer, or of IPC buffers) and whether they are
-    owned: see rollouts.sync.worker_extension's "Held loads"."""
-
     def rollouts_receive_ipc(
         self, token: str, index: str, handle_json: str, plan_json: str = "", hold: str = "0"
     ) -> dict[str, Any]:
         """Bucket `index` of sync `token` (bucket 0 carries the plan and starts the sync, dropping any
         other left unfinished, and anything held), mapped from `handle_json` (rollouts.sync.ipc_handles.share)
-        and copied out; the last bucket reloads with them all (hold="1": holds them for rollouts_commit)
+        and copied out; the last bucket reloads with them all (hold=<token>: holds them, see HeldLoads)
         and answers the checksums of what was received."""
         k = int(index)
         try:

@@ -2,7 +2,8 @@
 and torch only): the buffer a sync lands in, kept from one sync to the next (`ReceiveBuffer`); the
 raw safetensors fetch (`fetch_bytes`, `tensors_of_safetensors`) and its checksums taken as the bytes
 arrive (`ChecksumsOnArrival`); where an NCCL sync's buckets wait for the load (`stage_on_host`); the
-checkpoint files the worker reads and writes, and its host cache of the weights it serves.
+checkpoint files the worker reads and writes, and its host cache of the weights it serves; an
+attested sync's held load (`HeldLoads`).
 
 Fresh memory for each sync would be faulted in page by page every time (about 0.45 s per GB on a
 CPU here: more than the loopback transfer itself); the buffer kept instead stays mapped between syncs
@@ -36,6 +37,7 @@ except ModuleNotFoundError:  # in a server started by rollouts.sync.launch: the 
 __all__ = [
     "DEVICE_HEADROOM_BYTES",
     "ChecksumsOnArrival",
+    "HeldLoads",
     "TORCH_DTYPE_NAMES",
     "ReceiveBuffer",
     "fetch_bytes",
@@ -310,3 +312,46 @@ def read_dir(path: str) -> dict[str, Any]:
         if name.endswith(_SAFETENSORS_SUFFIX):
             tensors.update(load_file(os.path.join(path, name), device="cpu"))
     return tensors
+
+
+# ------------------------------------------------------------ held loads
+
+
+class HeldLoads:
+    """An attested sync's second half, mixed into the worker extension (whose `_rollouts_load` and
+    `_rollouts_base_weights` it uses): a receive with hold=<token> keeps its tensors unloaded and
+    answers their checksums; the trainer, once it compared them with its own, loads them
+    (`rollouts_commit`) or drops them (`rollouts_discard`), naming the same token. Weights that fail
+    attestation are never loaded. A receive drops whatever is held before it takes any buffer."""
+
+    _rollouts_held: tuple[str, dict[str, Any], bool] | None = None
+    """The held receive: its token, its tensors (views of the receive buffer or of IPC buffers, which
+    the next receive reuses) and whether they are owned (host tensors of their own)."""
+
+    def _rollouts_hold(self, hold: str, incoming: dict[str, Any], *, owned: bool) -> bool:
+        """Hold `incoming` under token `hold` (True); hold="0" holds nothing (False: the caller loads)."""
+        if not 0 < len(hold) <= 64:
+            raise ValueError(f"hold must be '0' or a sync's token of 1-64 characters, got {hold[:80]!r}")
+        self._rollouts_held = None if hold == "0" else (hold, incoming, owned)
+        return self._rollouts_held is not None
+
+    def rollouts_commit(self, token: str) -> dict[str, Any]:
+        """Reload with the tensors that receive `token` held: the trainer found their checksums equal
+        to its own. Answers how many and the load's seconds."""
+        held = self._rollouts_held
+        if held is None or held[0] != token:
+            found = "none is held" if held is None else f"the one held is {held[0]!r}"
+            raise RuntimeError(f"commit of receive {token!r}: {found} (a later receive, or a discard, dropped it)")
+        self._rollouts_held = None
+        seconds: dict[str, float] = {}
+        self._rollouts_load(self._rollouts_base_weights(), held[1], seconds, owned=held[2])  # type: ignore[attr-defined]
+        return {"num_tensors": len(held[1]), "seconds": seconds}
+
+    def rollouts_discard(self, token: str) -> dict[str, Any]:
+        """Drop, unloaded, the tensors that receive `token` held (their checksums disagreed with the
+        trainer's, or its sync failed before the check); another receive's are left as they are."""
+        held = self._rollouts_held
+        if held is None or held[0] != token:
+            return {"num_tensors": 0}
+        self._rollouts_held = None
+        return {"num_tensors": len(held[1])}

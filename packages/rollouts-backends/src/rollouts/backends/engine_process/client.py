@@ -323,14 +323,16 @@ class ProcessEngine:
 
     def _check(self, expected: Mapping[str, int] | None, answer: Mapping[str, Any], version: int) -> None:
         """AttestationError unless the checksums in `answer` equal `expected`; the engine then samples
-        nothing (its model holds the weights that failed) until a later sync passes."""
+        nothing (its model holds the weights that failed) until a later attested sync passes (a LoRA
+        adapter's load, never attested, leaves that as it is)."""
+        if expected is None:
+            return
+        try:
+            check_attestation(expected, answer.get("checksums") or {}, engine=self._name, weight_version=version)
+        except AttestationError as e:
+            self._rejected = e
+            raise
         self._rejected = None
-        if expected is not None:
-            try:
-                check_attestation(expected, answer.get("checksums") or {}, engine=self._name, weight_version=version)
-            except AttestationError as e:
-                self._rejected = e
-                raise
 
     async def weight_version(self) -> int | None:
         """The version of the weights sampled from now."""

@@ -170,7 +170,7 @@ class SendWeights(_Wrapped):
             with anyio.fail_after(self.sync_timeout_s):
                 self.last_upload = await self.engine.update_weights_from_tensors(tensors, weight_version)  # type: ignore[attr-defined]
         except AttestationError:
-            raise  # the engine serves other weights than those sent: it names the tensors
+            raise  # the engine received other weights than those sent (not loaded): it names the tensors
         except Exception as exc:  # noqa: BLE001 - named as the engine's failure, as a pool's sync names it
             timeout = f"did not finish within sync_timeout_s={self.sync_timeout_s}"
             raise WeightSyncError(weight_version, [engine_failure(self.name, exc, timeout_text=timeout)], []) from exc
