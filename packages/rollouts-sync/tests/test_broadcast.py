@@ -425,8 +425,12 @@ def _fake_weights():
 
 
 @pytest.mark.anyio
-async def test_sglang_broadcast_to_the_fake_server_delivers_every_tensor_in_its_dtype():
-    state = FakeEngineState(weights=_fake_weights())
+@pytest.mark.parametrize("sessions", [False, True], ids=["sglang-before-0.5.23", "sglang-0.5.23-sessions"])
+async def test_sglang_broadcast_to_the_fake_server_delivers_every_tensor_in_its_dtype(sessions):
+    """The fake joins the trainer's group as SGLang's worker does (its store prefixes and torch's group
+    helper); with weight-update sessions (SGLang 0.5.23, which refuses an update outside one) each
+    update is inside one, and a server without them (404) is updated without."""
+    state = FakeEngineState(weights=_fake_weights(), sessions=sessions)
     new = {"w": torch.randn(64, 32), "b": torch.randn(32).bfloat16()}
     async with serve_fake_engine(state) as server, SGLangEngine(server.url) as engine:
         sync = BroadcastSync(FAST)
@@ -438,6 +442,9 @@ async def test_sglang_broadcast_to_the_fake_server_delivers_every_tensor_in_its_
         assert sync.last_num_bytes == 64 * 32 * 4 + 32 * 2
         await sync.push({"w": torch.zeros(64, 32)}, 8)  # a second sync on the same group
         assert not state.weights["w"].any() and await engine.weight_version() == 8
+    paths = [target for _, target in state.calls]
+    assert paths.count("/begin_weight_update") == (2 if sessions else 1)  # without: asked once, a 404
+    assert paths.count("/end_weight_update") == (2 if sessions else 0) and not state.in_session
 
 
 @pytest.mark.anyio
@@ -527,6 +534,8 @@ async def test_connect_again_after_a_broken_group_syncs_again():
         assert sync.connected
         await sync.push({"w": torch.ones(64, 32)}, 2)
         assert (state.weights["w"] == 1).all() and await engine.weight_version() == 2
+    # the server's old group was destroyed before the new one was made (its communicator released)
+    assert [t for _, t in state.calls].count("/destroy_weights_update_group") == 1
 
 
 class _Answers:

@@ -9,6 +9,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from rollouts.sync import EngineError, HTTPOptions, RetryPolicy, SGLangEngine, VLLMEngine
+from rollouts.sync.fake_http import Fault
 from rollouts.sync.fake_server import FakeEngineState, serve_fake_engine
 from rollouts.types import InferenceEngine, SamplingParams, Status
 
@@ -236,3 +237,22 @@ def test_the_worker_extension_hint_is_given_for_a_missing_or_older_extension_onl
     assert hint("TypeError: rollouts_load_dir() got an unexpected keyword argument 'hold'", "rollouts_load_dir")
     assert not hint("RuntimeError: commit of receive 'ab': none is held (a later receive dropped it)")
     assert not hint("NotImplementedError: Method 'reload_weights' is not implemented.", "reload_weights")
+
+
+@pytest.mark.anyio
+async def test_sglang_pauses_with_a_mode_in_the_body_and_reads_the_version_where_its_server_has_it(tmp_path):
+    """SGLang >= 0.5.8 refuses /pause_generation without a JSON body naming the mode; 0.5.23 has no
+    /get_weight_version (its /model_info reports the version)."""
+    write_checkpoint(tmp_path / "v1", seed=1)
+    state = FakeEngineState()
+    state.faults.append(Fault(kind="status", path="/get_weight_version", status=404, times=99))
+    async with (
+        serve_fake_engine(state) as server,
+        SGLangEngine(server.url, http=HTTPOptions(retry=FAST_RETRY)) as engine,
+    ):
+        await engine.update_weights_from_disk(str(tmp_path / "v1"), 3)
+        assert await engine.weight_version() == 3
+    paths = [target.split("?")[0] for _, target in state.calls]
+    assert paths.count("/get_weight_version") == 1 and paths.count("/model_info") == 2  # asked once, then not
+    with pytest.raises(ValueError, match="pause_mode must be one of"):
+        SGLangEngine("http://127.0.0.1:9", pause_mode="wait")  # vLLM's mode, not SGLang's

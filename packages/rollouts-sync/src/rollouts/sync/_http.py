@@ -246,9 +246,15 @@ class HTTPEngineBase:
 
     @asynccontextmanager
     async def _paused(
-        self, pause_path: str, resume_path: str, *, params: Mapping[str, Any] | None = None
+        self,
+        pause_path: str,
+        resume_path: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        bodies: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None,
     ) -> AsyncIterator[None]:
-        """Generation paused on the server for the body; resumed after it, whatever happens.
+        """Generation paused on the server for the body; resumed after it, whatever happens. `bodies`:
+        the JSON bodies of the pause and the resume calls (SGLang's; None: no body).
 
         The resume is sent even when the pause itself fails or is cancelled mid-flight (a deadline
         during a drain): the server may have paused already, and would otherwise stay paused. It is
@@ -260,23 +266,31 @@ class HTTPEngineBase:
         """
         if self._update_lock is None:
             self._update_lock = anyio.Lock()
-        async with self._update_lock, self._paused_unlocked(pause_path, resume_path, params=params):
+        async with self._update_lock, self._paused_unlocked(pause_path, resume_path, params=params, bodies=bodies):
             yield
 
     @asynccontextmanager
     async def _paused_unlocked(
-        self, pause_path: str, resume_path: str, *, params: Mapping[str, Any] | None
+        self,
+        pause_path: str,
+        resume_path: str,
+        *,
+        params: Mapping[str, Any] | None,
+        bodies: tuple[Mapping[str, Any], Mapping[str, Any]] | None,
     ) -> AsyncIterator[None]:
         body_done = False
         try:
-            await self._call("POST", pause_path, params=params)
+            await self._call("POST", pause_path, params=params, json=None if bodies is None else bodies[0])
             yield
             body_done = True
         finally:
             error: EngineError | None = None
             with anyio.CancelScope(shield=True), anyio.move_on_after(_RESUME_TIMEOUT_S) as window:
                 try:
-                    await self._call("POST", resume_path, timeout_s=_RESUME_ATTEMPT_S, retry=_RESUME_RETRY)
+                    resume_body = None if bodies is None else bodies[1]
+                    await self._call(
+                        "POST", resume_path, json=resume_body, timeout_s=_RESUME_ATTEMPT_S, retry=_RESUME_RETRY
+                    )
                 except EngineError as e:
                     error = e  # after a failed body, that body's own error is the one to raise
             if body_done and (error is not None or window.cancelled_caught):

@@ -26,6 +26,7 @@ the weights it had) and raises AttestationError naming the tensors.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -58,8 +59,6 @@ from rollouts.sync.weight_sync import (
     engine_failure,
     sync_outcome,
 )
-
-_GROUP_PREFIX = "rollouts-sync"
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:
@@ -123,6 +122,7 @@ class BroadcastSync:
         self._links: list[_Link] = []
         self._store: Any = None
         self._num_connects = 0  # each connect's groups get fresh names: the store still holds the old keys
+        self._token = secrets.token_hex(4)  # and each BroadcastSync's: an engine may hold an earlier trainer's
         self._staging = HostStaging()  # where a GPU's bucket goes first for a gloo group
         self.last_num_bytes = 0
         """Bytes of the weights the last push sent to each engine."""
@@ -185,7 +185,7 @@ class BroadcastSync:
 
     async def _join(self, i: int, link: _Link, host: str) -> None:
         world_size = 1 + await link.receiver.num_workers()
-        group = f"{_GROUP_PREFIX}-{self._num_connects}-{i}"
+        group = f"rollouts-sync-{self._token}-{self._num_connects}-{i}"
         address = self.options.host or local_address_toward(_engine_host(link.receiver.name))
         result: dict[str, Any] = {}
 
@@ -199,6 +199,7 @@ class BroadcastSync:
                 address=address,
                 setup_timeout_s=self.options.setup_timeout_s,
                 bucket_timeout_s=self.options.bucket_timeout_s,
+                prefixes=link.receiver.store_prefixes(group, self.options.backend),
             )
 
         async def trainer_side() -> None:

@@ -37,10 +37,15 @@ def join_group(
     address: str,
     setup_timeout_s: float,
     bucket_timeout_s: float,
+    prefixes: tuple[str, ...] | None = None,
 ) -> Any:
     """A process group of its own on `store` (never the default group). Blocks until all `world_size`
-    ranks joined, at most `setup_timeout_s`; each collective on it is then bounded by `bucket_timeout_s`."""
-    group_ = _new_group(dist.PrefixStore(f"{group}/", store), rank, world_size, backend, address, setup_timeout_s)  # type: ignore[attr-defined]
+    ranks joined, at most `setup_timeout_s`; each collective on it is then bounded by `bucket_timeout_s`.
+    `prefixes`: where in the store its keys live, outermost first (None: f"{group}/", as this module's
+    own engines join; an engine that joins its own way names its layout: see broadcast_wire.sglang_prefixes)."""
+    for prefix in prefixes if prefixes is not None else (f"{group}/",):
+        store = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
+    group_ = _new_group(store, rank, world_size, backend, address, setup_timeout_s)
     group_._set_default_timeout(timedelta(seconds=bucket_timeout_s))
     return group_
 

@@ -10,8 +10,10 @@ import secrets
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+import anyio
+
 from rollouts.sync._http import EngineError, RetryPolicy
-from rollouts.sync.broadcast_wire import BroadcastOptions, BroadcastPlan
+from rollouts.sync.broadcast_wire import BroadcastOptions, BroadcastPlan, sglang_prefixes
 from rollouts.sync.fingerprint import check_attestation
 from rollouts.sync.sglang import SGLangEngine
 from rollouts.sync.vllm import VLLMEngine
@@ -31,6 +33,10 @@ class BroadcastReceiver(Protocol):
     """Whether `receive` takes a LoRA adapter (its tensors and `adapter_config`) to serve beside the base."""
 
     async def num_workers(self) -> int: ...
+
+    def store_prefixes(self, group: str, backend: str) -> tuple[str, ...]:
+        """Where the engine's workers keep group `group`'s keys in the trainer's store, outermost first."""
+        ...
 
     async def join(self, *, host: str, port: int, group: str, world_size: int, options: BroadcastOptions) -> None: ...
 
@@ -108,6 +114,10 @@ class VLLMReceiver:
     async def num_workers(self) -> int:
         return len(await self._rpc("rollouts_broadcast_rank", {}, self.engine.timeout_s))
 
+    def store_prefixes(self, group: str, backend: str) -> tuple[str, ...]:
+        del backend  # the worker extension joins as broadcast_group.join_group does by default
+        return (f"{group}/",)
+
     async def join(self, *, host: str, port: int, group: str, world_size: int, options: BroadcastOptions) -> None:
         kwargs = {
             "host": host,
@@ -179,19 +189,27 @@ class SGLangReceiver:
     def __init__(self, engine: SGLangEngine) -> None:
         self.engine = engine
         self._group = ""
+        self._sessions: bool | None = None  # whether the server has weight-update sessions (None: not asked)
 
     @property
     def name(self) -> str:
         return self.engine.name
 
-    async def _post(self, path: str, body: dict[str, Any], timeout_s: float) -> None:
-        data = (await self.engine._call("POST", path, json=body, timeout_s=timeout_s, retry=_NO_RETRY)).json()
-        if not data.get("success", False):
+    async def _post(self, path: str, body: dict[str, Any], timeout_s: float, *, needs_success: bool = True) -> None:
+        """POST `body`; an answer without success=true is an EngineError (`needs_success=False`: only
+        an answer of success=false is)."""
+        response = await self.engine._call("POST", path, json=body, timeout_s=timeout_s, retry=_NO_RETRY)
+        data = response.json() if response.content else {}
+        data = data if isinstance(data, dict) else {"message": str(data)[:500]}
+        if not data.get("success", not needs_success):
             raise _refused(self.name, path, f"{path} failed: {data.get('message')}", data.get("message"))
 
     async def num_workers(self) -> int:
         info = (await self.engine._call("GET", "/get_server_info")).json()
         return int(info.get("tp_size") or 1)
+
+    def store_prefixes(self, group: str, backend: str) -> tuple[str, ...]:
+        return sglang_prefixes(group, backend)
 
     async def join(self, *, host: str, port: int, group: str, world_size: int, options: BroadcastOptions) -> None:
         body = {
@@ -202,11 +220,17 @@ class SGLangReceiver:
             "group_name": group,
             "backend": options.backend,
         }
+        previous, self.engine._broadcast_group = self.engine._broadcast_group, ""
+        if previous:  # its communicator (on NCCL, GPU memory) is released before a new one is made
+            try:
+                await self._post("/destroy_weights_update_group", {"group_name": previous}, options.setup_timeout_s)
+            except EngineError:
+                pass  # broken with the trainer that made it, or gone with a restart: nothing to release
         await self._post("/init_weights_update_group", body, options.setup_timeout_s)
-        self._group = group
+        self._group = self.engine._broadcast_group = group
 
     def paused(self) -> Any:
-        return self.engine._paused("/pause_generation", "/continue_generation")
+        return self.engine.paused()
 
     async def receive(
         self, plan: BroadcastPlan, options: BroadcastOptions, adapter_config: str | None = None
@@ -222,8 +246,35 @@ class SGLangReceiver:
             "flush_cache": True,
             "weight_version": str(plan.weight_version),
         }
-        await self._post("/update_weights_from_distributed", body, receive_timeout_s(plan, options))
+        in_session = await self._begin_session(options)
+        try:
+            await self._post("/update_weights_from_distributed", body, receive_timeout_s(plan, options))
+        except BaseException:
+            if in_session:  # closed, or the next sync's session would be refused; this error is the one raised
+                with anyio.CancelScope(shield=True), anyio.move_on_after(options.setup_timeout_s):
+                    try:
+                        await self._post("/end_weight_update", {}, options.setup_timeout_s, needs_success=False)
+                    except EngineError:
+                        pass
+            raise
+        if in_session:
+            await self._post("/end_weight_update", {}, options.setup_timeout_s, needs_success=False)
         return None  # SGLang reports no checksums of what it loaded
+
+    async def _begin_session(self, options: BroadcastOptions) -> bool:
+        """Open a weight-update session where the server has them (SGLang 0.5.23 refuses an update
+        outside one); False for a server without (a 404: it loads without a session)."""
+        if self._sessions is False:
+            return False
+        try:
+            await self._post("/begin_weight_update", {}, options.setup_timeout_s, needs_success=False)
+        except EngineError as e:
+            if e.status != 404:
+                raise
+            self._sessions = False
+            return False
+        self._sessions = True
+        return True
 
     async def finish(self, weight_version: int) -> None:
         del weight_version  # SGLang records it and flushes its cache within the update itself

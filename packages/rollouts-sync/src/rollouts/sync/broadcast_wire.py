@@ -206,3 +206,10 @@ def adapter_config_json(config: Mapping[str, Any]) -> str:
         return json.dumps(dict(config))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"adapter_config is not JSON: {exc}") from exc
+
+
+def sglang_prefixes(group: str, backend: str) -> tuple[str, ...]:
+    """Where an SGLang server's worker keeps group `group`'s keys: its /init_weights_update_group
+    wraps the store in PrefixStore(group) (sglang.srt.utils init_custom_process_group), and torch's
+    group helper then in f"{group}/" and in the backend's device ("cpu/" for gloo, "cuda/" for NCCL)."""
+    return (group, f"{group}/", "cuda/" if backend == "nccl" else "cpu/")

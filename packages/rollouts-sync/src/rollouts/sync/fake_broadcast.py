@@ -18,23 +18,49 @@ from rollouts.sync.fake_http import HTTPError, json_response
 
 _TIMEOUT_S = 60.0  # the fake's own bound on joining and on each tensor
 ROUTES = frozenset(
-    {("GET", "/get_server_info"), ("POST", "/init_weights_update_group"), ("POST", "/update_weights_from_distributed")}
+    {
+        ("GET", "/get_server_info"),
+        ("POST", "/init_weights_update_group"),
+        ("POST", "/destroy_weights_update_group"),
+        ("POST", "/update_weights_from_distributed"),
+        ("POST", "/begin_weight_update"),
+        ("POST", "/end_weight_update"),
+    }
 )
 
 
 def _join(body: dict[str, Any]) -> Any:
-    from rollouts.sync import broadcast_group as ext  # torch, from the `broadcast` extra
+    """Join the trainer's group as SGLang's /init_weights_update_group does (sglang.srt.utils
+    init_custom_process_group): a rendezvous at tcp://master_address:master_port, the store wrapped
+    in PrefixStore(group_name), then torch's own group helper (which wraps it again, in
+    f"{group_name}/" and the device's prefix). So the keys are where a real SGLang worker's are."""
+    from datetime import timedelta
 
-    return ext.connect_to_trainer(
-        str(body["master_address"]),
-        int(body["master_port"]),
-        group=str(body["group_name"]),
-        rank=int(body["rank_offset"]),
-        world_size=int(body["world_size"]),
-        backend=str(body.get("backend", "gloo")),
-        setup_timeout_s=_TIMEOUT_S,
-        bucket_timeout_s=_TIMEOUT_S,
+    from torch.distributed import distributed_c10d as c10d  # torch, from the `broadcast` extra
+
+    timeout = timedelta(seconds=_TIMEOUT_S)
+    name, rank, world_size = str(body["group_name"]), int(body["rank_offset"]), int(body["world_size"])
+    url = f"tcp://{body['master_address']}:{int(body['master_port'])}"
+    store, _, _ = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))  # type: ignore[attr-defined]
+    store.set_timeout(timeout)
+    backend = c10d.Backend(str(body.get("backend", "gloo")))
+    group, _ = c10d._new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        backend,
+        c10d.PrefixStore(name, store),
+        group_name=name,  # type: ignore[arg-type]
+        timeout=timeout,
     )
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # as SGLang registers it
+    return group
+
+
+def _destroy(group: Any) -> None:
+    from torch.distributed import distributed_c10d as c10d
+
+    c10d.destroy_process_group(group)
 
 
 def _receive(group: Any, body: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -56,8 +82,23 @@ async def dispatch(state: Any, path: str, body: dict[str, Any]) -> tuple[int, by
         except (RuntimeError, KeyError, ValueError) as exc:
             return json_response(200, {"success": False, "message": f"init group failed: {exc}"})
         return json_response(200, {"success": True, "message": "Succeeded to initialize custom process group."})
+    if path in ("/begin_weight_update", "/end_weight_update"):  # SGLang 0.5.23's sessions, when state.sessions
+        if not state.sessions:
+            raise HTTPError(404, "Not Found")
+        if (path == "/begin_weight_update") == state.in_session:
+            raise HTTPError(400, f"{path}: a session is {'open' if state.in_session else 'not open'}")
+        state.in_session = path == "/begin_weight_update"
+        return json_response(200, {"success": True, "message": ""})
+    if path == "/destroy_weights_update_group":
+        group, state.broadcast_group = state.broadcast_group, None
+        if group is None:
+            return json_response(400, {"success": False, "message": f"no group {body.get('group_name')!r}"})
+        await anyio.to_thread.run_sync(_destroy, group)
+        return json_response(200, {"success": True, "message": "Succeeded to destroy custom process group."})
     if state.broadcast_group is None:
         raise HTTPError(400, "no weights update group: call /init_weights_update_group first")
+    if state.sessions and not state.in_session:
+        raise HTTPError(400, "update_weights_from_distributed outside a weight-update session (/begin_weight_update)")
     try:
         incoming = await anyio.to_thread.run_sync(_receive, state.broadcast_group, body)
     except (RuntimeError, KeyError, ValueError) as exc:

@@ -65,6 +65,9 @@ class FakeEngineState:
     weight_version: str = "default"
     broadcast_group: Any = None
     """The weights-update process group the trainer made (SGLang's broadcast; see fake_broadcast)."""
+    sessions: bool = False
+    """Whether it has SGLang 0.5.23's weight-update sessions (and refuses a broadcast update outside one)."""
+    in_session: bool = False
     paused: bool = False
     faults: list[Fault] = field(default_factory=list)
     calls: list[tuple[str, str]] = field(default_factory=list)
@@ -270,9 +273,11 @@ async def _dispatch(state: FakeEngineState, method: str, target: str, body: byte
         finally:
             state.num_in_flight -= 1
     if route in (("POST", "/pause"), ("POST", "/pause_generation")):
-        mode = query.get("mode", ["abort"])[0]
-        if mode not in ("abort", "wait", "keep"):
-            raise HTTPError(400, f"Input should be 'abort', 'wait' or 'keep': {mode!r}")
+        mode = query.get("mode", ["abort"])[0] if path == "/pause" else data.get("mode")  # SGLang: a JSON body
+        if mode not in (("abort", "wait", "keep") if path == "/pause" else ("abort", "retract", "in_place")):
+            raise HTTPError(
+                400, f"mode: Input should be one of vLLM's or SGLang's pause modes (a body field for SGLang): {mode!r}"
+            )
         state.paused = True
         state.resumed = anyio.Event()
         with anyio.fail_after(_PAUSE_WAIT_S):
@@ -304,7 +309,7 @@ async def _dispatch(state: FakeEngineState, method: str, target: str, body: byte
             raise HTTPError(400, "new_version: Field required")
         state.weight_version = str(data["new_version"])
         return json_response(200, {"success": True, "new_version": state.weight_version})
-    if route in (("GET", "/weight_info"), ("GET", "/get_weight_version")):
+    if route in (("GET", "/weight_info"), ("GET", "/get_weight_version"), ("GET", "/model_info")):
         return json_response(200, {"weight_version": state.weight_version})
     if route == ("POST", "/update_weights_from_disk"):
         await anyio.sleep(state.reload_delay_s)

@@ -7,8 +7,10 @@ Shapes follow sglang/srt/entrypoints/http_server.py:
   "weight_version": str, ...}}
 - POST /update_weights_from_disk {"model_path", "weight_version": str, "abort_all_requests"}
   -> {"success", "message", "num_paused_requests"} (400 with success=false on failure)
-- POST /flush_cache, POST /pause_generation, POST /continue_generation, GET /health_generate,
-  GET /get_weight_version -> {"weight_version": str}
+- POST /flush_cache, POST /pause_generation {"mode": "abort"|"retract"|"in_place"} (SGLang >= 0.5.8
+  refuses it without a body), POST /continue_generation {}, GET /health_generate,
+  GET /get_weight_version -> {"weight_version": str} (gone in 0.5.23: GET /model_info has it, and
+  /get_model_info in the versions before)
 Each prompt is sent G times (prompt-major) with n=1, so the response order is the Sample order.
 
 Legend: P prompts, G samples per prompt, R response tokens.
@@ -35,7 +37,10 @@ class SGLangEngine(HTTPEngineBase):
     """One SGLang server reached over HTTP; implements rollouts.types.InferenceEngine."""
 
     WEIGHT_VERSION_PATH = "/get_weight_version"
+    WEIGHT_VERSION_PATHS = ("/get_weight_version", "/model_info", "/get_model_info")
+    """Where SGLang versions report the weight version: the first that exists is used from then on."""
     HEALTH_PATH = "/health_generate"  # generates one token: a server that cannot generate is unhealthy
+    PAUSE_MODES = ("retract", "abort", "in_place")
 
     def __init__(
         self,
@@ -43,9 +48,37 @@ class SGLangEngine(HTTPEngineBase):
         *,
         api_key: str | None = None,
         http: HTTPOptions = DEFAULT_HTTP,
+        pause_mode: str = "retract",
     ) -> None:
-        """`http`: the per-attempt timeout, retries and connection pool."""
+        """`http`: the per-attempt timeout, retries and connection pool. `pause_mode`: what a weight
+        update does with generation in flight ("retract": back to the queue, finished on the new
+        weights after the update, its sample's weight_version the one it finished under; "abort":
+        cut short, which fails the /generate call that sent it; "in_place": held where it is, which
+        SGLang's cache flush refuses while requests run)."""
+        if pause_mode not in self.PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {self.PAUSE_MODES}, got {pause_mode!r}")
         super().__init__(base_url, api_key=api_key, http=http)
+        self.pause_mode = pause_mode
+        self._version_paths: tuple[str, ...] = self.WEIGHT_VERSION_PATHS
+        self._broadcast_group = ""  # the weights-update group it was last asked to join (rollouts.sync.broadcast)
+
+    def paused(self) -> Any:
+        """Generation paused for the body of an `async with` (a weight update), resumed after it."""
+        return self._paused("/pause_generation", "/continue_generation", bodies=({"mode": self.pause_mode}, {}))
+
+    async def weight_version(self) -> int | None:
+        """The version the server reports (None before the first update)."""
+        for i, path in enumerate(self._version_paths):
+            try:
+                data = (await self._call("GET", path)).json()
+            except EngineError as e:
+                if e.status == 404 and i + 1 < len(self._version_paths):
+                    continue  # an SGLang without this endpoint: the next
+                raise
+            self._version_paths = self._version_paths[i:]
+            self._weight_version = parse_weight_version(data.get("weight_version"))
+            return self._weight_version
+        raise AssertionError("unreachable: the last path's error is raised")
 
     @staticmethod
     def generate_request(prompts_P: list[list[int]], params: SamplingParams) -> dict[str, Any]:
@@ -89,7 +122,7 @@ class SGLangEngine(HTTPEngineBase):
                 f"{path!r} is a LoRA adapter; {self.name} (SGLang) takes full weights only here: "
                 "set model.lora.sync = 'merged'"
             )
-        async with self._paused("/pause_generation", "/continue_generation"):
+        async with self.paused():
             body = {"model_path": path, "weight_version": str(version), "abort_all_requests": False}
             data = (await self._call("POST", "/update_weights_from_disk", json=body)).json()
             if not data.get("success", False):

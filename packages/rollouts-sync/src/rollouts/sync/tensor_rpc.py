@@ -78,6 +78,12 @@ def fetch_rpc_body(url: str, num_bytes: int, *, timeout_s: float, checksums: boo
     return {"method": "rollouts_fetch_weights", "kwargs": kwargs}
 
 
+def held_rpc_body(method: str, token: str) -> dict[str, Any]:
+    """The /collective_rpc body of a held sync's "rollouts_commit" or "rollouts_discard" (the
+    worker extension's HeldLoads), naming the sync by its `token`."""
+    return {"method": method, "kwargs": {"token": token}}
+
+
 def merge_checksums(reported: list[dict[str, int]], data: Mapping[str, Any]) -> list[dict[str, int]]:
     """Each worker's checksums so far, with those of one /collective_rpc answer (one result per worker)."""
     results = [r for r in data.get("results") or [] if isinstance(r, dict) and "checksums" in r]

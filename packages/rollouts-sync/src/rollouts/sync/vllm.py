@@ -42,6 +42,7 @@ from rollouts.sync.tensor_rpc import (
     Background,
     TensorUpload,
     fetch_rpc_body,
+    held_rpc_body,
     merge_checksums,
     raise_on_rpc_error,
     raw_tensors,
@@ -336,8 +337,7 @@ class VLLMEngine(HTTPEngineBase):
                     sent = await expected()
                     for worker in reported or [{}]:
                         check_attestation(sent, worker, engine=self.name, weight_version=version)
-                    commit = {"method": "rollouts_commit", "kwargs": {"token": token}}
-                    await self._rpc(commit, retry=_NO_RETRY, timeout_s=rpc_timeout_s)
+                    await self._rpc(held_rpc_body("rollouts_commit", token), retry=_NO_RETRY, timeout_s=rpc_timeout_s)
             except BaseException as exc:
                 if holding and not isinstance(exc, anyio.get_cancelled_exc_class()):
                     await self._discard_held(token)
@@ -354,8 +354,7 @@ class VLLMEngine(HTTPEngineBase):
         left = min(_DISCARD_TIMEOUT_S, anyio.current_effective_deadline() - anyio.current_time())
         with anyio.CancelScope(shield=True), anyio.move_on_after(left):
             try:
-                discard = {"method": "rollouts_discard", "kwargs": {"token": token}}
-                await self._rpc(discard, retry=_NO_RETRY, timeout_s=max(left, 0.001))
+                await self._rpc(held_rpc_body("rollouts_discard", token), retry=_NO_RETRY, timeout_s=max(left, 0.001))
             except EngineError:
                 pass
 
