@@ -37,7 +37,8 @@ import safetensors.torch
 import torch
 
 from rollouts.backends.checkpoint.export import model_tensors, read_weights
-from rollouts.backends.engine_process.cuda_ipc import TRANSPORTS, choose_transport, load_by_ipc
+from rollouts.backends.engine_process.cuda_ipc import choose_transport, load_by_ipc
+from rollouts.backends.engine_process.options import EngineProcessOptions
 from rollouts.backends.engine_process.process import CLOSE_TIMEOUT_S, exit_status, start_process
 from rollouts.backends.engine_process.shared_weights import DTYPE_NAMES, DTYPES, check_fits, shared_size, write_shared
 from rollouts.backends.engine_process.wire import ChildGone, encode_frame, read_frame, write_frame
@@ -50,6 +51,7 @@ from rollouts.types.wire import batch_from_bytes
 
 __all__ = ["EngineProcessError", "EngineProcessOptions", "ProcessEngine"]
 
+_DEFAULT_OPTIONS = EngineProcessOptions()  # frozen: one instance serves as every default
 _STDERR_TAIL_BYTES = 2000  # enough for a Python traceback's last frames and its message
 _ERROR_TYPES = {"ValueError": ValueError, "TypeError": TypeError}
 """The engine process's errors raised here as their own type (a bad request); others as RuntimeError."""
@@ -58,50 +60,6 @@ _ERROR_TYPES = {"ValueError": ValueError, "TypeError": TypeError}
 class EngineProcessError(RuntimeError):
     """The engine process exited, hung past its timeout or broke the protocol (the message names its
     exit code and the tail of its stderr); the engine cannot be used afterwards."""
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class EngineProcessOptions:
-    """How an engine process runs its model, and how long its client waits for it."""
-
-    num_threads: int = 1
-    """The engine process's torch thread count."""
-    device: str = "cpu"
-    dtype: str = "float32"
-    """The model's dtype in the engine process: float32, bfloat16 or float16."""
-    attn_implementation: str = "sdpa"
-    timeout_s: float = 600.0
-    """Bound on each request's answer; past it the engine process is killed."""
-    start_timeout_s: float = 300.0
-    """Bound on loading the model until the engine process says it is ready."""
-    attest: bool = True
-    """After each full-weight sync, the engine process answers the checksums of its weights
-    (rollouts.sync.fingerprint) and the client checks them against those of the weights sent, cast
-    to `dtype` (AttestationError naming the tensors that differ). LoRA adapter loads are not attested."""
-    weights_transport: str = "auto"
-    """How `load_weights` moves tensors: "cuda_ipc" (CUDA IPC handles, device to device: the
-    weights and the engine on one GPU), "shared_memory" (a file in /dev/shm), or "auto": "cuda_ipc"
-    when every tensor is on the engine's own CUDA device, else "shared_memory"."""
-    ipc_bucket_bytes: int = 1 << 30
-    """The most bytes a CUDA IPC load stages at once on the trainer's GPU (a larger tensor goes alone)."""
-
-    def __post_init__(self) -> None:
-        if self.num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.weights_transport not in TRANSPORTS:
-            raise ValueError(f"weights_transport must be one of {TRANSPORTS}, got {self.weights_transport!r}")
-        if self.weights_transport == "cuda_ipc" and not self.device.startswith("cuda"):
-            raise ValueError(f"weights_transport='cuda_ipc' needs a CUDA device for the engine, got {self.device!r}")
-        if self.ipc_bucket_bytes < 1:
-            raise ValueError(f"ipc_bucket_bytes must be >= 1, got {self.ipc_bucket_bytes}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if not (self.timeout_s > 0 and self.start_timeout_s > 0):
-            raise ValueError(f"timeout_s ({self.timeout_s}) and start_timeout_s ({self.start_timeout_s}) must be > 0")
-
-    def args(self) -> list[str]:
-        """The engine process's command line options for these."""
-        return ["--threads", str(self.num_threads), "--device", self.device, "--dtype", self.dtype]
 
 
 class ProcessEngine:
@@ -128,7 +86,7 @@ class ProcessEngine:
     def __init__(
         self,
         model_dir: str | Path,
-        options: EngineProcessOptions = EngineProcessOptions(),
+        options: EngineProcessOptions = _DEFAULT_OPTIONS,
         *,
         tokenizer_dir: str | Path | None = None,
         name: str = "process",
