@@ -24,7 +24,6 @@ TORCH_EXTRA_MODULES = frozenset(
         "rollouts-sync/src/rollouts/sync/broadcast.py",
         "rollouts-sync/src/rollouts/sync/broadcast_group.py",
         "rollouts-sync/src/rollouts/sync/broadcast_pieces.py",
-        "rollouts-sync/src/rollouts/sync/fake_broadcast.py",  # the fake's SGLang broadcast endpoints only
         "rollouts-sync/src/rollouts/sync/ipc.py",
         "rollouts-sync/src/rollouts/sync/ipc_handles.py",
         "rollouts-sync/src/rollouts/sync/worker_extension.py",

@@ -225,3 +225,34 @@ def receive_tensor_list(group: Any, specs: list[tuple[str, str, list[int]]], dev
         out[name] = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
         broadcast_from_trainer(group, out[name])
     return out
+
+
+def join_as_sglang(
+    host: str, port: int, *, group: str, rank: int, world_size: int, backend: str, timeout_s: float
+) -> Any:
+    """Join the trainer's group as an SGLang worker's /init_weights_update_group does (sglang.srt.utils
+    init_custom_process_group): a rendezvous at tcp://host:port, the store wrapped in
+    PrefixStore(group), then torch's own group helper, which wraps it in f"{group}/" and the device's
+    prefix (broadcast_wire.sglang_prefixes). For the fake SGLang server: its keys are where a real
+    SGLang worker's are, so a test meets the layout the trainer must use."""
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = timedelta(seconds=timeout_s)
+    store, _, _ = next(c10d.rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))  # type: ignore[attr-defined]
+    store.set_timeout(timeout)
+    group_, _ = c10d._new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        c10d.Backend(backend),
+        c10d.PrefixStore(group, store),
+        group_name=group,  # type: ignore[arg-type]
+        timeout=timeout,
+    )
+    c10d._world.pg_group_ranks[group_] = {i: i for i in range(world_size)}  # as SGLang registers it
+    return group_
+
+
+def destroy_sglang_group(group: Any) -> None:
+    """Destroy a group `join_as_sglang` made, as SGLang's /destroy_weights_update_group does."""
+    dist.destroy_process_group(group)

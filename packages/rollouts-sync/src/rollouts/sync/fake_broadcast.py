@@ -30,37 +30,23 @@ ROUTES = frozenset(
 
 
 def _join(body: dict[str, Any]) -> Any:
-    """Join the trainer's group as SGLang's /init_weights_update_group does (sglang.srt.utils
-    init_custom_process_group): a rendezvous at tcp://master_address:master_port, the store wrapped
-    in PrefixStore(group_name), then torch's own group helper (which wraps it again, in
-    f"{group_name}/" and the device's prefix). So the keys are where a real SGLang worker's are."""
-    from datetime import timedelta
+    from rollouts.sync import broadcast_group as ext  # torch, from the `broadcast` extra
 
-    from torch.distributed import distributed_c10d as c10d  # torch, from the `broadcast` extra
-
-    timeout = timedelta(seconds=_TIMEOUT_S)
-    name, rank, world_size = str(body["group_name"]), int(body["rank_offset"]), int(body["world_size"])
-    url = f"tcp://{body['master_address']}:{int(body['master_port'])}"
-    store, _, _ = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))  # type: ignore[attr-defined]
-    store.set_timeout(timeout)
-    backend = c10d.Backend(str(body.get("backend", "gloo")))
-    group, _ = c10d._new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        backend,
-        c10d.PrefixStore(name, store),
-        group_name=name,  # type: ignore[arg-type]
-        timeout=timeout,
+    return ext.join_as_sglang(
+        str(body["master_address"]),
+        int(body["master_port"]),
+        group=str(body["group_name"]),
+        rank=int(body["rank_offset"]),
+        world_size=int(body["world_size"]),
+        backend=str(body.get("backend", "gloo")),
+        timeout_s=_TIMEOUT_S,
     )
-    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # as SGLang registers it
-    return group
 
 
 def _destroy(group: Any) -> None:
-    from torch.distributed import distributed_c10d as c10d
+    from rollouts.sync import broadcast_group as ext
 
-    c10d.destroy_process_group(group)
+    ext.destroy_sglang_group(group)
 
 
 def _receive(group: Any, body: dict[str, Any]) -> dict[str, np.ndarray]:
